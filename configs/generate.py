@@ -1,0 +1,34 @@
+"""Speculative generation with the default target (SmolLM2-135M-Instruct) on one chat prompt.
+
+Run: python -m specjax.cli --config=configs/generate.py [--config.prompt="..."]
+"""
+
+import ml_collections
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.target = "smollm2-135m-instruct"     # registry name, GGUF path or HF checkpoint dir
+    c.dtype = "float32"
+    c.scan_layers = True
+    # Drafter: 'ngram' (prompt lookup), 'early_exit' (target's first layers), 'model', 'none'.
+    c.drafter = "ngram"
+    c.draft_model = ""                      # path or name, for drafter='model'
+    c.early_exit_layers = 4
+    c.max_ngram = 3
+    c.min_ngram = 1
+    c.gamma = 4                             # >= 0; adaptive_gamma overrides
+    c.adaptive_gamma = False
+    c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
+    c.verifier = "token"                    # 'token' or 'block'; greedy uses the greedy verifier
+    c.temperature = 0.0
+    c.top_k = 0
+    c.top_p = 1.0
+    c.max_new_tokens = 128
+    c.seed = 0
+    c.system = ""
+    c.prompt = ("Write a short Python function that returns the n-th Fibonacci number, "
+                "then explain it in two sentences.")
+    c.compare_target_only = True            # also time target-only decoding for the speedup
+    c.metrics_jsonl = ""                    # append the run's stats as one JSON line
+    return c

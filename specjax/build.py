@@ -1,0 +1,67 @@
+"""From a config to the objects the engine runs: target, drafter, sampling, generation config."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specjax import decoding, drafters, models, sampling
+from specjax.models.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass
+class Pair:
+    target: Any
+    target_params: Any
+    drafter: Any
+    draft_params: Any
+    tokenizer: Any
+
+
+def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True):
+    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers)
+
+
+def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
+                 max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True):
+    """(drafter, draft_params) for kind in {'ngram', 'early_exit', 'model', 'none'}."""
+    if kind == "none":
+        return None, None
+    if kind == "ngram":
+        return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
+    if kind == "early_exit":
+        params, cfg = models.truncate_layers(target_params, target.config, early_exit_layers)
+        return drafters.ModelDrafter(models.Llama(cfg)), params
+    if kind == "model":
+        if not draft_model:
+            raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+        model, params = models.load(draft_model, dtype=dtype, scan_layers=scan_layers)
+        if model.vocab_size != target.vocab_size:
+            raise ValueError(f"vocab mismatch: draft model {draft_model} has {model.vocab_size} tokens, "
+                             f"the target {target.vocab_size}")
+        return drafters.ModelDrafter(model), params
+    raise ValueError(f"unknown drafter {kind!r}: expected ngram, early_exit, model or none")
+
+
+def sampling_config(c) -> sampling.SamplingConfig:
+    return sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+
+
+def generation_config(c, eos_ids) -> decoding.GenerationConfig:
+    if c.drafter == "none":
+        gamma = 0
+    elif c.adaptive_gamma:
+        gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas))
+    else:
+        gamma = int(c.gamma)
+    return decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, verifier=c.verifier,
+                                     eos_ids=tuple(eos_ids))
+
+
+def load_pair(c) -> Pair:
+    target, params = load_target(c.target, c.dtype, c.scan_layers)
+    drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
+                                    draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
+                                    dtype=c.dtype, scan_layers=c.scan_layers)
+    tokenizer = load_tokenizer(c.target)
+    return Pair(target, params, drafter, dparams, tokenizer)

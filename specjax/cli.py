@@ -1,0 +1,122 @@
+"""specjax's main command: speculative generation on a chat prompt, streamed, with stats.
+
+    python -m specjax.cli --config=configs/generate.py --config.prompt="..."
+
+Streams the text as rounds commit, then prints one line of stats: tokens/s, speedup over
+target-only decoding of the same prompt (timed in the same run), mean accepted tokens per
+target pass. Compilation is excluded from tokens/s (the first round of each run is the
+warm-up) and reported separately.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
+
+
+def timed_stream(pair, prompt_BP, plens, keys, samp, gen, on_tokens=None):
+    """Run one streamed generation; returns (tokens, compile_s, steady tokens/s, final state)."""
+    from specjax import decoding
+    gen_iter = decoding.stream_generate(pair.target, pair.target_params, pair.drafter, pair.draft_params,
+                                        prompt_BP, plens, keys, samp, gen)
+    tokens, t_first, n_after_first, t_last = [], None, 0, None
+    state = None
+    while True:
+        try:
+            ev = next(gen_iter)
+        except StopIteration as stop:
+            state = stop.value
+            break
+        tokens.extend(ev.new_tokens[0])
+        if on_tokens is not None:
+            on_tokens(ev.new_tokens[0])
+        if t_first is None:
+            t_first = ev.elapsed_s
+        else:
+            n_after_first += len(ev.new_tokens[0])
+        t_last = ev.elapsed_s
+    steady = n_after_first / (t_last - t_first) if t_last and t_last > t_first else float("nan")
+    return tokens, t_first, steady, state
+
+
+def generate_main(c) -> dict:
+    import jax
+    import numpy as np
+
+    from specjax import build, decoding
+
+    t0 = time.perf_counter()
+    pair = build.load_pair(c)
+    tok = pair.tokenizer
+    load_s = time.perf_counter() - t0
+    messages = ([{"role": "system", "content": c.system}] if c.system else []) + [
+        {"role": "user", "content": c.prompt}]
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_BP, plens = decoding.pad_prompts([prompt_ids], pair.target.vocab_size)
+    keys = decoding.request_keys(jax.random.key(c.seed), [0])
+    samp = build.sampling_config(c)
+    gen = build.generation_config(c, tok.stop_token_ids)
+
+    print(f"[specjax] target {c.target} ({pair.target.config.num_layers} layers), drafter {c.drafter}, "
+          f"gamma {gen.gamma}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
+          f"loaded in {load_s:.1f}s", file=sys.stderr)
+    print(f"\n>>> {c.prompt}\n", flush=True)
+    decoder = tok.incremental_decoder(skip_special_tokens=True)
+
+    def show(ids):
+        piece = decoder.add(ids)
+        if piece:
+            print(piece, end="", flush=True)
+
+    tokens, spec_first_s, spec_tps, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, show)
+    print(decoder.finish(), flush=True)
+    m = state.metrics
+    rounds = int(np.asarray(m.rounds_B)[0])
+    stats = {
+        "target": c.target, "drafter": c.drafter, "gamma": str(gen.gamma), "temperature": c.temperature,
+        "new_tokens": len(tokens), "tokens_per_s": spec_tps, "first_round_s_incl_compile": spec_first_s,
+        "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
+        "proposed": int(np.asarray(m.proposed_B)[0]), "accepted": int(np.asarray(m.accepted_B)[0]),
+        "degenerate_residuals": int(np.asarray(m.degenerate_residual_B)[0]),
+        "status": decoding.STATUS_NAMES[int(np.asarray(state.status_B)[0])],
+    }
+    if c.compare_target_only and c.drafter != "none":
+        base = build.Pair(pair.target, pair.target_params, None, None, tok)
+        base_gen = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=0, eos_ids=gen.eos_ids)
+        base_tokens, _, base_tps, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen)
+        stats["target_only_tokens_per_s"] = base_tps
+        stats["speedup"] = spec_tps / base_tps
+        if c.temperature == 0:
+            stats["same_tokens_as_target_only"] = base_tokens == tokens
+    line = (f"[specjax] {stats['new_tokens']} tokens, {spec_tps:.1f} tokens/s"
+            + (f", speedup {stats['speedup']:.2f}x over target-only ({stats['target_only_tokens_per_s']:.1f} tokens/s)"
+               if "speedup" in stats else "")
+            + f", mean accepted tokens {stats['mean_accepted_tokens']:.2f} per target pass"
+            + f" (first round incl. compile {spec_first_s:.1f}s)")
+    print(line, flush=True)
+    if c.metrics_jsonl:
+        with open(c.metrics_jsonl, "a") as f:
+            f.write(json.dumps(stats) + "\n")
+    return stats
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
+    generate_main(_CONFIG.value)
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,88 @@
+"""Streaming generation: the same round as the jitted loop, one round per host call.
+
+Use it for interactive output (text appears as each round commits) and for host-side timing
+(time to first token, inter-token latency). The loop state is donated to each round, so the
+caches are updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from specjax.decoding import _engine
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    round: int
+    new_tokens: list[list[int]]     # per row, the tokens committed this round
+    done: list[bool]
+    elapsed_s: float                # since the call started (prefill included)
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "config", "capacity"))
+def init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
+               key_B, capacity):
+    """Prefill both models and build the loop state (jitted)."""
+    return _engine._init_state(target, target_params, drafter, draft_params, config, prompt_BP,
+                               prompt_lengths_B, key_B, capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "config"), donate_argnames=("state",))
+def step(target, target_params, drafter, draft_params, config, sampling, round_time_K, state):
+    """One round (jitted; the state is donated)."""
+    return _engine._step(target, target_params, drafter, draft_params, config, sampling, round_time_K, state)
+
+
+def stream_generate(target, target_params, drafter, draft_params, prompt_BP, prompt_lengths_B, key_B,
+                    sampling, config: _engine.GenerationConfig, round_time_s=None,
+                    capacity: int | None = None) -> Iterator[StreamEvent]:
+    """Yields the tokens each round commits, per row, with host wall-clock timestamps.
+
+    The returned generator's final state is available as `.state` on the StopIteration value
+    (use `run_stream` to get it directly).
+    """
+    _engine._check_pair(target, drafter, config)
+    plens = np.asarray(prompt_lengths_B)
+    capacity = capacity or _engine.capacity_for(plens, config)
+    _engine.check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
+    round_time_K = _engine._round_times(config, round_time_s)
+    t0 = time.perf_counter()
+    state = init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
+                       key_B, capacity)
+    lengths = np.asarray(state.lengths_B)
+    max_rounds = config.max_rounds or config.max_new_tokens
+    r = 0
+    while r < max_rounds:
+        state = step(target, target_params, drafter, draft_params, config, sampling, round_time_K, state)
+        new_lengths, done = jax.device_get((state.lengths_B, state.done_B))
+        grew = [(int(a), int(b)) for a, b in zip(lengths, new_lengths)]
+        if any(b > a for a, b in grew):
+            rows = np.asarray(state.tokens_BL)
+            new_tokens = [rows[i, a:b].tolist() for i, (a, b) in enumerate(grew)]
+        else:
+            new_tokens = [[] for _ in grew]
+        r += 1
+        yield StreamEvent(round=r, new_tokens=new_tokens, done=[bool(d) for d in done],
+                          elapsed_s=time.perf_counter() - t0)
+        lengths = new_lengths
+        if bool(np.all(done)):
+            break
+    return state
+
+
+def run_stream(*args, **kwargs):
+    """Consume `stream_generate`; returns (events, final LoopState)."""
+    gen = stream_generate(*args, **kwargs)
+    events = []
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            return events, stop.value

@@ -1,0 +1,7 @@
+"""Drafters: who proposes the tokens the target verifies (one protocol, several kinds)."""
+
+from specjax.drafters._model import ModelDrafter, ModelDraftState, draw, rollback_to_committed
+from specjax.drafters._ngram import NGramDrafter
+from specjax.drafters._protocol import Drafter
+
+__all__ = ["Drafter", "ModelDrafter", "ModelDraftState", "NGramDrafter", "draw", "rollback_to_committed"]

@@ -1,0 +1,80 @@
+"""A drafter that is a model: a small draft model, or the target's first layers (early exit)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import sampling as sampling_lib
+from specjax.models._protocol import DecoderModel
+
+
+@struct.dataclass
+class ModelDraftState:
+    cache: Any
+
+
+def rollback_to_committed(cache, new_lengths_B):
+    """A cache sees the committed prefix minus its last token: keep min(written, L - 1)."""
+    return cache.replace(lengths_B=jnp.minimum(cache.lengths_B, new_lengths_B - 1))
+
+
+def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
+    """One token per row from probs, each row with its own key (argmax when greedy)."""
+    if cfg.greedy:
+        return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
+    return jax.vmap(sampling_lib.sample)(key_B, probs_BV).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """Proposes by sampling autoregressively from a model with its own KV cache.
+
+    Per round the draft first ingests the committed tokens it has not seen (one, or two after
+    a fully accepted round: its last proposal and the target's bonus token) in one 2-slot
+    forward, then runs gamma - 1 one-token steps in a `lax.scan`. `q` is recorded exactly as
+    sampled, after the same logits processing as the target's.
+    """
+    model: DecoderModel
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity):
+        cache = self.model.init_cache(prompt_BP.shape[0], capacity)
+        _, cache = self.model.apply(params, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
+        return ModelDraftState(cache=cache)
+
+    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+        cache = state.cache
+        seen_B = cache.lengths_B
+        # Unseen committed tokens: tokens[seen : lengths], 1 or 2 of them (done rows: 1).
+        num_new_B = jnp.clip(lengths_B - seen_B, 1, 2).astype(jnp.int32)
+        idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BL.shape[1] - 1)
+        block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
+        logits_B2V, cache = self.model.apply(params, block_B2, cache, num_valid_B=num_new_B)
+        logits_BV = jnp.take_along_axis(logits_B2V, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
+        step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
+        q_BV = sampling_lib.probabilities(logits_BV, cfg)
+        tok_B = draw(step_keys_BG[:, 0], q_BV, cfg)
+
+        def step(carry, key_B):
+            cache, tok_B = carry
+            logits_B1V, cache = self.model.apply(params, tok_B[:, None], cache)
+            q_BV = sampling_lib.probabilities(logits_B1V[:, 0], cfg)
+            nxt_B = draw(key_B, q_BV, cfg)
+            return (cache, nxt_B), (nxt_B, q_BV)
+
+        (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(
+            step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
+        tokens_BG = jnp.concatenate([tok_B[:, None], jnp.swapaxes(toks_GB, 0, 1)], axis=1)
+        q_BGV = jnp.concatenate([q_BV[:, None], jnp.swapaxes(qs_GBV, 0, 1)], axis=1)
+        return tokens_BG, q_BGV, ModelDraftState(cache=cache)
+
+    def commit(self, state, new_lengths_B):
+        return ModelDraftState(cache=rollback_to_committed(state.cache, new_lengths_B))

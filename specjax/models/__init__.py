@@ -1,0 +1,20 @@
+"""Models: the Llama-family decoder, its KV cache, checkpoint loaders and exporter."""
+
+from specjax.models._protocol import CacheCapacityError, DecoderModel, check_capacity
+from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError,
+                                   ModelConfig, TensorShapeError, UnsupportedArchitectureError)
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import (CACHE_LOGICAL_AXES, Llama, LlamaModule, load, load_model,
+                                  pad_prompts, param_logical_axes, param_shapes, prefill,
+                                  truncate_layers)
+from specjax.models.registry import DEFAULT_MODEL, resolve
+
+__all__ = [
+    "CacheCapacityError", "DecoderModel", "check_capacity",
+    "CheckpointError", "CorruptCheckpointError", "MissingTensorError", "ModelConfig",
+    "TensorShapeError", "UnsupportedArchitectureError",
+    "KVCache",
+    "CACHE_LOGICAL_AXES", "Llama", "LlamaModule", "load", "load_model", "pad_prompts",
+    "param_logical_axes", "param_shapes", "prefill", "truncate_layers",
+    "DEFAULT_MODEL", "resolve",
+]

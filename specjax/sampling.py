@@ -1,0 +1,146 @@
+"""Logits processing shared by the draft and the target.
+
+Speculative decoding is lossless only if the draft's proposal distribution ``q`` and the
+target's distribution ``p`` are the distributions the tokens are *actually* sampled from and
+verified against. Both sides therefore go through ONE function, :func:`probabilities`, with
+the same :class:`SamplingConfig`, so temperature / top-k / top-p are applied identically.
+
+Static vs traced
+----------------
+:class:`SamplingConfig` is a ``flax.struct.dataclass`` (a pytree):
+
+* the *strategy* is static (``pytree_node=False``, part of the tree structure, so changing it
+  recompiles): ``greedy`` (temperature 0), ``use_top_k``, ``use_top_p``. A static flag that is
+  off means the corresponding sort is not even traced (vocab is ~49k in the real model);
+* the *numbers* are traced leaves: ``temperature`` (float32), ``top_k`` (int32, 0 = off),
+  ``top_p`` (float32, 1.0 = off). Changing their values does NOT recompile.
+
+Build configs with :meth:`SamplingConfig.make`, which takes Python numbers and derives the
+static flags from them. Shapes are static as usual.
+
+Order of operations (same as the common HF convention): temperature, then top-k, then top-p,
+then softmax. Ties: top-k keeps every token whose scaled logit is ``>=`` the k-th largest one,
+and top-p keeps every token whose probability is ``>=`` the smallest kept one; so with ties at
+the threshold more than k (or more than the minimal nucleus) tokens may survive. This rule is
+deterministic and identical on both sides, which is what exactness needs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = [
+    "SamplingConfig",
+    "probabilities",
+    "log_probabilities",
+    "sample",
+]
+
+
+@struct.dataclass
+class SamplingConfig:
+    """Sampling strategy (static) and its parameters (traced). See the module docstring."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    greedy: bool = struct.field(pytree_node=False, default=False)
+    use_top_k: bool = struct.field(pytree_node=False, default=False)
+    use_top_p: bool = struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingConfig":
+        """Build a config from Python numbers; the static flags follow from the values.
+
+        ``greedy`` iff ``temperature == 0``; ``use_top_k`` iff ``top_k > 0`` (and not greedy);
+        ``use_top_p`` iff ``top_p < 1`` (and not greedy). Greedy ignores top-k/top-p (the argmax
+        survives both filters), so their flags are cleared to keep one canonical greedy config.
+        """
+        temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        greedy = temperature == 0.0
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            greedy=greedy,
+            use_top_k=(not greedy) and top_k > 0,
+            use_top_p=(not greedy) and top_p < 1.0,
+        )
+
+    @classmethod
+    def greedy_config(cls) -> "SamplingConfig":
+        """Temperature 0: argmax decoding."""
+        return cls.make(temperature=0.0)
+
+
+def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Temperature-scaled logits with top-k / top-p exclusions set to -inf (non-greedy only).
+
+    At most one descending sort is traced, and only if a filter flag is on. ``temperature``
+    must be > 0 here (guaranteed by :meth:`SamplingConfig.make` when ``greedy`` is False).
+    """
+    scaled = logits_V.astype(jnp.float32) / cfg.temperature
+    if not (cfg.use_top_k or cfg.use_top_p):
+        return scaled
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    threshold = jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    if cfg.use_top_k:
+        # top_k <= 0 at run time means "off": keep everything.
+        k = jnp.where(cfg.top_k <= 0, vocab, jnp.clip(cfg.top_k, 1, vocab))
+        kth = jnp.take_along_axis(
+            sorted_desc, jnp.broadcast_to(k - 1, scaled.shape[:-1] + (1,)).astype(jnp.int32),
+            axis=-1)
+        threshold = jnp.maximum(threshold, kth)
+        sorted_desc = jnp.where(sorted_desc >= threshold, sorted_desc, -jnp.inf)
+    if cfg.use_top_p:
+        sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        # Smallest prefix whose mass reaches top_p: keep i while the mass before it < top_p.
+        # The top token is always kept (index 0 forced), even for a tiny top_p.
+        keep_sorted = (mass_before < cfg.top_p).at[..., 0].set(True)
+        keep_sorted &= sorted_desc > -jnp.inf
+        n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
+        pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+        threshold = jnp.maximum(threshold, pth)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Sampling distribution (float32, same shape) of ``logits_...V`` under ``cfg``.
+
+    Greedy: one-hot of the argmax (ties resolved to the lowest index, as ``jnp.argmax``).
+    Otherwise: ``softmax(filter(logits / temperature))`` with top-k/top-p filters as described
+    in the module docstring. Any leading batch shape.
+    """
+    if cfg.greedy:
+        vocab = logits_V.shape[-1]
+        return jax.nn.one_hot(jnp.argmax(logits_V, axis=-1), vocab, dtype=jnp.float32)
+    return jax.nn.softmax(_filtered_logits(logits_V, cfg), axis=-1)
+
+
+def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """``log(probabilities(logits, cfg))`` computed stably (-inf on excluded tokens)."""
+    if cfg.greedy:
+        return jnp.log(probabilities(logits_V, cfg))
+    return jax.nn.log_softmax(_filtered_logits(logits_V, cfg), axis=-1)
+
+
+def sample(key: jax.Array, probs_V: jax.Array) -> jax.Array:
+    """Draw one token per leading index from ``probs_...V``; returns int32 ``[...]``.
+
+    Implemented as Gumbel-argmax on ``log(probs)``: a zero-probability token has log-prob
+    -inf and the Gumbel noise is finite, so it can never be emitted (unlike inverse-CDF
+    sampling, where float32 rounding of the cumulative sum can land on an empty bin).
+    One key serves the whole batch (the noise is drawn with the batch shape).
+    """
+    logp = jnp.log(probs_V.astype(jnp.float32))
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)

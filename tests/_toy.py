@@ -1,0 +1,69 @@
+"""A tabular, prefix-dependent toy language model that follows the model `apply` protocol.
+
+The next-token logits at a position are `table[previous token, current token]` (the token
+before position 0 counts as 0), so the distribution depends on the prefix and the cache
+must really hold the committed history: a wrong rollback changes the outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class ToyCache:
+    hist_BS: jax.Array
+    lengths_B: jax.Array
+
+    def rollback(self, lengths_B):
+        return self.replace(lengths_B=lengths_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class TabularModel:
+    vocab_size: int
+
+    def init_cache(self, batch_size, capacity):
+        return ToyCache(jnp.zeros((batch_size, capacity), jnp.int32), jnp.zeros((batch_size,), jnp.int32))
+
+    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None):
+        B, T = tokens_BT.shape
+        if cache is None:
+            prev_BT = jnp.concatenate([jnp.zeros((B, 1), tokens_BT.dtype), tokens_BT[:, :-1]], axis=1)
+            return table_VVV[prev_BT, tokens_BT], None
+        if num_valid_B is None:
+            num_valid_B = jnp.full((B,), T, jnp.int32)
+        start_B = cache.lengths_B
+        hist = jax.vmap(lambda h, t, s: jax.lax.dynamic_update_slice(h, t.astype(h.dtype), (s,)))(
+            cache.hist_BS, tokens_BT, start_B)
+        prev_idx_BT = start_B[:, None] + jnp.arange(T)[None] - 1
+        prev_BT = jnp.where(prev_idx_BT >= 0,
+                            jnp.take_along_axis(hist, jnp.maximum(prev_idx_BT, 0), axis=1), 0)
+        logits = table_VVV[prev_BT, tokens_BT]
+        return logits, ToyCache(hist, start_B + num_valid_B)
+
+
+def random_table(key, vocab_size, peak=3.0):
+    """Peaked random logits table [V, V, V]."""
+    return peak * jax.random.normal(key, (vocab_size, vocab_size, vocab_size), jnp.float32)
+
+
+def sequence_probs(table_VVV, prompt, n_tokens, probs_fn):
+    """Exact probability of every continuation of length n_tokens (dict tuple -> prob)."""
+    V = table_VVV.shape[0]
+    probs = np.asarray(probs_fn(table_VVV))  # [V, V, V] next-token distributions
+    out = {}
+    for seq in itertools.product(range(V), repeat=n_tokens):
+        full = list(prompt) + list(seq)
+        pr = 1.0
+        for i in range(len(prompt), len(full)):
+            prev = full[i - 2] if i >= 2 else 0
+            pr *= probs[prev, full[i - 1], full[i]]
+        out[seq] = pr
+    return out
