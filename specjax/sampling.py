@@ -106,7 +106,8 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
         # Smallest prefix whose mass reaches top_p: keep i while the mass before it < top_p.
         # The top token is always kept (index 0 forced), even for a tiny top_p.
-        keep_sorted = (mass_before < cfg.top_p).at[..., 0].set(True)
+        # top_p >= 1 at run time means "off" (guards float32 cumsum rounding in the tail).
+        keep_sorted = ((mass_before < cfg.top_p) | (cfg.top_p >= 1.0)).at[..., 0].set(True)
         keep_sorted &= sorted_desc > -jnp.inf
         n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
         pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)

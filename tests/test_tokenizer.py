@@ -253,6 +253,7 @@ def _stream(tok, ids, skip=False):
 
 
 def test_incremental_decoding_multibyte(tok, prompts):
+    assert tok._byte_level  # the byte-wise path
     texts = [t for t in TRICKY if any(ord(c) > 127 for c in t)] + prompts[::8]
     assert any(any(ord(c) > 0xFFFF for c in t) for t in texts)
     naive_would_break = 0

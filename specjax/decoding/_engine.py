@@ -32,7 +32,7 @@ from specjax import sampling as sampling_lib
 from specjax import verify as verify_lib
 from specjax.decoding import _adaptive
 from specjax.drafters._model import rollback_to_committed
-from specjax.models._protocol import check_capacity
+from specjax.models._protocol import CacheCapacityError, check_capacity
 
 RUNNING, EOS, MAX_TOKENS, NAN_LOGITS = 0, 1, 2, 3
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", NAN_LOGITS: "nan_logits"}
@@ -120,14 +120,19 @@ class GenerateOutput:
 
 # ----------------------------------------------------------------------------- host helpers
 
-def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None):
-    """Right-pad token lists into (prompt_BP int32, prompt_lengths_B int32), checking them."""
+def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None, multiple: int = 1):
+    """Right-pad token lists into (prompt_BP int32, prompt_lengths_B int32), checking them.
+
+    `multiple` rounds the padded width up (e.g. 64), so prompts of similar lengths share one
+    compiled program.
+    """
     if len(prompts) == 0:
         raise ValueError("no prompts given")
     lens = [len(p) for p in prompts]
     if min(lens) < 1:
         raise ValueError(f"prompt {lens.index(min(lens))} is empty; every prompt needs >= 1 token")
-    out = np.full((len(prompts), max(lens)), PAD_ID, np.int32)
+    width = -(-max(lens) // multiple) * multiple
+    out = np.full((len(prompts), width), PAD_ID, np.int32)
     for b, p in enumerate(prompts):
         arr = np.asarray(p, np.int64)
         if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -231,7 +236,12 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
         gamma_rounds_K=m.gamma_rounds_K + (jnp.asarray(config.gammas) == gamma).astype(jnp.int32),
     )
     n_tested = jnp.sum(tested_at_BG)
-    tested_mean = jnp.sum(jnp.where(tested_at_BG, res.accept_prob_BG, 0.0)) / jnp.maximum(n_tested, 1)
+    # alpha estimate: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al. 2023, Def. 3.1),
+    # from the sampled draft tokens; independent of which verifier ran.
+    px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
+    qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
+    ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
+    tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
 
     new_state = state.replace(
         tokens_BL=tokens_BL, lengths_B=new_L_B, done_B=done_B, status_B=status_B,
@@ -297,9 +307,22 @@ def _generate(target, target_params, drafter, draft_params, config, cfg, prompt_
 _generate_jit = jax.jit(_generate, static_argnames=("target", "drafter", "config", "capacity"))
 
 
-def capacity_for(prompt_lengths, config: GenerationConfig) -> int:
-    """Slots needed: longest prompt + max_new_tokens + gamma_max + 1 (the verification block)."""
-    return int(max(prompt_lengths)) + config.max_new_tokens + config.max_gamma + 1
+def capacity_for(prompt_lengths, config: GenerationConfig, multiple: int = 1) -> int:
+    """Slots needed: longest prompt + max_new_tokens + gamma_max + 1 (the verification block),
+    rounded up to `multiple` so that nearby prompt lengths share one compiled program."""
+    need = int(max(prompt_lengths)) + config.max_new_tokens + config.max_gamma + 1
+    return -(-need // multiple) * multiple
+
+
+def _checked_capacity(prompt_BP, prompt_lengths_B, config, capacity):
+    """Host-side capacity check before anything runs (XLA clamps out-of-range writes)."""
+    plens = np.asarray(prompt_lengths_B)
+    if capacity is None:
+        capacity = max(capacity_for(plens, config), prompt_BP.shape[1])
+    check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
+    if prompt_BP.shape[1] > capacity:
+        raise CacheCapacityError(f"padded prompt width {prompt_BP.shape[1]} exceeds the cache capacity {capacity}")
+    return capacity
 
 
 def _round_times(config, round_time_s):
@@ -329,9 +352,7 @@ def speculative_generate(target, target_params, drafter, draft_params, prompt_BP
     adaptive set) feeds the adaptive policy; see `calibrate_round_times`.
     """
     _check_pair(target, drafter, config)
-    plens = np.asarray(prompt_lengths_B)
-    capacity = capacity or capacity_for(plens, config)
-    check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
+    capacity = _checked_capacity(prompt_BP, prompt_lengths_B, config, capacity)
     return _generate_jit(target, target_params, drafter, draft_params, config, sampling, prompt_BP,
                          prompt_lengths_B, key_B, _round_times(config, round_time_s), capacity)
 

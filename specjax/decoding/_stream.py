@@ -49,9 +49,7 @@ def stream_generate(target, target_params, drafter, draft_params, prompt_BP, pro
     (use `run_stream` to get it directly).
     """
     _engine._check_pair(target, drafter, config)
-    plens = np.asarray(prompt_lengths_B)
-    capacity = capacity or _engine.capacity_for(plens, config)
-    _engine.check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
+    capacity = _engine._checked_capacity(prompt_BP, prompt_lengths_B, config, capacity)
     round_time_K = _engine._round_times(config, round_time_s)
     t0 = time.perf_counter()
     state = init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,

@@ -93,7 +93,7 @@ def _add_param(obj, name, spec, dtype, rngs, std):
         value = jnp.ones(shape, dtype)
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    setattr(obj, name, nnx.Param(value, sharding_names=axes, eager_sharding=False))
+    setattr(obj, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
 
 
 class _Group(nnx.Module):
@@ -291,6 +291,11 @@ class Llama:
             past = None if cache is None else (k_BKSH, v_BKSH, lengths)
             return _layer(c, lp, h, cos, sin, past)
 
+        if isinstance(layers, (list, tuple)):
+            if len(layers) != c.num_layers:
+                raise ValueError(f"params hold {len(layers)} layers, the config {c.num_layers}")
+            if c.scan_layers:
+                layers = stack_layers(layers)
         if c.scan_layers:
             def body(h, xs):
                 lp, k_BKSH, v_BKSH = xs
@@ -305,7 +310,11 @@ class Llama:
         else:
             ks, vs = [], []
             for i in range(c.num_layers):
-                lp = jax.tree.map(lambda x: x[i], layers)
+                # Per-layer dicts (see `unstack_layers`) are much faster here than slicing
+                # stacked arrays inside the jit: XLA CPU fuses a slice into its consumer dot
+                # and then loses the fast matmul path.
+                lp = layers[i] if isinstance(layers, (list, tuple)) else \
+                    jax.tree.map(lambda x: x[i], layers)
                 if cache is None:
                     h, (k, v) = run_layer(lp, h, None, None)
                 else:
@@ -333,6 +342,20 @@ class Llama:
                           preferred_element_type=jnp.float32)
 
     # -- conveniences ---------------------------------------------------------------------
+    def prepare_params(self, params) -> dict:
+        """The fastest parameter form for this config (call once, outside the jitted step).
+
+        Canonical params stack every layer tensor along a leading layer axis. With
+        ``scan_layers=False`` this returns per-layer dicts (``params['layers']`` a tuple), which
+        the unrolled loop reads without slicing; with ``scan_layers=True`` it returns the
+        stacked form. `apply` accepts both forms in both modes.
+        """
+        p = as_pure_params(params)
+        if self.config.scan_layers:
+            return {**p, "layers": stack_layers(p["layers"])} \
+                if isinstance(p["layers"], (list, tuple)) else p
+        return unstack_layers(p)
+
     def cast_params(self, params, dtype: str | None = None) -> dict:
         dt = jnp.dtype(dtype or self.config.dtype)
         return jax.tree.map(lambda x: jnp.asarray(x, dt), as_pure_params(params))
@@ -344,15 +367,37 @@ class Llama:
         return Llama(self.config.replace(**changes))
 
 
+def stack_layers(layers):
+    """Per-layer dicts (a list/tuple) -> one dict of arrays with a leading layer axis."""
+    if not isinstance(layers, (list, tuple)):
+        return layers
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_layers(params) -> dict:
+    """Params with ``params['layers']`` as a tuple of per-layer dicts (for unrolled apply)."""
+    p = dict(as_pure_params(params))
+    layers = p["layers"]
+    if isinstance(layers, (list, tuple)):
+        return p
+    n = jax.tree.leaves(layers)[0].shape[0]
+    p["layers"] = tuple(jax.tree.map(lambda x: x[i], layers) for i in range(n))
+    return p
+
+
 def truncate_layers(params, config: ModelConfig, k: int):
     """The first k layers with the same embeddings, final norm and head (early-exit draft).
 
-    Slicing only: the returned leaves are views/slices of the stacked layer arrays.
+    Slicing only (stacked params: a slice of every layer array; per-layer params: the first
+    k entries). Returns (params, config with num_layers=k).
     """
     if not 1 <= k <= config.num_layers:
         raise ValueError(f"k must be in [1, {config.num_layers}], got {k}")
     p = dict(as_pure_params(params))
-    p["layers"] = jax.tree.map(lambda x: x[:k], p["layers"])
+    if isinstance(p["layers"], (list, tuple)):
+        p["layers"] = tuple(p["layers"][:k])
+    else:
+        p["layers"] = jax.tree.map(lambda x: x[:k], p["layers"])
     return p, config.replace(num_layers=k)
 
 

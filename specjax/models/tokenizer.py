@@ -136,13 +136,23 @@ def _token_bytes(token: str) -> bytes:
 # ----------------------------------------------------------------------------- GGUF metadata
 
 def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``tokenizer.*`` fields of a GGUF file (plus ``general.architecture``), as Python values."""
-    import gguf  # imported lazily: only GGUF loading needs it
+    """The ``tokenizer.*`` fields of a GGUF file (plus ``general.architecture``), as Python values.
 
-    path = pathlib.Path(path)
+    Parsing a GGUF takes seconds, so results are cached per (file, size, mtime); each call returns
+    a fresh dict (whose list values are shared: do not mutate them in place).
+    """
+    path = pathlib.Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(str(path))
+    st = path.stat()
+    return dict(_read_gguf_tokenizer_metadata(str(path.resolve()), st.st_size, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_tokenizer_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
+    import gguf  # imported lazily: only GGUF loading needs it
+
+    reader = gguf.GGUFReader(path)
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.") or key == "general.architecture":
@@ -621,13 +631,14 @@ class IncrementalDecoder:
 
     def _window_step(self, final: bool) -> str:
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
+        if final:  # one full decode settles whatever the windows held back
+            complete, emitted = decode(self.ids), self.text
+            return complete[len(emitted):] if complete.startswith(emitted) else ""
         context = decode(self.ids[self._prefix:self._read])
         full = decode(self.ids[self._prefix:])
-        if (final or not full.endswith("\ufffd")) and len(full) >= len(context) and full.startswith(context):
-            piece = full[len(context):]
-            if piece or final:
-                self._prefix, self._read = self._read, len(self.ids)
-            return piece
+        if not full.endswith("\ufffd") and len(full) > len(context) and full.startswith(context):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(context):]
         return ""
 
     def finish(self) -> str:

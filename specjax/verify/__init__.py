@@ -18,7 +18,7 @@ Inputs are checked on the host, outside jit, by ``validate_verify_inputs``.
 from specjax.verify._block import BlockVerifier
 from specjax.verify._greedy import GreedyVerifier
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
-from specjax.verify._result import PAD_TOKEN, VerifyResult
+from specjax.verify._result import PAD_TOKEN, Verifier, VerifyResult
 from specjax.verify._token import TokenVerifier
 from specjax.verify._validate import validate_verify_inputs
 
@@ -28,6 +28,7 @@ __all__ = [
     "PAD_TOKEN",
     "RESIDUAL_TOL",
     "TokenVerifier",
+    "Verifier",
     "VerifyResult",
     "normalize_residual",
     "validate_verify_inputs",

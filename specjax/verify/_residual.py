@@ -14,9 +14,11 @@ tau can only come from float32 rounding, e.g. draft and target computing the sam
 distribution along different reduction orders, where every entry differs by a few ulps
 (relative ~6e-8) and the total positive difference is a few times 2**-24. tau = 1e-6 is
 ~8 ulps of 1.0: above that rounding floor, yet small enough that the rule's bias is
-negligible: replacing a residual of mass m <= tau by p changes the committed-token
-distribution by at most m <= tau in total variation (the rejection branch itself has
-probability ~m).
+negligible. Token-level: the rejection branch has probability ``sum(max(0, q - p)) = m``
+(for normalized p, q), so replacing a residual of mass ``m <= tau`` by p changes the law
+of the committed token by at most ``m <= tau`` in total variation. The block verifier uses
+the same rule on its residual ``max(0, w p - q)``, whose mass can only fall to ``tau`` when
+``w p`` and ``q`` agree up to rounding.
 """
 
 

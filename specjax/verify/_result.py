@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -55,6 +57,14 @@ class VerifyResult:
         return self.n_accepted_B + 1
 
 
+class Verifier(Protocol):
+    """What every verifier is: a frozen, hashable dataclass (a valid static jit argument)."""
+
+    def __call__(self, key: jax.Array, draft_tokens_BG: jax.Array, q_BGV: jax.Array,
+                 p_BG1V: jax.Array) -> VerifyResult:
+        ...
+
+
 def assemble_result(
     n_accepted_B: jax.Array,
     draft_tokens_BG: jax.Array,
@@ -86,9 +96,8 @@ def assemble_result(
 
 def row_keys(key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
     """Explicit key split: one key per row and purpose -> (accept_keys_B, replace_keys_B)."""
-    per_row = jax.random.split(key, batch)
-    pairs = jax.vmap(lambda k: jax.random.split(k, 2))(per_row)
-    return pairs[:, 0], pairs[:, 1]
+    keys_B2 = jax.random.split(key, (batch, 2))
+    return keys_B2[:, 0], keys_B2[:, 1]
 
 
 def row_uniforms(accept_keys_B: jax.Array, gamma: int) -> jax.Array:

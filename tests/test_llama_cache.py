@@ -1,0 +1,193 @@
+"""KV cache semantics of the Llama decoder on small random models.
+
+Reference for every cached computation: a plain causal forward (cache=None) of the row's
+whole sequence, one row at a time.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import (CacheCapacityError, KVCache, Llama, ModelConfig, check_capacity,
+                            prefill, truncate_layers)
+from specjax.models.llama import unstack_layers
+
+BASE = ModelConfig(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
+                   head_dim=8, ffn_size=64, rope_theta=10000.0, rms_eps=1e-5)
+QWENISH = BASE.replace(attention_bias=True, tie_embeddings=False, arch="qwen2",
+                       rope_scaling={"rope_type": "linear", "factor": 2.0})
+ATOL = 3e-5
+
+
+def _model(config, seed=0):
+    model = Llama(config)
+    params = model.init_params(jax.random.key(seed))
+    # Bigger weights than the 0.02 init make attention patterns non-trivial.
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
+    return model, params
+
+
+_FULL = {}
+
+
+def _fresh(model, params, seq, pad_to=16):
+    """Plain causal forward of one row (right-padded to a fixed length: one compile)."""
+    fn = _FULL.setdefault(model, jax.jit(lambda p, t: model.apply(p, t, None)[0]))
+    seq = np.asarray(seq, np.int32)
+    padded = np.zeros((1, pad_to), np.int32)
+    padded[0, :len(seq)] = seq
+    return np.asarray(fn(params, jnp.asarray(padded))[0, :len(seq)])
+
+
+@pytest.fixture(scope="module", params=["scan", "unrolled", "qwenish"])
+def setup(request):
+    config = {"scan": BASE, "unrolled": BASE.replace(scan_layers=False),
+              "qwenish": QWENISH}[request.param]
+    model, params = _model(config)
+    return model, params, jax.jit(model.apply)
+
+
+def test_prefill_then_decode_equals_full_recompute(setup):
+    model, params, step = setup
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, model.vocab_size, 12)
+    want = _fresh(model, params, seq)
+    cache = model.init_cache(1, 32)
+    got = []
+    logits, cache = step(params, jnp.asarray(seq[None, :6]), cache)
+    got.append(np.asarray(logits[0]))
+    for t in range(6, 12):
+        logits, cache = step(params, jnp.asarray(seq[None, t:t + 1]), cache)
+        got.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.concatenate(got), want, atol=ATOL, rtol=1e-4)
+    assert int(cache.lengths_B[0]) == 12
+
+
+def test_ragged_batch_append_rollback_append(setup):
+    model, params, step = setup
+    rng = np.random.default_rng(1)
+    V = model.vocab_size
+    plens = [5, 2, 7]
+    prompts = [rng.integers(0, V, n) for n in plens]
+    # Ragged prefill: right-padded, num_valid_B says how many tokens each row commits.
+    logits, cache, lengths = prefill(model, params, prompts, capacity=24, pad_id=0,
+                                     apply_fn=step)
+    np.testing.assert_array_equal(np.asarray(cache.lengths_B), plens)
+    for b, p in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(logits[b, :len(p)]), _fresh(model, params, p),
+                                   atol=ATOL, rtol=1e-4)
+    # Append k=4 tokens per row.
+    k = 4
+    block = rng.integers(0, V, (3, k))
+    logits, cache = step(params, jnp.asarray(block), cache)
+    for b, p in enumerate(prompts):
+        want = _fresh(model, params, np.concatenate([p, block[b]]))[len(p):]
+        np.testing.assert_allclose(np.asarray(logits[b]), want, atol=ATOL, rtol=1e-4)
+    # Roll back to a different j < k per row (no copy), then append different tokens.
+    keep = np.array([1, 3, 0])
+    cache2 = cache.rollback(jnp.asarray(plens) + keep)
+    assert cache2.k_LBKSH is cache.k_LBKSH and cache2.v_LBKSH is cache.v_LBKSH
+    other = rng.integers(0, V, (3, 3))
+    # Only part of the block is committed for rows 0 and 2 (like a partial accept).
+    num_valid = jnp.asarray([3, 1, 2])
+    logits, cache3 = step(params, jnp.asarray(other), cache2, num_valid)
+    np.testing.assert_array_equal(np.asarray(cache3.lengths_B),
+                                  np.asarray(plens) + keep + np.asarray(num_valid))
+    for b, p in enumerate(prompts):
+        prefix = np.concatenate([p, block[b, :keep[b]]])
+        want = _fresh(model, params, np.concatenate([prefix, other[b]]))[len(prefix):]
+        np.testing.assert_allclose(np.asarray(logits[b]), want, atol=ATOL, rtol=1e-4)
+    # And one more decode step on top of the partially committed block.
+    nxt = rng.integers(0, V, (3, 1))
+    logits, _ = step(params, jnp.asarray(nxt), cache3)
+    for b, p in enumerate(prompts):
+        seq = np.concatenate([p, block[b, :keep[b]], other[b, :int(num_valid[b])], nxt[b]])
+        np.testing.assert_allclose(np.asarray(logits[b, 0]), _fresh(model, params, seq)[-1],
+                                   atol=ATOL, rtol=1e-4)
+
+
+def test_scan_and_unrolled_agree():
+    model_s, params = _model(BASE)
+    model_u = Llama(BASE.replace(scan_layers=False))
+    seq = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 9)))
+    ls, cs = jax.jit(model_s.apply)(params, seq, model_s.init_cache(2, 16))
+    lu, cu = jax.jit(model_u.apply)(params, seq, model_u.init_cache(2, 16))
+    lu2, cu2 = jax.jit(model_u.apply)(model_u.prepare_params(params), seq,
+                                      model_u.init_cache(2, 16))
+    np.testing.assert_allclose(np.asarray(ls), np.asarray(lu), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lu2), np.asarray(lu), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(cs.k_LBKSH), np.asarray(cu2.k_LBKSH), atol=1e-5)
+    # scan mode also accepts per-layer params
+    ls2, _ = model_s.apply(unstack_layers(params), seq, None)
+    np.testing.assert_allclose(np.asarray(ls2), np.asarray(ls), atol=1e-5, rtol=1e-5)
+
+
+def test_capacity_errors():
+    model, params = _model(BASE)
+    with pytest.raises(CacheCapacityError):
+        check_capacity(16, [10, 3], max_new_tokens=4, gamma=2)
+    check_capacity(17, [10, 3], max_new_tokens=4, gamma=2)
+    with pytest.raises(CacheCapacityError, match="does not fit"):
+        prefill(model, params, [[1] * 9, [2] * 3], capacity=8)
+    cache = model.init_cache(1, 8).rollback(jnp.asarray([6]))
+    with pytest.raises(CacheCapacityError):
+        cache.check_fits(3)
+    cache.check_fits(2)
+
+
+def test_bfloat16_runs_and_is_close_to_float32():
+    model32, params = _model(BASE)
+    model16 = Llama(BASE.replace(dtype="bfloat16"))
+    p16 = model16.cast_params(params)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 10)))
+    c16 = model16.init_cache(1, 16)
+    assert c16.k_LBKSH.dtype == jnp.bfloat16
+    l32, _ = model32.apply(params, seq, model32.init_cache(1, 16))
+    l16, c16 = jax.jit(model16.apply)(p16, seq[:, :7], c16)
+    l16b, c16 = jax.jit(model16.apply)(p16, seq[:, 7:], c16)
+    l16 = np.concatenate([np.asarray(l16), np.asarray(l16b)], axis=1)
+    assert l16.dtype == np.float32
+    scale = np.abs(np.asarray(l32)).max()
+    assert np.abs(l16 - np.asarray(l32)).max() / scale < 5e-2
+
+
+def test_truncate_layers_is_a_smaller_model():
+    model, params = _model(BASE)
+    p2, c2 = truncate_layers(params, BASE, 2)
+    assert c2.num_layers == 2 and p2["layers"]["wq"].shape[0] == 2
+    assert p2["embed"] is params["embed"]
+    direct = Llama(c2)
+    seq = jnp.asarray([[3, 1, 4, 1, 5]])
+    got, cache = direct.apply(p2, seq, direct.init_cache(1, 8))
+    assert cache.k_LBKSH.shape[0] == 2
+    # per-layer form truncates the same way
+    p2u, _ = truncate_layers(unstack_layers(params), BASE, 2)
+    got_u, _ = Llama(c2.replace(scan_layers=False)).apply(p2u, seq, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(got_u), atol=1e-5)
+
+
+def test_hidden_states_and_head_compose_to_apply():
+    model, params = _model(QWENISH)
+    seq = jnp.asarray([[3, 1, 4, 1, 5]])
+    h, _ = model.hidden_states(params, seq, None)
+    assert h.shape == (1, 5, QWENISH.hidden_size)
+    logits, _ = model.apply(params, seq, None)
+    np.testing.assert_allclose(np.asarray(model.logits_from_hidden(params, h)),
+                               np.asarray(logits), atol=1e-6)
+
+
+def test_model_is_static_jit_arg_and_accepts_nnx_state():
+    model, _ = _model(BASE)
+    assert hash(model) == hash(Llama(BASE)) and model == Llama(BASE)
+    module = model.module(jax.random.key(5))
+    _, state = nnx.split(module)
+    seq = jnp.asarray([[1, 2, 3]])
+    f = jax.jit(lambda m, p, t: m.apply(p, t, None)[0], static_argnums=0)
+    a = f(model, state, seq)
+    b = module(seq)[0]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert isinstance(model.init_cache(2, 4), KVCache)
+    axes = model.param_logical_axes()
+    assert axes["layers"]["wq"] == ("layers", "embed", "heads")

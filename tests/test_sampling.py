@@ -1,0 +1,131 @@
+"""Logits processing: greedy, temperature, top-k, top-p, sampling, and static/traced split."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from specjax.sampling import SamplingConfig, log_probabilities, probabilities, sample
+
+
+def reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Straightforward numpy reference for one row (float64)."""
+    z = np.asarray(logits, np.float64) / temperature
+    keep = np.ones_like(z, bool)
+    if top_k > 0:
+        kth = np.sort(z)[::-1][min(top_k, z.size) - 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        e = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        pr = e / e.sum()
+        order = np.argsort(-pr, kind="stable")
+        before = np.cumsum(pr[order]) - pr[order]
+        n_keep = max(1, int(np.sum(before < top_p)))
+        keep &= pr >= pr[order][n_keep - 1]
+    e = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+    return e / e.sum()
+
+
+def test_make_sets_static_flags():
+    c = SamplingConfig.make()
+    assert (c.greedy, c.use_top_k, c.use_top_p) == (False, False, False)
+    c = SamplingConfig.make(temperature=0.7, top_k=5, top_p=0.9)
+    assert (c.greedy, c.use_top_k, c.use_top_p) == (False, True, True)
+    c = SamplingConfig.make(temperature=0.0, top_k=5, top_p=0.9)
+    assert (c.greedy, c.use_top_k, c.use_top_p) == (True, False, False)
+    assert SamplingConfig.greedy_config().greedy
+    assert c.temperature.dtype == jnp.float32 and c.top_k.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0),
+                                    dict(top_p=1.5)])
+def test_make_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        SamplingConfig.make(**kwargs)
+
+
+def test_greedy_is_one_hot_argmax_lowest_index_on_ties():
+    logits = jnp.array([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, 2.0, 5.0]])
+    probs = probabilities(logits, SamplingConfig.greedy_config())
+    np.testing.assert_array_equal(probs, [[0, 1, 0, 0], [1, 0, 0, 0]])
+    assert probs.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 3, 1.0), (0.8, 10, 1.0),
+    (1.0, 0, 0.9), (0.7, 0, 0.5), (1.3, 5, 0.8), (1.0, 1, 1.0), (1.0, 0, 1e-6),
+    (1.0, 100, 1.0)])
+def test_matches_reference(temperature, top_k, top_p):
+    logits = jax.random.normal(jax.random.key(0), (4, 2, 37)) * 3
+    cfg = SamplingConfig.make(temperature, top_k, top_p)
+    got = np.asarray(probabilities(logits, cfg))
+    assert got.shape == logits.shape  # any leading batch shape
+    for idx in np.ndindex(*logits.shape[:-1]):
+        want = reference_probs(np.asarray(logits[idx]), temperature, top_k, top_p)
+        np.testing.assert_allclose(got[idx], want, atol=1e-6)
+        np.testing.assert_array_equal(got[idx] > 0, want > 0)
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(
+            np.asarray(log_probabilities(logits, cfg)), np.log(got), atol=1e-5)
+
+
+def test_top_k_keeps_ties_at_threshold():
+    logits = jnp.array([3.0, 2.0, 2.0, 1.0, 2.0])
+    probs = probabilities(logits, SamplingConfig.make(top_k=2))
+    np.testing.assert_array_equal(np.asarray(probs) > 0, [True, True, True, False, True])
+
+
+def test_top_p_smallest_prefix_and_top_token_always_kept():
+    probs0 = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.log(jnp.asarray(probs0))
+    # 0.5 < 0.6 -> need the second token too (mass 0.8 reaches 0.6); the third is excluded.
+    got = probabilities(logits, SamplingConfig.make(top_p=0.6))
+    np.testing.assert_allclose(got, [0.5 / 0.8, 0.3 / 0.8, 0, 0], atol=1e-6)
+    got = probabilities(logits, SamplingConfig.make(top_p=0.01))
+    np.testing.assert_allclose(got, [1, 0, 0, 0], atol=1e-6)
+    got = probabilities(logits, SamplingConfig.make(top_p=0.5))  # exactly reached by token 0
+    np.testing.assert_allclose(got, [1, 0, 0, 0], atol=1e-6)
+
+
+def test_sorts_only_when_flags_on():
+    logits = jnp.zeros((2, 16))
+    plain = str(jax.make_jaxpr(probabilities)(logits, SamplingConfig.make(temperature=0.7)))
+    assert "sort" not in plain
+    topk = str(jax.make_jaxpr(probabilities)(logits, SamplingConfig.make(top_k=3)))
+    assert "sort" in topk
+    both = str(jax.make_jaxpr(probabilities)(logits, SamplingConfig.make(top_k=3, top_p=0.9)))
+    assert both.count("sort[") == topk.count("sort[") == 1  # one shared sort
+
+
+def test_changing_values_does_not_recompile():
+    chex.clear_trace_counter()
+    fn = jax.jit(chex.assert_max_traces(probabilities, n=1))
+    logits = jax.random.normal(jax.random.key(1), (3, 50))
+    outs = [fn(logits, SamplingConfig.make(t, k, p))
+            for t, k, p in [(1.0, 5, 0.9), (0.3, 20, 0.5), (2.0, 1, 0.99), (0.9, 50, 0.1)]]
+    assert not np.allclose(outs[0], outs[1])
+    # Changing the *strategy* (a static flag) is a different program: it retraces.
+    with pytest.raises(AssertionError):
+        fn(logits, SamplingConfig.make(1.0, 0, 0.9))
+
+
+def test_sample_never_emits_zero_probability_tokens():
+    probs = jnp.array([[0.0, 0.5, 0.0, 0.5], [1e-30, 0.0, 0.0, 1.0 - 1e-30],
+                       [0.0, 0.0, 1.0, 0.0]])
+    toks = np.asarray(sample(jax.random.key(0), jnp.broadcast_to(probs, (20000, 3, 4))))
+    assert toks.dtype == np.int32 and toks.shape == (20000, 3)
+    assert set(np.unique(toks[:, 0])) <= {1, 3}
+    assert set(np.unique(toks[:, 1])) <= {0, 3}
+    assert (toks[:, 2] == 2).all()
+
+
+def test_sample_frequencies_match_probs():
+    probs = jnp.array([0.1, 0.2, 0.3, 0.4, 0.0])
+    toks = np.asarray(sample(jax.random.key(5), jnp.broadcast_to(probs, (50000, 5))))
+    counts = np.bincount(toks, minlength=5)
+    assert counts[4] == 0
+    pvalue = scipy.stats.chisquare(counts[:4], 50000 * np.array([0.1, 0.2, 0.3, 0.4])).pvalue
+    assert pvalue > 1e-4
