@@ -1,0 +1,23 @@
+"""specjax: lossless speculative decoding and draft distillation in JAX/Flax.
+
+Floors (a module imports only from floors below it):
+
+    cli.py, build.py, experiments/      what users run
+    decoding/                           the jitted generation loops (engine)
+    drafters/   verify/                 who proposes; exact acceptance / residual sampling
+    models/                             Llama-family decoder, KV cache, loaders, tokenizer
+    sampling.py  analysis.py  sharding.py  specbench.py     primitives
+"""
+
+from specjax import analysis, decoding, drafters, models, sampling, specbench, verify
+from specjax.decoding import (AdaptiveGamma, GenerationConfig, autoregressive_generate, speculative_generate,
+                              stream_generate)
+from specjax.sampling import SamplingConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "analysis", "decoding", "drafters", "models", "sampling", "specbench", "verify",
+    "AdaptiveGamma", "GenerationConfig", "SamplingConfig", "autoregressive_generate",
+    "speculative_generate", "stream_generate",
+]

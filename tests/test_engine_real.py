@@ -1,6 +1,6 @@
 """Greedy exactness on the real default target (SmolLM2-135M-Instruct), as CI runs it.
 
-13 held-out Spec-Bench prompts (one per category), 32 new tokens, batch 1 and batch 4, each
+13 held-out Spec-Bench prompts (the shortest held-out question of each category), 32 new tokens, batch 1 and batch 4, each
 drafter. Float near-ties are handled by the rule in `specjax.decoding._greedy_check`
 (allowed only where the target-only top-2 logit gap < NEAR_TIE_EPS; reported, then the
 reference token is teacher-forced). The test also asserts that rejections and fully
@@ -9,8 +9,8 @@ accepted rounds both occurred, so it exercises every rollback path.
 
 import pytest
 
-from specjax import build, decoding, specbench
-from specjax.decoding._greedy_check import NEAR_TIE_EPS, greedy_check
+from specjax import build, specbench
+from specjax.decoding._greedy_check import NEAR_TIE_EPS, greedy_check, reference_greedy
 from specjax.models.tokenizer import load_tokenizer
 
 MAX_NEW = 32
@@ -20,23 +20,28 @@ MAX_NEW = 32
 def real():
     target, params = build.load_target("smollm2-135m-instruct")
     tok = load_tokenizer("smollm2-135m-instruct")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
-               for q in specbench.one_per_category()]
-    return target, params, prompts
+    shortest = {}
+    for q in specbench.load(split="held_out"):
+        ids = tok.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
+        if q.category not in shortest or len(ids) < len(shortest[q.category]):
+            shortest[q.category] = ids
+    prompts = [shortest[c] for c in specbench.CATEGORIES]
+    refs = reference_greedy(target, params, prompts, MAX_NEW, batch_size=4)
+    return target, params, prompts, refs
 
 
-DRAFTERS = [
-    ("ngram", 4, 1),
-    ("early_exit", 3, 4),
-    ("ngram", decoding.AdaptiveGamma(gammas=(0, 2, 4)), 4),
-]
+# (drafter, gamma): prompt lookup with a long block; the untrained 4-layer early exit agrees
+# rarely, so gamma = 1 makes fully accepted rounds (and the two-token draft catch-up) occur.
+DRAFTERS = [("ngram", 4), ("early_exit", 1)]
 
 
-@pytest.mark.parametrize("kind,gamma,batch", DRAFTERS, ids=lambda x: str(x)[:20])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind,gamma", DRAFTERS)
 def test_greedy_matches_target_only(real, kind, gamma, batch):
-    target, params, prompts = real
+    target, params, prompts, refs = real
     drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4)
-    reports = greedy_check(target, params, drafter, dparams, prompts, MAX_NEW, gamma, batch_size=batch)
+    reports = greedy_check(target, params, drafter, dparams, prompts, MAX_NEW, gamma, references=refs,
+                           batch_size=batch)
     for r in reports:
         for pos, gap in r.near_ties:
             print(f"prompt {r.prompt_index}: near-tie at new token {pos}, gap {gap:.2e} < {NEAR_TIE_EPS}")
@@ -45,7 +50,7 @@ def test_greedy_matches_target_only(real, kind, gamma, batch):
     assert all(r.tokens_compared + len(r.near_ties) >= MAX_NEW for r in reports)
     proposed = sum(r.proposed for r in reports)
     accepted = sum(r.accepted for r in reports)
-    full = sum(r.full_accept_rounds_lower_bound for r in reports)
+    full = sum(r.full_accept_rounds for r in reports)
     print(f"{kind} gamma={gamma} batch={batch}: proposed {proposed}, accepted {accepted}, "
           f"fully accepted rounds {full}")
     assert accepted < proposed, "no rejection happened: the rollback path was not exercised"

@@ -14,8 +14,10 @@ the one committed token from p), so both paths share prefill, logits processing,
 and bookkeeping. A row whose target logits hold a NaN stops with status NAN_LOGITS and keeps
 what it had committed; other rows go on.
 
-Randomness: every row carries its own key, normally `fold_in(key, request_id)`, so a row's
-sample does not depend on its batch position or the batch size.
+Randomness: every row carries its own key, normally `fold_in(key, request_id)`, so with a
+fixed gamma a row's sample does not depend on its batch position or the batch size. With
+adaptive gamma the choice of gamma is batch-wide, so the realised sample (not its
+distribution, which is always the target's) can depend on the other rows.
 """
 
 from __future__ import annotations
@@ -193,10 +195,15 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
         verify_key_B, draft_BG, q_BGV, p_BG1V)
 
     active_B = ~state.done_B
-    nan_B = jnp.isnan(logits_BGV).any(axis=(1, 2)) & active_B
     j_G1 = jnp.arange(gamma + 1)
+    # NaN: only the positions whose p the verifier used (0 .. n_accepted) matter. With the
+    # first NaN at j <= n_accepted the row keeps the j drafts accepted before it (exactly what
+    # target-only decoding commits before reaching that NaN) and stops with NAN_LOGITS.
+    nan_BG1 = jnp.isnan(logits_BGV).any(axis=-1) & (j_G1[None] <= res.n_accepted_B[:, None])
+    nan_B = nan_BG1.any(axis=1) & active_B
     remaining_B = config.max_new_tokens - (L_B - state.prompt_lengths_B)
-    n_commit_B = jnp.minimum(res.n_accepted_B + 1, remaining_B)
+    n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), res.n_accepted_B + 1)
+    n_commit_B = jnp.minimum(n_commit_B, remaining_B)
     if config.eos_ids:
         is_eos_BG1 = jnp.isin(res.committed_BG1, jnp.asarray(config.eos_ids)) & (j_G1[None] < n_commit_B[:, None])
         hit_eos_B = is_eos_BG1.any(axis=1)
@@ -204,18 +211,20 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
     else:
         hit_eos_B = jnp.zeros((B,), bool)
     live_B = active_B & ~nan_B
-    hit_eos_B = hit_eos_B & live_B
-    n_commit_B = jnp.where(live_B, n_commit_B, 0).astype(jnp.int32)
+    hit_eos_B = hit_eos_B & active_B
+    n_commit_B = jnp.where(active_B, n_commit_B, 0).astype(jnp.int32)
 
     committed_BK = jnp.pad(res.committed_BG1, ((0, 0), (0, G1 - (gamma + 1))), constant_values=PAD_ID)
     tokens_BL = _write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B)
     new_L_B = L_B + n_commit_B
 
-    reached_max_B = live_B & (new_L_B - state.prompt_lengths_B >= config.max_new_tokens)
-    status_B = jnp.where(nan_B, NAN_LOGITS, state.status_B)
-    status_B = jnp.where(live_B & hit_eos_B, EOS, status_B)
-    status_B = jnp.where(live_B & ~hit_eos_B & reached_max_B, MAX_TOKENS, status_B)
-    done_B = state.done_B | nan_B | (live_B & (hit_eos_B | reached_max_B))
+    reached_max_B = active_B & (new_L_B - state.prompt_lengths_B >= config.max_new_tokens)
+    # Whatever ends the row first in token order names its status (EOS or the limit can come
+    # before a NaN position inside the same block).
+    status_B = jnp.where(active_B & reached_max_B, MAX_TOKENS, state.status_B)
+    status_B = jnp.where(nan_B & ~hit_eos_B & ~reached_max_B, NAN_LOGITS, status_B)
+    status_B = jnp.where(hit_eos_B, EOS, status_B)
+    done_B = state.done_B | nan_B | hit_eos_B | reached_max_B
 
     m = state.metrics
     pad_G = config.max_gamma - gamma
@@ -269,7 +278,9 @@ def _init_state(target, target_params, drafter, draft_params, config, prompt_BP,
                 key_B, capacity):
     B, P = prompt_BP.shape
     tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
-    cache = target.init_cache(B, capacity)
+    # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
+    # otherwise spends tens of seconds of compile time folding attention over constants).
+    cache = jax.lax.optimization_barrier(target.init_cache(B, capacity))
     _, cache = target.apply(target_params, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
     draft_state = (drafter.init(draft_params, prompt_BP, prompt_lengths_B, capacity)
                    if config.max_gamma > 0 else None)

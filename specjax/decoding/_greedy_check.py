@@ -8,6 +8,9 @@ whose top-2 target logits are nearly tied can flip. The rule used everywhere in 
   target-only reference prefix, one teacher-forced forward) is below `eps`. Such a near-tie
   is reported, the reference token is teacher-forced (appended to the prompt), and both runs
   continue from there. Any mismatch at a gap >= eps is a failure.
+
+References (target-only greedy continuations) are computed once per prompt and shared by
+every drafter and batch size checked against them.
 """
 
 from __future__ import annotations
@@ -22,81 +25,112 @@ from specjax import sampling as sampling_lib
 from specjax.decoding import _engine
 
 NEAR_TIE_EPS = 1e-3   # absolute logit gap; one- vs multi-token forwards differ by ~1e-5 here
+_GREEDY = sampling_lib.SamplingConfig.make(temperature=0.0)
 
 
 @dataclasses.dataclass
 class RowReport:
     prompt_index: int
     tokens_compared: int = 0
-    near_ties: list = dataclasses.field(default_factory=list)   # (position, gap)
+    near_ties: list = dataclasses.field(default_factory=list)   # (new-token position, gap)
     hard_mismatch: tuple | None = None                          # (position, gap, ref, spec)
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    full_accept_rounds_lower_bound: int = 0
+    full_accept_rounds: int = 0
 
     @property
     def ok(self) -> bool:
         return self.hard_mismatch is None
 
 
-def _top2_gaps(target, params, seq: list[int]) -> np.ndarray:
-    """gap[i] = top1 - top2 of the target's logits predicting seq[i + 1] (teacher-forced)."""
-    logits = target.apply(params, jnp.asarray([seq], jnp.int32), None)[0][0]
+def _batches(items, batch_size):
+    """Fixed-size chunks (the last padded by repeating its first item, marked index -1)."""
+    for start in range(0, len(items), batch_size):
+        chunk = list(items[start:start + batch_size])
+        while len(chunk) < batch_size:
+            chunk.append((-1,) + tuple(chunk[0][1:]))
+        yield chunk
+
+
+def _run(target, params, drafter, dparams, config, prompts, pad_multiple):
+    prompt_BP, plens = _engine.pad_prompts(prompts, target.vocab_size, pad_multiple)
+    cap = max(_engine.capacity_for(np.asarray(plens), config, pad_multiple), prompt_BP.shape[1])
+    keys = _engine.request_keys(jax.random.key(0), list(range(len(prompts))))
+    if drafter is None:
+        out = _engine.autoregressive_generate(target, params, prompt_BP, plens, keys, _GREEDY,
+                                              config.max_new_tokens, capacity=cap)
+    else:
+        out = _engine.speculative_generate(target, params, drafter, dparams, prompt_BP, plens, keys,
+                                           _GREEDY, config, capacity=cap)
+    return out.generated(), jax.device_get(out.metrics)
+
+
+def reference_greedy(target, params, prompts, max_new_tokens, *, batch_size=4, pad_multiple=128):
+    """Target-only greedy continuations, grouped by length so batches share compiled shapes."""
+    config = _engine.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    refs = {}
+    for chunk in _batches([(i, prompts[i]) for i in order], batch_size):
+        toks, _ = _run(target, params, None, None, config, [c[1] for c in chunk], pad_multiple)
+        for (i, _), t in zip(chunk, toks):
+            if i >= 0:
+                refs[i] = t
+    return [refs[i] for i in range(len(prompts))]
+
+
+def _top2_gap(target, params, seq: list[int], pos: int) -> float:
+    """top1 - top2 of the target's logits at `pos` (predicting seq[pos + 1]), teacher-forced."""
+    logits = target.apply(params, jnp.asarray([seq[:pos + 1]], jnp.int32), None)[0][0, pos]
     top2 = jax.lax.top_k(logits, 2)[0]
-    return np.asarray(top2[:, 0] - top2[:, 1])
+    return float(top2[0] - top2[1])
 
 
 def greedy_check(target, target_params, drafter, draft_params, prompts: list[list[int]], max_new_tokens: int,
-                 gamma, *, batch_size: int = 1, eps: float = NEAR_TIE_EPS, pad_multiple: int = 128,
-                 verifier: str = "token", max_restarts: int = 8) -> list[RowReport]:
-    """Compare speculative and target-only greedy decoding on every prompt (see module doc)."""
-    greedy = sampling_lib.SamplingConfig.make(temperature=0.0)
+                 gamma, *, references=None, batch_size: int = 1, eps: float = NEAR_TIE_EPS,
+                 pad_multiple: int = 128, verifier: str = "token", max_restarts: int = 8) -> list[RowReport]:
+    """Compare speculative greedy decoding with target-only greedy references (module doc)."""
+    if references is None:
+        references = reference_greedy(target, target_params, prompts, max_new_tokens, pad_multiple=pad_multiple)
     config = _engine.GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, verifier=verifier)
     reports = [RowReport(i) for i in range(len(prompts))]
-    # Work items: (report index, prompt tokens, tokens still to generate).
-    pending = [(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
+    # Work items: (prompt index, prompt tokens, reference continuation, tokens still to compare).
+    pending = [(i, list(prompts[i]), list(references[i]), max_new_tokens) for i in range(len(prompts))]
     for _ in range(max_restarts + 1):
         if not pending:
             break
+        pending.sort(key=lambda w: len(w[1]))
         next_pending = []
-        for start in range(0, len(pending), batch_size):
-            chunk = pending[start:start + batch_size]
-            while len(chunk) < batch_size:           # keep the batch shape fixed
-                chunk = chunk + [(-1, chunk[0][1], chunk[0][2])]
-            prompt_BP, plens = _engine.pad_prompts([c[1] for c in chunk], target.vocab_size, pad_multiple)
-            cap = _engine.capacity_for(np.asarray(plens), config, pad_multiple)
-            cap = max(cap, prompt_BP.shape[1])
-            keys = _engine.request_keys(jax.random.key(0), list(range(batch_size)))
-            ref = _engine.autoregressive_generate(target, target_params, prompt_BP, plens, keys, greedy,
-                                                  max_new_tokens, capacity=cap)
-            spec = _engine.speculative_generate(target, target_params, drafter, draft_params, prompt_BP, plens,
-                                                keys, greedy, config, capacity=cap)
-            ref_toks, spec_toks = ref.generated(), spec.generated()
-            m = jax.device_get(spec.metrics)
-            for b, (idx, prompt, budget) in enumerate(chunk):
+        for chunk in _batches(pending, batch_size):
+            spec_toks, m = _run(target, target_params, drafter, draft_params, config, [c[1] for c in chunk],
+                                pad_multiple)
+            for b, (idx, prompt, ref, budget) in enumerate(chunk):
                 if idx < 0:
                     continue
                 rep = reports[idx]
-                r, s = ref_toks[b][:budget], spec_toks[b][:budget]
                 rep.rounds += int(m.rounds_B[b])
                 rep.proposed += int(m.proposed_B[b])
                 rep.accepted += int(m.accepted_B[b])
                 if m.accepted_at_BG.shape[1]:
-                    rep.full_accept_rounds_lower_bound += int(m.accepted_at_BG[b, -1])
+                    rep.full_accept_rounds += int(m.accepted_at_BG[b, -1])
+                r, s = ref[:budget], spec_toks[b][:budget]
                 n = min(len(r), len(s))
                 first = next((i for i in range(n) if r[i] != s[i]), None)
                 if first is None:
                     rep.tokens_compared += n
                     continue
-                gap = float(_top2_gaps(target, target_params, prompt + r[:first + 1])[len(prompt) + first - 1])
                 rep.tokens_compared += first
-                if gap < eps:
-                    rep.near_ties.append((len(prompt) + first - len(prompts[idx]), gap))
-                    rest = budget - first - 1
-                    if rest > 0:
-                        next_pending.append((idx, prompt + r[:first + 1], rest))
-                else:
-                    rep.hard_mismatch = (len(prompt) + first - len(prompts[idx]), gap, r[first], s[first])
+                done_before = len(prompt) - len(prompts[idx])
+                gap = _top2_gap(target, target_params, prompt + r, len(prompt) + first - 1)
+                if gap >= eps:
+                    rep.hard_mismatch = (done_before + first, gap, r[first], s[first])
+                    continue
+                rep.near_ties.append((done_before + first, gap))
+                forced = prompt + r[:first + 1]
+                rest = budget - first - 1
+                if rest > 0:   # a fresh target-only reference from the teacher-forced prefix
+                    new_ref = reference_greedy(target, target_params, [forced], max_new_tokens,
+                                               batch_size=1, pad_multiple=pad_multiple)[0]
+                    next_pending.append((idx, forced, new_ref, rest))
         pending = next_pending
     return reports

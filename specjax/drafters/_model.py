@@ -35,8 +35,8 @@ class ModelDrafter:
     """Proposes by sampling autoregressively from a model with its own KV cache.
 
     Per round the draft first ingests the committed tokens it has not seen (one, or two after
-    a fully accepted round: its last proposal and the target's bonus token) in one 2-slot
-    forward, then runs gamma - 1 one-token steps in a `lax.scan`. `q` is recorded exactly as
+    a fully accepted round: its last proposal and the target's bonus token; more only after
+    gamma = 0 rounds of an adaptive policy) in 2-slot forwards, then runs gamma - 1 one-token steps in a `lax.scan`. `q` is recorded exactly as
     sampled, after the same logits processing as the target's.
     """
     model: DecoderModel
@@ -46,18 +46,36 @@ class ModelDrafter:
         return self.model.vocab_size
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
-        cache = self.model.init_cache(prompt_BP.shape[0], capacity)
+        # Barrier: see the target's prefill in the engine (no constant folding over zeros).
+        cache = jax.lax.optimization_barrier(self.model.init_cache(prompt_BP.shape[0], capacity))
         _, cache = self.model.apply(params, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
         return ModelDraftState(cache=cache)
 
+    def _ingest(self, params, cache, tokens_BL, num_B):
+        """Feed tokens[seen : seen + num] (num <= 2 per row) into the cache."""
+        seen_B = cache.lengths_B
+        idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BL.shape[1] - 1)
+        block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
+        return self.model.apply(params, block_B2, cache, num_valid_B=num_B)
+
     def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
         cache = state.cache
+
+        # More than two unseen tokens happen only after rounds without drafting (adaptive
+        # gamma = 0): ingest them two at a time until two are left. A fixed-gamma loop never
+        # enters this while_loop.
+        def behind(c):
+            return jnp.any(lengths_B - c.lengths_B > 2)
+
+        def catch_up(c):
+            num_B = jnp.clip(lengths_B - c.lengths_B - 2, 0, 2).astype(jnp.int32)
+            return self._ingest(params, c, tokens_BL, num_B)[1]
+
+        cache = jax.lax.while_loop(behind, catch_up, cache)
         seen_B = cache.lengths_B
         # Unseen committed tokens: tokens[seen : lengths], 1 or 2 of them (done rows: 1).
         num_new_B = jnp.clip(lengths_B - seen_B, 1, 2).astype(jnp.int32)
-        idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BL.shape[1] - 1)
-        block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
-        logits_B2V, cache = self.model.apply(params, block_B2, cache, num_valid_B=num_new_B)
+        logits_B2V, cache = self._ingest(params, cache, tokens_BL, num_new_B)
         logits_BV = jnp.take_along_axis(logits_B2V, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
         step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
         q_BV = sampling_lib.probabilities(logits_BV, cfg)

@@ -13,8 +13,10 @@ the first input of the next forward. So every round feeds the target ``[last, d_
   ``q`` with the row's own key; ``q`` must be exactly the distribution the token was drawn
   from, after the same logits processing (``sampling``) the target uses. A deterministic
   proposer reports one-hot ``q``.
-* ``commit(state, n_accepted_B) -> state``: the round kept ``n_accepted_B`` proposals plus
-  one target token; roll any cache back to the new committed prefix.
+* ``commit(state, new_lengths_B) -> state``: the round's committed lengths (accepted
+  proposals plus one target token, after EOS / max-token truncation); roll any cache back
+  to the new committed prefix. Rounds without drafting (gamma = 0) call neither ``propose``
+  nor ``commit``: a stateful drafter catches up on the unseen tokens in its next ``propose``.
 """
 
 from __future__ import annotations
@@ -38,5 +40,5 @@ class Drafter(Protocol):
                 key_B: jax.Array, gamma: int, sampling: Any) -> tuple[jax.Array, jax.Array, PyTree]:
         ...
 
-    def commit(self, state: PyTree, n_accepted_B: jax.Array) -> PyTree:
+    def commit(self, state: PyTree, new_lengths_B: jax.Array) -> PyTree:
         ...

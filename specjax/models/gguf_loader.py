@@ -77,9 +77,14 @@ def _field(reader, key, default=None):
     if f is None:
         return default
     try:
-        return f.contents()
+        value = f.contents()
     except Exception:
         return default
+    if isinstance(value, float):
+        # GGUF stores float32; take the shortest decimal that round-trips (1e-05, not
+        # 9.999999747378752e-06), i.e. the value the converter was given.
+        value = float(str(np.float32(value)))
+    return value
 
 
 def config_from_gguf(reader, dtype: str = "float32", scan_layers: bool = True,

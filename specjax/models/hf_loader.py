@@ -130,6 +130,9 @@ def config_from_hf(cfg: dict, dtype: str = "float32", scan_layers: bool = True) 
         bias = True
     else:
         bias = bool(cfg.get("attention_bias", False))
+    if arch == "qwen2" and cfg.get("use_sliding_window"):
+        raise UnsupportedArchitectureError(
+            "Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
     if cfg.get("mlp_bias"):
         raise UnsupportedArchitectureError("mlp_bias=True is not supported")
     act = cfg.get("hidden_act", "silu")

@@ -73,16 +73,28 @@ def write_kv(buf_LBKSH: jax.Array, new_LBTKH: jax.Array, lengths_B: jax.Array) -
     clamped to stay in bounds, so capacity must be checked on the host beforehand), a
     scatter otherwise (out-of-range writes of padding are dropped).
     """
+    return write_kv_slab(buf_LBKSH, 0, new_LBTKH, lengths_B)
+
+
+def write_kv_layer(buf_LBKSH: jax.Array, layer: int, new_BTKH: jax.Array,
+                   lengths_B: jax.Array) -> jax.Array:
+    """`write_kv` for one layer (``new_BTKH`` [B, T, K, H]) of the full buffer."""
+    return write_kv_slab(buf_LBKSH, layer, new_BTKH[None], lengths_B)
+
+
+def write_kv_slab(buf_LBKSH, first_layer: int, new_LBTKH, lengths_B):
+    """Write layers [first_layer, first_layer + L) of ``new_LBTKH`` [L, B, T, K, H]."""
     L, B, T = new_LBTKH.shape[:3]
     new_LBTKH = new_LBTKH.astype(buf_LBKSH.dtype)
     if B == 1:
-        upd = jnp.swapaxes(new_LBTKH, 2, 3)                      # [L, 1, K, T, H]
+        upd = jnp.swapaxes(new_LBTKH, 2, 3)
         zero = jnp.int32(0)
         return jax.lax.dynamic_update_slice(
-            buf_LBKSH, upd, (zero, zero, zero, lengths_B[0].astype(jnp.int32), zero))
+            buf_LBKSH, upd, (jnp.int32(first_layer), zero, zero,
+                             lengths_B[0].astype(jnp.int32), zero))
     pos_BT = lengths_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
     # Advanced indices (b, pos) broadcast to [B, T]; separated from the leading slice they
     # move to the front, so the indexed view is [B, T, L, K, H].
     upd = jnp.transpose(new_LBTKH, (1, 2, 0, 3, 4))
-    return buf_LBKSH.at[:, b_B1, :, pos_BT, :].set(upd, mode="drop")
+    return buf_LBKSH.at[first_layer:first_layer + L, b_B1, :, pos_BT, :].set(upd, mode="drop")

@@ -30,7 +30,7 @@ from flax import nnx
 
 from specjax.models._protocol import CacheCapacityError
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, write_kv
+from specjax.models.kv_cache import KVCache, write_kv, write_kv_layer
 
 PyTree = Any
 
@@ -307,8 +307,12 @@ class Llama:
             else:
                 xs = (layers, cache.k_LBKSH, cache.v_LBKSH)
             h, (k_new, v_new) = jax.lax.scan(body, h, xs)      # [L, B, T, K, H]
+            if cache is not None:
+                k_buf = write_kv(cache.k_LBKSH, k_new, lengths)
+                v_buf = write_kv(cache.v_LBKSH, v_new, lengths)
         else:
-            ks, vs = [], []
+            k_buf = None if cache is None else cache.k_LBKSH
+            v_buf = None if cache is None else cache.v_LBKSH
             for i in range(c.num_layers):
                 # Per-layer dicts (see `unstack_layers`) are much faster here than slicing
                 # stacked arrays inside the jit: XLA CPU fuses a slice into its consumer dot
@@ -316,20 +320,19 @@ class Llama:
                 lp = layers[i] if isinstance(layers, (list, tuple)) else \
                     jax.tree.map(lambda x: x[i], layers)
                 if cache is None:
-                    h, (k, v) = run_layer(lp, h, None, None)
+                    h, _ = run_layer(lp, h, None, None)
                 else:
-                    h, (k, v) = run_layer(lp, h, cache.k_LBKSH[i], cache.v_LBKSH[i])
-                ks.append(k)
-                vs.append(v)
-            k_new, v_new = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else (None, None)
+                    # Read layer i's past, then write its new entries: a chain of in-place
+                    # updates (writing all layers after the loop makes XLA copy the cache).
+                    h, (k, v) = run_layer(lp, h, k_buf[i], v_buf[i])
+                    k_buf = write_kv_layer(k_buf, i, k, lengths)
+                    v_buf = write_kv_layer(v_buf, i, v, lengths)
 
         h = rms_norm(h, p["final_norm"], c.rms_eps)
         if cache is not None:
             n = T if num_valid_B is None else num_valid_B
             n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
-            cache = cache.replace(k_LBKSH=write_kv(cache.k_LBKSH, k_new, lengths),
-                                  v_LBKSH=write_kv(cache.v_LBKSH, v_new, lengths),
-                                  lengths_B=lengths + n)
+            cache = cache.replace(k_LBKSH=k_buf, v_LBKSH=v_buf, lengths_B=lengths + n)
         return h, cache
 
     def logits_from_hidden(self, params, h_BTD):

@@ -1,0 +1,1 @@
+"""Experiments: benchmarks and studies built on specjax (not part of the package)."""

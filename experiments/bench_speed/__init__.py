@@ -1,0 +1,1 @@
+"""Speed benchmark of specjax: target-only, transformers, roofline, forward costs, speculative decoding."""

@@ -1,0 +1,106 @@
+"""Write a specjax model as a Hugging Face checkpoint directory (config.json + safetensors).
+
+The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` as
+LlamaForCausalLM (arch "llama") or Qwen2ForCausalLM (arch "qwen2"), and with
+`specjax.models.load` again.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig, UnsupportedArchitectureError
+from specjax.models.hf_loader import hf_tensor_names
+from specjax.models.llama import as_pure_params, stack_layers
+
+_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    if config.arch not in _ARCH:
+        raise UnsupportedArchitectureError(f"cannot export architecture {config.arch!r}")
+    if config.arch == "qwen2" and not config.attention_bias:
+        raise UnsupportedArchitectureError(
+            "Qwen2ForCausalLM always has q/k/v biases; export this model with arch='llama'")
+    arch_name, model_type = _ARCH[config.arch]
+    rope = {"rope_theta": float(config.rope_theta), "rope_type": "default"}
+    if config.rope_scaling is not None:
+        scaling = dict(config.rope_scaling_dict)
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        rope.update(scaling)
+    d = {
+        "architectures": [arch_name],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position,
+        "rms_norm_eps": float(config.rms_eps),
+        "rope_parameters": rope,
+        "tie_word_embeddings": bool(config.tie_embeddings),
+        "dtype": config.dtype,
+        "use_cache": True,
+        "attention_dropout": 0.0,
+    }
+    if config.arch == "llama":
+        d.update(attention_bias=bool(config.attention_bias), mlp_bias=False)
+    else:
+        d.update(use_sliding_window=False, sliding_window=None)
+    if config.bos_token_id is not None:
+        d["bos_token_id"] = config.bos_token_id
+    if config.eos_token_id is not None:
+        eos = config.eos_token_id
+        d["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    return d
+
+
+def hf_state_dict(config: ModelConfig, params) -> dict[str, jax.Array]:
+    """HF tensor name -> array in PyTorch [out, in] orientation (params dtype)."""
+    p = dict(as_pure_params(params))
+    p["layers"] = stack_layers(p["layers"])
+    out = {}
+    for path, (names, transpose) in hf_tensor_names(config).items():
+        arr = p
+        for key in path:
+            arr = arr[key]
+        if isinstance(names, list):
+            for i, name in enumerate(names):
+                out[name] = arr[i].T if transpose else arr[i]
+        else:
+            out[names] = arr.T if transpose else arr
+    return out
+
+
+def export_hf(model_or_config, params, out_dir, dtype: str | None = None) -> pathlib.Path:
+    """Write ``config.json`` and ``model.safetensors`` for `model_or_config` into out_dir.
+
+    ``dtype`` ('float32' | 'bfloat16') overrides the stored dtype (default: the config's).
+    """
+    from safetensors.flax import save_file
+
+    config = getattr(model_or_config, "config", model_or_config)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dt = jnp.dtype(config.dtype)
+    tensors = {k: jnp.asarray(v, dt) for k, v in hf_state_dict(config, params).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
+    gen = {"do_sample": False}
+    if config.bos_token_id is not None:
+        gen["bos_token_id"] = config.bos_token_id
+    if config.eos_token_id is not None:
+        eos = config.eos_token_id
+        gen["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out_dir

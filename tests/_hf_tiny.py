@@ -1,0 +1,54 @@
+"""Tiny random transformers checkpoints (Llama with llama3/linear RoPE scaling, Qwen2)."""
+import numpy as np
+
+VOCAB = 101
+
+
+def hf_config(kind: str):
+    from transformers import LlamaConfig, Qwen2Config
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, initializer_range=0.15)
+    if kind == "llama3":
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    if kind == "llama_linear":
+        return LlamaConfig(**common, tie_word_embeddings=False, head_dim=24, rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    if kind == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    raise ValueError(kind)
+
+
+def hf_model(kind: str, seed: int = 0):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32).eval()
+    with torch.no_grad():   # make biases and norm weights non-trivial
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def hf_logits(model, tokens_BT) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens_BT), dtype=torch.long)).logits.double().numpy()
+
+
+def rel_and_kl(ref, got):
+    """Per position max|Δ| / max|ref| and KL(p_ref || p_got)."""
+    ref = np.asarray(ref, np.float64)
+    got = np.asarray(got, np.float64)
+    rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
+    lp_ref = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    lp_got = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
+    kl = (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
+    return rel, kl

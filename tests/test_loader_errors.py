@@ -1,0 +1,174 @@
+"""Loader errors are clear (typed, naming the tensor / file / architecture), and a tiny GGUF
+written here (llama with llama.cpp's Q/K permutation, and qwen2) loads back exactly."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models import (CheckpointError, CorruptCheckpointError, Llama, MissingTensorError,
+                            ModelConfig, TensorShapeError, UnsupportedArchitectureError,
+                            export_hf, load)
+from specjax.models.export import hf_state_dict
+from specjax.models.gguf_loader import gguf_name, permute_qk
+
+CFG = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, ffn_size=48, rope_theta=10000.0, rms_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2)
+
+
+def _random(config, seed=0):
+    model = Llama(config)
+    return model, jax.tree.map(lambda x: 3.0 * x, model.init_params(jax.random.key(seed)))
+
+
+def write_gguf(path, config, params, arch=None, drop=(), reshape=None):
+    """A float32 GGUF of `params` laid out the way llama.cpp's converter writes them."""
+    import gguf
+    arch = arch or config.arch
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_position)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.ffn_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_eps)
+    w.add_vocab_size(config.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for hf_name, arr in hf_state_dict(config, params).items():
+        name = gguf_name(hf_name)
+        if name in drop:
+            continue
+        arr = np.asarray(arr, np.float32)
+        if arch == "llama" and name.endswith("attn_q.weight"):
+            arr = permute_qk(arr, config.num_heads)
+        elif arch == "llama" and name.endswith("attn_k.weight"):
+            arr = permute_qk(arr, config.num_kv_heads)
+        if reshape and name == reshape:
+            arr = arr[:-1]
+        w.add_tensor(name, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("config", [CFG, CFG.replace(arch="qwen2", attention_bias=True,
+                                                     tie_embeddings=False)],
+                         ids=["llama", "qwen2"])
+def test_tiny_gguf_round_trip(tmp_path, config):
+    model, params = _random(config)
+    path = write_gguf(tmp_path / "tiny.gguf", config, params)
+    model2, params2 = load(str(path))
+    assert model2.config.replace(max_position=config.max_position) == config
+    toks = jnp.asarray([[5, 9, 1, 33, 60, 7]])
+    a, _ = model.apply(params, toks, None)
+    b, _ = model2.apply(params2, toks, None)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_missing_and_misshapen_tensor(tmp_path):
+    _, params = _random(CFG)
+    path = write_gguf(tmp_path / "a.gguf", CFG, params, drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(MissingTensorError, match=r"blk\.1\.ffn_up\.weight"):
+        load(str(path))
+    path = write_gguf(tmp_path / "b.gguf", CFG, params, reshape="blk.0.ffn_down.weight")
+    with pytest.raises(TensorShapeError, match=r"blk\.0\.ffn_down\.weight.*\(31, 48\).*\(32, 48\)"):
+        load(str(path))
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    _, params = _random(CFG)
+    path = write_gguf(tmp_path / "g.gguf", CFG, params, arch="gpt2")
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        load(str(path))
+
+
+def test_truncated_gguf(tmp_path):
+    _, params = _random(CFG)
+    path = write_gguf(tmp_path / "full.gguf", CFG, params)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 100):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CorruptCheckpointError, match=str(bad.name)):
+            load(str(bad))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CorruptCheckpointError, match="junk.gguf"):
+        load(str(junk))
+
+
+def _hf_dir(tmp_path, config=CFG):
+    model, params = _random(config)
+    d = tmp_path / "ckpt"
+    export_hf(model, params, d)
+    return d
+
+
+def _rewrite(d, fn):
+    from safetensors.numpy import load_file, save_file
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    fn(tensors)
+    save_file(tensors, str(f))
+
+
+def test_hf_missing_tensor(tmp_path):
+    d = _hf_dir(tmp_path)
+    _rewrite(d, lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"))
+    with pytest.raises(MissingTensorError, match=r"model\.layers\.1\.self_attn\.v_proj\.weight"):
+        load(str(d))
+
+
+def test_hf_misshapen_tensor(tmp_path):
+    d = _hf_dir(tmp_path)
+
+    def shrink(t):
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"][:, :30]
+    _rewrite(d, shrink)
+    with pytest.raises(TensorShapeError) as e:
+        load(str(d))
+    msg = str(e.value)
+    assert "model.layers.0.self_attn.q_proj.weight" in msg
+    assert "(32, 30)" in msg and "(32, 32)" in msg
+
+
+def test_hf_unsupported_architecture(tmp_path):
+    d = _hf_dir(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
+        load(str(d))
+
+
+def test_truncated_safetensors(tmp_path):
+    d = _hf_dir(tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+        load(str(d))
+    f.write_bytes(data[:5])
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+        load(str(d))
+
+
+def test_not_a_checkpoint(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError):
+        load(str(f))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError):
+        load(str(tmp_path / "empty"))
+    assert issubclass(CheckpointError, ValueError)
+    shutil.rmtree(tmp_path / "empty")

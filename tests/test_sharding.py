@@ -1,0 +1,73 @@
+"""Sharding: logical-axis rules, and a 2-device CPU mesh smoke test (in a subprocess, so the
+rest of the suite keeps one device)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from specjax import sharding
+from specjax.models import CACHE_LOGICAL_AXES, Llama, ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_logical_to_spec_rules():
+    assert sharding.logical_to_spec(("layers", "embed", "heads")) == P(None, None, "model")
+    assert sharding.logical_to_spec(("batch", "kv"), rules=(("batch", "data"),)) == P("data", None)
+    # the same mesh axis is used at most once per tensor
+    assert sharding.logical_to_spec(("vocab", "mlp")) == P("model", None)
+    # unknown names and None stay replicated
+    assert sharding.logical_to_spec(("foo", None)) == P(None, None)
+    c = ModelConfig(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=4, ffn_size=16)
+    axes = Llama(c).param_logical_axes()
+    assert axes["embed"] == ("vocab", "embed")
+    assert CACHE_LOGICAL_AXES.k_LBKSH == ("layers", "batch", "kv", "sequence", "head_dim")
+
+
+_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from specjax import sharding
+    from specjax.models import Llama, ModelConfig, unstack_layers
+    assert jax.device_count() == 2, jax.devices()
+    c = ModelConfig(vocab_size=98, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, ffn_size=64, attention_bias=True, tie_embeddings=False)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 98, (2, 9)))
+    for scan in (True, False):
+        model = Llama(c.replace(scan_layers=scan))
+        params = jax.tree.map(lambda x: 3 * x, model.init_params(jax.random.key(0)))
+        def run(p, cache):
+            step = jax.jit(model.apply)
+            a, cache = step(p, toks[:, :6], cache, jnp.asarray([6, 4]))
+            b, cache = step(p, toks[:, 6:7], cache.rollback(jnp.asarray([6, 4])))
+            return np.asarray(a), np.asarray(b), np.asarray(cache.lengths_B)
+        ref = run(params, model.init_cache(2, 16))
+        for data, mdl in ((1, 2), (2, 1)):
+            mesh = sharding.make_mesh(data=data, model=mdl)
+            ps = params if scan else unstack_layers(params)
+            sp = sharding.shard_params(ps, model, mesh)
+            sc = sharding.shard_cache(model.init_cache(2, 16), mesh)
+            if mdl == 2:
+                assert sp["lm_head"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+                assert len(sp["embed"].sharding.device_set) == 2
+                assert sc.k_LBKSH.sharding.spec[2] == "model"
+            else:
+                assert sc.k_LBKSH.sharding.spec[1] == "data"
+            got = run(sp, sc)
+            for r, g in zip(ref, got):
+                np.testing.assert_allclose(g, r, atol=2e-5, rtol=2e-5)
+    print("SHARDING_OK")
+""")
+
+
+def test_two_device_cpu_mesh_matches_single_device():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "SHARDING_OK" in proc.stdout, proc.stderr[-4000:]
