@@ -20,29 +20,23 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
 
 
-def timed_stream(pair, prompt_BP, plens, keys, samp, gen, on_tokens=None):
-    """Run one streamed generation; returns (tokens, compile_s, steady tokens/s, final state)."""
+def timed_stream(pair, prompt_BP, plens, keys, samp, gen, on_tokens=None, round_time_s=None):
+    """Run one streamed generation of row 0; returns (tokens, timing summary, final state)."""
     from specjax import decoding
     gen_iter = decoding.stream_generate(pair.target, pair.target_params, pair.drafter, pair.draft_params,
-                                        prompt_BP, plens, keys, samp, gen)
-    tokens, t_first, n_after_first, t_last = [], None, 0, None
-    state = None
+                                        prompt_BP, plens, keys, samp, gen, round_time_s=round_time_s)
+    tokens, events = [], []
     while True:
         try:
             ev = next(gen_iter)
         except StopIteration as stop:
             state = stop.value
             break
+        events.append(ev)
         tokens.extend(ev.new_tokens[0])
         if on_tokens is not None:
             on_tokens(ev.new_tokens[0])
-        if t_first is None:
-            t_first = ev.elapsed_s
-        else:
-            n_after_first += len(ev.new_tokens[0])
-        t_last = ev.elapsed_s
-    steady = n_after_first / (t_last - t_first) if t_last and t_last > t_first else float("nan")
-    return tokens, t_first, steady, state
+    return tokens, decoding.timing_summary(events), state
 
 
 def generate_main(c) -> dict:
@@ -74,13 +68,21 @@ def generate_main(c) -> dict:
         if piece:
             print(piece, end="", flush=True)
 
-    tokens, spec_first_s, spec_tps, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, show)
+    round_time_s = None
+    if isinstance(gen.gamma, decoding.AdaptiveGamma):
+        round_time_s = decoding.calibrate_round_times(pair.target, pair.target_params, pair.drafter,
+                                                      pair.draft_params, prompt_BP, plens, samp, gen, repeats=3)
+        print("[specjax] calibrated round times (ms) per gamma "
+              + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(gen.gammas, round_time_s)), file=sys.stderr)
+    tokens, timing, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, show, round_time_s)
+    spec_tps, spec_first_s = timing["tokens_per_s"], timing["ttft_s"]
     print(decoder.finish(), flush=True)
     m = state.metrics
     rounds = int(np.asarray(m.rounds_B)[0])
     stats = {
         "target": c.target, "drafter": c.drafter, "gamma": str(gen.gamma), "temperature": c.temperature,
-        "new_tokens": len(tokens), "tokens_per_s": spec_tps, "first_round_s_incl_compile": spec_first_s,
+        "new_tokens": len(tokens), "tokens_per_s": spec_tps, "ttft_s_incl_compile": spec_first_s,
+        "inter_token_s": timing["inter_token_s"],
         "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
         "proposed": int(np.asarray(m.proposed_B)[0]), "accepted": int(np.asarray(m.accepted_B)[0]),
         "degenerate_residuals": int(np.asarray(m.degenerate_residual_B)[0]),
@@ -89,7 +91,8 @@ def generate_main(c) -> dict:
     if c.compare_target_only and c.drafter != "none":
         base = build.Pair(pair.target, pair.target_params, None, None, tok)
         base_gen = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=0, eos_ids=gen.eos_ids)
-        base_tokens, _, base_tps, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen)
+        base_tokens, base_timing, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen)
+        base_tps = base_timing["tokens_per_s"]
         stats["target_only_tokens_per_s"] = base_tps
         stats["speedup"] = spec_tps / base_tps
         if c.temperature == 0:
@@ -98,7 +101,7 @@ def generate_main(c) -> dict:
             + (f", speedup {stats['speedup']:.2f}x over target-only ({stats['target_only_tokens_per_s']:.1f} tokens/s)"
                if "speedup" in stats else "")
             + f", mean accepted tokens {stats['mean_accepted_tokens']:.2f} per target pass"
-            + f" (first round incl. compile {spec_first_s:.1f}s)")
+            + f" (time to first token incl. compile {spec_first_s:.1f}s)")
     print(line, flush=True)
     if c.metrics_jsonl:
         with open(c.metrics_jsonl, "a") as f:

@@ -84,3 +84,50 @@ def run_stream(*args, **kwargs):
             events.append(next(gen))
         except StopIteration as stop:
             return events, stop.value
+
+
+def timing_summary(events: list[StreamEvent], row: int = 0) -> dict:
+    """Host-side latency metrics of one row from its stream events.
+
+    ttft_s: time to the first committed token (prefill, first round and any compilation);
+    inter_token_s: mean time per token after the first round (a round's wall time spread
+    over the tokens it committed); tokens_per_s: tokens after the first round / their time.
+    """
+    times, counts = [], []
+    for e in events:
+        if e.new_tokens[row]:
+            times.append(e.elapsed_s)
+            counts.append(len(e.new_tokens[row]))
+    if not times:
+        return {"ttft_s": float("nan"), "tokens": 0, "inter_token_s": float("nan"), "tokens_per_s": float("nan")}
+    after = sum(counts[1:])
+    span = times[-1] - times[0]
+    return {"ttft_s": times[0], "tokens": sum(counts),
+            "inter_token_s": span / after if after else float("nan"),
+            "tokens_per_s": after / span if span > 0 else float("nan")}
+
+
+def calibrate_round_times(target, target_params, drafter, draft_params, prompt_BP, prompt_lengths_B, sampling,
+                          config: _engine.GenerationConfig, repeats: int = 5) -> list[float]:
+    """Median wall time of one round for each gamma in `config.gammas`, on these prompts.
+
+    Feeds `AdaptiveGamma` (`round_time_s=`); run once per model pair and machine. Each gamma
+    is compiled and warmed up first; every timed call starts from the same prefilled state,
+    so all repeats do identical work.
+    """
+    capacity = _engine._checked_capacity(prompt_BP, prompt_lengths_B, config, None)
+    key_B = _engine.request_keys(jax.random.key(0), list(range(prompt_BP.shape[0])))
+    state = init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
+                       key_B, capacity)
+    out = []
+    for g in config.gammas:
+        fn = jax.jit(functools.partial(_engine._round, target, target_params, drafter, draft_params, config,
+                                       sampling, g))
+        jax.block_until_ready(fn(state))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(state))
+            ts.append(time.perf_counter() - t0)
+        out.append(float(np.median(ts)))
+    return out
