@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import sharding
@@ -36,7 +35,7 @@ _SCRIPT = textwrap.dedent("""
     c = ModelConfig(vocab_size=98, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=8, ffn_size=64, attention_bias=True, tie_embeddings=False)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 98, (2, 9)))
-    for scan in (True, False):
+    for scan, meshes in ((True, ((1, 2), (2, 1))), (False, ((1, 2),))):
         model = Llama(c.replace(scan_layers=scan))
         params = jax.tree.map(lambda x: 3 * x, model.init_params(jax.random.key(0)))
         def run(p, cache):
@@ -45,7 +44,7 @@ _SCRIPT = textwrap.dedent("""
             b, cache = step(p, toks[:, 6:7], cache.rollback(jnp.asarray([6, 4])))
             return np.asarray(a), np.asarray(b), np.asarray(cache.lengths_B)
         ref = run(params, model.init_cache(2, 16))
-        for data, mdl in ((1, 2), (2, 1)):
+        for data, mdl in meshes:
             mesh = sharding.make_mesh(data=data, model=mdl)
             ps = params if scan else unstack_layers(params)
             sp = sharding.shard_params(ps, model, mesh)

@@ -34,6 +34,7 @@ from specjax import sampling as sampling_lib
 from specjax import verify as verify_lib
 from specjax.decoding import _adaptive
 from specjax.drafters._model import rollback_to_committed
+from specjax import models
 from specjax.models._protocol import CacheCapacityError, check_capacity
 
 RUNNING, EOS, MAX_TOKENS, NAN_LOGITS = 0, 1, 2, 3
@@ -133,15 +134,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None,
     lens = [len(p) for p in prompts]
     if min(lens) < 1:
         raise ValueError(f"prompt {lens.index(min(lens))} is empty; every prompt needs >= 1 token")
-    width = -(-max(lens) // multiple) * multiple
-    out = np.full((len(prompts), width), PAD_ID, np.int32)
     for b, p in enumerate(prompts):
         arr = np.asarray(p, np.int64)
         if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
             raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): "
                              f"min {arr.min()}, max {arr.max()}")
-        out[b, :len(p)] = arr
-    return jnp.asarray(out), jnp.asarray(lens, jnp.int32)
+    tokens_BP, lengths_B = models.pad_prompts(prompts, pad_id=PAD_ID, multiple=multiple)
+    return jnp.asarray(tokens_BP), jnp.asarray(lengths_B, jnp.int32)
 
 
 def request_keys(key: jax.Array, request_ids) -> jax.Array:

@@ -11,6 +11,7 @@ from specjax.models.llama import (CACHE_LOGICAL_AXES, Llama, LlamaModule, load, 
                                   pad_prompts, param_logical_axes, param_shapes, prefill,
                                   stack_layers, truncate_layers, unstack_layers)
 from specjax.models.registry import DEFAULT_MODEL, resolve
+from specjax.models.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 __all__ = [
     "CacheCapacityError", "DecoderModel", "check_capacity",
@@ -20,4 +21,5 @@ __all__ = [
     "CACHE_LOGICAL_AXES", "Llama", "LlamaModule", "load", "load_model", "pad_prompts",
     "param_logical_axes", "param_shapes", "prefill", "stack_layers", "truncate_layers", "unstack_layers",
     "DEFAULT_MODEL", "resolve",
+    "IncrementalDecoder", "Tokenizer", "load_tokenizer",
 ]

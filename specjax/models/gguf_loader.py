@@ -146,7 +146,7 @@ def config_from_gguf(reader, dtype: str = "float32", scan_layers: bool = True,
 
 
 def load_gguf(path, dtype: str = "float32", scan_layers: bool = True):
-    """(Llama model, params) from a GGUF file."""
+    """(Llama model, params) from a GGUF file (params in ``model.prepare_params`` form)."""
     import gguf
     from specjax.models.llama import Llama
 
@@ -178,4 +178,5 @@ def load_gguf(path, dtype: str = "float32", scan_layers: bool = True):
             arr = unpermute_qk(arr, n)
         return arr, name
 
-    return Llama(config), params_from_hf_tensors(config, get)
+    model = Llama(config)
+    return model, model.prepare_params(params_from_hf_tensors(config, get))

@@ -201,7 +201,11 @@ class _SafetensorsDir:
 
 
 def load_hf(path, dtype: str = "float32", scan_layers: bool = True):
-    """(Llama model, params) from a Hugging Face checkpoint directory."""
+    """(Llama model, params) from a Hugging Face checkpoint directory.
+
+    Params come in ``model.prepare_params`` form: stacked layers with ``scan_layers=True``,
+    a tuple of per-layer dicts with ``scan_layers=False``.
+    """
     from specjax.models.llama import Llama
 
     directory = pathlib.Path(path)
@@ -219,5 +223,5 @@ def load_hf(path, dtype: str = "float32", scan_layers: bool = True):
         raise MissingTensorError(
             f"tensor 'lm_head.weight' is missing from the checkpoint in {directory} "
             f"(config says tie_word_embeddings=false)")
-    params = params_from_hf_tensors(config, store.get)
-    return Llama(config), params
+    model = Llama(config)
+    return model, model.prepare_params(params_from_hf_tensors(config, store.get))

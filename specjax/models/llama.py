@@ -30,7 +30,7 @@ from flax import nnx
 
 from specjax.models._protocol import CacheCapacityError
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, write_kv, write_kv_layer
+from specjax.models.kv_cache import KVCache, write_kv
 
 PyTree = Any
 
@@ -238,6 +238,13 @@ def as_pure_params(params: PyTree) -> dict:
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Llama:
+    """The decoder as a protocol model: frozen and hashable (a static `jax.jit` argument).
+
+    ``apply`` jitted with the cache donated (``jax.jit(model.apply, donate_argnums=(2,))``)
+    updates the cache in place. ``scan_layers=True`` (lax.scan over stacked layers) compiles
+    in about a second and, on XLA CPU, keeps the cache update copy-free; the unrolled loop
+    compiles slower and currently makes XLA copy the cache once per step.
+    """
     config: ModelConfig
 
     # -- protocol -------------------------------------------------------------------------
@@ -311,8 +318,7 @@ class Llama:
                 k_buf = write_kv(cache.k_LBKSH, k_new, lengths)
                 v_buf = write_kv(cache.v_LBKSH, v_new, lengths)
         else:
-            k_buf = None if cache is None else cache.k_LBKSH
-            v_buf = None if cache is None else cache.v_LBKSH
+            ks, vs = [], []
             for i in range(c.num_layers):
                 # Per-layer dicts (see `unstack_layers`) are much faster here than slicing
                 # stacked arrays inside the jit: XLA CPU fuses a slice into its consumer dot
@@ -322,11 +328,14 @@ class Llama:
                 if cache is None:
                     h, _ = run_layer(lp, h, None, None)
                 else:
-                    # Read layer i's past, then write its new entries: a chain of in-place
-                    # updates (writing all layers after the loop makes XLA copy the cache).
-                    h, (k, v) = run_layer(lp, h, k_buf[i], v_buf[i])
-                    k_buf = write_kv_layer(k_buf, i, k, lengths)
-                    v_buf = write_kv_layer(v_buf, i, v, lengths)
+                    h, (k, v) = run_layer(lp, h, cache.k_LBKSH[i], cache.v_LBKSH[i])
+                    ks.append(k)
+                    vs.append(v)
+            if cache is not None:
+                # NB: XLA CPU currently schedules the 30 static cache slices early and then
+                # copies the donated buffer before this write; the scan path does not.
+                k_buf = write_kv(cache.k_LBKSH, jnp.stack(ks), lengths)
+                v_buf = write_kv(cache.v_LBKSH, jnp.stack(vs), lengths)
 
         h = rms_norm(h, p["final_norm"], c.rms_eps)
         if cache is not None:
@@ -441,6 +450,9 @@ def load(name_or_path: str = "smollm2-135m-instruct", dtype: str = "float32",
     """(model, params) from a known name, a GGUF file, or a Hugging Face checkpoint dir.
 
     Known names go through `specjax.models.registry.resolve` (fetched and sha256-checked).
+    Params come in the fastest form for the config (``model.prepare_params``): layers
+    stacked along a leading axis for ``scan_layers=True``, a tuple of per-layer dicts for
+    ``scan_layers=False``. `truncate_layers`, `export_hf` and `specjax.sharding` take both.
     """
     import pathlib
 
