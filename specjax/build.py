@@ -24,12 +24,14 @@ def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = T
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
                  max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True):
-    """(drafter, draft_params) for kind in {'ngram', 'early_exit', 'model', 'none'}."""
+    """(drafter, draft_params) for kind in {'ngram', 'early_exit', 'early_exit_own_cache', 'model', 'none'}."""
     if kind == "none":
         return None, None
     if kind == "ngram":
         return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
-    if kind == "early_exit":
+    if kind == "early_exit":   # shares the target's KV cache for its layers
+        return drafters.EarlyExitDrafter.from_target(target, target_params, early_exit_layers)
+    if kind == "early_exit_own_cache":   # the same draft as a separate model with its own cache
         params, cfg = models.truncate_layers(target_params, target.config, early_exit_layers)
         return drafters.ModelDrafter(models.Llama(cfg)), params
     if kind == "model":
@@ -40,7 +42,7 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
             raise ValueError(f"vocab mismatch: draft model {draft_model} has {model.vocab_size} tokens, "
                              f"the target {target.vocab_size}")
         return drafters.ModelDrafter(model), params
-    raise ValueError(f"unknown drafter {kind!r}: expected ngram, early_exit, model or none")
+    raise ValueError(f"unknown drafter {kind!r}: expected ngram, early_exit, early_exit_own_cache, model or none")
 
 
 def sampling_config(c) -> sampling.SamplingConfig:

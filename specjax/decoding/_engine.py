@@ -179,8 +179,9 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
 
     V = target.vocab_size
     if gamma > 0:
+        extra = {"target_cache": state.target_cache} if getattr(drafter, "reads_target_cache", False) else {}
         draft_BG, q_BGV, draft_state = drafter.propose(
-            draft_params, state.draft_state, state.tokens_BL, L_B, draft_key_B, gamma, cfg)
+            draft_params, state.draft_state, state.tokens_BL, L_B, draft_key_B, gamma, cfg, **extra)
     else:
         draft_BG = jnp.zeros((B, 0), jnp.int32)
         q_BGV = jnp.zeros((B, 0, V), jnp.float32)

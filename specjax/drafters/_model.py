@@ -30,6 +30,30 @@ def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
     return jax.vmap(sampling_lib.sample)(key_B, probs_BV).astype(jnp.int32)
 
 
+def rollout(model, params, cache, logits_BV, key_B, gamma, cfg):
+    """Sample gamma tokens autoregressively, starting from the logits of the last seen token.
+
+    Returns (tokens_BG, q_BGV, cache); q is recorded exactly as sampled (same processing as
+    the target's, `cfg`), and the cache has gamma - 1 more entries (the last proposal is not
+    fed back: the verification decides whether it is kept).
+    """
+    step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
+    q_BV = sampling_lib.probabilities(logits_BV, cfg)
+    tok_B = draw(step_keys_BG[:, 0], q_BV, cfg)
+
+    def step(carry, key_B):
+        cache, tok_B = carry
+        logits_B1V, cache = model.apply(params, tok_B[:, None], cache)
+        q_BV = sampling_lib.probabilities(logits_B1V[:, 0], cfg)
+        nxt_B = draw(key_B, q_BV, cfg)
+        return (cache, nxt_B), (nxt_B, q_BV)
+
+    (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
+    tokens_BG = jnp.concatenate([tok_B[:, None], jnp.swapaxes(toks_GB, 0, 1)], axis=1)
+    q_BGV = jnp.concatenate([q_BV[:, None], jnp.swapaxes(qs_GBV, 0, 1)], axis=1)
+    return tokens_BG, q_BGV, cache
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
     """Proposes by sampling autoregressively from a model with its own KV cache.
@@ -72,27 +96,57 @@ class ModelDrafter:
             return self._ingest(params, c, tokens_BL, num_B)[1]
 
         cache = jax.lax.while_loop(behind, catch_up, cache)
-        seen_B = cache.lengths_B
         # Unseen committed tokens: tokens[seen : lengths], 1 or 2 of them (done rows: 1).
-        num_new_B = jnp.clip(lengths_B - seen_B, 1, 2).astype(jnp.int32)
+        num_new_B = jnp.clip(lengths_B - cache.lengths_B, 1, 2).astype(jnp.int32)
         logits_B2V, cache = self._ingest(params, cache, tokens_BL, num_new_B)
         logits_BV = jnp.take_along_axis(logits_B2V, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
-        step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-        q_BV = sampling_lib.probabilities(logits_BV, cfg)
-        tok_B = draw(step_keys_BG[:, 0], q_BV, cfg)
-
-        def step(carry, key_B):
-            cache, tok_B = carry
-            logits_B1V, cache = self.model.apply(params, tok_B[:, None], cache)
-            q_BV = sampling_lib.probabilities(logits_B1V[:, 0], cfg)
-            nxt_B = draw(key_B, q_BV, cfg)
-            return (cache, nxt_B), (nxt_B, q_BV)
-
-        (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(
-            step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
-        tokens_BG = jnp.concatenate([tok_B[:, None], jnp.swapaxes(toks_GB, 0, 1)], axis=1)
-        q_BGV = jnp.concatenate([q_BV[:, None], jnp.swapaxes(qs_GBV, 0, 1)], axis=1)
+        tokens_BG, q_BGV, cache = rollout(self.model, params, cache, logits_BV, key_B, gamma, cfg)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
     def commit(self, state, new_lengths_B):
         return ModelDraftState(cache=rollback_to_committed(state.cache, new_lengths_B))
+
+
+@struct.dataclass
+class NoState:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyExitDrafter:
+    """Self-speculative draft: the target's first k layers and its head, on the target's cache.
+
+    The target's KV cache already holds, for every layer, the committed prefix minus its last
+    token, and its first k layers' entries are exactly what this draft would compute (same
+    weights, tokens and positions). So the draft keeps no cache of its own and needs no
+    prefill or catch-up: each round it starts from the target cache's first k layers, feeds
+    the last committed token, and drafts gamma tokens. Its speculative entries live in a
+    per-round view that is dropped after proposing; the target's verification pass then
+    writes the real entries for all layers. Build it with `EarlyExitDrafter.from_target`.
+    """
+    model: DecoderModel            # a Llama with config.num_layers = k
+    reads_target_cache = True      # the engine passes target_cache= to propose
+
+    @classmethod
+    def from_target(cls, target, target_params, num_layers: int):
+        from specjax.models import Llama, truncate_layers
+        params, config = truncate_layers(target_params, target.config, num_layers)
+        return cls(Llama(config)), params
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity):
+        return NoState()
+
+    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg, *, target_cache):
+        k = self.model.config.num_layers
+        cache = target_cache.replace(k_LBKSH=target_cache.k_LBKSH[:k], v_LBKSH=target_cache.v_LBKSH[:k])
+        last_B1 = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
+        logits_B1V, cache = self.model.apply(params, last_B1, cache)
+        tokens_BG, q_BGV, _ = rollout(self.model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)
+        return tokens_BG, q_BGV, state
+
+    def commit(self, state, new_lengths_B):
+        return state

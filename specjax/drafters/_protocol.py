@@ -13,6 +13,9 @@ the first input of the next forward. So every round feeds the target ``[last, d_
   ``q`` with the row's own key; ``q`` must be exactly the distribution the token was drawn
   from, after the same logits processing (``sampling``) the target uses. A deterministic
   proposer reports one-hot ``q``.
+* Optional ``reads_target_cache = True``: the engine then also passes the target's cache
+  (holding the committed prefix minus the last token) as ``propose(..., target_cache=...)``,
+  read-only; the early-exit drafter runs on its first layers instead of keeping its own.
 * ``commit(state, new_lengths_B) -> state``: the round's committed lengths (accepted
   proposals plus one target token, after EOS / max-token truncation); roll any cache back
   to the new committed prefix. Rounds without drafting (gamma = 0) call neither ``propose``
