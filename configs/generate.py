@@ -31,4 +31,5 @@ def get_config():
                 "then explain it in two sentences.")
     c.compare_target_only = True            # also time target-only decoding for the speedup
     c.metrics_jsonl = ""                    # append the run's stats as one JSON line
+    c.distributed = False                   # call jax.distributed.initialize() (multi-host, see launch/)
     return c

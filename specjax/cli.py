@@ -114,6 +114,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
+    if _CONFIG.value.get("distributed", False):
+        import jax
+        jax.distributed.initialize()
     generate_main(_CONFIG.value)
 
 
