@@ -95,13 +95,26 @@ def _git(*args) -> str | None:
         out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return out.stdout.rstrip("\n").strip("\n") if out.returncode == 0 else None   # keep porcelain's leading spaces
 
 
-def git_state() -> dict:
+def git_state(exclude=()) -> dict:
+    """HEAD's commit and whether the working tree differs from it (`git status --porcelain`),
+    ignoring paths under `exclude` (the benchmark's own output directory)."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain")
-    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+    commit = commit.strip() if commit else commit
+    status = _git("status", "--porcelain", "--untracked-files=all")
+    if status is None:
+        return {"git_commit": commit, "git_dirty": None, "git_changed_files": None}
+    prefixes = []
+    for e in exclude:
+        try:
+            prefixes.append(pathlib.Path(e).resolve().relative_to(REPO).as_posix().rstrip("/") + "/")
+        except ValueError:      # outside the repository: cannot show up in git status
+            pass
+    changed = [line[3:] for line in status.splitlines() if line.strip()]
+    changed = [c for c in changed if not any(c.strip('"').startswith(p) for p in prefixes)]
+    return {"git_commit": commit, "git_dirty": bool(changed), "git_changed_files": changed[:50]}
 
 
 def cpu_model() -> str:
@@ -122,6 +135,29 @@ def _version(module: str) -> str | None:
         return None
 
 
+def loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages (a busy machine makes every timing here unreliable)."""
+    try:
+        return [float(x) for x in pathlib.Path("/proc/loadavg").read_text().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup's CPU quota (v2 cpu.max or v1 cfs), None if unlimited/unknown."""
+    try:
+        quota, period = pathlib.Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(pathlib.Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(pathlib.Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
 def machine() -> dict:
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -138,6 +174,8 @@ def machine() -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": affinity,
+        "cgroup_cpu_quota": cpu_quota(),
+        "loadavg_at_start": loadavg(),
         "mem_total_gib": mem_gib,
         "platform": platform.platform(),
         "python": sys.version.split()[0],

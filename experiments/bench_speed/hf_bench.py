@@ -77,7 +77,7 @@ def run_transformers(workload: Workload, *, temperatures, max_new_tokens: int, r
                         t, gen = generate(ids, kw, p.question_id)
                         full_s.append(t)
                     total, pre = median(full_s), median(pre_s)
-                    decode = total - pre
+                    decode = total - pre if total > pre else float("nan")   # <= 0: timing noise
                     n = len(gen)
                     rec = {
                         "framework": "transformers", "method": method, "temperature": float(temperature),

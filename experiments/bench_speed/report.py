@@ -35,8 +35,9 @@ def provenance_header(prov: dict) -> str:
                                                     else " (dirty state unknown)"),
         f"- model: `{prov['model']}`, weights file `{prov['model_file']}`, sha256 `{prov['model_sha256']}`"
         f" ({prov['model_notes']})",
-        f"- machine: {m['cpu_model']}, {m['cpus_usable']} usable of {m['cpu_count']} CPUs, "
-        f"{m['mem_total_gib']} GiB; {m['platform']}",
+        f"- machine: {m['cpu_model']}, {m['cpus_usable']} usable of {m['cpu_count']} CPUs"
+        + (f" (cgroup quota {m['cgroup_cpu_quota']:g} CPUs)" if m.get("cgroup_cpu_quota") else "")
+        + f", {m['mem_total_gib']} GiB; {m['platform']}; load average at start {m.get('loadavg_at_start')}",
         f"- versions: python {m['python']}, jax {m['jax']} (jaxlib {m['jaxlib']}, backend {m['jax_backend']}), "
         f"flax {m['flax']}, numpy {m['numpy']}, torch {m['torch']}, transformers {m['transformers']}",
         f"- prompts: {len(prov['prompt_ids'])} held-out Spec-Bench questions, ids {prov['prompt_ids']}",
@@ -185,7 +186,8 @@ def render(results: dict) -> str:
     out.append("")
     hf_rows = []
     for t in temps:
-        for s in _by(sums, framework="transformers", method="prompt_lookup", temperature=t):
+        for s in sorted(_by(sums, framework="transformers", method="prompt_lookup", temperature=t),
+                        key=lambda s: (s["category"] == ALL, s["category"])):
             hf_rows.append([s["category"], _f(t, 1), _f(s["tokens_per_s"], 1), _f(s.get("speedup"))])
     if hf_rows:
         out.append("transformers prompt lookup, speedup over transformers `generate`:")

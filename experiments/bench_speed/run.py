@@ -131,7 +131,7 @@ def run_benchmark(args) -> dict:
     prov = {
         "date_utc": common.utc_now(),
         "command": "python -m experiments.bench_speed.run " + " ".join(shlex.quote(a) for a in (getattr(args, "argv", None) or [])),
-        **common.git_state(),
+        **common.git_state(exclude=[out_dir]),
         "model": w.name,
         "model_file": str(w.model_file),
         "model_sha256": w.model_sha256,
@@ -142,6 +142,12 @@ def run_benchmark(args) -> dict:
     }
     writer = common.JsonlWriter(out_dir / "results.jsonl", prov)
     results = {"provenance": prov, "notes": []}
+    load = prov["machine"]["loadavg_at_start"]
+    cpus = prov["machine"]["cpus_usable"] or 1
+    if load and load[0] > 0.5 * cpus:
+        results["notes"].append(f"the machine was busy when the run started (1-minute load average {load[0]:.1f} "
+                                f"on {cpus} CPUs): timings, torch's above all, are unreliable")
+        _log(results["notes"][-1])
     writer.write("setup", model_load_s=load_s, num_layers=w.target.config.num_layers,
                  vocab_size=w.target.vocab_size, eos_ids=list(w.eos_ids),
                  prompt_tokens=[len(p.ids) for p in w.prompts],
@@ -183,8 +189,7 @@ def run_benchmark(args) -> dict:
         for temp in args.temperatures:
             for kind, g in needed:
                 d, dp = drafters.get(kind)
-                v = sj_bench.propose_cost(d, dp, w.target.vocab_size, g, temp, ctx, cost_cap, args.cost_iters, log,
-                                          args.seed)
+                v = sj_bench.propose_cost(w.target, d, dp, g, temp, ctx, cost_cap, args.cost_iters, log, args.seed)
                 propose_s[(kind, g, float(temp))] = v["median_s"]
                 rec = {"drafter": kind, "gamma": g, "temperature": float(temp), "context": ctx,
                        "capacity": cost_cap, "per_token_relative_to_target_k1":
@@ -286,8 +291,9 @@ def run_benchmark(args) -> dict:
 
     for s in summaries:
         writer.write("summary", **s)
-    results["notes"].append(f"wall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s")
-    writer.write("run", wall_s=time.perf_counter() - t_start, notes=results["notes"])
+    results["notes"].append(f"wall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s; "
+                            f"load average at the end: {common.loadavg()}")
+    writer.write("run", wall_s=time.perf_counter() - t_start, loadavg_at_end=common.loadavg(), notes=results["notes"])
     writer.close()
     md = report.render(results)
     (out_dir / "README.md").write_text(md + "\n", encoding="utf-8")

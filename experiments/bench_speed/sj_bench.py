@@ -153,7 +153,7 @@ class Runner:
         gen_ids = out.generated()[0]
         m = out.metrics
         total, pre = median(full_s), median(pre_s)
-        decode = total - pre
+        decode = total - pre if total > pre else float("nan")   # <= 0: lost in timing noise
         n = len(gen_ids)
         return {
             "question_id": inp.prompt.question_id,
@@ -213,18 +213,23 @@ def forward_cost(model, params, ks, ctx: int, capacity: int, iters: int, log: Co
     return out
 
 
-def propose_cost(drafter, dparams, vocab_size: int, gamma: int, temperature: float, ctx: int, capacity: int,
+def propose_cost(target, drafter, dparams, gamma: int, temperature: float, ctx: int, capacity: int,
                  iters: int, log: CompileLog, seed: int = 0) -> dict:
     """Median seconds of one jitted `drafter.propose` of `gamma` tokens at context `ctx`
-    (the draft's own state prefilled on a random context first)."""
+    (the draft's own state prefilled on a random context first; a drafter that reads the
+    target's cache, `reads_target_cache`, gets one holding ctx - 1 tokens, as in the loop)."""
     rng = np.random.default_rng(seed)
-    tokens_BL = jnp.asarray(rng.integers(0, vocab_size, size=(1, capacity)), jnp.int32)
+    tokens_BL = jnp.asarray(rng.integers(0, target.vocab_size, size=(1, capacity)), jnp.int32)
     lengths_B = jnp.full((1,), ctx, jnp.int32)
     state = jax.jit(lambda dp, tk, ln: drafter.init(dp, tk, ln, capacity))(dparams, tokens_BL[:, :ctx], lengths_B)
+    extra = {}
+    if getattr(drafter, "reads_target_cache", False):
+        cache = target.init_cache(1, capacity)
+        extra = {"target_cache": cache.replace(lengths_B=jnp.full((1,), ctx - 1, jnp.int32))}
     samp = sampling_lib.SamplingConfig.make(temperature=temperature)
     keys = decoding.request_keys(jax.random.key(seed), [0])
-    fn = jax.jit(lambda dp, st, tk, ln, ky, sp: drafter.propose(dp, st, tk, ln, ky, gamma, sp)[:2])
-    args = (dparams, state, tokens_BL, lengths_B, keys, samp)
+    fn = jax.jit(lambda dp, st, tk, ln, ky, sp, ex: drafter.propose(dp, st, tk, ln, ky, gamma, sp, **ex)[:2])
+    args = (dparams, state, tokens_BL, lengths_B, keys, samp, extra)
     with log.section() as box:
         timed(fn, *args)
     times = _time_many(fn, args, iters)

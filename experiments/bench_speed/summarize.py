@@ -102,8 +102,12 @@ def predict(summary: dict, costs: dict, drafter: str, temperature: float, target
     """Predicted speedups (see the module doc) for one summarised group."""
     alpha = summary.get("alpha_hat", float("nan"))
     mix = {g: n for g, n in summary.get("gamma_rounds", {}).items() if n > 0}
-    if not mix or not math.isfinite(target_s_per_token) or math.isnan(alpha):
+    if not mix or not math.isfinite(target_s_per_token):
         return {}
+    if math.isnan(alpha):
+        if any(g > 0 for g in mix):
+            return {}
+        alpha = 0.0                      # only gamma-0 rounds ran: acceptance plays no role
     verify = costs["verify_s"]
     overhead = max(0.0, target_s_per_token_all(costs, temperature) - verify[1])
     pos_acc = summary.get("per_position_acceptance", [])

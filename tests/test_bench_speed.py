@@ -1,0 +1,132 @@
+"""End to end run of the speed benchmark (experiments/bench_speed) on the tiny random model.
+
+One subprocess runs the command as a user would, with tiny settings, into a temp dir; the test
+checks the JSONL records (kinds, fields, provenance) and the Markdown summary, and that every
+measured number is finite and positive. No timing assertions: CI machines are noisy.
+XLA's backend optimisation is turned down in the subprocess so compilation stays cheap (the
+numbers of this run mean nothing anyway).
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+ARGS = ["--model", "tiny", "--num_prompts", "2", "--max_new_tokens", "24", "--repeats", "3",
+        "--temperatures", "0", "--drafters", "ngram,early_exit,adaptive_ngram", "--ngram_gamma", "2",
+        "--early_exit_gamma", "2", "--adaptive_gammas", "0,2", "--max_k", "3", "--cost_iters", "3",
+        "--bandwidth_gib", "0.03", "--pad_multiple", "32", "--torch_threads", "1"]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_speed")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench_speed.run", *ARGS, "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    return out, records, proc.stdout
+
+
+def test_jsonl_provenance(bench):
+    _, records, _ = bench
+    assert records
+    for r in records:
+        prov = r["provenance"]
+        assert prov["git_commit"] is None or len(prov["git_commit"]) == 40
+        assert "git_dirty" in prov
+        assert len(prov["model_sha256"]) == 64
+        assert prov["prompt_ids"] and all(q % 4 == 0 for q in prov["prompt_ids"])   # held-out split only
+        assert prov["machine"]["cpu_model"] and prov["machine"]["cpu_count"] >= 1
+        for lib in ("jax", "flax", "numpy"):
+            assert prov["machine"][lib]
+    kinds = {r["kind"] for r in records}
+    assert {"setup", "bandwidth", "forward_cost", "draft_cost", "generation", "roofline", "summary"} <= kinds
+
+
+def test_generation_records(bench):
+    _, records, _ = bench
+    gen = [r for r in records if r["kind"] == "generation" and r["framework"] == "specjax"]
+    methods = {r["method"] for r in gen}
+    assert methods == {"target_only", "ngram", "early_exit", "adaptive_ngram"}
+    for r in gen:
+        assert r["new_tokens"] == 24                       # the tiny model has no EOS
+        for key in ("total_s", "prefill_s", "decode_s", "tokens_per_s", "e2e_tokens_per_s"):
+            assert _positive(r[key]), (r["method"], key, r[key])
+        assert r["compiles_during_timing"] == 0, "a timed run recompiled"
+        assert r["rounds"] >= 1 and r["committed"] == r["new_tokens"]
+        assert len(r["accepted_at"]) == len(r["tested_at"])
+        assert all(a <= t for a, t in zip(r["accepted_at"], r["tested_at"]))
+        if r["method"] != "target_only":
+            assert r["greedy_matches_target_only"] is True, r["method"]
+    # the first configuration run of each kind paid its compile in the warm-up
+    for m in methods:
+        assert _positive(sum(r["compile_s"] for r in gen if r["method"] == m))
+    hf = [r for r in records if r["kind"] == "generation" and r["framework"] == "transformers"]
+    if hf:   # torch + transformers installed: the same tiny model through transformers
+        assert {r["method"] for r in hf} == {"target_only", "prompt_lookup"}
+        for r in hf:
+            assert r["new_tokens"] == 24 and _positive(r["e2e_tokens_per_s"]) and _positive(r["tokens_per_s"])
+
+
+def test_costs_and_roofline(bench):
+    _, records, _ = bench
+    fc = [r for r in records if r["kind"] == "forward_cost" and r["model"] == "target"]
+    assert sorted(r["k"] for r in fc) == [1, 2, 3]
+    assert all(_positive(r["median_s"]) and _positive(r["relative_to_k1"]) for r in fc)
+    assert any(r["kind"] == "forward_cost" and r["model"].startswith("early_exit") for r in records)
+    dc = [r for r in records if r["kind"] == "draft_cost"]
+    assert {(r["drafter"], r["gamma"]) for r in dc} == {("ngram", 2), ("early_exit", 2)}
+    assert all(_positive(r["median_s"]) for r in dc)
+    bw = next(r for r in records if r["kind"] == "bandwidth")
+    assert all(_positive(v["gb_per_s"]) for v in bw["threads"].values())
+    rf = next(r for r in records if r["kind"] == "roofline")
+    for key in ("weight_bytes", "bytes_per_decode_step", "bandwidth_gb_per_s", "roofline_tokens_per_s",
+                "specjax_tokens_per_s", "specjax_fraction", "mean_context_tokens"):
+        assert _positive(rf[key]), key
+    setup = next(r for r in records if r["kind"] == "setup")
+    assert rf["weight_bytes"] > 0 and setup["num_layers"] == 6
+
+
+def test_summaries(bench):
+    _, records, _ = bench
+    sums = {(r["framework"], r["method"], r["category"]): r for r in records if r["kind"] == "summary"}
+    for method in ("ngram", "early_exit", "adaptive_ngram"):
+        s = sums[("specjax", method, "all")]
+        for key in ("tokens_per_s", "speedup", "tokens_per_target_pass", "predicted_speedup_iid",
+                    "predicted_speedup_per_position"):
+            assert _positive(s[key]), (method, key, s[key])
+        assert s["greedy_matches"] == s["n_prompts"] == 2
+    for method in ("ngram", "early_exit"):
+        s = sums[("specjax", method, "all")]
+        assert 0 <= s["alpha_hat"] <= 1
+        assert len(s["per_position_acceptance"]) == 2
+    cats = {k[2] for k in sums if k[0] == "specjax"}
+    assert {"writing", "roleplay", "all"} <= cats          # 2 prompts: the first two categories
+
+
+def test_markdown(bench):
+    out, records, stdout = bench
+    md = (out / "README.md").read_text()
+    commit = records[0]["provenance"]["git_commit"]
+    sha = records[0]["provenance"]["model_sha256"]
+    assert sha in md and (commit is None or commit in md)
+    for heading in ("## 1. Target-only", "## 2. Memory roofline", "## 3. Cost of a k-token forward",
+                    "## 4. Speculative decoding", "## 5. Speedup per Spec-Bench category"):
+        assert heading in md
+    for method in ("ngram", "early_exit", "adaptive_ngram"):
+        assert f"| {method} |" in md
+    assert "tokens/s" in stdout and "README.md" in stdout
