@@ -20,11 +20,12 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
 
 
-def timed_stream(pair, prompt_BP, plens, keys, samp, gen, on_tokens=None, round_time_s=None):
+def timed_stream(pair, prompt_BP, plens, keys, samp, gen, capacity, on_tokens=None, round_time_s=None):
     """Run one streamed generation of row 0; returns (tokens, timing summary, final state)."""
     from specjax import decoding
     gen_iter = decoding.stream_generate(pair.target, pair.target_params, pair.drafter, pair.draft_params,
-                                        prompt_BP, plens, keys, samp, gen, round_time_s=round_time_s)
+                                        prompt_BP, plens, keys, samp, gen, round_time_s=round_time_s,
+                                        capacity=capacity)
     tokens, events = [], []
     while True:
         try:
@@ -52,10 +53,13 @@ def generate_main(c) -> dict:
     messages = ([{"role": "system", "content": c.system}] if c.system else []) + [
         {"role": "user", "content": c.prompt}]
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt_BP, plens = decoding.pad_prompts([prompt_ids], pair.target.vocab_size)
+    # Pad to a multiple of 64 and give target-only and speculative runs one capacity, so both
+    # attend over the same number of cache slots and nearby prompt lengths share programs.
+    prompt_BP, plens = decoding.pad_prompts([prompt_ids], pair.target.vocab_size, multiple=64)
     keys = decoding.request_keys(jax.random.key(c.seed), [0])
     samp = build.sampling_config(c)
     gen = build.generation_config(c, tok.stop_token_ids)
+    capacity = max(decoding.capacity_for(np.asarray(plens), gen, multiple=64), prompt_BP.shape[1])
 
     print(f"[specjax] target {c.target} ({pair.target.config.num_layers} layers), drafter {c.drafter}, "
           f"gamma {gen.gamma}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
@@ -74,7 +78,7 @@ def generate_main(c) -> dict:
                                                       pair.draft_params, prompt_BP, plens, samp, gen, repeats=3)
         print("[specjax] calibrated round times (ms) per gamma "
               + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(gen.gammas, round_time_s)), file=sys.stderr)
-    tokens, timing, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, show, round_time_s)
+    tokens, timing, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, capacity, show, round_time_s)
     spec_tps, spec_first_s = timing["tokens_per_s"], timing["ttft_s"]
     print(decoder.finish(), flush=True)
     m = state.metrics
@@ -91,7 +95,7 @@ def generate_main(c) -> dict:
     if c.compare_target_only and c.drafter != "none":
         base = build.Pair(pair.target, pair.target_params, None, None, tok)
         base_gen = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=0, eos_ids=gen.eos_ids)
-        base_tokens, base_timing, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen)
+        base_tokens, base_timing, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen, capacity)
         base_tps = base_timing["tokens_per_s"]
         stats["target_only_tokens_per_s"] = base_tps
         stats["speedup"] = spec_tps / base_tps
