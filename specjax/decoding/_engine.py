@@ -92,6 +92,28 @@ class Metrics:
         """One target forward per round (prefill not counted)."""
         return self.rounds_B
 
+    @property
+    def wasted_B(self):
+        """Proposed draft tokens that were not accepted."""
+        return self.proposed_B - self.accepted_B
+
+    def summary(self) -> dict:
+        """Aggregate over rows (host side): counts, mean accepted tokens per target pass,
+        acceptance rate and acceptance per draft position (accepted / reached)."""
+        m = jax.device_get(self)
+        passes = int(m.rounds_B.sum())
+        tested_G = m.tested_at_BG.sum(0)
+        return {
+            "target_passes": passes, "draft_passes": int(m.draft_passes_B.sum()),
+            "proposed": int(m.proposed_B.sum()), "accepted": int(m.accepted_B.sum()),
+            "wasted": int(m.wasted_B.sum()), "committed": int(m.committed_B.sum()),
+            "degenerate_residuals": int(m.degenerate_residual_B.sum()),
+            "mean_accepted_tokens_per_pass": float(m.committed_B.sum()) / max(passes, 1),
+            "acceptance_rate": float(m.accepted_B.sum()) / max(int(m.proposed_B.sum()), 1),
+            "acceptance_per_position": [float(a) / max(int(t), 1) for a, t in zip(m.accepted_at_BG.sum(0), tested_G)],
+            "rounds_per_gamma": [int(x) for x in m.gamma_rounds_K],
+        }
+
 
 @struct.dataclass
 class LoopState:
