@@ -10,11 +10,11 @@ import jax.numpy as jnp
 
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
 from specjax.verify._result import (
+    UniformDrivenVerifier,
     VerifyResult,
     assemble_result,
     gather_position,
     row_keys,
-    row_uniforms,
     sample_rows,
     token_probs,
 )
@@ -38,7 +38,7 @@ def _block_weights(px_BG: jax.Array, qx_BG: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockVerifier:
+class BlockVerifier(UniformDrivenVerifier):
     """Block verification: exact, and optimal in expected accepted length among valid
     verifiers given the same draft block (hence never worse than ``TokenVerifier``).
 
@@ -65,12 +65,6 @@ class BlockVerifier:
     """
 
     residual_tol: float = RESIDUAL_TOL
-
-    def __call__(self, key, draft_tokens_BG, q_BGV, p_BG1V) -> VerifyResult:
-        batch, gamma = draft_tokens_BG.shape
-        accept_keys_B, _ = row_keys(key, batch)
-        u_BG = row_uniforms(accept_keys_B, gamma)
-        return self.verify_with_uniforms(u_BG, key, draft_tokens_BG, q_BGV, p_BG1V)
 
     def verify_with_uniforms(self, u_BG, key, draft_tokens_BG, q_BGV, p_BG1V) -> VerifyResult:
         """``__call__`` with the uniforms ``eta_1..eta_G`` injected (``u_BG[:, g] = eta_{g+1}``);

@@ -57,6 +57,17 @@ class VerifyResult:
         return self.n_accepted_B + 1
 
 
+class UniformDrivenVerifier:
+    """Mixin: draw one acceptance uniform per row and position from the row's acceptance key,
+    then call ``verify_with_uniforms`` (which tests can call with injected uniforms)."""
+
+    def __call__(self, key, draft_tokens_BG, q_BGV, p_BG1V) -> "VerifyResult":
+        batch, gamma = draft_tokens_BG.shape
+        accept_keys_B, _ = row_keys(key, batch)
+        u_BG = row_uniforms(accept_keys_B, gamma)
+        return self.verify_with_uniforms(u_BG, key, draft_tokens_BG, q_BGV, p_BG1V)
+
+
 class Verifier(Protocol):
     """What every verifier is: a frozen, hashable dataclass (a valid static jit argument)."""
 

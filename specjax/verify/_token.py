@@ -8,18 +8,18 @@ import jax.numpy as jnp
 
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
 from specjax.verify._result import (
+    UniformDrivenVerifier,
     VerifyResult,
     assemble_result,
     gather_position,
     row_keys,
-    row_uniforms,
     sample_rows,
     token_probs,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenVerifier:
+class TokenVerifier(UniformDrivenVerifier):
     """Standard token-by-token rejection sampling; exact for any ``q``.
 
     Position g's draft token ``x`` is accepted iff ``u_g * q(x) < p(x)`` (``u_g ~ U[0, 1)``;
@@ -36,12 +36,6 @@ class TokenVerifier:
     """
 
     residual_tol: float = RESIDUAL_TOL
-
-    def __call__(self, key, draft_tokens_BG, q_BGV, p_BG1V) -> VerifyResult:
-        batch, gamma = draft_tokens_BG.shape
-        accept_keys_B, _ = row_keys(key, batch)
-        u_BG = row_uniforms(accept_keys_B, gamma)
-        return self.verify_with_uniforms(u_BG, key, draft_tokens_BG, q_BGV, p_BG1V)
 
     def verify_with_uniforms(self, u_BG, key, draft_tokens_BG, q_BGV, p_BG1V) -> VerifyResult:
         """Same as calling the verifier, with the acceptance uniforms injected.
