@@ -75,7 +75,8 @@ def generate_main(c) -> dict:
     round_time_s = None
     if isinstance(gen.gamma, decoding.AdaptiveGamma):
         round_time_s = decoding.calibrate_round_times(pair.target, pair.target_params, pair.drafter,
-                                                      pair.draft_params, prompt_BP, plens, samp, gen, repeats=3)
+                                                      pair.draft_params, prompt_BP, plens, samp, gen, repeats=3,
+                                                      capacity=capacity)
         print("[specjax] calibrated round times (ms) per gamma "
               + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(gen.gammas, round_time_s)), file=sys.stderr)
     tokens, timing, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, capacity, show, round_time_s)

@@ -58,21 +58,22 @@ def expected_tokens(alpha, gamma_G):
     return jnp.where(near_one, gamma_G + 1.0, val)
 
 
-def choose(policy: AdaptiveGamma, state: PolicyState, round_time_G) -> jnp.ndarray:
-    """Index of the gamma to run this round."""
+def choose(policy: AdaptiveGamma, state: PolicyState, round_time_G):
+    """(index of the gamma to run this round, whether it is a probe out of gamma = 0)."""
     gammas_G = jnp.asarray(policy.gammas, jnp.float32)
     per_token_G = round_time_G / expected_tokens(state.alpha, gammas_G)
     best = jnp.argmin(per_token_G).astype(jnp.int32)
     keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[state.index]
     chosen = jnp.where(keep, state.index, best)
     positive = [i for i, g in enumerate(policy.gammas) if g > 0]
+    probe = jnp.zeros((), bool)
     if policy.gammas[0] == 0 and positive:
         probe = (chosen == 0) & (state.since_probe >= policy.probe_every)
         chosen = jnp.where(probe, jnp.int32(positive[0]), chosen)
-    return chosen
+    return chosen, probe
 
 
-def update(policy: AdaptiveGamma, state: PolicyState, chosen, tested_mean_accept, any_tested):
+def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_mean_accept, any_tested):
     """Fold this round's mean tested acceptance into the estimate and remember the choice.
 
     A probe round does not become the current gamma unless the policy would choose it anyway.
@@ -81,6 +82,5 @@ def update(policy: AdaptiveGamma, state: PolicyState, chosen, tested_mean_accept
                       state.alpha)
     at_zero = jnp.asarray(policy.gammas, jnp.int32)[chosen] == 0
     since = jnp.where(at_zero, state.since_probe + 1, 0)
-    was_probe = (state.index == 0) & (chosen != 0) & (policy.gammas[0] == 0)
-    index = jnp.where(was_probe, state.index, chosen)
+    index = jnp.where(probe, state.index, chosen)
     return PolicyState(alpha=alpha, index=index.astype(jnp.int32), since_probe=since.astype(jnp.int32))

@@ -76,7 +76,12 @@ class GenerationConfig:
 
 @struct.dataclass
 class Metrics:
-    """Per-row counters, summed over rounds (only rounds in which the row was active)."""
+    """Per-row counters, summed over rounds in which the row was active.
+
+    accepted counts what the verifier accepted, including tokens that EOS or max_new_tokens
+    then cut off; committed counts what was written. draft_passes: gamma draft forwards per
+    round for model drafters (catch-up ingests not counted), 0 for model-free drafters.
+    """
     rounds_B: jax.Array
     draft_passes_B: jax.Array
     proposed_B: jax.Array
@@ -86,6 +91,7 @@ class Metrics:
     accepted_at_BG: jax.Array     # accepted at draft position j
     tested_at_BG: jax.Array       # draft position j reached verification
     gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
+    invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not finite (proposals discarded)
 
     @property
     def target_passes_B(self):
@@ -112,6 +118,7 @@ class Metrics:
             "acceptance_rate": float(m.accepted_B.sum()) / max(int(m.proposed_B.sum()), 1),
             "acceptance_per_position": [float(a) / max(int(t), 1) for a, t in zip(m.accepted_at_BG.sum(0), tested_G)],
             "rounds_per_gamma": [int(x) for x in m.gamma_rounds_K],
+            "invalid_draft_rounds": int(m.invalid_draft_rounds_B.sum()),
         }
 
 
@@ -191,7 +198,7 @@ def _write_rows(buf_BL, block_BK, start_B, n_B):
 # ----------------------------------------------------------------------------- one round
 
 def _round(target, target_params, drafter, draft_params, config, cfg, gamma, state: LoopState):
-    """One draft-verify round with a static gamma. Returns (state, n_accepted_B, tested_mean, any_tested)."""
+    """One draft-verify round with a static gamma. Returns (state, tested_mean, any_tested)."""
     B, Lmax = state.tokens_BL.shape
     G1 = config.max_gamma + 1
     keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
@@ -212,16 +219,37 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
     logits_BGV, target_cache = target.apply(target_params, block_BG1, state.target_cache)
     p_BG1V = sampling_lib.probabilities(logits_BGV, cfg)
 
+    # Non-finite inputs. (a) A draft q that is not finite cannot be verified: the row's
+    # proposals are discarded and the round commits one token sampled from p_0, exactly a
+    # gamma = 0 round for that row. (b) NaN or +inf target logits: positions from the first such
+    # one are replaced by a uniform p before verifying (keeps the verifier's arithmetic finite;
+    # nothing from those positions is committed, see below).
+    V = p_BG1V.shape[-1]
+    bad_p_BG1 = (jnp.isnan(logits_BGV) | jnp.isposinf(logits_BGV)).any(axis=-1)   # -inf is a legal mask
+    bad_p_BG1 = jnp.cumsum(bad_p_BG1, axis=1) > 0
+    p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
+    bad_q_B = ~jnp.isfinite(q_BGV).all(axis=(1, 2)) if gamma > 0 else jnp.zeros((B,), bool)
+    q_safe_BGV = jnp.where(bad_q_B[:, None, None], jax.nn.one_hot(draft_BG, V, dtype=q_BGV.dtype), q_BGV)
+
     verifier = _verifier(config, cfg)
     res = jax.vmap(lambda k, d, q, p: jax.tree.map(lambda x: x[0], verifier(k, d[None], q[None], p[None])))(
-        verify_key_B, draft_BG, q_BGV, p_BG1V)
+        verify_key_B, draft_BG, q_safe_BGV, p_safe_BG1V)
+    if gamma > 0:   # bad-q rows: the gamma = 0 outcome, one token from p_0 with its own key
+        fresh_key_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
+        fresh_B = (jnp.argmax(p_safe_BG1V[:, 0], -1) if cfg.greedy
+                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_safe_BG1V[:, 0]))
+        fresh_BG1 = jnp.full_like(res.committed_BG1, verify_lib.PAD_TOKEN).at[:, 0].set(
+            fresh_B.astype(res.committed_BG1.dtype))
+        res = res.replace(n_accepted_B=jnp.where(bad_q_B, 0, res.n_accepted_B),
+                          committed_BG1=jnp.where(bad_q_B[:, None], fresh_BG1, res.committed_BG1),
+                          degenerate_residual_B=jnp.where(bad_q_B, 0, res.degenerate_residual_B))
 
     active_B = ~state.done_B
     j_G1 = jnp.arange(gamma + 1)
-    # NaN: only the positions whose p the verifier used (0 .. n_accepted) matter. With the
-    # first NaN at j <= n_accepted the row keeps the j drafts accepted before it (exactly what
-    # target-only decoding commits before reaching that NaN) and stops with NAN_LOGITS.
-    nan_BG1 = jnp.isnan(logits_BGV).any(axis=-1) & (j_G1[None] <= res.n_accepted_B[:, None])
+    # Non-finite target logits: only the positions whose p the verifier used (0 .. n_accepted)
+    # matter. With the first one at j <= n_accepted the row keeps the j drafts accepted before
+    # it (exactly what target-only decoding commits before reaching it) and stops with NAN_LOGITS.
+    nan_BG1 = bad_p_BG1 & (j_G1[None] <= res.n_accepted_B[:, None])
     nan_B = nan_BG1.any(axis=1) & active_B
     remaining_B = config.max_new_tokens - (L_B - state.prompt_lengths_B)
     n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), res.n_accepted_B + 1)
@@ -250,27 +278,30 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
 
     m = state.metrics
     pad_G = config.max_gamma - gamma
-    n_acc_B = jnp.where(live_B, res.n_accepted_B, 0)
+    drafted_B = live_B & ~bad_q_B
+    n_acc_B = jnp.where(drafted_B, res.n_accepted_B, 0)
     pos_G = jnp.arange(gamma)
-    accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & live_B[:, None]
-    tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & live_B[:, None]
+    accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
+    tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & drafted_B[:, None]
     live_i = live_B.astype(jnp.int32)
+    draft_forwards = 0 if getattr(drafter, "model_free", False) else gamma
     metrics = Metrics(
-        rounds_B=m.rounds_B + live_i,
-        draft_passes_B=m.draft_passes_B + live_i * gamma,
-        proposed_B=m.proposed_B + live_i * gamma,
+        rounds_B=m.rounds_B + active_B.astype(jnp.int32),
+        draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_forwards,
+        proposed_B=m.proposed_B + drafted_B.astype(jnp.int32) * gamma,
         accepted_B=m.accepted_B + n_acc_B,
         committed_B=m.committed_B + n_commit_B,
         degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, res.degenerate_residual_B, 0),
         accepted_at_BG=m.accepted_at_BG + jnp.pad(accepted_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
         tested_at_BG=m.tested_at_BG + jnp.pad(tested_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
         gamma_rounds_K=m.gamma_rounds_K + (jnp.asarray(config.gammas) == gamma).astype(jnp.int32),
+        invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
     )
     n_tested = jnp.sum(tested_at_BG)
     # alpha estimate: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al. 2023, Def. 3.1),
     # from the sampled draft tokens; independent of which verifier ran.
-    px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
-    qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
+    px_BG = jnp.take_along_axis(p_safe_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
+    qx_BG = jnp.take_along_axis(q_safe_BGV, draft_BG[..., None], axis=-1)[..., 0]
     ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
     tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
 
@@ -288,12 +319,12 @@ def _step(target, target_params, drafter, draft_params, config, cfg, round_time_
         state, _, _ = _round(target, target_params, drafter, draft_params, config, cfg, config.gamma, state)
         return state
     policy = config.gamma
-    chosen = _adaptive.choose(policy, state.policy, round_time_K)
+    chosen, probe = _adaptive.choose(policy, state.policy, round_time_K)
     branches = [
         (lambda s, g=g: _round(target, target_params, drafter, draft_params, config, cfg, g, s))
         for g in policy.gammas]
     state, tested_mean, any_tested = jax.lax.switch(chosen, branches, state)
-    return state.replace(policy=_adaptive.update(policy, state.policy, chosen, tested_mean, any_tested))
+    return state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean, any_tested))
 
 
 def _init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
@@ -309,7 +340,8 @@ def _init_state(target, target_params, drafter, draft_params, config, prompt_BP,
     G, K = config.max_gamma, len(config.gammas)
     zeros_B = jnp.zeros((B,), jnp.int32)
     metrics = Metrics(zeros_B, zeros_B, zeros_B, zeros_B, zeros_B, zeros_B,
-                      jnp.zeros((B, G), jnp.int32), jnp.zeros((B, G), jnp.int32), jnp.zeros((K,), jnp.int32))
+                      jnp.zeros((B, G), jnp.int32), jnp.zeros((B, G), jnp.int32), jnp.zeros((K,), jnp.int32),
+                      zeros_B)
     policy = None
     if isinstance(config.gamma, _adaptive.AdaptiveGamma):
         policy = _adaptive.init_policy(config.gamma, len(config.gammas) - 1)
@@ -350,8 +382,13 @@ def capacity_for(prompt_lengths, config: GenerationConfig, multiple: int = 1) ->
 def _checked_capacity(prompt_BP, prompt_lengths_B, config, capacity):
     """Host-side capacity check before anything runs (XLA clamps out-of-range writes)."""
     plens = np.asarray(prompt_lengths_B)
+    if plens.min() < 1 or plens.max() > prompt_BP.shape[1]:
+        raise ValueError(f"prompt lengths must lie in [1, {prompt_BP.shape[1]}] (the padded width), "
+                         f"got min {plens.min()}, max {plens.max()}")
     if capacity is None:
-        capacity = max(capacity_for(plens, config), prompt_BP.shape[1])
+        # From the padded width, not the longest prompt: a static shape, so batches padded to
+        # the same width share one compiled program.
+        capacity = capacity_for([prompt_BP.shape[1]], config)
     check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
     if prompt_BP.shape[1] > capacity:
         raise CacheCapacityError(f"padded prompt width {prompt_BP.shape[1]} exceeds the cache capacity {capacity}")

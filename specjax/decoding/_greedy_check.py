@@ -116,6 +116,12 @@ def greedy_check(target, target_params, drafter, draft_params, prompts: list[lis
                 r, s = ref[:budget], spec_toks[b][:budget]
                 n = min(len(r), len(s))
                 first = next((i for i in range(n) if r[i] != s[i]), None)
+                if first is None and len(s) != len(r):
+                    # one run stopped early (e.g. a spurious NaN stop): a mismatch, never a near-tie
+                    rep.tokens_compared += n
+                    rep.hard_mismatch = (len(prompt) - len(prompts[idx]) + n, float("inf"),
+                                         r[n] if n < len(r) else None, s[n] if n < len(s) else None)
+                    continue
                 if first is None:
                     rep.tokens_compared += n
                     continue

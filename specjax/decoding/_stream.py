@@ -45,8 +45,8 @@ def stream_generate(target, target_params, drafter, draft_params, prompt_BP, pro
                     capacity: int | None = None) -> Iterator[StreamEvent]:
     """Yields the tokens each round commits, per row, with host wall-clock timestamps.
 
-    The returned generator's final state is available as `.state` on the StopIteration value
-    (use `run_stream` to get it directly).
+    The generator returns the final `LoopState` (the `StopIteration.value`; `run_stream`
+    collects it for you).
     """
     _engine._check_pair(target, drafter, config)
     capacity = _engine._checked_capacity(prompt_BP, prompt_lengths_B, config, capacity)
@@ -108,26 +108,27 @@ def timing_summary(events: list[StreamEvent], row: int = 0) -> dict:
 
 
 def calibrate_round_times(target, target_params, drafter, draft_params, prompt_BP, prompt_lengths_B, sampling,
-                          config: _engine.GenerationConfig, repeats: int = 5) -> list[float]:
+                          config: _engine.GenerationConfig, repeats: int = 5,
+                          capacity: int | None = None) -> list[float]:
     """Median wall time of one round for each gamma in `config.gammas`, on these prompts.
 
     Feeds `AdaptiveGamma` (`round_time_s=`); run once per model pair and machine. Each gamma
     is compiled and warmed up first; every timed call starts from the same prefilled state,
     so all repeats do identical work.
     """
-    capacity = _engine._checked_capacity(prompt_BP, prompt_lengths_B, config, None)
+    capacity = _engine._checked_capacity(prompt_BP, prompt_lengths_B, config, capacity)
     key_B = _engine.request_keys(jax.random.key(0), list(range(prompt_BP.shape[0])))
     state = init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
                        key_B, capacity)
     out = []
     for g in config.gammas:
-        fn = jax.jit(functools.partial(_engine._round, target, target_params, drafter, draft_params, config,
-                                       sampling, g))
-        jax.block_until_ready(fn(state))
+        # Weights are arguments, not closure constants (XLA would embed them in the program).
+        fn = jax.jit(lambda tp, dp, s, g=g: _engine._round(target, tp, drafter, dp, config, sampling, g, s))
+        jax.block_until_ready(fn(target_params, draft_params, state))
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(state))
+            jax.block_until_ready(fn(target_params, draft_params, state))
             ts.append(time.perf_counter() - t0)
         out.append(float(np.median(ts)))
     return out

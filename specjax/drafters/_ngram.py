@@ -22,6 +22,7 @@ class NGramState:
 @dataclasses.dataclass(frozen=True)
 class NGramDrafter:
     vocab_size: int
+    model_free = True   # no forward passes: the engine counts 0 draft passes
     max_ngram: int = 3
     min_ngram: int = 1
 

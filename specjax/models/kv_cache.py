@@ -85,7 +85,11 @@ def write_kv_layer(buf_LBKSH: jax.Array, layer: int, new_BTKH: jax.Array,
 def write_kv_slab(buf_LBKSH, first_layer: int, new_LBTKH, lengths_B):
     """Write layers [first_layer, first_layer + L) of ``new_LBTKH`` [L, B, T, K, H]."""
     L, B, T = new_LBTKH.shape[:3]
-    new_LBTKH = new_LBTKH.astype(buf_LBKSH.dtype)
+    # Non-finite K/V only ever belong to positions whose logits are non-finite too; such a
+    # position is never committed (the engine stops the row before it), but its slot stays
+    # in the buffer past the row's length, and a masked slot still enters the value matmul
+    # with weight 0 (0 * NaN = NaN). Zeroing non-finite entries keeps masked garbage inert.
+    new_LBTKH = jnp.nan_to_num(new_LBTKH.astype(buf_LBKSH.dtype), nan=0.0, posinf=0.0, neginf=0.0)
     if B == 1:
         upd = jnp.swapaxes(new_LBTKH, 2, 3)
         zero = jnp.int32(0)

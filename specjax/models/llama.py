@@ -168,6 +168,10 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     B, T, N, H = q_BTNH.shape
     K = k_new_BTKH.shape[2]
     G = N // K
+    # A causally masked position gets weight exactly 0, but 0 * NaN = NaN: a NaN value vector
+    # at a later (e.g. rejected draft) position would poison every earlier query. Zero it; a
+    # position whose own state is NaN still yields NaN logits through the residual stream.
+    v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
     neg = jnp.finfo(jnp.float32).min
     q = q_BTNH.reshape(B, T, K, G, H)
     scale = 1.0 / np.sqrt(H)
