@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)

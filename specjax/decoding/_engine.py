@@ -199,7 +199,7 @@ def _write_rows(buf_BL, block_BK, start_B, n_B):
 
 def _round(target, target_params, drafter, draft_params, config, cfg, gamma, state: LoopState):
     """One draft-verify round with a static gamma. Returns (state, tested_mean, any_tested)."""
-    B, Lmax = state.tokens_BL.shape
+    B = state.tokens_BL.shape[0]
     G1 = config.max_gamma + 1
     keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
     draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
@@ -224,7 +224,6 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
     # gamma = 0 round for that row. (b) NaN or +inf target logits: positions from the first such
     # one are replaced by a uniform p before verifying (keeps the verifier's arithmetic finite;
     # nothing from those positions is committed, see below).
-    V = p_BG1V.shape[-1]
     bad_p_BG1 = (jnp.isnan(logits_BGV) | jnp.isposinf(logits_BGV)).any(axis=-1)   # -inf is a legal mask
     bad_p_BG1 = jnp.cumsum(bad_p_BG1, axis=1) > 0
     p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
@@ -283,7 +282,6 @@ def _round(target, target_params, drafter, draft_params, config, cfg, gamma, sta
     pos_G = jnp.arange(gamma)
     accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
     tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & drafted_B[:, None]
-    live_i = live_B.astype(jnp.int32)
     draft_forwards = 0 if getattr(drafter, "model_free", False) else gamma
     metrics = Metrics(
         rounds_B=m.rounds_B + active_B.astype(jnp.int32),
