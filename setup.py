@@ -32,7 +32,7 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["specjax", "specjax.*"]),
-    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*"]},
+    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*/*"]},
     python_requires=">=3.10",
     install_requires=RUNTIME,
     extras_require={

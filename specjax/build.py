@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 from specjax import decoding, drafters, models, sampling
 from specjax.models.tokenizer import load_tokenizer
+
+
+# Distilled drafts shipped with the package, by target registry name (see experiments/distill).
+ARTIFACTS = pathlib.Path(__file__).with_name("artifacts")
+SHIPPED_DRAFTS = {"smollm2-135m-instruct": ARTIFACTS / "smollm2-135m-instruct-draft"}
+
+
+def shipped_draft(target_name: str) -> pathlib.Path:
+    if target_name not in SHIPPED_DRAFTS:
+        raise ValueError(f"no distilled draft ships for target {target_name!r} (known: {sorted(SHIPPED_DRAFTS)}); "
+                         f"set draft_model to a draft directory written by specjax.distill")
+    d = SHIPPED_DRAFTS[target_name]
+    if not (d / "draft.json").is_file():
+        raise FileNotFoundError(f"the shipped draft {d} is missing (reinstall the package, or produce it with "
+                                f"experiments/distill/run.py)")
+    return d
 
 
 @dataclasses.dataclass
@@ -23,10 +40,18 @@ def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = T
 
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
-                 max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True):
-    """(drafter, draft_params) for kind in {'ngram', 'early_exit', 'early_exit_own_cache', 'model', 'none'}."""
+                 max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
+                 target_name: str = ""):
+    """(drafter, draft_params) for kind in {'distilled', 'ngram', 'early_exit', 'early_exit_own_cache', 'model',
+    'none'}. 'distilled' loads a draft directory written by `specjax.distill` (`draft_model`, or the
+    one shipped for the target when `draft_model` is empty and `target_name` is a known name)."""
     if kind == "none":
         return None, None
+    if kind == "distilled":
+        from specjax.models.draft_artifact import load_draft
+        directory = draft_model or shipped_draft(target_name)
+        model, params = load_draft(directory, target, target_params)
+        return drafters.ModelDrafter(model), params
     if kind == "ngram":
         return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
     if kind == "early_exit":   # shares the target's KV cache for its layers
@@ -42,7 +67,8 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
             raise ValueError(f"vocab mismatch: draft model {draft_model} has {model.vocab_size} tokens, "
                              f"the target {target.vocab_size}")
         return drafters.ModelDrafter(model), params
-    raise ValueError(f"unknown drafter {kind!r}: expected ngram, early_exit, early_exit_own_cache, model or none")
+    raise ValueError(f"unknown drafter {kind!r}: expected distilled, ngram, early_exit, early_exit_own_cache, model "
+                     f"or none")
 
 
 def sampling_config(c) -> sampling.SamplingConfig:
@@ -64,6 +90,6 @@ def load_pair(c) -> Pair:
     target, params = load_target(c.target, c.dtype, c.scan_layers)
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
-                                    dtype=c.dtype, scan_layers=c.scan_layers)
+                                    dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)
     tokenizer = load_tokenizer(c.target)
     return Pair(target, params, drafter, dparams, tokenizer)

@@ -7,14 +7,12 @@ XLA's backend optimisation is turned down in the subprocess so compilation stays
 numbers of this run mean nothing anyway).
 """
 
-import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from _bench_run import run_module
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,15 +28,7 @@ def _positive(x) -> bool:
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_speed")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "experiments.bench_speed.run", *ARGS, "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
-    return out, records, proc.stdout
+    return run_module("experiments.bench_speed.run", ARGS, tmp_path_factory.mktemp("bench_speed"))
 
 
 def test_jsonl_provenance(bench):

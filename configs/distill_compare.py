@@ -1,0 +1,18 @@
+"""The divergence comparison: configs/distill.py with a 100k-token budget on the target's
+greedy data only (no on-policy data, so the runs differ only in loss.divergence).
+
+Run: python -m experiments.distill.run --stage compare   (one run per divergence)
+"""
+
+from configs import distill
+
+
+def get_config():
+    c = distill.get_config()
+    c.budget_tokens = 100_000
+    c.data.target_weight = 1.0
+    c.data.draft_weight = 0.0
+    c.optim.warmup_steps = 10
+    c.eval.every = 0           # evaluated once at the end by experiments/distill/run.py
+    c.eval.at_start = False
+    return c

@@ -1,0 +1,25 @@
+"""Draft distillation (DistillSpec, Zhou et al., ICLR 2024): align a draft to its target.
+
+    train(config, workdir)        the restartable run (python -m specjax.distill --config=...)
+    make_train_step / LossSpec    the pure jitted step and its loss
+    divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
+    DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
+    SequenceSet / TeacherData / BatchPlan / generate / teacher_states / from_jsonl   data
+"""
+
+from specjax.distill._data import BatchPlan, SequenceSet, TeacherData, from_jsonl, generate, teacher_states
+from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
+                                         reverse_kl, total_variation)
+from specjax.distill._drafts import DraftChoice, build_draft, select_layers
+from specjax.distill._loop import train, with_overrides
+from specjax.distill._train import (LossSpec, TrainState, evaluate, greedy_accepted_per_pass, init_state,
+                                    loss_fn, make_optimizer, make_train_step, merge_params, split_params,
+                                    teacher_head)
+
+__all__ = [
+    "BatchPlan", "SequenceSet", "TeacherData", "from_jsonl", "generate", "teacher_states",
+    "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
+    "DraftChoice", "build_draft", "select_layers", "train", "with_overrides",
+    "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
+    "make_train_step", "merge_params", "split_params", "teacher_head",
+]

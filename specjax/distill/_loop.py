@@ -1,0 +1,328 @@
+"""The distillation run: data sources, the jitted step, checkpoints, evaluation, metrics.
+
+`train(config, workdir)` is restartable: with a checkpoint in ``workdir/checkpoints`` it
+resumes from the newest readable one with the same data order (batch i depends only on the
+seed and i) and the same PRNG stream (the key lives in the train state), so an interrupted run
+ends with the same parameters as an uninterrupted one. On-policy data generated during the
+run is kept in ``workdir/onpolicy`` and reused on resume.
+
+Outputs in the workdir: ``metrics.jsonl`` (one JSON line per logged step, per evaluation, and
+per event such as a resume), TensorBoard events when `tensorboardX` or `torch` with
+tensorboard is installed, ``final.json``, and the draft artifact when ``export_dir`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import checkpoint as ckpt_lib
+from specjax.distill import _data, _drafts, _prepare, _sources, _train
+
+MIX_STREAM = 7     # a fixed stream id for the per-step source choice
+
+
+def with_overrides(config, overrides: dict):
+    """Set dotted keys (``{"loss.divergence": "rkl"}``) on a ConfigDict, in place; returns it."""
+    for k, v in overrides.items():
+        node = config
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = v
+    return config
+
+
+class MetricsWriter:
+    """JSON lines (always) and TensorBoard scalars (when a writer package is installed)."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.path = workdir / "metrics.jsonl"
+        self.tb = None
+        try:
+            from tensorboardX import SummaryWriter  # type: ignore
+            self.tb = SummaryWriter(str(workdir / "tb"))
+        except ImportError:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # type: ignore
+                self.tb = SummaryWriter(str(workdir / "tb"))
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None and "step" in record:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, record["step"])
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Mixture:
+    """Source choice per step: ``default_rng([seed, MIX_STREAM, step])`` draws from the weights;
+    each source's own batch index is the number of earlier steps that chose it."""
+
+    def __init__(self, names: list[str], weights: list[float], seed: int):
+        w = np.asarray(weights, np.float64)
+        if len(names) == 0 or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"source weights must be >= 0 with a positive sum, got {dict(zip(names, weights))}")
+        self.names, self.p, self.seed = names, w / w.sum(), seed
+        self._choices: list[int] = []
+
+    def choice(self, step: int) -> int:
+        while len(self._choices) <= step:
+            s = len(self._choices)
+            self._choices.append(int(np.random.default_rng([self.seed, MIX_STREAM, s]).choice(len(self.p), p=self.p)))
+        return self._choices[step]
+
+    def index_within(self, step: int, start: int = 0) -> int:
+        """How many steps in [start, step) chose the same source as `step`."""
+        c = self.choice(step)
+        return sum(1 for s in range(start, step) if self.choice(s) == c)
+
+
+def _load_target_and_tokenizer(c):
+    from specjax import build
+    target, params = build.load_target(c.target, c.dtype, True)
+    return target, params
+
+
+def _tokenizer(c):
+    from specjax.models.tokenizer import load_tokenizer
+    return load_tokenizer(c.target)
+
+
+def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: int | None = None) -> dict:
+    """Run (or resume) a distillation. Returns the final summary (also in final.json)."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
+    t_start = time.perf_counter()
+    target, target_params = _load_target_and_tokenizer(c)
+    tok = None
+
+    def tokenizer():
+        nonlocal tok
+        if tok is None:
+            tok = _tokenizer(c)
+        return tok
+
+    widths = tuple(c.data.widths)
+    max_prompt = int(c.data.get("max_prompt_tokens", 0))
+    # ---- data ----------------------------------------------------------------------------
+    sources: dict[str, _data.BatchPlan] = {}
+    weights: dict[str, float] = {}
+    timings = {}
+    if c.data.target_weight > 0:
+        t0 = time.perf_counter()
+        sources["target"] = _data.BatchPlan(_prepare.target_data(c, target, target_params, tokenizer(), log),
+                                            c.seed, c.data.tokens_per_batch, widths, max_prompt)
+        weights["target"] = c.data.target_weight
+        timings["target_data_s"] = time.perf_counter() - t0
+    if c.data.fixed_weight > 0:
+        t0 = time.perf_counter()
+        needs_tok = any("tokens" not in json.loads(l) for l in
+                        pathlib.Path(c.data.fixed_jsonl).read_text().splitlines()[:1] if l.strip())
+        sources["fixed"] = _data.BatchPlan(
+            _prepare.fixed_data(c, target, target_params, tokenizer() if needs_tok else None, log),
+            c.seed + 1, c.data.tokens_per_batch, widths, max_prompt)
+        weights["fixed"] = c.data.fixed_weight
+        timings["fixed_data_s"] = time.perf_counter() - t0
+    if c.data.draft_weight > 0:
+        weights["draft"] = c.data.draft_weight
+    if not weights:
+        raise ValueError("no data source: set target_weight, fixed_weight or draft_weight > 0")
+    mixture = Mixture(list(weights), list(weights.values()), c.seed)
+
+    # ---- draft ---------------------------------------------------------------------------
+    choice = _drafts.DraftChoice.from_config(c.draft)
+    head_ids = None
+    if choice.head_vocab:
+        eos = _prepare._eos(target, tok) if tok is not None else ()
+        datas = [p.data for p in sources.values()]
+        if not datas:
+            raise ValueError("a reduced head needs target or fixed data to pick its tokens from")
+        head_ids = _prepare.head_vocabulary(datas, target.vocab_size, choice.head_vocab, always=eos)
+        cover = _head_coverage(datas, head_ids)
+        log(f"reduced head: {len(head_ids)} tokens cover {cover:.4f} of the training continuations")
+    draft, params = _drafts.build_draft(choice, target, target_params, key=_sources.key_for(c.seed, "draft-init"),
+                                        head_ids=head_ids)
+    spec = _train.LossSpec(c.loss.divergence, float(c.loss.beta), float(c.loss.temperature))
+    mean_tokens = np.mean([p.mean_tokens_per_batch() for p in sources.values()]) if sources else \
+        c.data.tokens_per_batch / 2
+    total_steps = int(math.ceil(c.budget_tokens / max(mean_tokens, 1.0)))
+    accumulate = int(c.optim.accumulate)
+    optimizer, schedule = _train.make_optimizer(
+        learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
+        total_updates=max(1, total_steps // accumulate), end_lr_fraction=c.optim.end_lr_fraction,
+        clip_norm=c.optim.clip_norm, weight_decay=c.optim.weight_decay, accumulate=accumulate)
+    state, frozen = _train.init_state(params, choice.trainable, optimizer, _sources.key_for(c.seed, "train"))
+    head_SD = _train.teacher_head(target, target_params, head_ids)
+    full_head = _train.teacher_head(target, target_params, None)
+    step_fn = _train.make_train_step(draft, spec, optimizer)
+
+    # ---- resume --------------------------------------------------------------------------
+    writer = MetricsWriter(workdir)
+    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep_checkpoints, async_save=c.async_checkpoints)
+    meta = {"tokens": 0, "elapsed_s": 0.0}
+    restored = ckpt.restore_latest(state)
+    if restored is not None:
+        state, meta = restored.state, restored.meta
+        for s, err in restored.skipped:
+            writer.write({"kind": "event", "event": "unreadable_checkpoint", "step": s, "error": err})
+        writer.write({"kind": "event", "event": "resume", "step": restored.step, "tokens": meta["tokens"]})
+        log(f"resumed from step {restored.step} ({meta['tokens']} tokens)")
+    start = int(state.step)
+    tokens_done = int(meta["tokens"])
+
+    # ---- evaluation ----------------------------------------------------------------------
+    eval_plan = None
+    if c.eval.every > 0:
+        eval_plan = _data.BatchPlan(_prepare.eval_data(c, target, target_params, tokenizer(), log), 0,
+                                    c.data.tokens_per_batch, widths)
+
+    def run_eval(step, state):
+        if eval_plan is None:
+            return None
+        t0 = time.perf_counter()
+        full = _train.merge_params(state.params, frozen)
+        res = _train.evaluate(draft, full, full_head, eval_plan, int(c.eval.gamma))
+        res.update({"kind": "eval", "step": int(step), "tokens": tokens_done, "eval_s": time.perf_counter() - t0})
+        writer.write(res)
+        log(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
+        return res
+
+    # ---- on-policy data ------------------------------------------------------------------
+    onpolicy: dict[int, _data.BatchPlan] = {}
+
+    def train_prompts() -> list[list[int]]:
+        """The distinct prompts of the target / fixed data (for the target data: the Spec-Bench
+        train split), in first-seen order."""
+        seen, out = set(), []
+        limit = int(c.data.get("draft_max_prompt_tokens", 0)) or None
+        for plan in sources.values():
+            for t, p in zip(plan.data.seqs.tokens, plan.data.seqs.prompt_lengths):
+                if limit and p > limit:
+                    continue
+                key = tuple(int(x) for x in t[:p])
+                if key not in seen:
+                    seen.add(key)
+                    out.append(list(key))
+        if not out:
+            raise ValueError("on-policy data (draft_weight > 0) needs target or fixed data for its prompts "
+                             "(no prompt within draft_max_prompt_tokens?)")
+        return out
+
+    def draft_plan(step, state) -> tuple[_data.BatchPlan, int]:
+        R = int(c.data.draft_refresh_every)
+        r = step // R
+        if r not in onpolicy:
+            onpolicy.clear()
+            t0 = time.perf_counter()
+            prompts = train_prompts()
+            pick = np.random.default_rng([c.seed, 11, r]).choice(len(prompts), min(c.data.draft_prompts, len(prompts)),
+                                                                  replace=False)
+            full = _train.merge_params(state.params, frozen)
+            data = _sources.generated_data(
+                workdir / "onpolicy" / f"refresh_{r:05d}", draft, full, target, target_params,
+                [prompts[i] for i in sorted(pick)],
+                key=jax.random.fold_in(_train.rng(state), r), temperature=c.data.temperature, samples_per_prompt=1,
+                max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
+                eos_ids=_prepare._eos(target, tok), widths=widths, source=f"draft-r{r}", log=log)
+            onpolicy[r] = _data.BatchPlan(data, c.seed * 1000 + r, c.data.tokens_per_batch, widths)
+            writer.write({"kind": "event", "event": "onpolicy_refresh", "step": step, "refresh": r,
+                          "loss_tokens": data.num_loss_tokens, "seconds": time.perf_counter() - t0})
+        return onpolicy[r], mixture.index_within(step, r * R)
+
+    # ---- loop ----------------------------------------------------------------------------
+    if start == 0 and c.eval.at_start:
+        run_eval(0, state)
+    bar = None
+    if c.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=c.budget_tokens, initial=min(tokens_done, c.budget_tokens), unit="tok", dynamic_ncols=True,
+                   desc="distill")
+    step = start
+    t_loop, tok_loop = time.perf_counter(), 0
+    elapsed0 = float(meta.get("elapsed_s", 0.0))
+    last_eval = None
+    while tokens_done < c.budget_tokens:
+        if stop_after_steps is not None and step >= stop_after_steps:
+            break
+        name = mixture.names[mixture.choice(step)]
+        if name == "draft":
+            plan, idx = draft_plan(step, state)
+        else:
+            plan, idx = sources[name], mixture.index_within(step)
+        batch = {k: jnp.asarray(v) for k, v in plan.batch(idx).items()}
+        state, aux = step_fn(state, frozen, head_SD, batch)
+        aux = {k: float(v) for k, v in jax.device_get(aux).items()}
+        step += 1
+        n = int(aux["loss_tokens"])
+        tokens_done += n
+        tok_loop += n
+        rate = tok_loop / max(time.perf_counter() - t_loop, 1e-9)
+        rec = {"kind": "train", "step": step, "tokens": tokens_done, "source": name,
+               "lr": float(schedule(max(0, (step - 1) // accumulate))), "tokens_per_s": rate, **aux}
+        writer.write(rec)
+        if bar is not None:
+            bar.update(n)
+            bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=step)
+        done = tokens_done >= c.budget_tokens
+        if step % c.checkpoint_every == 0 or done:
+            meta = {"tokens": tokens_done, "elapsed_s": elapsed0 + time.perf_counter() - t_start}
+            ckpt.save(step, state, meta, force=True)
+        if c.eval.every > 0 and (step % c.eval.every == 0 or done):
+            last_eval = run_eval(step, state)
+    ckpt.wait()
+    if bar is not None:
+        bar.close()
+    summary = {"steps": step, "tokens": tokens_done, "train_tokens_per_s": tok_loop / max(time.perf_counter() - t_loop, 1e-9),
+               "wall_s": time.perf_counter() - t_start, **timings, "divergence": spec.divergence,
+               "draft": {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")},
+               "eval": last_eval}
+    if tokens_done >= c.budget_tokens and c.export_dir:
+        from specjax.models.draft_artifact import save_draft
+        full = _train.merge_params(state.params, frozen)
+        desc = save_draft(c.export_dir, draft, full, shared=choice.shared, dtype=c.export_dtype, info={
+            "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
+            "tokens": tokens_done, "steps": step, "eval": last_eval})
+        summary["export"] = {"dir": str(c.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
+        log(f"exported the draft to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
+    (workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
+    writer.close()
+    ckpt.close()
+    return summary
+
+
+def _head_coverage(datas, head_ids) -> float:
+    inside = total = 0
+    s = set(int(i) for i in head_ids)
+    mask = np.zeros((max(s) + 1,), bool)
+    mask[list(s)] = True
+    for d in datas:
+        for t, p in zip(d.seqs.tokens, d.seqs.prompt_lengths):
+            cont = t[p:]
+            total += len(cont)
+            inside += int(mask[cont[cont < len(mask)]].sum())
+    return inside / max(total, 1)
+
+
+def _target_sha(name: str) -> str:
+    """The sha256 of the target's checkpoint file (recorded for known names)."""
+    from specjax.models import registry
+    if name in registry.KNOWN:
+        return registry.KNOWN[name].sha256
+    path = pathlib.Path(name)
+    return registry.file_sha256(path) if path.is_file() else ""

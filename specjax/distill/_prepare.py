@@ -1,0 +1,79 @@
+"""Build (or reuse from the on-disk cache) the training and evaluation data of a config."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from specjax.distill import _data, _sources
+
+
+def data_root(c) -> pathlib.Path:
+    import os
+    if c.data_root:
+        return pathlib.Path(c.data_root)
+    base = os.environ.get("SPECJAX_CACHE") or pathlib.Path.home() / ".cache" / "specjax"
+    return pathlib.Path(base) / "distill"
+
+
+def _eos(target, tokenizer):
+    ids = set(getattr(tokenizer, "stop_token_ids", ()) or ())
+    e = target.config.eos_token_id
+    if e is not None:
+        ids |= set(e) if isinstance(e, tuple) else {int(e)}
+    return tuple(sorted(ids))
+
+
+def target_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
+    """The target's greedy and temperature-1 continuations of the Spec-Bench train split."""
+    d = c.data
+    prompts, _ = _sources.spec_bench_prompts(tokenizer, "train")
+    widths = tuple(d.widths)
+    parts = []
+    for name, temp, n in (("greedy", 0.0, d.greedy_samples), ("sampled", d.temperature, d.sampled_samples)):
+        if n <= 0:
+            continue
+        spec = dict(target=c.target, dtype=c.dtype, split="train", temperature=temp, samples=n,
+                    max_new_tokens=d.max_new_tokens, seed=c.seed, widths=widths, prompts=len(prompts))
+        directory = _sources.data_dir(data_root(c), f"target-{name}", **spec)
+        parts.append(_sources.generated_data(
+            directory, target, target_params, target, target_params, prompts,
+            key=_sources.key_for(c.seed, f"target-data-{name}"), temperature=temp, samples_per_prompt=n,
+            max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=_eos(target, tokenizer),
+            widths=widths, source=f"target-{name}", log=log))
+    if not parts:
+        raise ValueError("target_weight > 0 needs greedy_samples or sampled_samples > 0")
+    return _data.concat(parts)
+
+
+def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
+    """Greedy target continuations of held-out prompts (never trained on)."""
+    e = c.eval
+    prompts, _ = _sources.spec_bench_prompts(tokenizer, "held_out", per_category=e.per_category)
+    widths = tuple(c.data.widths)
+    spec = dict(target=c.target, dtype=c.dtype, split="held_out", per_category=e.per_category,
+                max_new_tokens=e.max_new_tokens, widths=widths)
+    directory = _sources.data_dir(data_root(c), "eval-greedy", **spec)
+    return _sources.generated_data(
+        directory, target, target_params, target, target_params, prompts, key=_sources.key_for(0, "eval"),
+        temperature=0.0, samples_per_prompt=1, max_new_tokens=e.max_new_tokens, batch_size=c.data.gen_batch_size,
+        eos_ids=_eos(target, tokenizer), widths=widths, source="eval-greedy", log=log)
+
+
+def fixed_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
+    path = pathlib.Path(c.data.fixed_jsonl)
+    spec = dict(target=c.target, dtype=c.dtype, path=str(path.resolve()), size=path.stat().st_size,
+                mtime=path.stat().st_mtime, widths=tuple(c.data.widths))
+    directory = _sources.data_dir(data_root(c), "fixed", **spec)
+    return _sources.fixed_data(directory, path, tokenizer, target, target_params, widths=tuple(c.data.widths),
+                               log=log)
+
+
+def head_vocabulary(datas, vocab_size: int, size: int, always=()) -> np.ndarray:
+    """The `size` most frequent continuation tokens (ties by id), plus `always` (e.g. EOS),
+    sorted ascending."""
+    counts = _sources.token_frequencies(datas, vocab_size).astype(np.float64)
+    counts[list(always)] = np.inf
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return np.sort(order[:size]).astype(np.int32)

@@ -1,0 +1,84 @@
+"""Where distillation data comes from: Spec-Bench prompts (never the held-out split for
+training), the target's generations, the draft's own (on-policy) generations, fixed JSONL."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Callable
+
+import jax
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax import specbench
+from specjax.distill import _data
+
+
+def spec_bench_prompts(tokenizer, split: str, *, per_category: int = 0, chat: bool = True,
+                       max_prompt_tokens: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Token lists of Spec-Bench first turns from `split` ('train' or 'held_out'), chat-templated.
+    per_category > 0 keeps the first n of each category. Returns (prompts, question_ids)."""
+    qs = specbench.load(split=split)
+    if per_category:
+        seen: dict[str, int] = {}
+        keep = []
+        for q in qs:
+            if seen.get(q.category, 0) < per_category:
+                keep.append(q)
+                seen[q.category] = seen.get(q.category, 0) + 1
+        qs = keep
+    prompts, ids = [], []
+    for q in qs:
+        t = (tokenizer.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
+             if chat else tokenizer.encode(q.prompt))
+        if max_prompt_tokens and len(t) > max_prompt_tokens:
+            continue
+        prompts.append(list(t))
+        ids.append(q.question_id)
+    return prompts, ids
+
+
+def generated_data(directory, generator, generator_params, target, target_params, prompts, *, key,
+                   temperature: float, samples_per_prompt: int, max_new_tokens: int, batch_size: int,
+                   eos_ids, widths, tokens_per_batch: int = 8192, source: str = "target",
+                   log: Callable[[str], None] | None = None) -> _data.TeacherData:
+    """Continuations of `prompts` by `generator` (target or draft) with the teacher's states,
+    cached under `directory` (reused when complete)."""
+    def build():
+        cfg = sampling_lib.SamplingConfig.make(temperature=temperature)
+        seqs = _data.generate(generator, generator_params, prompts, key=key, sampling=cfg,
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, eos_ids=tuple(eos_ids),
+                              samples_per_prompt=samples_per_prompt, source=source, log=log)
+        hidden = _data.teacher_states(target, target_params, seqs, tokens_per_batch=tokens_per_batch,
+                                      widths=widths, log=log)
+        return _data.TeacherData(seqs, hidden, max(widths))
+    return _data.cached(directory, build, log=log)
+
+
+def fixed_data(directory, path, tokenizer, target, target_params, *, widths, tokens_per_batch: int = 8192,
+               log=None) -> _data.TeacherData:
+    def build():
+        seqs = _data.from_jsonl(path, tokenizer)
+        hidden = _data.teacher_states(target, target_params, seqs, tokens_per_batch=tokens_per_batch,
+                                      widths=widths, log=log)
+        return _data.TeacherData(seqs, hidden, max(widths))
+    return _data.cached(directory, build, log=log)
+
+
+def token_frequencies(datas, vocab_size: int) -> np.ndarray:
+    """Counts of each token id over the continuations (loss targets) of the given data."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for d in datas:
+        for t, p in zip(d.seqs.tokens, d.seqs.prompt_lengths):
+            np.add.at(counts, t[p:], 1)
+    return counts
+
+
+def data_dir(root, name: str, **spec) -> pathlib.Path:
+    return pathlib.Path(root) / f"{name}-{_data.cache_key(**spec)}"
+
+
+def key_for(seed: int, stream: str):
+    """A named PRNG stream derived once from the run's seed."""
+    import zlib
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(stream.encode()) & 0x7FFFFFFF)

@@ -1,0 +1,212 @@
+"""The distillation step: a pure, jitted function of (train state, frozen inputs, batch).
+
+Only the draft's trainable parameters are differentiated. The target enters as its final
+hidden states at the loss positions (computed once per data set, see `_data`) and the rows of
+its output head (``teacher_head_SD``); both are plain arguments outside the gradient, and the
+teacher logits are additionally wrapped in `lax.stop_gradient`.
+
+With a reduced draft head (tokens S) the loss compares q with p restricted to S and
+renormalized (p|S): q must be zero off S, and p|S is also the q that maximizes the acceptance
+rate sum_x min(p, q) under that constraint (it reaches the ceiling p(S)). Evaluation
+(`evaluate_batch`) always uses the full-vocabulary p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from specjax.distill import _divergence
+from specjax.models.reduced_head import ReducedHeadLlama
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array          # micro-steps taken (= optimizer updates x accumulate)
+    params: Any              # the draft's trainable parameters
+    opt_state: Any
+    key: jax.Array           # raw uint32 key data (checkpointable); `rng` wraps it
+
+
+def rng(state: TrainState) -> jax.Array:
+    return jax.random.wrap_key_data(state.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    divergence: str = "fkl"
+    beta: float = 0.5
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.divergence not in _divergence.DIVERGENCES:
+            raise ValueError(f"unknown divergence {self.divergence!r}: expected one of {_divergence.DIVERGENCES}")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"beta must be in (0, 1), got {self.beta}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+def make_optimizer(*, learning_rate: float, warmup_steps: int, total_updates: int, end_lr_fraction: float = 0.1,
+                   clip_norm: float = 1.0, weight_decay: float = 0.0, accumulate: int = 1):
+    """AdamW with linear warm-up and cosine decay, global-norm clipping, optional accumulation
+    (`optax.MultiSteps`: one update per `accumulate` micro-batches)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
+        decay_steps=max(total_updates, warmup_steps + 1), end_value=learning_rate * end_lr_fraction)
+    opt = optax.chain(optax.clip_by_global_norm(clip_norm),
+                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay))
+    if accumulate > 1:
+        opt = optax.MultiSteps(opt, every_k_schedule=accumulate)
+    return opt, schedule
+
+
+def split_params(params: dict, trainable: tuple[str, ...]) -> tuple[dict, dict]:
+    """(trainable, frozen) by top-level name."""
+    tr = {k: v for k, v in params.items() if k in trainable}
+    fr = {k: v for k, v in params.items() if k not in trainable}
+    missing = set(trainable) - set(params)
+    if missing:
+        raise ValueError(f"trainable names not in the draft's params: {sorted(missing)}")
+    return tr, fr
+
+
+def merge_params(trainable: dict, frozen: dict) -> dict:
+    return {**frozen, **trainable}
+
+
+def init_state(params: dict, trainable: tuple[str, ...], optimizer, key) -> tuple[TrainState, dict]:
+    tr, fr = split_params(params, trainable)
+    # The train step donates the state: give it its own buffers (trainable tensors may be the
+    # target's own arrays, e.g. a shared final norm, which must outlive the step).
+    tr = jax.tree.map(lambda x: jnp.array(x, copy=True), tr)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=tr, opt_state=optimizer.init(tr),
+                       key=jax.random.key_data(key))
+    return state, fr
+
+
+def teacher_head(target, target_params, head_ids=None):
+    """Rows of the target's output layer [S, D] (all V rows when head_ids is None)."""
+    p = target_params
+    w = p["embed"] if target.config.tie_embeddings else p["lm_head"].T
+    return w if head_ids is None else jnp.take(w, jnp.asarray(head_ids, jnp.int32), axis=0)
+
+
+def student_logits(draft, params, tokens_BT):
+    """The draft's logits over its own output tokens ([B, T, S] for a reduced head, else V)."""
+    h, _ = draft.hidden_states(params, tokens_BT, None)
+    if isinstance(draft, ReducedHeadLlama):
+        return draft.head_logits(params, h)
+    return draft.logits_from_hidden(params, h)
+
+
+def teacher_logits(head_SD, hidden_BTD):
+    return jax.lax.stop_gradient(jnp.einsum("btd,sd->bts", hidden_BTD, head_SD.astype(hidden_BTD.dtype),
+                                            preferred_element_type=jnp.float32))
+
+
+def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec):
+    params = merge_params(trainable, frozen)
+    q_logits = student_logits(draft, params, batch["tokens"])
+    p_logits = teacher_logits(head_SD, batch["teacher_hidden"])
+    div = _divergence.divergence(spec.divergence, p_logits, q_logits, spec.temperature, spec.beta)
+    mask = batch["mask"]
+    loss = _divergence.masked_mean(div, mask)
+    p = jax.nn.softmax(p_logits, -1)
+    q = jax.nn.softmax(q_logits, -1)
+    aux = {"loss": loss,
+           "alpha_on_head": _divergence.masked_mean(jnp.sum(jnp.minimum(p, q), -1), mask),
+           "agreement_on_head": _divergence.masked_mean(
+               (jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)).astype(jnp.float32), mask),
+           "loss_tokens": jnp.sum(mask)}
+    return loss, aux
+
+
+def make_train_step(draft, spec: LossSpec, optimizer):
+    """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated."""
+    def step(state: TrainState, frozen, head_SD, batch):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        aux["grad_norm"] = optax.tree.norm(grads)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), aux
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+def _eval_batch(draft, params, full_head_VD, batch):
+    """Per-position acceptance sum_x min(p, q) at temperature 1 over the full vocabulary, and
+    whether the draft's argmax equals the target's."""
+    tokens, hidden, mask = batch["tokens"], batch["teacher_hidden"], batch["mask"]
+    p_logits = teacher_logits(full_head_VD, hidden)
+    h, _ = draft.hidden_states(params, tokens, None)
+    if isinstance(draft, ReducedHeadLlama):
+        q_logits = draft.scatter(params, draft.head_logits(params, h))
+    else:
+        q_logits = draft.logits_from_hidden(params, h)
+    p = jax.nn.softmax(p_logits, -1)
+    q = jax.nn.softmax(q_logits, -1)
+    alpha_BT = jnp.sum(jnp.minimum(p, q), -1)
+    agree_BT = jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)
+    return alpha_BT * mask, agree_BT & (mask > 0)
+
+
+_eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0,))
+
+
+def greedy_accepted_per_pass(agree: np.ndarray, gamma: int) -> tuple[int, int]:
+    """(committed tokens, target passes) of greedy speculative decoding along a target-greedy
+    sequence, from the draft's teacher-forced agreement at each position.
+
+    With greedy sampling both models are deterministic and the committed sequence is the
+    target's greedy one; a round starting at position i accepts the longest run of agreements
+    a_i, a_{i+1}, ... (at most gamma) and commits one more token (the correction or the bonus).
+    So this is exact, up to float near-ties between a batched and an incremental forward.
+    """
+    m = len(agree)
+    i = committed = passes = 0
+    while i < m:
+        n = 0
+        while n < gamma and i + n < m and agree[i + n]:
+            n += 1
+        c = min(n + 1, m - i)
+        committed += c
+        passes += 1
+        i += c
+    return committed, passes
+
+
+def evaluate(draft, params, full_head_VD, plan, gamma: int) -> dict:
+    """Acceptance rate (temperature 1), greedy agreement and greedy mean accepted tokens per
+    target pass at `gamma` over one pass of `plan` (held-out target-greedy continuations)."""
+    from specjax import analysis
+    n_batches = len(plan._epoch(0))
+    alpha_sum = agree_sum = count = 0.0
+    committed = passes = 0
+    for i in range(n_batches):
+        b = plan.batch(i)
+        a_BT, g_BT = _eval_batch_jit(draft, params, full_head_VD, {k: jnp.asarray(v) for k, v in b.items()})
+        a_BT, g_BT = np.asarray(a_BT), np.asarray(g_BT)
+        m = b["mask"] > 0
+        alpha_sum += float(a_BT[m].sum())
+        agree_sum += float(g_BT[m].sum())
+        count += float(m.sum())
+        for r in range(m.shape[0]):
+            if m[r].any():
+                c, p = greedy_accepted_per_pass(g_BT[r][m[r]], gamma)
+                committed += c
+                passes += p
+    alpha = alpha_sum / max(count, 1.0)
+    return {"alpha_t1": alpha, "greedy_agreement": agree_sum / max(count, 1.0),
+            f"greedy_tokens_per_pass_g{gamma}": committed / max(passes, 1),
+            f"expected_tokens_per_pass_t1_g{gamma}": float(analysis.expected_tokens_per_round(alpha, gamma)),
+            "eval_tokens": int(count)}

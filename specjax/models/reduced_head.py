@@ -1,0 +1,92 @@
+"""A Llama decoder whose output head covers a subset S of the vocabulary.
+
+The embedding still takes every token id (the target may commit any token), but the head
+scores only the |S| tokens in ``params['head_ids']``; every other token gets logit -inf, so the
+draft's q is exactly zero there. Speculative sampling stays exact: the verifier only needs
+q to be the distribution the draft sampled from. The acceptance rate is at most p(S), so S is
+chosen as the tokens the target emits most often. For SmolLM2-135M the full head
+(49152 x 576) is a fifth of the weights; an 8192-token head costs a sixth of that.
+
+Params: the Llama params (``embed`` [V, D] full vocabulary, ``layers``, ``final_norm``) plus
+``head_ids`` [S] int32 (ascending) and ``head`` [S, D] (row i scores token head_ids[i]; for a
+head tied to the target's embedding, ``embed[head_ids]``, materialized once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import Llama, as_pure_params
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedHeadLlama:
+    """Protocol model (`specjax.models.DecoderModel`): full-vocabulary logits, -inf off S."""
+    config: ModelConfig        # vocab_size = the full vocabulary
+    head_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def base(self) -> Llama:
+        return Llama(self.config)
+
+    def init_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return self.base.init_cache(batch_size, capacity)
+
+    def hidden_states(self, params, tokens_BT, cache, num_valid_B=None):
+        return self.base.hidden_states(params, tokens_BT, cache, num_valid_B)
+
+    def head_logits(self, params, h_BTD):
+        """float32 logits [B, T, S] over the head's tokens."""
+        p = as_pure_params(params)
+        return jnp.einsum("btd,sd->bts", h_BTD, p["head"].astype(h_BTD.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def scatter(self, params, logits_BTS):
+        """Full-vocabulary logits [B, T, V]: the head's logits at head_ids, -inf elsewhere."""
+        B, T, _ = logits_BTS.shape
+        full = jnp.full((B, T, self.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[:, :, as_pure_params(params)["head_ids"]].set(logits_BTS)
+
+    def apply(self, params, tokens_BT, cache, num_valid_B=None):
+        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B)
+        return self.scatter(params, self.head_logits(params, h)), cache
+
+
+def reduce_head(model: Llama, params, head_ids) -> tuple[ReducedHeadLlama, dict]:
+    """A `ReducedHeadLlama` whose head is `model`'s head restricted to `head_ids`."""
+    ids = np.unique(np.asarray(head_ids, np.int64))
+    if ids.size == 0 or ids[0] < 0 or ids[-1] >= model.vocab_size:
+        raise ValueError(f"head_ids must be non-empty ids in [0, {model.vocab_size})")
+    p = dict(as_pure_params(params))
+    ids_j = jnp.asarray(ids, jnp.int32)
+    if model.config.tie_embeddings:
+        head = jnp.take(p["embed"], ids_j, axis=0)
+    else:
+        head = jnp.take(p.pop("lm_head"), ids_j, axis=1).T
+    p["head"] = head
+    p["head_ids"] = ids_j
+    return ReducedHeadLlama(model.config, int(ids.size)), p
+
+
+def full_head(model: ReducedHeadLlama, params) -> tuple[Llama, dict]:
+    """The same decoder with a full-vocabulary head, for formats that cannot express a reduced
+    one (a Hugging Face checkpoint has no -inf logits). The head rows of S are kept; every other
+    row is the embedding's (tied heads: exactly the original full head; a trained head: its S
+    rows plus the embedding's rows elsewhere, so the result differs off S)."""
+    p = dict(as_pure_params(params))
+    ids = p.pop("head_ids")
+    head = p.pop("head")
+    embed = p["embed"]
+    if bool(jnp.array_equal(head, jnp.take(embed, ids, axis=0))):
+        return Llama(model.config.replace(tie_embeddings=True)), p
+    p["lm_head"] = embed.at[ids].set(head.astype(embed.dtype)).T
+    return Llama(model.config.replace(tie_embeddings=False)), p

@@ -1,0 +1,277 @@
+"""Restartable distillation: a run killed with SIGKILL mid-run resumes to the same draft as an
+uninterrupted run, and damaged or partial newest checkpoints are reported and skipped.
+
+The CLI test runs `python -m specjax.distill` as a user would (subprocesses, async checkpoint
+saves on); the damage test runs `specjax.distill.train` in-process on the toy target of
+tests/_distill_toy.py; the `Checkpointer.restore_latest` tests use a small pytree.
+"""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import checkpoint as ckpt_lib
+from specjax import distill
+
+import _distill_toy as toy
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A restore that fails inside Orbax leaves a tensorstore callback that later fires on Orbax's closed
+# event loop ("RuntimeError: Event loop is closed", reported by pytest as unraisable): harmless noise
+# of a deliberately failing restore.
+failing_restores = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+# ~150 loss tokens per toy step: ~240 steps, of which the killed run does only the first ~25.
+CLI_BUDGET = 36_000
+CLI_EVERY = 5
+KILL_AT = 25          # SIGKILL once a checkpoint of at least this step is on disk
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill_resume")
+    return dict(root=root, target_dir=toy.write_target(root / "target"),
+                data_path=toy.write_data(root / "data.jsonl"), data_root=root / "data_root")
+
+
+def _metrics(workdir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def _events(workdir, name) -> list[dict]:
+    return [r for r in _metrics(workdir) if r.get("kind") == "event" and r.get("event") == name]
+
+
+def _steps_on_disk(ckpt_dir) -> list[int]:
+    """Finished steps (Orbax renames a step's temporary directory to the bare number when done)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+# ----------------------------------------------------------------------------- SIGKILL and resume (CLI)
+
+def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def command(workdir, export_dir):
+        # Identical configs apart from where the run and its draft go (same data cache).
+        return [sys.executable, "-m", "specjax.distill", f"--config={REPO / 'configs' / 'distill.py'}",
+                f"--workdir={workdir}",
+                *toy.cli_flags(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
+                               data_root=toy_run["data_root"], budget=CLI_BUDGET, checkpoint_every=CLI_EVERY,
+                               export_dir=export_dir)]
+
+    def start(workdir, export_dir, log_name):
+        log = open(tmp_path / log_name, "w")
+        return subprocess.Popen(command(workdir, export_dir), cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT), log
+
+    def log_tail(name):
+        return (tmp_path / name).read_text()[-4000:]
+
+    killed_dir, ref_dir = tmp_path / "killed", tmp_path / "reference"
+    killed_export, ref_export = tmp_path / "killed_export", tmp_path / "reference_export"
+    procs, logs = [], []
+    try:
+        proc, log = start(killed_dir, killed_export, "killed.log")
+        procs.append(proc), logs.append(log)
+        ref = None
+        deadline = time.monotonic() + 150
+        while True:
+            steps = _steps_on_disk(killed_dir / "checkpoints")
+            if steps and ref is None:
+                # The data cache is written before the first step: the uninterrupted reference run can
+                # start now and share it (concurrent first writers of the cache would race).
+                ref, log = start(ref_dir, ref_export, "reference.log")
+                procs.append(ref), logs.append(log)
+            if steps and steps[-1] >= KILL_AT:
+                proc.send_signal(signal.SIGKILL)
+                break
+            assert proc.poll() is None, (
+                f"the run ended (rc {proc.returncode}) before a checkpoint of step {KILL_AT}: increase CLI_BUDGET "
+                f"if it finished\n{log_tail('killed.log')}")
+            assert time.monotonic() < deadline, f"no checkpoint of step {KILL_AT} in time\n{log_tail('killed.log')}"
+            time.sleep(0.02)
+        proc.wait(60)
+        # Really killed mid-run: no summary, no draft, far from the end of the budget.
+        assert proc.returncode == -signal.SIGKILL
+        assert not (killed_dir / "final.json").exists()
+        assert not (killed_export / "draft.safetensors").exists()
+        killed_train = [r for r in _metrics(killed_dir) if r["kind"] == "train"]
+        assert killed_train and killed_train[-1]["tokens"] < CLI_BUDGET / 2
+        at_kill = _steps_on_disk(killed_dir / "checkpoints")
+        assert at_kill and at_kill[-1] >= KILL_AT
+
+        # The same command again resumes and runs to the end.
+        resumed = subprocess.run(command(killed_dir, killed_export), cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-3000:]}"
+        assert ref.wait(300) == 0, log_tail("reference.log")
+    finally:
+        for p in procs:
+            _stop(p)
+        for f in logs:
+            f.close()
+
+    resumes = _events(killed_dir, "resume")
+    # From the newest checkpoint on disk at the kill.
+    assert len(resumes) == 1 and resumes[0]["step"] == at_kill[-1] and resumes[0]["step"] % CLI_EVERY == 0
+    assert f"resumed from step {resumes[0]['step']}" in resumed.stdout
+    # A SIGKILL during an asynchronous save leaves only a temporary directory, never a listed step
+    # that fails to read.
+    assert _events(killed_dir, "unreadable_checkpoint") == []
+    assert "unreadable" not in resumed.stdout
+    # The resumed process started right after the checkpoint (it did not redo the steps before it).
+    recs = _metrics(killed_dir)
+    after = recs[recs.index(resumes[0]) + 1:]
+    assert after[0]["kind"] == "train" and after[0]["step"] == resumes[0]["step"] + 1
+    assert not _events(ref_dir, "resume")
+
+    final, ref_final = (json.loads((d / "final.json").read_text()) for d in (killed_dir, ref_dir))
+    assert final["steps"] == ref_final["steps"] > 6 * KILL_AT        # a few hundred steps in all
+    assert final["tokens"] == ref_final["tokens"] >= CLI_BUDGET
+    # Bit-identical drafts: the same bytes, the same recorded sha256, the same description.
+    assert (killed_export / "draft.safetensors").read_bytes() == (ref_export / "draft.safetensors").read_bytes()
+    desc, ref_desc = (json.loads((d / "draft.json").read_text()) for d in (killed_export, ref_export))
+    assert desc["sha256"] == ref_desc["sha256"] == final["export"]["sha256"] == ref_final["export"]["sha256"]
+    assert desc == ref_desc
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints (in-process)
+
+def _truncate_array_data(step_dir: pathlib.Path) -> int:
+    """Cut every OCDBT data file of the step's `state` item to half its size."""
+    n = 0
+    for f in sorted((step_dir / "state").rglob("*")):
+        if f.is_file() and f.parent.name == "d":
+            blob = f.read_bytes()
+            f.write_bytes(blob[: len(blob) // 2])
+            n += 1
+    return n
+
+
+@failing_restores
+def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run, tmp_path, capsys):
+    budget, every = 4500, 4          # ~30 steps
+
+    def cfg(export_dir):
+        c = toy.config(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
+                       data_root=toy_run["data_root"], budget=budget, checkpoint_every=every, export_dir=export_dir)
+        c.keep_checkpoints = 3
+        return c
+
+    work = tmp_path / "run"
+    distill.train(cfg(tmp_path / "export"), work, stop_after_steps=3 * every)
+    ck = work / "checkpoints"
+    assert _steps_on_disk(ck) == [every, 2 * every, 3 * every]
+    # (a stopped run writes its summary too; it is short of the budget and has no draft)
+    assert json.loads((work / "final.json").read_text())["tokens"] < budget
+    assert not (tmp_path / "export" / "draft.safetensors").exists()
+
+    # A partial step that Orbax lists: its directory and `meta` item are there, the `state` item is
+    # missing (copied from the last good step, so only the missing item can make it fail).
+    partial = 4 * every
+    shutil.copytree(ck / str(3 * every), ck / str(partial))
+    shutil.rmtree(ck / str(partial) / "state")
+    # The previously newest step has its array data truncated.
+    assert _truncate_array_data(ck / str(3 * every)) >= 1
+    capsys.readouterr()
+
+    summary = distill.train(cfg(tmp_path / "export"), work)
+    out = capsys.readouterr().out
+    assert f"[checkpoint] step {partial} unreadable" in out
+    assert f"[checkpoint] step {3 * every} unreadable" in out
+    assert f"resumed from step {2 * every}" in out
+    bad = _events(work, "unreadable_checkpoint")
+    assert [e["step"] for e in bad] == [partial, 3 * every] and all(e["error"] for e in bad)
+    assert "state" in bad[0]["error"]
+    resumes = _events(work, "resume")
+    assert len(resumes) == 1 and resumes[0]["step"] == 2 * every
+    recs = _metrics(work)
+    after = recs[recs.index(resumes[0]) + 1:]
+    assert after[0]["kind"] == "train" and after[0]["step"] == 2 * every + 1
+
+    # It finished, saving over the skipped step numbers again, and the last checkpoint is its end.
+    final = json.loads((work / "final.json").read_text())
+    assert final["tokens"] >= budget and summary["steps"] == final["steps"] > partial
+    steps = _steps_on_disk(ck)
+    assert steps[-1] == final["steps"] and len(steps) <= 3
+    assert json.loads((ck / str(steps[-1]) / "meta" / "metadata").read_text())["tokens"] == final["tokens"]
+
+    # Falling back two steps changes nothing: the same draft as an uninterrupted run.
+    ref = distill.train(cfg(tmp_path / "ref_export"), tmp_path / "ref")
+    assert ref["steps"] == final["steps"] and ref["export"]["sha256"] == final["export"]["sha256"]
+    assert (tmp_path / "export" / "draft.safetensors").read_bytes() == \
+        (tmp_path / "ref_export" / "draft.safetensors").read_bytes()
+
+
+# ----------------------------------------------------------------------------- Checkpointer.restore_latest
+
+def _tree(x: float):
+    return {"w": jnp.full((8, 16), x, jnp.float32), "b": {"c": jnp.arange(5, dtype=jnp.int32) + int(x)},
+            "key": jax.random.key_data(jax.random.key(int(x)))}
+
+
+def _save_steps(directory, *steps):
+    c = ckpt_lib.Checkpointer(directory, keep=5)
+    for s in steps:
+        c.save(s, _tree(float(s)), {"tokens": 10 * s})
+    c.close()
+
+
+@failing_restores
+def test_restore_latest_skips_a_corrupt_newest_step(tmp_path, capsys):
+    _save_steps(tmp_path, 1, 2)
+    assert _truncate_array_data(tmp_path / "2") >= 1
+    c = ckpt_lib.Checkpointer(tmp_path, keep=5)
+    assert c.steps() == [1, 2]
+    r = c.restore_latest(_tree(0.0))
+    assert r.step == 1 and r.meta == {"tokens": 10}
+    assert [s for s, _ in r.skipped] == [2] and r.skipped[0][1]
+    for a, b in zip(jax.tree.leaves(r.state), jax.tree.leaves(_tree(1.0))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "[checkpoint] step 2 unreadable" in capsys.readouterr().out
+    # The skipped step is gone, so a resumed run can save that step number again.
+    assert c.steps() == [1]
+    c.save(2, _tree(2.0), {"tokens": 20})
+    c.close()
+    c = ckpt_lib.Checkpointer(tmp_path, keep=5)
+    r = c.restore_latest(_tree(0.0))
+    assert r.step == 2 and r.skipped == [] and r.meta == {"tokens": 20}
+    c.close()
+
+
+@failing_restores
+def test_restore_latest_with_every_step_unreadable_raises(tmp_path):
+    _save_steps(tmp_path, 1, 2)
+    _truncate_array_data(tmp_path / "2")
+    (tmp_path / "1" / "meta" / "metadata").write_text("{not json")
+    c = ckpt_lib.Checkpointer(tmp_path, keep=5)
+    with pytest.raises(RuntimeError, match="no readable checkpoint"):
+        c.restore_latest(_tree(0.0))
+    assert c.steps() == [1, 2]          # nothing is deleted when nothing could be restored
+    c.close()
+
+
+def test_restore_latest_of_an_empty_directory_is_none(tmp_path):
+    c = ckpt_lib.Checkpointer(tmp_path / "none_yet", keep=5)
+    assert c.steps() == [] and c.restore_latest(_tree(0.0)) is None
+    c.close()
