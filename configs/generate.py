@@ -11,15 +11,16 @@ def get_config():
     c.target = "smollm2-135m-instruct"     # registry name, GGUF path or HF checkpoint dir
     c.dtype = "float32"
     c.scan_layers = True
-    # Drafter: 'ngram' (prompt lookup), 'early_exit' (target's first layers), 'model', 'none'.
-    c.drafter = "ngram"
-    c.draft_model = ""                      # path or name, for drafter='model'
+    # Drafter: 'distilled' (the draft shipped for the target, see experiments/distill), 'ngram'
+    # (prompt lookup), 'early_exit' (target's first layers), 'model' (draft_model=), 'none'.
+    c.drafter = "distilled"
+    c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4
     c.max_ngram = 3
     c.min_ngram = 1
     c.gamma = 4                             # >= 0; adaptive_gamma overrides
-    c.adaptive_gamma = False
-    c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
+    c.adaptive_gamma = True                 # gamma per round from acceptance and calibrated round times
+    c.adaptive_gammas = (0, 1, 2, 3, 4)
     c.verifier = "token"                    # 'token' or 'block'; greedy uses the greedy verifier
     c.temperature = 0.0
     c.top_k = 0

@@ -20,7 +20,7 @@ import numpy as np
 
 from experiments.bench_speed import common, report, roofline, summarize
 
-DRAFTER_CHOICES = ("ngram", "early_exit", "adaptive_ngram", "adaptive_early_exit")
+DRAFTER_CHOICES = ("ngram", "early_exit", "distilled", "adaptive_ngram", "adaptive_early_exit", "adaptive_distilled")
 
 
 def _floats(s: str) -> list[float]:
@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ngram_gamma", type=int, default=4)
     p.add_argument("--early_exit_gamma", type=int, default=3)
     p.add_argument("--early_exit_layers", type=int, default=4)
+    p.add_argument("--distilled_gamma", type=int, default=3)
+    p.add_argument("--draft_model", default="", help="draft directory for 'distilled' (default: the one shipped "
+                   "for --model)")
     p.add_argument("--adaptive_gammas", type=_ints, default=[0, 1, 2, 3, 4, 6])
     p.add_argument("--max_ngram", type=int, default=3, help="longest suffix n-gram matched (both frameworks)")
     p.add_argument("--verifier", choices=("token", "block"), default="token")
@@ -90,6 +93,11 @@ def decode_configs(args):
             cfgs.append(DecodeConfig("ngram", "ngram", args.ngram_gamma))
         elif name == "early_exit":
             cfgs.append(DecodeConfig("early_exit", "early_exit", args.early_exit_gamma))
+        elif name == "distilled":
+            cfgs.append(DecodeConfig("distilled", "distilled", args.distilled_gamma))
+        elif name == "adaptive_distilled":
+            cfgs.append(DecodeConfig("adaptive_distilled", "distilled",
+                                     decoding.AdaptiveGamma(gammas=tuple(args.adaptive_gammas))))
         elif name == "adaptive_ngram":
             cfgs.append(DecodeConfig("adaptive_ngram", "ngram", decoding.AdaptiveGamma(gammas=tuple(args.adaptive_gammas))))
         elif name == "adaptive_early_exit":
@@ -155,7 +163,7 @@ def run_benchmark(args) -> dict:
 
     eos_ids = () if args.ignore_eos else w.eos_ids
     inputs = sj_bench.prepare_inputs(w, args.max_new_tokens, max_gamma, args.pad_multiple, args.seed)
-    drafters = sj_bench.Drafters(w, args.early_exit_layers, args.max_ngram)
+    drafters = sj_bench.Drafters(w, args.early_exit_layers, args.max_ngram, args.draft_model)
 
     with common.CompileLog() as log:
         # -- bandwidth

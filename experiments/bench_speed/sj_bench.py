@@ -78,8 +78,9 @@ def prepare_inputs(workload: Workload, max_new_tokens: int, max_gamma: int, pad_
 class Drafters:
     """Builds each drafter once: (drafter, draft_params) by kind."""
 
-    def __init__(self, workload: Workload, early_exit_layers: int, max_ngram: int):
+    def __init__(self, workload: Workload, early_exit_layers: int, max_ngram: int, draft_model: str = ""):
         self.workload = workload
+        self.draft_model = draft_model
         self.early_exit_layers = min(early_exit_layers, workload.target.config.num_layers - 1)
         self.max_ngram = max_ngram
         self._cache: dict[str, tuple] = {}
@@ -88,7 +89,8 @@ class Drafters:
         if kind not in self._cache:
             w = self.workload
             self._cache[kind] = build.make_drafter(kind, w.target, w.params, early_exit_layers=self.early_exit_layers,
-                                                   max_ngram=self.max_ngram)
+                                                   max_ngram=self.max_ngram, draft_model=self.draft_model,
+                                                   target_name=w.name)
         return self._cache[kind]
 
 

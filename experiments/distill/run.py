@@ -101,16 +101,16 @@ def _drafts_to_evaluate(args, target, params):
         # Unrolled layers, as `load_draft` gives the distilled ones (same speed path).
         m0 = dataclasses.replace(m0, config=m0.config.replace(scan_layers=False))
         p0 = models.unstack_layers(p0)
-        out["init (undistilled)"] = (m0, p0, f"target layers {list(choice.layers)}, head {choice.head_vocab or 'full'}")
+        out["init (undistilled)"] = (m0, p0, ("start", args.runs / "recipe"))
     for div in args.divergences:
         d = args.drafts / f"compare-{div}"
         if (d / "draft.json").is_file():
             m, p = load_draft(d, target, params)
-            out[f"{div} (100k)"] = (m, p, json.loads((d / "draft.json").read_text())["info"].get("tokens"))
+            out[f"{div} (100k)"] = (m, p, args.runs / f"compare-{div}")
     if (recipe_dir / "draft.json").is_file():
         m, p = load_draft(recipe_dir, target, params)
         info = json.loads((recipe_dir / "draft.json").read_text())["info"]
-        out[f"recipe: {info.get('divergence')} ({info.get('tokens')} tokens, shipped)"] = (m, p, "shipped")
+        out[f"recipe: {info.get('divergence')} ({info.get('tokens')} tokens, shipped)"] = (m, p, args.runs / "recipe")
     return out
 
 
@@ -167,8 +167,10 @@ def stage_evaluate(args):
     base_tps = float(np.mean([r["tokens_per_s"] for r in base.values()]))
     rows = []
     for name, (m, p, desc) in drafts.items():
-        _log(f"{name}: teacher-forced evaluation")
-        tf = _train.evaluate(m, p, full_head, eval_plan, gamma)
+        tf = _recorded_eval(desc, gamma)
+        if tf is None:
+            _log(f"{name}: teacher-forced evaluation")
+            tf = _train.evaluate(m, p, full_head, eval_plan, gamma)
         d_cost = sj_bench.forward_cost(m, p, [1], ctx, cap, args.cost_iters, log)[1]["median_s"]
         runs, ok = [], True
         for inp in inputs:
@@ -184,13 +186,27 @@ def stage_evaluate(args):
                "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"], "engine_tokens_per_pass": per_pass,
                "draft_step_over_target": d_cost / t1, "tokens_per_s": tps, "target_tokens_per_s": base_tps,
                "speedup_mean": float(np.mean(speedups)), "speedup_of_means": tps / base_tps,
-               "predicted_speedup": predicted, "greedy_outputs_identical": bool(ok), "what": desc}
+               "predicted_speedup": predicted, "greedy_outputs_identical": bool(ok), "what": str(desc)}
         rows.append(row)
         writer.write("summary", **row)
         _log(json.dumps(row))
     writer.close()
     log.__exit__(None, None, None)
     _write_table(args.out, rows, prov)
+
+
+def _recorded_eval(where, gamma):
+    """The teacher-forced evaluation a training run already wrote (its last one, or with
+    ``("start", workdir)`` its step-0 one), when it used the same gamma; else None."""
+    start = isinstance(where, tuple)
+    workdir = where[1] if start else where
+    if not isinstance(workdir, pathlib.Path) or not (workdir / "metrics.jsonl").is_file():
+        return None
+    evals = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+             if r.get("kind") == "eval" and f"greedy_tokens_per_pass_g{gamma}" in r]
+    if start:
+        evals = [r for r in evals if r["step"] == 0]
+    return (evals[0] if start else evals[-1]) if evals else None
 
 
 def _write_table(out: pathlib.Path, rows, prov):

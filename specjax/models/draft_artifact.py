@@ -80,6 +80,7 @@ def save_draft(directory, model, params, *, shared: tuple[str, ...], dtype: str 
     tmp = d / "draft.safetensors.tmp"
     save_file(flat, str(tmp))
     sha = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    tmp.chmod(0o644)            # shipped as package data: world-readable
     tmp.replace(d / "draft.safetensors")
     desc = {
         "format": FORMAT,
