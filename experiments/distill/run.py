@@ -165,6 +165,7 @@ def stage_evaluate(args):
         base[inp.prompt.question_id] = r
         writer.write("run", draft="none", **{k: v for k, v in r.items() if k != "generated_ids"})
     base_tps = float(np.mean([r["tokens_per_s"] for r in base.values()]))
+    nan = float("nan")
     rows = []
     for name, (m, p, desc) in drafts.items():
         tf = _recorded_eval(desc, gamma)
@@ -172,6 +173,17 @@ def stage_evaluate(args):
             _log(f"{name}: teacher-forced evaluation")
             tf = _train.evaluate(m, p, full_head, eval_plan, gamma)
         d_cost = sj_bench.forward_cost(m, p, [1], ctx, cap, args.cost_iters, log)[1]["median_s"]
+        if name.startswith("early_exit_4"):
+            # The reference for acceptance only: its speed is bench_speed's `early_exit` (shared cache).
+            row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
+                   "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"], "engine_tokens_per_pass": nan,
+                   "draft_step_over_target": d_cost / t1, "tokens_per_s": nan, "target_tokens_per_s": base_tps,
+                   "speedup_mean": nan, "speedup_of_means": nan,
+                   "predicted_speedup": tf[f"greedy_tokens_per_pass_g{gamma}"] * t1 / (gamma * d_cost + tk),
+                   "greedy_outputs_identical": None, "what": str(desc)}
+            rows.append(row)
+            writer.write("summary", **row)
+            continue
         runs, ok = [], True
         for inp in inputs:
             r = runner.run(sj_bench.DecodeConfig(name, name, gamma), 0.0, inp)
@@ -193,6 +205,10 @@ def stage_evaluate(args):
     writer.close()
     log.__exit__(None, None, None)
     _write_table(args.out, rows, prov)
+    import shutil
+    for wd in sorted(args.runs.iterdir()) if args.runs.is_dir() else []:
+        if (wd / "metrics.jsonl").is_file():
+            shutil.copy(wd / "metrics.jsonl", args.out / f"metrics-{wd.name}.jsonl")
 
 
 def _recorded_eval(where, gamma):
