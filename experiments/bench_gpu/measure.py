@@ -249,25 +249,3 @@ def forward_costs(model, params, ks, batch: int, ctx: int, capacity: int, iters:
         ts = _times(f, (params, toks[k], cache), iters)
         out[k] = {"median_s": median(ts), "min_s": float(min(ts)), "compile_s": box["compile_s"] / len(compiled)}
     return out
-
-
-def propose_cost(target, drafter, dparams, gamma: int, temperature: float, batch: int, ctx: int, capacity: int,
-                 iters: int, log: CompileLog, seed: int = 0) -> dict:
-    """Median seconds of one jitted `drafter.propose` of gamma tokens per row at context ctx
-    (a drafter that reads the target's cache gets one holding ctx - 1 tokens, as in the loop)."""
-    rng = np.random.default_rng(seed)
-    tokens_BL = jnp.asarray(rng.integers(0, target.vocab_size, size=(batch, capacity)), jnp.int32)
-    lengths_B = jnp.full((batch,), ctx, jnp.int32)
-    state = jax.jit(lambda dp, tk, ln: drafter.init(dp, tk, ln, capacity))(dparams, tokens_BL[:, :ctx], lengths_B)
-    extra = {}
-    if getattr(drafter, "reads_target_cache", False):
-        cache = target.init_cache(batch, capacity)
-        extra = {"target_cache": cache.replace(lengths_B=jnp.full((batch,), ctx - 1, jnp.int32))}
-    samp = sampling_lib.SamplingConfig.make(temperature=temperature)
-    keys = decoding.request_keys(jax.random.key(seed), list(range(batch)))
-    fn = jax.jit(lambda dp, st, tk, ln, ky, sp, ex: drafter.propose(dp, st, tk, ln, ky, gamma, sp, **ex)[:2])
-    args = (dparams, state, tokens_BL, lengths_B, keys, samp, extra)
-    with log.section() as box:
-        timed(fn, *args)
-    ts = _times(fn, args, iters)
-    return {"median_s": median(ts), "min_s": float(min(ts)), "compile_s": box["compile_s"]}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from experiments.bench_speed.report import markdown_table
+
 
 def _f(x, fmt="{:.2f}", none="–"):
     if x is None:
@@ -16,12 +18,6 @@ def _f(x, fmt="{:.2f}", none="–"):
 
 def _ms(x):
     return _f(None if x is None else 1e3 * x, "{:.3f}")
-
-
-def _table(header, rows):
-    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 def render(res: dict) -> str:
@@ -58,7 +54,7 @@ def render(res: dict) -> str:
                   "with assumed acceptance rates alpha.", ""]
     bw = res["bandwidth"]
     lines += ["## Memory bandwidth", "",
-              _table(["probe", "bytes moved", "median GB/s", "best GB/s"],
+              markdown_table(["probe", "bytes moved", "median GB/s", "best GB/s"],
                      [[k, f"{bw[k]['bytes_moved'] / 2**30:.2f} GiB", _f(bw[k]["gb_per_s"], "{:.1f}"),
                        _f(bw[k]["best_gb_per_s"], "{:.1f}")] for k in ("copy", "read")]),
               "", f"Roofline bandwidth: {bw['gb_per_s']:.1f} GB/s (the best of the two). {bw['method']}.", ""]
@@ -69,7 +65,7 @@ def render(res: dict) -> str:
               "decode = median full generation - median prefill; roofline = batch x bandwidth / (weights + "
               "batch x KV at the mean context); *full cache* counts every capacity slot (the attention reads "
               "them all, masked).", "",
-              _table(["batch", "tokens/s", "ms / step", "e2e tokens/s", "compile s", "roofline tokens/s",
+              markdown_table(["batch", "tokens/s", "ms / step", "e2e tokens/s", "compile s", "roofline tokens/s",
                       "fraction", "roofline (full cache)"],
                      [[g["batch"], _f(g["tokens_per_s"], "{:.1f}"), _ms(g["decode_s"] / max(1, g["loop_rounds"])),
                        _f(g["e2e_tokens_per_s"], "{:.1f}"), _f(g["compile_s"], "{:.1f}"),
@@ -86,13 +82,13 @@ def render(res: dict) -> str:
         lines += ["## k-token forward cost", "",
                   f"One jitted target forward of k tokens per row at context {fcs[0]['context']} (capacity "
                   f"{fcs[0]['capacity']}), median of {fcs[0]['iters']} calls: ms, and relative to k = 1.", "",
-                  _table(["k"] + [f"B={b} ms" for b in batches] + [f"B={b} rel." for b in batches],
+                  markdown_table(["k"] + [f"B={b} ms" for b in batches] + [f"B={b} rel." for b in batches],
                          [[k] + [_ms(by[(b, k)]["median_s"]) for b in batches]
                           + [_f(by[(b, k)]["relative_to_k1"]) for b in batches] for k in ks]), ""]
     dcs = res["draft_cost"]
     if dcs:
         lines += ["## Draft cost", "",
-                  _table(["batch", "draft", "1-token forward ms", "vs target 1-token", "propose(gamma) ms",
+                  markdown_table(["batch", "draft", "1-token forward ms", "vs target 1-token", "propose(gamma) ms",
                           "per draft token vs target step (c)", "layer fraction"],
                          [[d["batch"], d["drafter"], _ms(d["forward_1_s"]), _f(d["forward_1_relative_to_target"]),
                            _ms(d["propose_s"]), _f(d["propose_per_token_relative_to_target"]),
@@ -100,7 +96,7 @@ def render(res: dict) -> str:
     lines += ["## Speculative decoding (measured)", "",
               "*oracle*: proposes target-only greedy output (free draft, acceptance ~1 under greedy): its round "
               "time is the cost of a round without the draft.", "",
-              _table(["batch", "method", "tokens/s", "speedup", "tokens / round / row", "alpha_hat",
+              markdown_table(["batch", "method", "tokens/s", "speedup", "tokens / round / row", "alpha_hat",
                       "ms / round", "compile s", "greedy rows = target-only"],
                      [[g["batch"], g["method"], _f(g["tokens_per_s"], "{:.1f}"),
                        _f(g.get("speedup_vs_target_only")), _f(g["tokens_per_round_per_row"]),
@@ -114,7 +110,7 @@ def render(res: dict) -> str:
                   "overhead = target step - 1-token forward); *early-exit round*: E[tokens/round] x target step / "
                   "measured early-exit round; *oracle round + draft*: the same with the oracle's round + "
                   "propose(gamma). Rows marked * use the measured alpha_hat.", "",
-                  _table(["batch", "alpha", "E[tokens/round]", "cost model", "early-exit round",
+                  markdown_table(["batch", "alpha", "E[tokens/round]", "cost model", "early-exit round",
                           "oracle round + draft", "best gamma (cost model)", "speedup at best gamma"],
                          [[p["batch"], _f(p["alpha"]) + (" *" if p["alpha_is_measured"] else ""),
                            _f(p["expected_tokens_per_round"]), _f(p["speedup_cost_model"]),

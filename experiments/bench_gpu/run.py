@@ -35,7 +35,7 @@ import numpy as np
 from specjax import analysis
 
 from experiments.bench_gpu import measure, presets, report
-from experiments.bench_speed import common
+from experiments.bench_speed import common, sj_bench
 
 SIZES = tuple(presets.PRESETS)
 
@@ -281,8 +281,8 @@ def run(args) -> dict:
                     "forward_cost", model="target", batch=B, k=k, context=ctx, capacity=cost_cap,
                     iters=args.cost_iters, relative_to_k1=v["median_s"] / fc[1]["median_s"], **v))
             dfc = measure.forward_costs(ee.model, ee_params, [1], B, ctx, cost_cap, args.cost_iters, log)[1]
-            prop = measure.propose_cost(target, ee, ee_params, args.gamma, args.temperature, B, ctx, cost_cap,
-                                        args.cost_iters, log, args.seed)
+            prop = sj_bench.propose_cost(target, ee, ee_params, args.gamma, args.temperature, ctx, cost_cap,
+                                         args.cost_iters, log, args.seed, batch=B)
             t1 = fc[1]["median_s"]
             dc = writer.write(
                 "draft_cost", drafter=f"early_exit_{ee_layers}_layers", batch=B, gamma=args.gamma, context=ctx,

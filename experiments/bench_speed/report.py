@@ -19,7 +19,7 @@ def _f(x, digits=2, pct=False):
     return f"{x:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -79,7 +79,7 @@ def render(results: dict) -> str:
                              _f(s["compile_s"], 1) if fw == "specjax" else "–",
                              _f(s.get("speedup")) if method != "target_only" else "–",
                              rel if method == "target_only" else "–"])
-    out.append(_table(["method", "T", "tokens/s", "e2e tokens/s", "prefill ms (mean)", "new tokens", "compile s",
+    out.append(markdown_table(["method", "T", "tokens/s", "e2e tokens/s", "prefill ms (mean)", "new tokens", "compile s",
                        "speedup vs own target-only", "specjax ÷ this"], rows))
     out.append("")
 
@@ -108,7 +108,7 @@ def render(results: dict) -> str:
             rows.append(["roofline counting the full cache capacity specjax attends over "
                          f"(mean {_f(rf['mean_capacity_slots'], 0)} slots)",
                          _f(rf["roofline_tokens_per_s_full_cache"], 1)])
-        out.append(_table(["quantity", "value"], rows))
+        out.append(markdown_table(["quantity", "value"], rows))
         out.append("")
 
     # 3. forward costs
@@ -120,7 +120,7 @@ def render(results: dict) -> str:
         out.append("")
         base = fc["target"][1]["median_s"]
         rows = [[k, _f(1e3 * v["median_s"], 2), _f(v["median_s"] / base)] for k, v in sorted(fc["target"].items())]
-        out.append(_table(["k", "target ms", "relative to k=1"], rows))
+        out.append(markdown_table(["k", "target ms", "relative to k=1"], rows))
         out.append("")
         drows = []
         if fc.get("draft"):
@@ -131,7 +131,7 @@ def render(results: dict) -> str:
             drows.append([f"`{p['drafter']}.propose`, gamma {p['gamma']}", _f(p["temperature"], 1),
                           _f(1e3 * p["median_s"], 2), _f(p["median_s"] / p["gamma"] / base, 3)])
         if drows:
-            out.append(_table(["draft cost", "T", "ms", "per draft token ÷ target 1-token forward"], drows))
+            out.append(markdown_table(["draft cost", "T", "ms", "per draft token ÷ target 1-token forward"], drows))
             out.append("")
 
     # 4. speculative, all prompts
@@ -155,7 +155,7 @@ def render(results: dict) -> str:
                          _f(s["compile_s"], 1),
                          (f"{s['greedy_matches']}/{s['n_prompts']}" if s.get("greedy_matches") is not None
                           else "–")])
-    out.append(_table(["method", "T", "tokens/s", "speedup", "mean of category speedups", "pred. iid",
+    out.append(markdown_table(["method", "T", "tokens/s", "speedup", "mean of category speedups", "pred. iid",
                        "pred. pos", "pred. cost", "tokens / target pass", "alpha_hat",
                        "acceptance per position", "compile s", "greedy = target-only"], rows))
     out.append("")
@@ -181,7 +181,7 @@ def render(results: dict) -> str:
             else:
                 row.append("–")
         rows.append(row)
-    out.append(_table(["category", f"target-only tokens/s (T={_f(temps[0], 1)})"]
+    out.append(markdown_table(["category", f"target-only tokens/s (T={_f(temps[0], 1)})"]
                       + [f"{m} T={_f(t, 1)}" for m, t in cols], rows))
     out.append("")
     hf_rows = []
@@ -192,7 +192,7 @@ def render(results: dict) -> str:
     if hf_rows:
         out.append("transformers prompt lookup, speedup over transformers `generate`:")
         out.append("")
-        out.append(_table(["category", "T", "tokens/s", "speedup"], hf_rows))
+        out.append(markdown_table(["category", "T", "tokens/s", "speedup"], hf_rows))
         out.append("")
     notes = results.get("notes") or []
     if notes:

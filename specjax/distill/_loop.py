@@ -79,20 +79,28 @@ class Mixture:
             raise ValueError(f"source weights must be >= 0 with a positive sum, got {dict(zip(names, weights))}")
         self.names, self.p, self.seed = names, w / w.sum(), seed
         self._choices: list[int] = []
+        self._prefix: list[tuple[int, ...]] = [(0,) * len(names)]   # per-source counts of steps < s
 
-    def choice(self, step: int) -> int:
+    def _extend(self, step: int) -> None:
         while len(self._choices) <= step:
             s = len(self._choices)
-            self._choices.append(int(np.random.default_rng([self.seed, MIX_STREAM, s]).choice(len(self.p), p=self.p)))
+            c = int(np.random.default_rng([self.seed, MIX_STREAM, s]).choice(len(self.p), p=self.p))
+            self._choices.append(c)
+            counts = list(self._prefix[-1])
+            counts[c] += 1
+            self._prefix.append(tuple(counts))
+
+    def choice(self, step: int) -> int:
+        self._extend(step)
         return self._choices[step]
 
     def index_within(self, step: int, start: int = 0) -> int:
         """How many steps in [start, step) chose the same source as `step`."""
         c = self.choice(step)
-        return sum(1 for s in range(start, step) if self.choice(s) == c)
+        return self._prefix[step][c] - self._prefix[start][c]
 
 
-def _load_target_and_tokenizer(c):
+def _load_target(c):
     from specjax import build
     target, params = build.load_target(c.target, c.dtype, True)
     return target, params
@@ -109,7 +117,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
     t_start = time.perf_counter()
-    target, target_params = _load_target_and_tokenizer(c)
+    target, target_params = _load_target(c)
     tok = None
 
     def tokenizer():
@@ -149,7 +157,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     choice = _drafts.DraftChoice.from_config(c.draft)
     head_ids = None
     if choice.head_vocab:
-        eos = _prepare._eos(target, tok) if tok is not None else ()
+        eos = _prepare.eos_ids(target, tok) if tok is not None else ()
         datas = [p.data for p in sources.values()]
         if not datas:
             raise ValueError("a reduced head needs target or fixed data to pick its tokens from")
@@ -239,7 +247,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                 [prompts[i] for i in sorted(pick)],
                 key=jax.random.fold_in(_train.rng(state), r), temperature=c.data.temperature, samples_per_prompt=1,
                 max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
-                eos_ids=_prepare._eos(target, tok), widths=widths, source=f"draft-r{r}", log=log)
+                eos_ids=_prepare.eos_ids(target, tok), widths=widths, source=f"draft-r{r}", log=log)
             onpolicy[r] = _data.BatchPlan(data, c.seed * 1000 + r, c.data.tokens_per_batch, widths)
             writer.write({"kind": "event", "event": "onpolicy_refresh", "step": step, "refresh": r,
                           "loss_tokens": data.num_loss_tokens, "seconds": time.perf_counter() - t0})

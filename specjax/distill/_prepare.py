@@ -17,7 +17,7 @@ def data_root(c) -> pathlib.Path:
     return pathlib.Path(base) / "distill"
 
 
-def _eos(target, tokenizer):
+def eos_ids(target, tokenizer):
     ids = set(getattr(tokenizer, "stop_token_ids", ()) or ())
     e = target.config.eos_token_id
     if e is not None:
@@ -40,7 +40,7 @@ def target_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherD
         parts.append(_sources.generated_data(
             directory, target, target_params, target, target_params, prompts,
             key=_sources.key_for(c.seed, f"target-data-{name}"), temperature=temp, samples_per_prompt=n,
-            max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=_eos(target, tokenizer),
+            max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=eos_ids(target, tokenizer),
             widths=widths, source=f"target-{name}", log=log))
     if not parts:
         raise ValueError("target_weight > 0 needs greedy_samples or sampled_samples > 0")
@@ -58,7 +58,7 @@ def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherDat
     return _sources.generated_data(
         directory, target, target_params, target, target_params, prompts, key=_sources.key_for(0, "eval"),
         temperature=0.0, samples_per_prompt=1, max_new_tokens=e.max_new_tokens, batch_size=c.data.gen_batch_size,
-        eos_ids=_eos(target, tokenizer), widths=widths, source="eval-greedy", log=log)
+        eos_ids=eos_ids(target, tokenizer), widths=widths, source="eval-greedy", log=log)
 
 
 def fixed_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
