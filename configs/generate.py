@@ -10,7 +10,8 @@ def get_config():
     c = ml_collections.ConfigDict()
     c.target = "smollm2-135m-instruct"     # registry name, GGUF path or HF checkpoint dir
     c.dtype = "float32"
-    c.scan_layers = True
+    c.scan_layers = False                   # unrolled layers + per-layer cache: ~2x faster at batch 1 on CPU
+    c.fuse_projections = True               # q|k|v and gate|up as one matmul each
     # Drafter: 'distilled' (the draft shipped for the target, see experiments/distill), 'ngram'
     # (prompt lookup), 'early_exit' (target's first layers), 'model' (draft_model=), 'none'.
     c.drafter = "distilled"
@@ -32,5 +33,6 @@ def get_config():
                 "then explain it in two sentences.")
     c.compare_target_only = True            # also time target-only decoding for the speedup
     c.metrics_jsonl = ""                    # append the run's stats as one JSON line
+    c.compilation_cache_dir = "~/.cache/specjax/xla"  # persistent XLA cache: later runs skip compiling ("" = off)
     c.distributed = False                   # call jax.distributed.initialize() (multi-host, see launch/)
     return c

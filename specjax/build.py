@@ -35,8 +35,22 @@ class Pair:
     tokenizer: Any
 
 
-def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True):
-    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers)
+def enable_compilation_cache(directory: str) -> str | None:
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so a second run of
+    the same shapes skips XLA compilation. ``directory`` may use ``~``; "" leaves it off.
+    Must run before the first compilation. Returns the directory used."""
+    if not directory:
+        return None
+    import jax
+    path = str(pathlib.Path(directory).expanduser())
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
+def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
+                fuse_projections: bool = False):
+    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
 
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
@@ -87,7 +101,7 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
 
 
 def load_pair(c) -> Pair:
-    target, params = load_target(c.target, c.dtype, c.scan_layers)
+    target, params = load_target(c.target, c.dtype, c.scan_layers, c.get("fuse_projections", False))
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)

@@ -122,6 +122,8 @@ def main(argv):
     if _CONFIG.value.get("distributed", False):
         import jax
         jax.distributed.initialize()
+    from specjax import build
+    build.enable_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
     generate_main(_CONFIG.value)
 
 

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes, and helpers to place params / KV caches on a mesh.
 
 Params and caches carry *logical* axis names (see `specjax.models.param_logical_axes` and
-`specjax.models.CACHE_LOGICAL_AXES`; the NNX module stores the same names as each
+`specjax.models.kv_cache.logical_axes`; the NNX module stores the same names as each
 `nnx.Param`'s ``out_sharding`` metadata):
 
     batch, sequence, layers, embed, heads, kv, head_dim, mlp, vocab
@@ -93,10 +93,18 @@ def params_logical_axes(config, params) -> Any:
     from specjax.models.llama import as_pure_params, param_logical_axes
     axes = param_logical_axes(config)
     p = as_pure_params(params)
+    # Fused projections (`fuse_projections`) take the axes of their first part: the fused output
+    # axis is split like heads / mlp (correct under any split; XLA reshards the q|k|v slices).
+    layer_axes = dict(axes["layers"])
+    for fused, first in (("wqkv", "wq"), ("bqkv", "bq"), ("w_gate_up", "w_gate")):
+        if first in layer_axes:
+            layer_axes[fused] = layer_axes[first]
+    sample = p["layers"][0] if isinstance(p["layers"], (list, tuple)) else p["layers"]
+    layer_axes = {k: layer_axes[k] for k in sample}
     if isinstance(p["layers"], (list, tuple)):
-        per_layer = jax.tree.map(lambda a: a[1:], axes["layers"], is_leaf=_is_axes)
-        axes = {**axes, "layers": type(p["layers"])(per_layer for _ in p["layers"])}
-    return axes
+        per_layer = jax.tree.map(lambda a: a[1:], layer_axes, is_leaf=_is_axes)
+        return {**axes, "layers": type(p["layers"])(per_layer for _ in p["layers"])}
+    return {**axes, "layers": layer_axes}
 
 
 def shardings_for(tree, axes_tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
@@ -118,5 +126,5 @@ def shard_params(params, config, mesh: Mesh, rules: Rules = DEFAULT_RULES):
 
 def shard_cache(cache, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Place a `KVCache` on ``mesh`` (batch on "data", kv heads on "model" by default)."""
-    from specjax.models.llama import CACHE_LOGICAL_AXES
-    return jax.device_put(cache, shardings_for(cache, CACHE_LOGICAL_AXES, mesh, rules))
+    from specjax.models.kv_cache import logical_axes
+    return jax.device_put(cache, shardings_for(cache, logical_axes(cache), mesh, rules))

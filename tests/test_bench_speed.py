@@ -19,7 +19,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ["--model", "tiny", "--num_prompts", "2", "--max_new_tokens", "24", "--repeats", "3",
         "--temperatures", "0", "--drafters", "ngram,early_exit,adaptive_ngram", "--ngram_gamma", "2",
         "--early_exit_gamma", "2", "--adaptive_gammas", "0,2", "--max_k", "3", "--cost_iters", "3",
-        "--bandwidth_gib", "0.03", "--pad_multiple", "32", "--torch_threads", "1"]
+        "--bandwidth_gib", "0.03", "--pad_multiple", "32", "--torch_threads", "1", "--memory_prompts", "1"]
 
 
 def _positive(x) -> bool:
@@ -44,7 +44,7 @@ def test_jsonl_provenance(bench):
         for lib in ("jax", "flax", "numpy"):
             assert prov["machine"][lib]
     kinds = {r["kind"] for r in records}
-    assert {"setup", "bandwidth", "forward_cost", "draft_cost", "generation", "roofline", "summary"} <= kinds
+    assert {"setup", "memory", "bandwidth", "forward_cost", "draft_cost", "generation", "roofline", "summary"} <= kinds
 
 
 def test_generation_records(bench):
@@ -91,6 +91,27 @@ def test_costs_and_roofline(bench):
     assert rf["weight_bytes"] > 0 and setup["num_layers"] == 6
 
 
+def test_memory_record(bench):
+    _, records, _ = bench
+    (mem,) = [r for r in records if r["kind"] == "memory"]
+    for key in ("rss_after_import", "peak_rss", "peak_above_import", "target_param_bytes", "target_kv_bytes",
+                "reference_bytes", "ratio", "live_array_bytes"):
+        assert _positive(mem[key]), (key, mem[key])
+    assert mem["peak_rss"] > mem["rss_after_import"]
+    assert mem["reference_bytes"] == (mem["target_param_bytes"] + mem["draft_param_bytes"] + mem["target_kv_bytes"]
+                                      + mem["draft_state_bytes"])
+    assert mem["ratio"] == pytest.approx(mem["peak_above_import"] / mem["reference_bytes"])
+    assert mem["holds"] == (mem["ratio"] <= mem["target_ratio"] == 1.5)
+    # tiny has no distilled draft: the early-exit draft, which reuses the target's arrays and cache
+    assert mem["drafter"] == "early_exit" and mem["draft_param_bytes"] == 0 and mem["draft_state_bytes"] == 0
+    setup = next(r for r in records if r["kind"] == "setup")
+    layers, kv_heads, head_dim = setup["num_layers"], 2, 16                    # workload.TINY_CONFIG
+    assert mem["target_kv_bytes"] == 2 * layers * kv_heads * head_dim * mem["capacity"] * 4 + 4   # K, V + lengths
+    assert [s["stage"] for s in mem["stages"]] == ["import", "backend", "load", "drafter", "target_only",
+                                                   "speculative"]
+    assert all(s["new_tokens"] == [24] for s in mem["stages"][-2:])
+
+
 def test_summaries(bench):
     _, records, _ = bench
     sums = {(r["framework"], r["method"], r["category"]): r for r in records if r["kind"] == "summary"}
@@ -106,6 +127,12 @@ def test_summaries(bench):
         assert len(s["per_position_acceptance"]) == 2
     cats = {k[2] for k in sums if k[0] == "specjax"}
     assert {"writing", "roleplay", "all"} <= cats          # 2 prompts: the first two categories
+    hf = sums.get(("transformers", "prompt_lookup", "all"))
+    if hf is not None:   # specjax's fastest speculative method over transformers' assisted generation
+        best = max((sums[("specjax", m, "all")] for m in ("ngram", "early_exit", "adaptive_ngram")),
+                   key=lambda s: s["tokens_per_s"])
+        assert hf["specjax_best_speculative_method"] == best["method"]
+        assert hf["specjax_best_speculative_over_this"] == pytest.approx(best["tokens_per_s"] / hf["tokens_per_s"])
 
 
 def test_markdown(bench):
@@ -115,8 +142,11 @@ def test_markdown(bench):
     sha = records[0]["provenance"]["model_sha256"]
     assert sha in md and (commit is None or commit in md)
     for heading in ("## 1. Target-only", "## 2. Memory roofline", "## 3. Cost of a k-token forward",
-                    "## 4. Speculative decoding", "## 5. Speedup per Spec-Bench category"):
+                    "## 4. Speculative decoding", "## 5. Speedup per Spec-Bench category",
+                    "## 7. Peak resident memory"):
         assert heading in md
     for method in ("ngram", "early_exit", "adaptive_ngram"):
         assert f"| {method} |" in md
+    if any(r["kind"] == "generation" and r["framework"] == "transformers" for r in records):
+        assert "## 6. specjax speculative decoding vs transformers assisted generation" in md
     assert "tokens/s" in stdout and "README.md" in stdout

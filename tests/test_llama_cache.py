@@ -40,11 +40,13 @@ def _fresh(model, params, seq, pad_to=16):
     return np.asarray(fn(params, jnp.asarray(padded))[0, :len(seq)])
 
 
-@pytest.fixture(scope="module", params=["scan", "unrolled", "qwenish"])
+@pytest.fixture(scope="module", params=["scan", "unrolled", "fused", "qwenish", "qwenish_fused_scan"])
 def setup(request):
     config = {"scan": BASE, "unrolled": BASE.replace(scan_layers=False),
-              "qwenish": QWENISH}[request.param]
+              "fused": BASE.replace(scan_layers=False, fuse_projections=True),
+              "qwenish": QWENISH, "qwenish_fused_scan": QWENISH.replace(fuse_projections=True)}[request.param]
     model, params = _model(config)
+    params = model.prepare_params(params)
     return model, params, jax.jit(model.apply)
 
 
@@ -87,7 +89,7 @@ def test_ragged_batch_append_rollback_append(setup):
     # Roll back to a different j < k per row (no copy), then append different tokens.
     keep = np.array([1, 3, 0])
     cache2 = cache.rollback(jnp.asarray(plens) + keep)
-    assert cache2.k_LBKSH is cache.k_LBKSH and cache2.v_LBKSH is cache.v_LBKSH
+    assert cache2.k is cache.k and cache2.v is cache.v
     other = rng.integers(0, V, (3, 3))
     # Only part of the block is committed for rows 0 and 2 (like a partial accept).
     num_valid = jnp.asarray([3, 1, 2])
@@ -117,10 +119,55 @@ def test_scan_and_unrolled_agree():
                                       model_u.init_cache(2, 16))
     np.testing.assert_allclose(np.asarray(ls), np.asarray(lu), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lu2), np.asarray(lu), atol=1e-6, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(cs.k_LBKSH), np.asarray(cu2.k_LBKSH), atol=1e-5)
+    assert not cs.per_layer and cu2.per_layer and len(cu2.k) == BASE.num_layers
+    np.testing.assert_allclose(np.asarray(cs.k), np.stack(cu2.k), atol=1e-5)
     # scan mode also accepts per-layer params
     ls2, _ = model_s.apply(unstack_layers(params), seq, None)
     np.testing.assert_allclose(np.asarray(ls2), np.asarray(ls), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_either_cache_layout_in_either_layer_loop(scan):
+    """A model accepts both cache layouts and returns the layout it was given, same content."""
+    model_ref, params = _model(BASE)
+    model = Llama(BASE.replace(scan_layers=scan))
+    p = model.prepare_params(params)
+    seq = jnp.asarray(np.random.default_rng(4).integers(0, 97, (2, 9)))
+    want, ref = jax.jit(model_ref.apply)(params, seq[:, :5], model_ref.init_cache(2, 16))
+    want2, ref = jax.jit(model_ref.apply)(params, seq[:, 5:], ref)
+    for per_layer in (True, False):
+        cache = KVCache.zeros(3, 2, 2, 16, 8, per_layer=per_layer)
+        step = jax.jit(model.apply, donate_argnums=(2,))
+        got, cache = step(p, seq[:, :5], cache)
+        got2, cache = step(p, seq[:, 5:], cache)
+        assert cache.per_layer == per_layer
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(got2), np.asarray(want2), atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(cache.stacked().v), np.asarray(ref.v), atol=ATOL)
+    first = model.init_cache(2, 16).first_layers(2)
+    assert first.num_layers == 2 and first.capacity == 16 and first.batch_size == 2
+
+
+@pytest.mark.parametrize("config", [BASE, QWENISH])
+def test_fused_projections_round_trip(config):
+    """Fusing is exact (same logits), and `canonical_params` gives back the original tensors."""
+    from specjax.models.llama import canonical_params
+    model, params = _model(config)
+    seq = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 7)))
+    want, _ = model.apply(params, seq, None)
+    for scan in (True, False):
+        fused = Llama(config.replace(fuse_projections=True, scan_layers=scan))
+        fp = fused.prepare_params(params)
+        layer = fp["layers"] if scan else fp["layers"][0]
+        assert "wqkv" in layer and "w_gate_up" in layer and "wq" not in layer and "w_up" not in layer
+        assert ("bqkv" in layer) == config.attention_bias
+        got, _ = fused.apply(fp, seq, None)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+        back = canonical_params(fp, config)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, params)
+        # and an unfused model unfuses prepared params
+        again = Llama(config.replace(scan_layers=scan)).prepare_params(fp)
+        assert "wq" in (again["layers"] if scan else again["layers"][0])
 
 
 def test_capacity_errors():
@@ -143,7 +190,7 @@ def test_bfloat16_runs_and_is_close_to_float32():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
     seq = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 10)))
     c16 = model16.init_cache(1, 16)
-    assert c16.k_LBKSH.dtype == jnp.bfloat16
+    assert c16.dtype == jnp.bfloat16
     l32, _ = model32.apply(params, seq, model32.init_cache(1, 16))
     l16, c16 = jax.jit(model16.apply)(p16, seq[:, :7], c16)
     l16b, c16 = jax.jit(model16.apply)(p16, seq[:, 7:], c16)
@@ -161,7 +208,7 @@ def test_truncate_layers_is_a_smaller_model():
     direct = Llama(c2)
     seq = jnp.asarray([[3, 1, 4, 1, 5]])
     got, cache = direct.apply(p2, seq, direct.init_cache(1, 8))
-    assert cache.k_LBKSH.shape[0] == 2
+    assert cache.num_layers == 2
     # per-layer form truncates the same way
     p2u, _ = truncate_layers(unstack_layers(params), BASE, 2)
     got_u, _ = Llama(c2.replace(scan_layers=False)).apply(p2u, seq, None)

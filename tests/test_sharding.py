@@ -8,7 +8,8 @@ import textwrap
 from jax.sharding import PartitionSpec as P
 
 from specjax import sharding
-from specjax.models import CACHE_LOGICAL_AXES, Llama, ModelConfig
+from specjax.models import KVCache, Llama, ModelConfig
+from specjax.models.kv_cache import logical_axes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,19 +25,23 @@ def test_logical_to_spec_rules():
                     head_dim=4, ffn_size=16)
     axes = Llama(c).param_logical_axes()
     assert axes["embed"] == ("vocab", "embed")
-    assert CACHE_LOGICAL_AXES.k_LBKSH == ("layers", "batch", "kv", "sequence", "head_dim")
+    stacked = logical_axes(KVCache.zeros(3, 2, 1, 8, 4))
+    assert stacked.k == ("layers", "batch", "kv", "sequence", "head_dim")
+    per_layer = logical_axes(KVCache.zeros(3, 2, 1, 8, 4, per_layer=True))
+    assert per_layer.v == (("batch", "kv", "sequence", "head_dim"),) * 3
 
 
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from specjax import sharding
-    from specjax.models import Llama, ModelConfig, unstack_layers
+    from specjax.models import Llama, ModelConfig
     assert jax.device_count() == 2, jax.devices()
     c = ModelConfig(vocab_size=98, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=8, ffn_size=64, attention_bias=True, tie_embeddings=False)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 98, (2, 9)))
-    for scan, meshes in ((True, ((1, 2), (2, 1))), (False, ((1, 2),))):
-        model = Llama(c.replace(scan_layers=scan))
+    for scan, fuse, meshes in ((True, False, ((1, 2), (2, 1))), (False, False, ((1, 2), (2, 1))),
+                               (False, True, ((1, 2),))):
+        model = Llama(c.replace(scan_layers=scan, fuse_projections=fuse))
         params = jax.tree.map(lambda x: 3 * x, model.init_params(jax.random.key(0)))
         def run(p, cache):
             step = jax.jit(model.apply)
@@ -46,15 +51,18 @@ _SCRIPT = textwrap.dedent("""
         ref = run(params, model.init_cache(2, 16))
         for data, mdl in meshes:
             mesh = sharding.make_mesh(data=data, model=mdl)
-            ps = params if scan else unstack_layers(params)
+            ps = model.prepare_params(params)
+            assert ("wqkv" in (ps["layers"] if scan else ps["layers"][0])) == fuse
             sp = sharding.shard_params(ps, model, mesh)
             sc = sharding.shard_cache(model.init_cache(2, 16), mesh)
+            assert sc.per_layer == (not scan)
+            k0, off = (sc.k, 1) if scan else (sc.k[0], 0)      # [L, B, K, S, H] or [B, K, S, H]
             if mdl == 2:
                 assert sp["lm_head"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
                 assert len(sp["embed"].sharding.device_set) == 2
-                assert sc.k_LBKSH.sharding.spec[2] == "model"
+                assert k0.sharding.spec[off + 1] == "model"
             else:
-                assert sc.k_LBKSH.sharding.spec[1] == "data"
+                assert k0.sharding.spec[off] == "data"
             got = run(sp, sc)
             for r, g in zip(ref, got):
                 np.testing.assert_allclose(g, r, atol=2e-5, rtol=2e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from experiments.bench_speed.summarize import ALL
+from experiments.bench_speed.summarize import ALL, ASSISTED_TARGET
 
 
 def _f(x, digits=2, pct=False):
@@ -49,8 +49,141 @@ def provenance_header(prov: dict) -> str:
     return "\n".join(lines)
 
 
+HF_ASSISTED = ("prompt_lookup", "assisted_distilled")
+HF_LABELS = {"prompt_lookup": "transformers `generate`, prompt lookup",
+             "assisted_distilled": "transformers `generate`, assisted by the distilled draft (HF export)"}
+MiB = 2 ** 20
+
+
+def assisted_section(sums, temps) -> list[str]:
+    """Section 6: specjax's fastest speculative method vs each transformers assisted method, all prompts."""
+    rows = []
+    for t in temps:
+        for method in HF_ASSISTED:
+            for s in _by(sums, framework="transformers", method=method, temperature=t, category=ALL):
+                if "specjax_best_speculative_over_this" not in s:
+                    continue
+                rows.append([_f(t, 1), method, _f(s["tokens_per_s"], 1), s["specjax_best_speculative_method"],
+                             _f(s["specjax_best_speculative_tokens_per_s"], 1),
+                             _f(s["specjax_best_speculative_over_this"]),
+                             "yes" if s["assisted_target_holds"] else "no"])
+    if not rows:
+        return []
+    target = ASSISTED_TARGET
+    return ["## 6. specjax speculative decoding vs transformers assisted generation",
+            f"Same prompts and temperature; tokens/s over all prompts. Target (issue 6): specjax at least "
+            f"{_f(target, 1)}x transformers' assisted generation.", "",
+            markdown_table(["T", "transformers method", "tokens/s", "specjax fastest speculative", "tokens/s",
+                            "specjax ÷ transformers", f">= {_f(target, 1)}x"], rows), ""]
+
+
+def memory_section(mem: dict | None) -> list[str]:
+    """Section 7: the peak resident memory of a generation-only process (memory.py)."""
+    if not mem:
+        return []
+    mib = lambda b: "–" if b is None else f"{b / MiB:.1f} MiB"   # noqa: E731
+    rows = [
+        ["RSS right after import (baseline)", mib(mem["rss_after_import"])],
+        [f"peak RSS (during stage `{mem['peak_stage']}`)", mib(mem["peak_rss"])],
+        ["peak above the baseline", mib(mem["peak_above_import"])],
+        ["target params (each buffer once)", mib(mem["target_param_bytes"])],
+        [f"draft params not shared with the target ({mem['drafter']})", mib(mem["draft_param_bytes"])],
+        [f"target KV cache at capacity {mem['capacity']}", mib(mem["target_kv_bytes"])],
+        ["drafter state at that capacity (draft KV cache)", mib(mem["draft_state_bytes"])],
+        ["weights + KV", mib(mem["reference_bytes"])],
+        ["ratio = peak above baseline ÷ (weights + KV)", _f(mem["ratio"])],
+        [f"target: ratio <= {_f(mem['target_ratio'], 1)}", "holds" if mem["holds"] else "**missed**"],
+        ["gap: peak above baseline - target x (weights + KV)",
+         mib(mem["peak_above_import"] - int(mem["target_ratio"] * mem["reference_bytes"]))],
+        ["at the end: bytes of live jax arrays", mib(mem["live_array_bytes"])],
+        ["at the end: free heap kept by the allocator (released by `malloc_trim`)", mib(mem["free_heap_at_end"])],
+        ["at the end: jax's traced / compiled programs (released by `jax.clear_caches`)",
+         mib(mem["compiled_programs_at_end"])],
+        ["at the end, after releasing both: RSS above baseline (÷ weights + KV)",
+         f"{mib(mem['rss_at_end_without_both'] - mem['rss_after_import'])} "
+         f"({_f((mem['rss_at_end_without_both'] - mem['rss_after_import']) / mem['reference_bytes'])})"],
+    ]
+    stage_rows = [[s["stage"], mib(s["rss"] - mem["rss_after_import"]), mib(s["peak_rss"] - mem["rss_after_import"]),
+                   mib(s["rss_anon"]), mib(s["rss_file"]), _f(s.get("compile_s"), 1)] for s in mem["stages"]]
+    return ["## 7. Peak resident memory of a generation-only process",
+            f"`python -m experiments.bench_speed.memory` in its own process: {mem['num_prompts']} prompt(s) x "
+            f"{mem['max_new_tokens']} new tokens, greedy, target-only then speculative ({mem['drafter']}, gamma "
+            f"{mem['gamma']}), layers `{mem['layers']}`. VmRSS / VmHWM from /proc/self/status; the peak is reset "
+            f"at each stage's start (reset {'worked' if mem['peak_reset_works'] else 'refused: peaks cumulative'}).",
+            "", markdown_table(["quantity", "value"], rows), "",
+            markdown_table(["stage", "RSS above baseline at its end", "peak above baseline", "RssAnon", "RssFile",
+                            "compile s"], stage_rows), ""]
+
+
 def _by(summaries, **match):
     return [s for s in summaries if all(s.get(k) == v for k, v in match.items())]
+
+
+def target_rows(results: dict) -> list[list]:
+    """Issue 6's targets against this run: [target, measured, holds] rows (missing data: '–')."""
+    sums = results["summaries"]
+    temps = sorted({s["temperature"] for s in sums})
+    yes = lambda ok: "–" if ok is None else ("yes" if ok else "**no**")   # noqa: E731
+    rows = []
+    rf = results.get("roofline") or {}
+    frac = rf.get("specjax_fraction")
+    rows.append(["target-only greedy >= 60% of the roofline", _f(frac, 1, pct=True),
+                 yes(None if frac is None else frac >= 0.6)])
+    for t in temps:
+        for s in _by(sums, framework="transformers", method="target_only", temperature=t, category=ALL):
+            r = s.get("specjax_target_only_over_transformers")
+            rows.append([f"target-only >= 3x transformers `generate` (T={_f(t, 1)})", f"{_f(r)}x",
+                         yes(None if r is None else r >= 3.0)])
+    cats = sorted({s["category"] for s in sums if s["category"] != ALL})
+    for t in temps:
+        spec = [s for s in _by(sums, framework="specjax", temperature=t) if s["method"] != "target_only"]
+        if not spec:
+            continue
+        best = {}
+        for c in cats:
+            ss = [s for s in spec if s["category"] == c and s.get("speedup") is not None]
+            if ss:
+                b = max(ss, key=lambda s: s["speedup"])
+                best[c] = (b["speedup"], b["method"])
+        if best:
+            n2 = sum(v >= 2.0 for v, _ in best.values())
+            top = max(best.items(), key=lambda kv: kv[1][0])
+            rows.append([f"best drafter per category >= 2x own target-only (T={_f(t, 1)})",
+                         f"{n2}/{len(best)} categories; highest {_f(top[1][0])}x ({top[0]}, {top[1][1]})",
+                         yes(n2 == len(best))])
+            mean_best = sum(v for v, _ in best.values()) / len(best)
+            rows.append([f"mean over categories of the best drafter's speedup > 1.5x (T={_f(t, 1)})",
+                         f"{_f(mean_best)}x", yes(mean_best > 1.5)])
+        for method in sorted({s["method"] for s in spec if s["method"].startswith("adaptive")}):
+            per_cat = [(s["speedup"], s["category"]) for s in spec
+                       if s["method"] == method and s["category"] != ALL and s.get("speedup") is not None]
+            if per_cat:
+                worst = min(per_cat)
+                rows.append([f"{method}: no category below 0.95x target-only (T={_f(t, 1)})",
+                             f"worst {_f(worst[0])}x ({worst[1]})", yes(worst[0] >= 0.95)])
+        for method in HF_ASSISTED:
+            for s in _by(sums, framework="transformers", method=method, temperature=t, category=ALL):
+                r = s.get("specjax_best_speculative_over_this")
+                rows.append([f"best speculative >= 2x transformers {method} (T={_f(t, 1)})", f"{_f(r)}x",
+                             yes(None if r is None else r >= ASSISTED_TARGET)])
+    fc = results.get("forward_costs") or {}
+    tgt = fc.get("target") or {}
+    if 1 in tgt and 5 in tgt:
+        r = tgt[5]["median_s"] / tgt[1]["median_s"]
+        rows.append(["5-token forward (verify at gamma 4) <= 1.5x a 1-token step", f"{_f(r)}x", yes(r <= 1.5)])
+    mem = results.get("memory")
+    if mem:
+        rows.append(["peak RSS above post-import <= 1.5x weights + KV", f"{_f(mem['ratio'])}x",
+                     yes(mem["ratio"] <= mem["target_ratio"])])
+    return rows
+
+
+def targets_section(results: dict) -> list[str]:
+    rows = target_rows(results)
+    return ["## 0. Issue 6 targets in this run",
+            "Measured in this run (details in the sections below; causes of the misses in "
+            "`experiments/bench_speed/PROFILE.md`).", "",
+            markdown_table(["target", "measured", "holds"], rows), ""]
 
 
 def render(results: dict) -> str:
@@ -64,6 +197,7 @@ def render(results: dict) -> str:
                "each timed separately), summed over prompts; *e2e* includes the prefill. See "
                "`experiments/bench_speed/README.md`.")
     out.append("")
+    out.extend(targets_section(results))
 
     # 1. target-only
     out.append("## 1. Target-only decoding (specjax vs transformers)")
@@ -71,16 +205,23 @@ def render(results: dict) -> str:
     for t in temps:
         for fw, method, label in (("specjax", "target_only", "specjax `autoregressive_generate` (jitted loop)"),
                                   ("transformers", "target_only", "transformers `generate`"),
-                                  ("transformers", "prompt_lookup", "transformers `generate`, prompt lookup")):
+                                  *((("transformers", m, HF_LABELS[m]) for m in HF_ASSISTED))):
             for s in _by(sums, framework=fw, method=method, temperature=t, category=ALL):
-                rel = "1.00" if fw == "specjax" else _f(s.get("specjax_target_only_over_transformers"))
+                if fw == "specjax":
+                    rel = "1.00"
+                elif method == "target_only":
+                    rel = _f(s.get("specjax_target_only_over_transformers"))
+                else:
+                    rel = _f(s.get("specjax_best_speculative_over_this"))
                 rows.append([label, _f(t, 1), _f(s["tokens_per_s"], 1), _f(s["e2e_tokens_per_s"], 1),
                              _f(1e3 * s["prefill_s_mean"], 1), s["new_tokens"],
                              _f(s["compile_s"], 1) if fw == "specjax" else "–",
-                             _f(s.get("speedup")) if method != "target_only" else "–",
-                             rel if method == "target_only" else "–"])
+                             _f(s.get("speedup")) if method != "target_only" else "–", rel])
     out.append(markdown_table(["method", "T", "tokens/s", "e2e tokens/s", "prefill ms (mean)", "new tokens", "compile s",
                        "speedup vs own target-only", "specjax ÷ this"], rows))
+    out.append("")
+    out.append("*specjax ÷ this*: specjax target-only tokens/s ÷ this row's on the target-only rows; on the "
+               "assisted rows, specjax's fastest speculative method (section 4) ÷ this row (section 6).")
     out.append("")
 
     # 2. roofline
@@ -185,15 +326,20 @@ def render(results: dict) -> str:
                       + [f"{m} T={_f(t, 1)}" for m, t in cols], rows))
     out.append("")
     hf_rows = []
-    for t in temps:
-        for s in sorted(_by(sums, framework="transformers", method="prompt_lookup", temperature=t),
-                        key=lambda s: (s["category"] == ALL, s["category"])):
-            hf_rows.append([s["category"], _f(t, 1), _f(s["tokens_per_s"], 1), _f(s.get("speedup"))])
+    for method in HF_ASSISTED:
+        for t in temps:
+            for s in sorted(_by(sums, framework="transformers", method=method, temperature=t),
+                            key=lambda s: (s["category"] == ALL, s["category"])):
+                hf_rows.append([method, s["category"], _f(t, 1), _f(s["tokens_per_s"], 1), _f(s.get("speedup")),
+                                _f(s.get("specjax_best_speculative_over_this"))])
     if hf_rows:
-        out.append("transformers prompt lookup, speedup over transformers `generate`:")
+        out.append("transformers assisted generation, speedup over transformers `generate`, and specjax's fastest "
+                   "speculative method ÷ it:")
         out.append("")
-        out.append(markdown_table(["category", "T", "tokens/s", "speedup"], hf_rows))
+        out.append(markdown_table(["method", "category", "T", "tokens/s", "speedup", "specjax best ÷ this"], hf_rows))
         out.append("")
+    out.extend(assisted_section(sums, temps))
+    out.extend(memory_section(results.get("memory")))
     notes = results.get("notes") or []
     if notes:
         out.append("## Notes")

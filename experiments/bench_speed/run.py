@@ -19,8 +19,11 @@ import time
 import numpy as np
 
 from experiments.bench_speed import common, report, roofline, summarize
+from experiments.bench_speed.hf_bench import common_prefix
 
 DRAFTER_CHOICES = ("ngram", "early_exit", "distilled", "adaptive_ngram", "adaptive_early_exit", "adaptive_distilled")
+MEMORY_DRAFTERS = ("ngram", "early_exit", "distilled")
+HF_DRAFTERS = {"target_only": "none", "prompt_lookup": "prompt_lookup", "assisted_distilled": "distilled"}
 
 
 def _floats(s: str) -> list[float]:
@@ -69,7 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt_lookup_num_tokens", type=int, default=None,
                    help="transformers prompt lookup candidates per round (default: --ngram_gamma)")
     p.add_argument("--skip_transformers", action="store_true")
+    p.add_argument("--skip_memory", action="store_true", help="skip the peak resident memory measurement")
+    p.add_argument("--memory_drafter", choices=("auto",) + MEMORY_DRAFTERS, default="auto",
+                   help="drafter of the memory measurement's speculative generation (auto: the distilled draft "
+                        "where one exists for --model, else early_exit)")
+    p.add_argument("--memory_prompts", type=int, default=2, help="prompts generated in the memory measurement")
     p.add_argument("--pad_multiple", type=int, default=128)
+    p.add_argument("--layers", choices=("fused", "unrolled", "scan"), default="fused",
+                   help="target layer loop: unrolled over per-layer params and cache buffers with fused q|k|v "
+                        "and gate|up projections (the fast path on CPU at batch 1, see PROFILE.md), the same "
+                        "unfused, or lax.scan over stacked layers")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -106,17 +118,33 @@ def decode_configs(args):
     return cfgs
 
 
+def distilled_draft_dir(args) -> str | None:
+    """The distilled draft's directory (--draft_model, or the one shipped for --model), or None."""
+    from specjax import build
+
+    if args.draft_model:
+        return args.draft_model
+    return str(build.SHIPPED_DRAFTS[args.model]) if args.model in build.SHIPPED_DRAFTS else None
+
+
+def run_memory(args, workdir: pathlib.Path) -> dict:
+    """The peak-memory measurement (`memory.py`) in its own process: --memory_prompts prompts,
+    --max_new_tokens tokens, target-only then speculative with --memory_drafter at its gamma."""
+    from experiments.bench_speed import memory
+
+    kind = args.memory_drafter
+    if kind == "auto":
+        kind = "distilled" if distilled_draft_dir(args) else "early_exit"
+    gamma = {"ngram": args.ngram_gamma, "early_exit": args.early_exit_gamma, "distilled": args.distilled_gamma}[kind]
+    return memory.measure(model=args.model, workdir=workdir / "memory", num_prompts=min(args.memory_prompts,
+                          args.num_prompts), max_new_tokens=args.max_new_tokens, drafter=kind, gamma=gamma,
+                          draft_model=args.draft_model, early_exit_layers=args.early_exit_layers,
+                          max_ngram=args.max_ngram, pad_multiple=args.pad_multiple, layers=args.layers,
+                          ignore_eos=args.ignore_eos, seed=args.seed)
+
+
 def _log(msg: str):
     print(f"[bench_speed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_benchmark(args) -> dict:
@@ -127,10 +155,17 @@ def run_benchmark(args) -> dict:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    mem = None
+    if not args.skip_memory:
+        # First, in a fresh process, so nothing this process allocates is counted.
+        _log("peak resident memory of a generation-only process (memory.py, own process)")
+        mem = run_memory(args, out_dir / "_work")
+        _log(f"memory: peak {mem['peak_above_import'] / 2**20:.0f} MiB above the post-import RSS, "
+             f"{mem['ratio']:.2f}x weights + KV ({mem['reference_bytes'] / 2**20:.0f} MiB)")
     _log(f"loading {args.model}")
     t0 = time.perf_counter()
     w = load_workload(args.model, args.num_prompts, out_dir / "_work", args.seed,
-                      with_transformers=not args.skip_transformers)
+                      with_transformers=not args.skip_transformers, layers=args.layers)
     load_s = time.perf_counter() - t0
     cfgs = decode_configs(args)
     max_gamma = max(c.max_gamma for c in cfgs)
@@ -160,6 +195,9 @@ def run_benchmark(args) -> dict:
                  vocab_size=w.target.vocab_size, eos_ids=list(w.eos_ids),
                  prompt_tokens=[len(p.ids) for p in w.prompts],
                  configs=[{"name": c.name, "description": c.describe()} for c in cfgs])
+    if mem is not None:
+        results["memory"] = mem
+        writer.write("memory", **mem)
 
     eos_ids = () if args.ignore_eos else w.eos_ids
     inputs = sj_bench.prepare_inputs(w, args.max_new_tokens, max_gamma, args.pad_multiple, args.seed)
@@ -229,7 +267,7 @@ def run_benchmark(args) -> dict:
                         ref = rec["generated_ids"]
                     elif temp == 0 and ref is not None:
                         rec["greedy_matches_target_only"] = rec["generated_ids"] == ref
-                        rec["greedy_common_prefix"] = _common_prefix(rec["generated_ids"], ref)
+                        rec["greedy_common_prefix"] = common_prefix(rec["generated_ids"], ref)
                     gen_records.append(rec)
                     writer.write("generation", **rec)
                     _log(f"T={temp:g} prompt {i + 1}/{len(inputs)} (q{inp.prompt.question_id} "
@@ -250,17 +288,24 @@ def run_benchmark(args) -> dict:
         def on_hf(rec):
             ref = sj_ref.get((rec["question_id"], rec["temperature"]))
             if rec["temperature"] == 0 and ref is not None:
-                rec["common_prefix_with_specjax_greedy"] = _common_prefix(rec["generated_ids"], ref)
-            rec.update(framework="transformers", drafter="prompt_lookup" if rec["method"] == "prompt_lookup"
-                       else "none", config=rec["method"])
+                rec["common_prefix_with_specjax_greedy"] = common_prefix(rec["generated_ids"], ref)
+            rec.update(framework="transformers", drafter=HF_DRAFTERS[rec["method"]], config=rec["method"])
             writer.write("generation", **rec)
             _log(f"transformers T={rec['temperature']:g} q{rec['question_id']} {rec['method']}: "
                  f"{rec['new_tokens']} tokens, {rec['tokens_per_s']:.1f} tok/s")
 
+        assistant = None
+        draft_dir = distilled_draft_dir(args)
+        if draft_dir is not None:
+            _log(f"exporting the distilled draft {draft_dir} to Hugging Face format (transformers' assistant)")
+            assistant = hf_bench.export_distilled_assistant(w, draft_dir, out_dir / "_work", args.distilled_gamma)
+        else:
+            results["notes"].append(f"transformers assisted generation with a distilled draft skipped: no distilled "
+                                    f"draft for {args.model} (--draft_model)")
         hf_records = hf_bench.run_transformers(
             w, temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
             threads=args.torch_threads, lookup_tokens=args.prompt_lookup_num_tokens, max_ngram=args.max_ngram,
-            seed=args.seed, ignore_eos=args.ignore_eos, on_record=on_hf)
+            seed=args.seed, ignore_eos=args.ignore_eos, assistant=assistant, on_record=on_hf)
         gen_records += hf_records
     elif not args.skip_transformers:
         results["notes"].append("transformers comparison skipped: torch/transformers not available")
@@ -321,7 +366,15 @@ def print_summary(results: dict):
             line += f" (predicted {s['predicted_speedup_iid']:.2f}x)"
         if "tokens_per_target_pass" in s and s["method"] != "target_only":
             line += f", {s['tokens_per_target_pass']:.2f} tokens/target pass"
+        if "specjax_best_speculative_over_this" in s:
+            line += (f"; specjax's best speculative ({s['specjax_best_speculative_method']}) "
+                     f"{s['specjax_best_speculative_over_this']:.2f}x this")
         print(line)
+    mem = results.get("memory")
+    if mem:
+        print(f"memory: peak RSS {mem['peak_above_import'] / 2**20:.0f} MiB above the post-import level = "
+              f"{mem['ratio']:.2f}x weights + KV cache ({mem['reference_bytes'] / 2**20:.0f} MiB); target "
+              f"<= {mem['target_ratio']}x {'holds' if mem['holds'] else 'missed'}")
     rf = results.get("roofline", {})
     if rf:
         print(f"roofline {rf['roofline_tokens_per_s']:.1f} tokens/s at {rf['bandwidth_gb_per_s']:.1f} GB/s; "

@@ -75,13 +75,14 @@ def select_questions(num_prompts: int) -> list[specbench.Question]:
     return out
 
 
-def load_registry_model(name: str, num_prompts: int, dtype: str = "float32") -> Workload:
+def load_registry_model(name: str, num_prompts: int, dtype: str = "float32", scan_layers: bool = False,
+                        fuse_projections: bool = False) -> Workload:
     from specjax import build
     from specjax.models import registry
     from specjax.models.tokenizer import load_tokenizer
 
     path = registry.resolve(name)
-    target, params = build.load_target(name, dtype=dtype)
+    target, params = build.load_target(name, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
     tok = load_tokenizer(name)
     prompts = []
     for q in select_questions(num_prompts):
@@ -117,7 +118,8 @@ def _tiny_prompts(num_prompts: int, vocab: int, seed: int) -> list[Prompt]:
     return out
 
 
-def load_tiny(num_prompts: int, workdir: pathlib.Path, seed: int = 0, with_transformers: bool = True) -> Workload:
+def load_tiny(num_prompts: int, workdir: pathlib.Path, seed: int = 0, with_transformers: bool = True,
+              scan_layers: bool = False, fuse_projections: bool = False) -> Workload:
     from specjax.models import registry
 
     workdir = pathlib.Path(workdir)
@@ -139,7 +141,7 @@ def load_tiny(num_prompts: int, workdir: pathlib.Path, seed: int = 0, with_trans
         hf_model.generation_config.bos_token_id = None
         hf_model.generation_config.pad_token_id = 0
         hf_model.save_pretrained(str(ckpt))
-        target, params = load(str(ckpt), dtype="float32")
+        target, params = load(str(ckpt), dtype="float32", scan_layers=scan_layers, fuse_projections=fuse_projections)
         model_file = ckpt / "model.safetensors"
 
         def hf_factory():
@@ -154,13 +156,15 @@ def load_tiny(num_prompts: int, workdir: pathlib.Path, seed: int = 0, with_trans
                                    num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
                                    num_kv_heads=c["num_key_value_heads"],
                                    head_dim=c["hidden_size"] // c["num_attention_heads"],
-                                   ffn_size=c["intermediate_size"], rms_eps=c["rms_norm_eps"]))
+                                   ffn_size=c["intermediate_size"], rms_eps=c["rms_norm_eps"],
+                                   scan_layers=scan_layers, fuse_projections=fuse_projections))
         params = target.init_params(jax.random.key(seed))
         workdir.mkdir(parents=True, exist_ok=True)
         model_file = workdir / "tiny_llama_params.npz"
         flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
                 for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         np.savez(model_file, **flat)
+        params = target.prepare_params(params)
         hf_factory = None
         notes = "random specjax Llama (transformers not available: comparison skipped)"
     prompts = _tiny_prompts(num_prompts, target.vocab_size, seed)
@@ -169,8 +173,16 @@ def load_tiny(num_prompts: int, workdir: pathlib.Path, seed: int = 0, with_trans
                     hf_factory=hf_factory, notes=notes + "; random prompt ids, no EOS")
 
 
+LAYER_LOOPS = ("fused", "unrolled", "scan")   # fused = unrolled + fused projections
+
+
 def load_workload(model: str, num_prompts: int, workdir: pathlib.Path, seed: int = 0,
-                  with_transformers: bool = True) -> Workload:
+                  with_transformers: bool = True, layers: str = "fused") -> Workload:
+    """layers: 'fused' (unrolled, per-layer cache, fused q|k|v and gate|up: the fast path on
+    CPU at batch 1), 'unrolled' (the same, unfused) or 'scan' (lax.scan over stacked layers)."""
+    if layers not in LAYER_LOOPS:
+        raise ValueError(f"layers must be one of {LAYER_LOOPS}, got {layers!r}")
+    kw = dict(scan_layers=layers == "scan", fuse_projections=layers == "fused")
     if model == TINY:
-        return load_tiny(num_prompts, workdir, seed, with_transformers)
-    return load_registry_model(model, num_prompts)
+        return load_tiny(num_prompts, workdir, seed, with_transformers, **kw)
+    return load_registry_model(model, num_prompts, **kw)

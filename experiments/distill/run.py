@@ -98,9 +98,9 @@ def _drafts_to_evaluate(args, target, params):
         c = _config("distill")
         choice = distill.DraftChoice.from_config(c.draft)
         m0, p0 = distill.build_draft(choice, target, params, key=jax.random.key(0), head_ids=head_ids)
-        # Unrolled layers, as `load_draft` gives the distilled ones (same speed path).
-        m0 = dataclasses.replace(m0, config=m0.config.replace(scan_layers=False))
-        p0 = models.unstack_layers(p0)
+        # Unrolled layers with fused projections, as `load_draft` gives the distilled ones (same speed path).
+        m0 = dataclasses.replace(m0, config=m0.config.replace(scan_layers=False, fuse_projections=True))
+        p0 = models.Llama(m0.config).prepare_params(p0)
         out["init (undistilled)"] = (m0, p0, ("start", args.runs / "recipe"))
     for div in args.divergences:
         d = args.drafts / f"compare-{div}"
@@ -129,10 +129,11 @@ def stage_evaluate(args):
                                 tuple(c.data.widths))
     full_head = _train.teacher_head(target, params, None)
     drafts = _drafts_to_evaluate(args, target, params)
-    gamma = args.gamma
+    gamma, gammas = args.gamma, tuple(range(1, args.max_gamma + 1))
 
-    wl = workload.load_registry_model(c.target, args.num_prompts)
-    inputs = sj_bench.prepare_inputs(wl, args.max_new_tokens, gamma, args.pad_multiple, seed=0)
+    # The engine runs on the benchmark's target (unrolled layers, per-layer cache: the fast path).
+    wl = workload.load_workload(c.target, args.num_prompts, args.out / "_work", layers="fused")
+    inputs = sj_bench.prepare_inputs(wl, args.max_new_tokens, max(gammas), args.pad_multiple, seed=0)
     log = common.CompileLog()
     log.__enter__()
 
@@ -146,17 +147,24 @@ def stage_evaluate(args):
 
     runner = sj_bench.Runner(wl, Provider(), log, args.max_new_tokens, args.repeats, wl.eos_ids)
     cap = max(i.capacity for i in inputs)
-    ctx = min(256, cap - gamma - 2)
-    t_cost = sj_bench.forward_cost(target, params, [1, gamma + 1], ctx, cap, args.cost_iters, log)
-    t1, tk = t_cost[1]["median_s"], t_cost[gamma + 1]["median_s"]
+    ctx = min(256, cap - max(gammas) - 2)
+    t_cost = sj_bench.forward_cost(wl.target, wl.params, [1] + [g + 1 for g in gammas], ctx, cap,
+                                   args.cost_iters, log)
+    t_k = {k: v["median_s"] for k, v in t_cost.items()}
+    t1 = t_k[1]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    prov = {"git": common.git_state(), "machine": common.machine(), "target_sha256": wl.model_sha256,
-            "prompt_ids": [i.prompt.question_id for i in inputs], "gamma": gamma,
+    git = common.git_state(exclude=[args.out])
+    prov = {"git": git, "machine": common.machine(), "target_sha256": wl.model_sha256,
+            "prompt_ids": [i.prompt.question_id for i in inputs], "gamma": gamma, "gammas": list(gammas),
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "command": " ".join(sys.argv)}
+            "command": "python -m experiments.distill.run " + " ".join(sys.argv[1:])}
     writer = common.JsonlWriter(args.out / "results.jsonl", prov)
-    writer.write("target_cost", t1_s=t1, tk_s=tk, k=gamma + 1)
+    writer.write("target_cost", t_k_s={str(k): v for k, v in t_k.items()})
+
+    def predicted(tpp, g, d_cost):
+        """Cost model: committed tokens per pass x t(1-token step) / (g draft steps + (g+1)-token verify)."""
+        return tpp * t1 / (g * d_cost + t_k[g + 1])
 
     base = {}
     _log("target-only runs")
@@ -168,37 +176,38 @@ def stage_evaluate(args):
     nan = float("nan")
     rows = []
     for name, (m, p, desc) in drafts.items():
-        tf = _recorded_eval(desc, gamma)
+        tf = _recorded_eval(desc, gammas)
         if tf is None:
             _log(f"{name}: teacher-forced evaluation")
-            tf = _train.evaluate(m, p, full_head, eval_plan, gamma)
+            tf = _train.evaluate(m, p, full_head, eval_plan, gammas)
         d_cost = sj_bench.forward_cost(m, p, [1], ctx, cap, args.cost_iters, log)[1]["median_s"]
+        preds = {g: predicted(tf[f"greedy_tokens_per_pass_g{g}"], g, d_cost) for g in gammas}
+        best = max(gammas, key=lambda g: preds[g])
+        row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
+               "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"],
+               "sim_tokens_per_pass_by_gamma": {str(g): tf[f"greedy_tokens_per_pass_g{g}"] for g in gammas},
+               "predicted_by_gamma": {str(g): v for g, v in preds.items()}, "best_gamma": best,
+               "draft_step_over_target": d_cost / t1, "target_tokens_per_s": base_tps,
+               "predicted_speedup": preds[best], "what": str(desc)}
         if name.startswith("early_exit_4"):
             # The reference for acceptance only: its speed is bench_speed's `early_exit` (shared cache).
-            row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
-                   "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"], "engine_tokens_per_pass": nan,
-                   "draft_step_over_target": d_cost / t1, "tokens_per_s": nan, "target_tokens_per_s": base_tps,
-                   "speedup_mean": nan, "speedup_of_means": nan,
-                   "predicted_speedup": tf[f"greedy_tokens_per_pass_g{gamma}"] * t1 / (gamma * d_cost + tk),
-                   "greedy_outputs_identical": None, "what": str(desc)}
+            row.update(engine_tokens_per_pass=nan, tokens_per_s=nan, speedup_mean=nan, speedup_of_means=nan,
+                       greedy_outputs_identical=None)
             rows.append(row)
             writer.write("summary", **row)
             continue
         runs, ok = [], True
         for inp in inputs:
-            r = runner.run(sj_bench.DecodeConfig(name, name, gamma), 0.0, inp)
+            r = runner.run(sj_bench.DecodeConfig(name, name, best), 0.0, inp)
             ok &= r["generated_ids"] == base[inp.prompt.question_id]["generated_ids"]
             runs.append(r)
-            writer.write("run", draft=name, **{k: v for k, v in r.items() if k != "generated_ids"})
+            writer.write("run", draft=name, gamma=best, **{k: v for k, v in r.items() if k != "generated_ids"})
         tps = float(np.mean([r["tokens_per_s"] for r in runs]))
         speedups = [r["tokens_per_s"] / base[r["question_id"]]["tokens_per_s"] for r in runs]
         per_pass = sum(r["committed"] for r in runs) / max(sum(r["rounds"] for r in runs), 1)
-        predicted = per_pass * t1 / (gamma * d_cost + tk)
-        row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
-               "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"], "engine_tokens_per_pass": per_pass,
-               "draft_step_over_target": d_cost / t1, "tokens_per_s": tps, "target_tokens_per_s": base_tps,
-               "speedup_mean": float(np.mean(speedups)), "speedup_of_means": tps / base_tps,
-               "predicted_speedup": predicted, "greedy_outputs_identical": bool(ok), "what": str(desc)}
+        row.update(engine_tokens_per_pass=per_pass, tokens_per_s=tps, speedup_mean=float(np.mean(speedups)),
+                   speedup_of_means=tps / base_tps, predicted_engine=predicted(per_pass, best, d_cost),
+                   greedy_outputs_identical=bool(ok))
         rows.append(row)
         writer.write("summary", **row)
         _log(json.dumps(row))
@@ -211,15 +220,15 @@ def stage_evaluate(args):
             shutil.copy(wd / "metrics.jsonl", args.out / f"metrics-{wd.name}.jsonl")
 
 
-def _recorded_eval(where, gamma):
+def _recorded_eval(where, gammas):
     """The teacher-forced evaluation a training run already wrote (its last one, or with
-    ``("start", workdir)`` its step-0 one), when it used the same gamma; else None."""
+    ``("start", workdir)`` its step-0 one), when it covers every gamma in `gammas`; else None."""
     start = isinstance(where, tuple)
     workdir = where[1] if start else where
     if not isinstance(workdir, pathlib.Path) or not (workdir / "metrics.jsonl").is_file():
         return None
     evals = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
-             if r.get("kind") == "eval" and f"greedy_tokens_per_pass_g{gamma}" in r]
+             if r.get("kind") == "eval" and all(f"greedy_tokens_per_pass_g{g}" in r for g in gammas)]
     if start:
         evals = [r for r in evals if r["step"] == 0]
     return (evals[0] if start else evals[-1]) if evals else None
@@ -227,28 +236,36 @@ def _recorded_eval(where, gamma):
 
 def _write_table(out: pathlib.Path, rows, prov):
     g = prov["gamma"]
+    git, mach = prov["git"], prov["machine"]
     lines = [
         "# Distilled drafts for SmolLM2-135M-Instruct: held-out Spec-Bench evaluation", "",
         f"Command: `{prov['command']}`  ",
-        f"Commit: `{prov['git'].get('commit')}`{' (dirty)' if prov['git'].get('dirty') else ''}; "
+        f"Commit: `{git.get('git_commit')}`{' (working tree dirty)' if git.get('git_dirty') else ''}; "
         f"target GGUF sha256 `{prov['target_sha256']}`  ",
-        f"Machine: {prov['machine'].get('cpu_model')}, {prov['machine'].get('cpu_quota') or prov['machine'].get('cpus')} "
-        f"cores; batch 1, float32, greedy, gamma = {g}, {prov['max_new_tokens']} new tokens, "
-        f"median of {prov['repeats']} runs.  ",
+        f"Machine: {mach.get('cpu_model')}, {mach.get('cpus_usable')} usable cores, "
+        f"{mach.get('mem_total_gib')} GiB; jax {mach.get('jax')}; batch 1, float32, greedy, "
+        f"{prov['max_new_tokens']} new tokens, median of {prov['repeats']} runs.  ",
         f"Engine prompts (held-out question ids): {prov['prompt_ids']}", "",
         "alpha: E[sum min(p, q)] at temperature 1; agreement: argmax q = argmax p; both teacher-forced on the "
-        "target's greedy continuations of 4 held-out prompts per category. Tokens/pass: committed tokens per "
-        "target forward (sim: exact simulation from the agreement; engine: measured). Predicted speedup: "
-        "tokens/pass x t(target step) / (gamma t(draft step) + t(verify gamma+1)), times measured in this run.", "",
-        "| draft | alpha (T=1) | greedy agreement | tokens/pass sim | tokens/pass engine | draft cost / target "
-        "| tokens/s | speedup (measured) | speedup (predicted) | greedy output = target-only |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"target's greedy continuations of 4 held-out prompts per category. Tokens/pass: committed tokens per "
+        f"target forward (sim: exact simulation from the agreement, at gamma = {g} and at the chosen gamma; "
+        "engine: measured). The engine runs each draft at the gamma in "
+        f"{prov['gammas']} with the highest predicted speedup. Predicted speedup: tokens/pass x t(target step) "
+        "/ (gamma t(draft step) + t(verify gamma+1)), step times measured in this run; *pred. (engine)* uses "
+        "the engine's measured tokens/pass (it tests the cost model alone).", "",
+        f"| draft | alpha (T=1) | greedy agreement | tokens/pass sim, gamma {g} | chosen gamma | tokens/pass sim "
+        "| tokens/pass engine | draft cost / target | tokens/s | speedup (measured) | speedup (predicted) "
+        "| pred. (engine) | greedy output = target-only |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        b = r["best_gamma"]
         lines.append(f"| {r['draft']} | {r['alpha_t1']:.3f} | {r['greedy_agreement']:.3f} | "
-                     f"{r['sim_tokens_per_pass']:.2f} | {r['engine_tokens_per_pass']:.2f} | "
-                     f"{r['draft_step_over_target']:.3f} | {r['tokens_per_s']:.1f} (target {r['target_tokens_per_s']:.1f}) | "
-                     f"{r['speedup_mean']:.2f}x | {r['predicted_speedup']:.2f}x | {r['greedy_outputs_identical']} |")
+                     f"{r['sim_tokens_per_pass']:.2f} | {b} | {r['sim_tokens_per_pass_by_gamma'][str(b)]:.2f} | "
+                     f"{r['engine_tokens_per_pass']:.2f} | {r['draft_step_over_target']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} (target {r['target_tokens_per_s']:.1f}) | "
+                     f"{r['speedup_mean']:.2f}x | {r['predicted_speedup']:.2f}x | "
+                     f"{r.get('predicted_engine', float('nan')):.2f}x | {r['greedy_outputs_identical']} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -264,7 +281,8 @@ def main(argv=None):
     p.add_argument("--num_prompts", type=int, default=13)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--gamma", type=int, default=4, help="fixed gamma of the tokens/pass comparison")
+    p.add_argument("--max_gamma", type=int, default=4, help="the engine runs the best gamma in 1..max_gamma")
     p.add_argument("--pad_multiple", type=int, default=256)
     p.add_argument("--cost_iters", type=int, default=20)
     args = p.parse_args(argv)

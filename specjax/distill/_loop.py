@@ -205,7 +205,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             return None
         t0 = time.perf_counter()
         full = _train.merge_params(state.params, frozen)
-        res = _train.evaluate(draft, full, full_head, eval_plan, int(c.eval.gamma))
+        res = _train.evaluate(draft, full, full_head, eval_plan, tuple(range(1, int(c.eval.gamma) + 1)))
         res.update({"kind": "eval", "step": int(step), "tokens": tokens_done, "eval_s": time.perf_counter() - t0})
         writer.write(res)
         log(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))

@@ -185,13 +185,15 @@ def greedy_accepted_per_pass(agree: np.ndarray, gamma: int) -> tuple[int, int]:
     return committed, passes
 
 
-def evaluate(draft, params, full_head_VD, plan, gamma: int) -> dict:
-    """Acceptance rate (temperature 1), greedy agreement and greedy mean accepted tokens per
-    target pass at `gamma` over one pass of `plan` (held-out target-greedy continuations)."""
+def evaluate(draft, params, full_head_VD, plan, gamma) -> dict:
+    """Acceptance rate (temperature 1), greedy agreement and greedy mean committed tokens per
+    target pass at `gamma` (an int, or several) over one pass of `plan` (held-out
+    target-greedy continuations)."""
     from specjax import analysis
+    gammas = (int(gamma),) if np.ndim(gamma) == 0 else tuple(int(g) for g in gamma)
     n_batches = len(plan._epoch(0))
     alpha_sum = agree_sum = count = 0.0
-    committed = passes = 0
+    committed, passes = dict.fromkeys(gammas, 0), dict.fromkeys(gammas, 0)
     for i in range(n_batches):
         b = plan.batch(i)
         a_BT, g_BT = _eval_batch_jit(draft, params, full_head_VD, {k: jnp.asarray(v) for k, v in b.items()})
@@ -202,11 +204,13 @@ def evaluate(draft, params, full_head_VD, plan, gamma: int) -> dict:
         count += float(m.sum())
         for r in range(m.shape[0]):
             if m[r].any():
-                c, p = greedy_accepted_per_pass(g_BT[r][m[r]], gamma)
-                committed += c
-                passes += p
+                for g in gammas:
+                    c, p = greedy_accepted_per_pass(g_BT[r][m[r]], g)
+                    committed[g] += c
+                    passes[g] += p
     alpha = alpha_sum / max(count, 1.0)
-    return {"alpha_t1": alpha, "greedy_agreement": agree_sum / max(count, 1.0),
-            f"greedy_tokens_per_pass_g{gamma}": committed / max(passes, 1),
-            f"expected_tokens_per_pass_t1_g{gamma}": float(analysis.expected_tokens_per_round(alpha, gamma)),
-            "eval_tokens": int(count)}
+    out = {"alpha_t1": alpha, "greedy_agreement": agree_sum / max(count, 1.0), "eval_tokens": int(count)}
+    for g in gammas:
+        out[f"greedy_tokens_per_pass_g{g}"] = committed[g] / max(passes[g], 1)
+        out[f"expected_tokens_per_pass_t1_g{g}"] = float(analysis.expected_tokens_per_round(alpha, g))
+    return out

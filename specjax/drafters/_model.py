@@ -142,7 +142,7 @@ class EarlyExitDrafter:
 
     def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg, *, target_cache):
         k = self.model.config.num_layers
-        cache = target_cache.replace(k_LBKSH=target_cache.k_LBKSH[:k], v_LBKSH=target_cache.v_LBKSH[:k])
+        cache = target_cache.first_layers(k)
         last_B1 = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
         logits_B1V, cache = self.model.apply(params, last_B1, cache)
         tokens_BG, q_BGV, _ = rollout(self.model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)

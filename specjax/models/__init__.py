@@ -7,7 +7,7 @@ from specjax.models.export import export_hf, hf_config_dict
 from specjax.models.gguf_loader import load_gguf
 from specjax.models.hf_loader import load_hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import (CACHE_LOGICAL_AXES, Llama, LlamaModule, load, load_model,
+from specjax.models.llama import (Llama, LlamaModule, load, load_model,
                                   pad_prompts, param_logical_axes, param_shapes, prefill,
                                   stack_layers, truncate_layers, unstack_layers)
 from specjax.models.registry import DEFAULT_MODEL, resolve
@@ -18,7 +18,7 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "MissingTensorError", "ModelConfig",
     "TensorShapeError", "UnsupportedArchitectureError",
     "KVCache", "export_hf", "hf_config_dict", "load_gguf", "load_hf",
-    "CACHE_LOGICAL_AXES", "Llama", "LlamaModule", "load", "load_model", "pad_prompts",
+    "Llama", "LlamaModule", "load", "load_model", "pad_prompts",
     "param_logical_axes", "param_shapes", "prefill", "stack_layers", "truncate_layers", "unstack_layers",
     "DEFAULT_MODEL", "resolve",
     "IncrementalDecoder", "Tokenizer", "load_tokenizer",

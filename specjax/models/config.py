@@ -46,6 +46,7 @@ class ModelConfig:
     attention_bias: bool = False          # Qwen2-style bias on q/k/v projections
     dtype: str = "float32"                # params and KV cache
     scan_layers: bool = True              # lax.scan over stacked layers, else unrolled loop
+    fuse_projections: bool = False        # prepared params hold wqkv = [wq|wk|wv], w_gate_up = [w_gate|w_up]
     max_position: int = 8192
     arch: str = "llama"                   # "llama" | "qwen2" (what the exporter writes)
     bos_token_id: int | None = None

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig
-from specjax.models.llama import Llama, as_pure_params, stack_layers, unstack_layers
+from specjax.models.llama import Llama, as_pure_params, canonical_params
 from specjax.models.reduced_head import ReducedHeadLlama
 
 FORMAT = "specjax-draft-1"
@@ -65,8 +65,7 @@ def save_draft(directory, model, params, *, shared: tuple[str, ...], dtype: str 
 
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    p = dict(as_pure_params(params))
-    p["layers"] = stack_layers(p["layers"])
+    p = canonical_params(params, model.config)
     drop = set(shared) - {"head_from_embed"}
     if "head_from_embed" in shared:
         drop.add("head")
@@ -100,9 +99,9 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     """(model, params) of a draft saved by `save_draft`, its shared tensors from the target.
 
     Checks the stored tensors' sha256 and that the target's vocabulary and width match.
-    A few-layer draft runs unrolled by default (``scan_layers=False``, per-layer params): on
-    XLA CPU a scan slices every layer's weights out of the stacked arrays each step, which
-    costs more than the unrolled loop's copy of a small draft cache.
+    A few-layer draft runs unrolled by default (``scan_layers=False``: per-layer params with
+    fused projections and a per-layer cache): on XLA CPU a scan slices every layer's weights
+    out of the stacked arrays each step.
     """
     from safetensors.numpy import load_file
 
@@ -118,7 +117,7 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     cfg_d = dict(desc["config"])
     cfg = ModelConfig(**cfg_d)
     compute_dtype = dtype or target.config.dtype
-    cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers)
+    cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers, fuse_projections=not scan_layers)
     if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.config.hidden_size:
         raise ValueError(f"draft {d} was made for vocab {cfg.vocab_size} / width {cfg.hidden_size}, the target has "
                          f"{target.vocab_size} / {target.config.hidden_size}")
@@ -132,8 +131,7 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     for name in ("layers", "final_norm"):
         if name not in params:
             raise MissingTensorError(f"{d}/draft.safetensors has no tensors for {name!r}")
-    if not scan_layers:
-        params = unstack_layers(params)
+    params = Llama(cfg).prepare_params(params)
     if desc["head_size"]:
         if "head_ids" not in params:
             raise MissingTensorError(f"{d}/draft.safetensors has no 'head_ids' for its reduced head")

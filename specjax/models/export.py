@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from specjax.models.config import ModelConfig, UnsupportedArchitectureError
 from specjax.models.hf_loader import hf_tensor_names
-from specjax.models.llama import as_pure_params, stack_layers
+from specjax.models.llama import canonical_params
 
 _ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
@@ -65,8 +65,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
 
 def hf_state_dict(config: ModelConfig, params) -> dict[str, jax.Array]:
     """HF tensor name -> array in PyTorch [out, in] orientation (params dtype)."""
-    p = dict(as_pure_params(params))
-    p["layers"] = stack_layers(p["layers"])
+    p = canonical_params(params, config)
     out = {}
     for path, (names, transpose) in hf_tensor_names(config).items():
         arr = p

@@ -5,6 +5,13 @@ dtype. llama.cpp's converter stores the Q and K projections of *llama*-architect
 with the rows of each head interleaved (its RoPE pairs dims 2i, 2i+1 where Hugging Face pairs
 i, i+hd/2); we undo that permutation so the weights match the HF "rotate_half" convention
 (transformers does the same when it loads a GGUF). qwen2 GGUFs are stored unpermuted.
+
+Memory: the file is memory-mapped (`gguf.GGUFReader`), and tensors stored as float32 come out
+of `dequantize` as read-only views of that mapping, which jax would alias instead of copying
+(keeping the whole file mapped, and its pages resident, for as long as the parameter lives);
+they are copied first. For ``scan_layers=False`` the stacked layer arrays are split into
+per-layer arrays one tensor kind at a time, each stacked array dropped as soon as it is split,
+so loading never holds two full copies of the layers.
 """
 
 from __future__ import annotations
@@ -167,6 +174,8 @@ def load_gguf(path, dtype: str = "float32", scan_layers: bool = True):
             raise CorruptCheckpointError(
                 f"cannot dequantize tensor {name!r} ({t.tensor_type.name}) from {path}: {e}") from e
         arr = np.asarray(arr, np.float32)
+        if np.may_share_memory(arr, reader.data):
+            arr = arr.copy()            # a view of the mapped file: see the module docstring
         want_rows = int(t.shape[-1]) if len(t.shape) > 1 else None
         if want_rows is not None and arr.ndim == 2 and arr.shape[0] != want_rows:
             raise CorruptCheckpointError(f"tensor {name!r} in {path} decodes to {arr.shape}")
@@ -179,4 +188,24 @@ def load_gguf(path, dtype: str = "float32", scan_layers: bool = True):
         return arr, name
 
     model = Llama(config)
-    return model, model.prepare_params(params_from_hf_tensors(config, get))
+    params = params_from_hf_tensors(config, get)
+    if not scan_layers:
+        params = split_layers_releasing(params)
+    return model, model.prepare_params(params)
+
+
+def split_layers_releasing(params: dict) -> dict:
+    """`params` with ``params['layers']`` (a dict of arrays stacked along a leading layer axis)
+    turned into a tuple of per-layer dicts, the form `Llama.prepare_params` gives for
+    ``scan_layers=False``. Each stacked array is removed from `params` as soon as it is split,
+    so at most one stacked tensor kind exists beside the per-layer arrays (`params` is consumed)."""
+    stacked = params.pop("layers")
+    num_layers = len(next(iter(stacked.values())))
+    per_layer: list[dict] = [{} for _ in range(num_layers)]
+    for key in list(stacked):
+        arr = stacked.pop(key)
+        for i in range(num_layers):
+            per_layer[i][key] = arr[i]
+        del arr
+    params["layers"] = tuple(per_layer)
+    return params

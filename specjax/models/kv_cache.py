@@ -1,6 +1,14 @@
-"""The KV cache: one preallocated buffer per K and V, per-row committed lengths, O(1) rollback.
+"""The KV cache: preallocated K and V buffers, per-row committed lengths, O(1) rollback.
 
-Layout: ``k_LBKSH`` / ``v_LBKSH`` = [layers, batch, kv_heads, slots, head_dim].
+Two layouts of the same content, chosen by the model (``config.scan_layers``):
+
+* stacked: ``k`` / ``v`` are one array each, [layers, batch, kv_heads, slots, head_dim], for
+  the `lax.scan` layer loop (one in-place write of every layer after the scan);
+* per-layer: ``k`` / ``v`` are tuples of ``num_layers`` arrays [batch, kv_heads, slots,
+  head_dim], for the unrolled layer loop: each layer reads and then writes its own buffer, so
+  with the cache donated XLA updates every buffer in place (with one stacked buffer, the
+  unrolled loop's 30 static slices made XLA CPU copy the whole cache every step), and an
+  early-exit draft's view of the first k layers is a tuple slice, not a copy.
 
 Why kv-heads before slots: attention is a batched matmul over (batch, kv_head) with the
 contraction over head_dim (scores) or slots (values). With [.., K, S, H] the batch dims are
@@ -15,37 +23,73 @@ so rolling back is just ``cache.rollback(shorter_lengths)``: no copy, no zeroing
 
 from __future__ import annotations
 
+from typing import Union
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from specjax.models._protocol import CacheCapacityError
 
+Buffers = Union[jax.Array, tuple]   # [L, B, K, S, H] or L x [B, K, S, H]
+
 
 @struct.dataclass
 class KVCache:
-    k_LBKSH: jax.Array
-    v_LBKSH: jax.Array
+    k: Buffers
+    v: Buffers
     lengths_B: jax.Array  # int32 [B]
 
     @classmethod
     def zeros(cls, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int,
-              head_dim: int, dtype=jnp.float32) -> "KVCache":
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        return cls(k_LBKSH=jnp.zeros(shape, dtype), v_LBKSH=jnp.zeros(shape, dtype),
-                   lengths_B=jnp.zeros((batch_size,), jnp.int32))
+              head_dim: int, dtype=jnp.float32, per_layer: bool = False) -> "KVCache":
+        if per_layer:
+            shape = (batch_size, num_kv_heads, capacity, head_dim)
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        else:
+            shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+            k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return cls(k=k, v=v, lengths_B=jnp.zeros((batch_size,), jnp.int32))
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, (tuple, list))
 
     @property
     def num_layers(self) -> int:
-        return self.k_LBKSH.shape[0]
+        return len(self.k) if self.per_layer else self.k.shape[0]
 
     @property
     def batch_size(self) -> int:
-        return self.k_LBKSH.shape[1]
+        return self.lengths_B.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k_LBKSH.shape[3]
+        return self.k[0].shape[2] if self.per_layer else self.k.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype if self.per_layer else self.k.dtype
+
+    def layer(self, i: int):
+        """(k_BKSH, v_BKSH) of layer i (a static slice of the stacked layout)."""
+        return self.k[i], self.v[i]
+
+    def first_layers(self, n: int) -> "KVCache":
+        """The cache of layers [0, n) with the same lengths (free for the per-layer layout)."""
+        return self.replace(k=self.k[:n], v=self.v[:n])
+
+    def stacked(self) -> "KVCache":
+        if not self.per_layer:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+
+    def split_layers(self) -> "KVCache":
+        if self.per_layer:
+            return self
+        n = self.num_layers
+        return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
 
     def rollback(self, lengths_B) -> "KVCache":
         """Forget everything past ``lengths_B`` (per row). Never copies the buffers."""
@@ -65,40 +109,40 @@ class KVCache:
                 f"tokens and {num_new} more were requested.")
 
 
-def write_kv(buf_LBKSH: jax.Array, new_LBTKH: jax.Array, lengths_B: jax.Array) -> jax.Array:
-    """Write this call's entries of all layers at slots ``lengths_B[b] + t`` (per row).
+def logical_axes(cache: KVCache) -> KVCache:
+    """A `KVCache`-shaped pytree of logical axis names (for `specjax.sharding`)."""
+    per = ("batch", "kv", "sequence", "head_dim")
+    if cache.per_layer:
+        return KVCache(k=tuple(per for _ in cache.k), v=tuple(per for _ in cache.v),
+                       lengths_B=("batch",))
+    return KVCache(k=("layers",) + per, v=("layers",) + per, lengths_B=("batch",))
 
-    One update of the full buffer, so inside a jitted step with the cache donated XLA
-    writes in place: a ``dynamic_update_slice`` for batch 1 (note: a dynamic slice start is
-    clamped to stay in bounds, so capacity must be checked on the host beforehand), a
-    scatter otherwise (out-of-range writes of padding are dropped).
+
+def write_kv(buf: jax.Array, new: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Write this call's entries at slots ``lengths_B[b] + t`` (per row).
+
+    ``buf`` [..., B, K, S, H] with ``new`` [..., B, T, K, H] (the same leading dims: none for one
+    layer's buffer, [L] for the stacked layout). One update of the buffer, so inside a jitted
+    step with the cache donated XLA writes in place: a ``dynamic_update_slice`` for batch 1
+    (note: a dynamic slice start is clamped to stay in bounds, so capacity must be checked on
+    the host beforehand), a scatter otherwise (out-of-range writes of padding are dropped).
     """
-    return write_kv_slab(buf_LBKSH, 0, new_LBTKH, lengths_B)
-
-
-def write_kv_layer(buf_LBKSH: jax.Array, layer: int, new_BTKH: jax.Array,
-                   lengths_B: jax.Array) -> jax.Array:
-    """`write_kv` for one layer (``new_BTKH`` [B, T, K, H]) of the full buffer."""
-    return write_kv_slab(buf_LBKSH, layer, new_BTKH[None], lengths_B)
-
-
-def write_kv_slab(buf_LBKSH, first_layer: int, new_LBTKH, lengths_B):
-    """Write layers [first_layer, first_layer + L) of ``new_LBTKH`` [L, B, T, K, H]."""
-    L, B, T = new_LBTKH.shape[:3]
+    lead = buf.ndim - 4
+    B, T = new.shape[lead], new.shape[lead + 1]
     # Non-finite K/V only ever belong to positions whose logits are non-finite too; such a
     # position is never committed (the engine stops the row before it), but its slot stays
     # in the buffer past the row's length, and a masked slot still enters the value matmul
     # with weight 0 (0 * NaN = NaN). Zeroing non-finite entries keeps masked garbage inert.
-    new_LBTKH = jnp.nan_to_num(new_LBTKH.astype(buf_LBKSH.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    new = jnp.nan_to_num(new.astype(buf.dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    zero = jnp.int32(0)
     if B == 1:
-        upd = jnp.swapaxes(new_LBTKH, 2, 3)
-        zero = jnp.int32(0)
-        return jax.lax.dynamic_update_slice(
-            buf_LBKSH, upd, (jnp.int32(first_layer), zero, zero,
-                             lengths_B[0].astype(jnp.int32), zero))
+        upd = jnp.swapaxes(new, lead + 1, lead + 2)          # [..., B, K, T, H]
+        start = (zero,) * (lead + 2) + (lengths_B[0].astype(jnp.int32), zero)
+        return jax.lax.dynamic_update_slice(buf, upd, start)
     pos_BT = lengths_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-    # Advanced indices (b, pos) broadcast to [B, T]; separated from the leading slice they
-    # move to the front, so the indexed view is [B, T, L, K, H].
-    upd = jnp.transpose(new_LBTKH, (1, 2, 0, 3, 4))
-    return buf_LBKSH.at[first_layer:first_layer + L, b_B1, :, pos_BT, :].set(upd, mode="drop")
+    # The advanced indices (b, pos) broadcast to [B, T]; separated by a slice they move to the
+    # front, so the indexed view is [B, T, ..., K, H].
+    upd = jnp.moveaxis(new, (lead, lead + 1), (0, 1))
+    index = (slice(None),) * lead + (b_B1, slice(None), pos_BT, slice(None))
+    return buf.at[index].set(upd, mode="drop")
