@@ -40,6 +40,18 @@ def with_overrides(config, overrides: dict):
     return config
 
 
+def _last_eval_at(path: pathlib.Path, step: int) -> dict | None:
+    """The last evaluation record of `step` in a metrics file (None when there is none)."""
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "eval" and rec.get("step") == step:
+            found = rec
+    return found
+
+
 class MetricsWriter:
     """JSON lines (always) and TensorBoard scalars (when a writer package is installed)."""
 
@@ -264,7 +276,8 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     step = start
     t_loop, tok_loop = time.perf_counter(), 0
     elapsed0 = float(meta.get("elapsed_s", 0.0))
-    last_eval = None
+    # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
+    last_eval = _last_eval_at(writer.path, start)
     while tokens_done < c.budget_tokens:
         if stop_after_steps is not None and step >= stop_after_steps:
             break
