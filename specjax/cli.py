@@ -124,6 +124,7 @@ def main(argv):
         jax.distributed.initialize()
     from specjax import build
     build.enable_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
+    build.limit_heap_retention()
     generate_main(_CONFIG.value)
 
 

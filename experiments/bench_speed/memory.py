@@ -8,7 +8,8 @@ compiled configurations) is counted, and returns the JSON record that process pr
 The process, stage by stage (each stage's end RSS and its peak are recorded):
 
 1. ``import``: jax, specjax (decoding, drafters, loaders, tokenizer) and the benchmark's
-   workload / specjax-timing modules. VmRSS from /proc/self/status right after this is the
+   workload / specjax-timing modules; then `specjax.build.limit_heap_retention()`, as the main
+   command calls it before loading. VmRSS from /proc/self/status right after this is the
    baseline, ``rss_after_import``.
 2. ``backend``: the XLA backend is started (``jax.devices()``).
 3. ``load``: the target and prompts exactly as the benchmark loads them
@@ -306,6 +307,7 @@ def main(argv=None) -> dict:
     from specjax import build, decoding, drafters, models, sampling  # noqa: F401
     from specjax.models import tokenizer  # noqa: F401
     from experiments.bench_speed import common, sj_bench, workload  # noqa: F401
+    build.limit_heap_retention()       # as the main command (specjax.cli) does before loading
     log.end("import")
     rec = measure_in_process(args, log.stages[-1]["rss"], log)
     rec["holds"] = bool(math.isfinite(rec["ratio"]) and rec["ratio"] <= TARGET_RATIO)
