@@ -8,13 +8,14 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_module(module: str, args, out: pathlib.Path, timeout: int = 300):
-    """(out, JSONL records, stdout) of ``python -m module *args --out out``, compiled fast."""
+def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records_file: str = "results.jsonl"):
+    """(out, JSONL records of out/records_file, stdout) of ``python -m module *args --out out``,
+    compiled fast."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in (out / records_file).read_text().splitlines() if line.strip()]
     return out, records, proc.stdout

@@ -150,3 +150,17 @@ def test_markdown(bench):
     if any(r["kind"] == "generation" and r["framework"] == "transformers" for r in records):
         assert "## 6. specjax speculative decoding vs transformers assisted generation" in md
     assert "tokens/s" in stdout and "README.md" in stdout
+
+
+def test_round_profile_runs_on_the_tiny_model(tmp_path):
+    """profile_round.py end to end (ngram, greedy): every piece of a round is reported and finite."""
+    _, records, _ = run_module("experiments.bench_speed.profile_round",
+                               ["--model", "tiny", "--drafters", "ngram", "--temperatures", "0", "--iters", "2",
+                                "--max_new_tokens", "12", "--gamma", "2"], tmp_path, records_file="profile_round.jsonl")
+    kinds = {r["what"] for r in records}
+    assert kinds == {"target_only", "adaptive_pinned_at_0", "round"}
+    (rnd,) = [r for r in records if r["what"] == "round"]
+    for key in ("round_ms", "draft_ms", "verify_forward_ms", "target_step_1_ms", "target_only_per_token_ms"):
+        assert _positive(rnd[key]), key
+    assert math.isfinite(rnd["unattributed_ms"]) and rnd["tokens_per_round"] >= 1.0
+    assert records[0]["provenance"]["args"]["layers"] == "fused"

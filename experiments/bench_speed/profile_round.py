@@ -33,12 +33,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from experiments.bench_speed import common, sj_bench
 from experiments.bench_speed.workload import load_workload
 from specjax import decoding
-from specjax import sampling as sampling_lib
 from specjax.models import KVCache
 
 
@@ -83,8 +81,7 @@ def per_round(run: dict) -> float:
 
 
 def profile(args) -> list[dict]:
-    out_dir = pathlib.Path(args.out).parent
-    w = load_workload(args.model, max(args.prompt_index + 1, 1), out_dir / "_work", 0,
+    w = load_workload(args.model, max(args.prompt_index + 1, 1), pathlib.Path(args.out) / "_work", 0,
                       with_transformers=False, layers=args.layers)
     inp = sj_bench.prepare_inputs(w, args.max_new_tokens, args.gamma, 128, seed=0)[args.prompt_index]
     log = common.CompileLog()
@@ -152,12 +149,13 @@ def main(argv=None):
     p.add_argument("--prompt_index", type=int, default=0, help="which held-out prompt (round-robin order)")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--out", default="/tmp/profile_round.jsonl")
+    p.add_argument("--out", default="/tmp/profile_round", help="directory; records appended to profile_round.jsonl")
     args = p.parse_args(argv)
     records = profile(args)
     prov = {"date_utc": common.utc_now(), **common.git_state(), "machine": common.machine(), "args": vars(args)}
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "profile_round.jsonl", "a") as f:
         for r in records:
             f.write(json.dumps({**r, "provenance": prov}) + "\n")
     for r in records:

@@ -119,6 +119,10 @@ def _by(summaries, **match):
     return [s for s in summaries if all(s.get(k) == v for k, v in match.items())]
 
 
+def _x(r) -> str:
+    return "–" if r is None else f"{_f(r)}x"
+
+
 def target_rows(results: dict) -> list[list]:
     """Issue 6's targets against this run: [target, measured, holds] rows (missing data: '–')."""
     sums = results["summaries"]
@@ -132,7 +136,7 @@ def target_rows(results: dict) -> list[list]:
     for t in temps:
         for s in _by(sums, framework="transformers", method="target_only", temperature=t, category=ALL):
             r = s.get("specjax_target_only_over_transformers")
-            rows.append([f"target-only >= 3x transformers `generate` (T={_f(t, 1)})", f"{_f(r)}x",
+            rows.append([f"target-only >= 3x transformers `generate` (T={_f(t, 1)})", _x(r),
                          yes(None if r is None else r >= 3.0)])
     cats = sorted({s["category"] for s in sums if s["category"] != ALL})
     for t in temps:
@@ -164,13 +168,13 @@ def target_rows(results: dict) -> list[list]:
         for method in HF_ASSISTED:
             for s in _by(sums, framework="transformers", method=method, temperature=t, category=ALL):
                 r = s.get("specjax_best_speculative_over_this")
-                rows.append([f"best speculative >= 2x transformers {method} (T={_f(t, 1)})", f"{_f(r)}x",
+                rows.append([f"best speculative >= 2x transformers {method} (T={_f(t, 1)})", _x(r),
                              yes(None if r is None else r >= ASSISTED_TARGET)])
     fc = results.get("forward_costs") or {}
     tgt = fc.get("target") or {}
     if 1 in tgt and 5 in tgt:
         r = tgt[5]["median_s"] / tgt[1]["median_s"]
-        rows.append(["5-token forward (verify at gamma 4) <= 1.5x a 1-token step", f"{_f(r)}x", yes(r <= 1.5)])
+        rows.append(["5-token forward (verify at gamma 4) <= 1.5x a 1-token step", _x(r), yes(r <= 1.5)])
     mem = results.get("memory")
     if mem:
         rows.append(["peak RSS above post-import <= 1.5x weights + KV", f"{_f(mem['ratio'])}x",
