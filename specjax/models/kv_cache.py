@@ -85,12 +85,6 @@ class KVCache:
             return self
         return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
-    def split_layers(self) -> "KVCache":
-        if self.per_layer:
-            return self
-        n = self.num_layers
-        return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
-
     def rollback(self, lengths_B) -> "KVCache":
         """Forget everything past ``lengths_B`` (per row). Never copies the buffers."""
         lengths_B = jnp.asarray(lengths_B, jnp.int32)

@@ -394,8 +394,7 @@ class Llama:
         if c.scan_layers and per_layer:
             layers = stack_layers(layers)
         elif not c.scan_layers and not per_layer:
-            n = jax.tree.leaves(layers)[0].shape[0]
-            layers = tuple(jax.tree.map(lambda x: x[i], layers) for i in range(n))
+            layers = unstack_layers({"layers": layers})["layers"]
         convert = fuse_layer if c.fuse_projections else functools.partial(unfuse_layer, config=c)
         p["layers"] = convert(layers) if c.scan_layers else tuple(convert(lp) for lp in layers)
         return p
