@@ -67,6 +67,38 @@ def limit_heap_retention(mmap_threshold: int = 128 * 1024) -> bool:
         return False
 
 
+# XLA CPU options the fast path relies on (experiments/bench_speed/PROFILE.md, "Copies of the
+# KV cache"): with XLA's default copy insertion every donated per-layer cache buffer that a
+# layer reads (attention) and then updates in place was copied, twice, on every decode step
+# (120 copies of the whole cache per step, ~40% of a step at 1024 cache slots); the region
+# analysis proves the read precedes the write and drops them. Semantics are unchanged.
+XLA_CPU_FLAGS = ("--xla_cpu_copy_insertion_use_region_analysis=true",)
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):     # private API; if it moves, assume the worst
+        return True
+
+
+def tune_xla_cpu(flags: tuple[str, ...] = XLA_CPU_FLAGS) -> bool:
+    """Add `flags` to XLA_FLAGS (those not already set there). XLA reads them when the first
+    backend starts, so call this before anything runs on a device; returns False (and changes
+    nothing) when a backend is already running. Set SPECJAX_XLA_DEFAULTS=0 to skip it."""
+    import os
+
+    if os.environ.get("SPECJAX_XLA_DEFAULTS", "1") == "0" or _backend_started():
+        return False
+    current = os.environ.get("XLA_FLAGS", "")
+    names = {f.split("=", 1)[0] for f in current.split()}
+    extra = [f for f in flags if f.split("=", 1)[0] not in names]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    return True
+
+
 def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
                 fuse_projections: bool = False):
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)

@@ -119,10 +119,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
+    from specjax import build
+    build.tune_xla_cpu()                  # before any backend starts
     if _CONFIG.value.get("distributed", False):
         import jax
         jax.distributed.initialize()
-    from specjax import build
     build.enable_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
     build.limit_heap_retention()
     generate_main(_CONFIG.value)

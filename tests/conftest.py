@@ -7,6 +7,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
 
+from specjax import build  # noqa: E402
+
+# The XLA CPU options of the main command, so tests compile what users run.
+build.tune_xla_cpu()
+
 # Property tests are derandomized so CI is reproducible; the examples still vary per test.
 hypothesis.settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=60, print_blob=True,

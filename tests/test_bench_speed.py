@@ -164,3 +164,19 @@ def test_round_profile_runs_on_the_tiny_model(tmp_path):
         assert _positive(rnd[key]), key
     assert math.isfinite(rnd["unattributed_ms"]) and rnd["tokens_per_round"] >= 1.0
     assert records[0]["provenance"]["args"]["layers"] == "fused"
+
+
+def test_op_profile_runs_on_the_tiny_model(tmp_path):
+    """op_profile.py end to end: the decode loop's operations are attributed per extra token
+    (matrix products included) and the generation loop itself is kept apart from the
+    operations it contains."""
+    _, records, _ = run_module("experiments.bench_speed.op_profile",
+                               ["--model", "tiny", "--contexts", "20", "--short", "4", "--long", "12"], tmp_path,
+                               records_file="op_profile.jsonl")
+    (rec,) = records
+    assert rec["context"] == 20 and rec["tokens"] == [4, 12]
+    assert "while" not in rec["ops"] and "while" in rec["control_flow_ms_per_token"]
+    assert rec["provenance"]["args"]["layers"] == "fused"
+    matmul_calls = sum(v["calls_per_token"] for k, v in rec["ops"].items() if k in ("dot", "ynn_fusion"))
+    assert matmul_calls >= 1 and rec["profiled_ms_per_token"] > 0
+    assert all(math.isfinite(v["ms_per_token"]) for v in rec["ops"].values())

@@ -1,6 +1,7 @@
 """The README's main command, shortened: real generation with the default target end to end."""
 
 import json
+import os
 
 from configs import generate
 from specjax import cli
@@ -17,3 +18,23 @@ def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys):
     assert stats["same_tokens_as_target_only"] is True     # greedy: speculative == target-only
     assert stats["target_passes"] <= 12 and stats["degenerate_residuals"] == 0
     assert json.loads((tmp_path / "stats.jsonl").read_text())["new_tokens"] == 12
+
+
+def test_tune_xla_cpu_adds_missing_flags_before_the_backend_starts():
+    import subprocess
+    import sys
+    code = ("import os, jax.numpy as jnp\n"
+            "from specjax import build\n"
+            "print(build.tune_xla_cpu(('--xla_cpu_copy_insertion_use_region_analysis=true', "
+            "'--xla_cpu_enable_fast_math=false')))\n"
+            "print(os.environ['XLA_FLAGS'])\n"
+            "jnp.ones(2).block_until_ready()\n"
+            "print(build.tune_xla_cpu())\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_copy_insertion_use_region_analysis=false",
+           "JAX_PLATFORMS": "cpu"}
+    env.pop("SPECJAX_XLA_DEFAULTS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    applied, flags, after_start = out.stdout.split("\n")[:3]
+    assert applied == "True" and after_start == "False"
+    # a flag the user set keeps the user's value; the missing one is added
+    assert flags == "--xla_cpu_copy_insertion_use_region_analysis=false --xla_cpu_enable_fast_math=false"

@@ -238,3 +238,24 @@ def test_model_is_static_jit_arg_and_accepts_nnx_state():
     assert isinstance(model.init_cache(2, 4), KVCache)
     axes = model.param_logical_axes()
     assert axes["layers"]["wq"] == ("layers", "embed", "heads")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_compiled_decode_step_writes_the_cache_in_place(num_tokens):
+    """The donated per-layer cache of a decode / verification step is neither copied nor
+    transposed: only its in-place writes touch buffer-sized data (PROFILE.md: with XLA's
+    default copy insertion every buffer was copied twice per step; with v stored [.., S, H]
+    every layer transposed it). Checks the program the tests compile, i.e. with the XLA CPU
+    options of `specjax.build.tune_xla_cpu` (set in conftest)."""
+    import re
+    model, params = _model(BASE.replace(scan_layers=False, fuse_projections=True))
+    params = model.prepare_params(params)
+    cache = model.init_cache(1, 256)
+    K, H = BASE.num_kv_heads, BASE.head_dim
+    txt = jax.jit(model.apply, donate_argnums=(2,)).lower(
+        params, jnp.zeros((1, num_tokens), jnp.int32), cache).compile().as_text()
+    entry = txt[txt.index("\nENTRY"):]
+    buffer_shape = re.compile(rf"= f32\[(1,)?{K},(256,{H}|{H},256)\]\S* (copy|transpose|fusion)\(")
+    moved = [line.strip()[:160] for line in entry.split("\n")
+             if buffer_shape.search(line) and "dynamic-update-slice" not in line]
+    assert moved == [], "\n".join(moved)

@@ -27,8 +27,9 @@ def test_logical_to_spec_rules():
     assert axes["embed"] == ("vocab", "embed")
     stacked = logical_axes(KVCache.zeros(3, 2, 1, 8, 4))
     assert stacked.k == ("layers", "batch", "kv", "sequence", "head_dim")
+    assert stacked.v == ("layers", "batch", "kv", "head_dim", "sequence")
     per_layer = logical_axes(KVCache.zeros(3, 2, 1, 8, 4, per_layer=True))
-    assert per_layer.v == (("batch", "kv", "sequence", "head_dim"),) * 3
+    assert per_layer.v == (("batch", "kv", "head_dim", "sequence"),) * 3
 
 
 _SCRIPT = textwrap.dedent("""

@@ -327,6 +327,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
+    from specjax import build
+    build.tune_xla_cpu()
     res = run(args)
     print(report.console_summary(res))
     return res

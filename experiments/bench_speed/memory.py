@@ -307,7 +307,8 @@ def main(argv=None) -> dict:
     from specjax import build, decoding, drafters, models, sampling  # noqa: F401
     from specjax.models import tokenizer  # noqa: F401
     from experiments.bench_speed import common, sj_bench, workload  # noqa: F401
-    build.limit_heap_retention()       # as the main command (specjax.cli) does before loading
+    build.tune_xla_cpu()               # as the main command (specjax.cli) does before loading
+    build.limit_heap_retention()
     log.end("import")
     rec = measure_in_process(args, log.stages[-1]["rss"], log)
     rec["holds"] = bool(math.isfinite(rec["ratio"]) and rec["ratio"] <= TARGET_RATIO)

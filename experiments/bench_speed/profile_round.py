@@ -151,6 +151,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default="/tmp/profile_round", help="directory; records appended to profile_round.jsonl")
     args = p.parse_args(argv)
+    from specjax import build
+    build.tune_xla_cpu()
     records = profile(args)
     prov = {"date_utc": common.utc_now(), **common.git_state(), "machine": common.machine(), "args": vars(args)}
     out = pathlib.Path(args.out)

@@ -147,6 +147,63 @@ def _log(msg: str):
     print(f"[bench_speed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def shape_groups(inputs) -> list[list[tuple[int, object]]]:
+    """(index, input) pairs grouped by compiled shape (padded prompt width, capacity), in order
+    of first appearance; inside a group the prompts keep their order."""
+    groups: dict = {}
+    for i, inp in enumerate(inputs):
+        groups.setdefault((tuple(inp.prompt_BP.shape), inp.capacity), []).append((i, inp))
+    return list(groups.values())
+
+
+def max_map_count() -> int | None:
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def map_count() -> int:
+    """Memory mappings of this process (0 where /proc is not available)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def release_programs(runner, results: dict):
+    """Drop every compiled program (and the runner's record of warmed shapes)."""
+    import gc
+
+    import jax
+
+    results["map_count_peak"] = max(results["map_count_peak"], map_count())
+    jax.clear_caches()
+    gc.collect()
+    runner.warmed.clear()
+
+
+def generate_prompt(cfgs, runner, round_times, writer, gen_records, temp, i, inp, num_inputs):
+    """Every configuration on one prompt at one temperature; greedy outputs checked against
+    target-only's."""
+    ref = None
+    for cfg in cfgs:
+        rec = runner.run(cfg, temp, inp, round_times(cfg, temp))
+        rec.update(framework="specjax", method=cfg.name, drafter=cfg.drafter, config=cfg.describe(),
+                   temperature=float(temp))
+        if cfg.drafter == "none":
+            ref = rec["generated_ids"]
+        elif temp == 0 and ref is not None:
+            rec["greedy_matches_target_only"] = rec["generated_ids"] == ref
+            rec["greedy_common_prefix"] = common_prefix(rec["generated_ids"], ref)
+        gen_records.append(rec)
+        writer.write("generation", **rec)
+        _log(f"T={temp:g} prompt {i + 1}/{num_inputs} (q{inp.prompt.question_id} "
+             f"{inp.prompt.category}) {cfg.name}: {rec['new_tokens']} tokens, "
+             f"{rec['tokens_per_s']:.1f} tok/s, compile {rec['compile_s']:.1f}s")
+
+
 def run_benchmark(args) -> dict:
     """Runs every measurement; writes results.jsonl and README.md under args.out; returns the results."""
     from experiments.bench_speed import sj_bench
@@ -252,27 +309,25 @@ def run_benchmark(args) -> dict:
             return [verify_s[1] if g == 0 else propose_s[(cfg.drafter, g, float(temp))] + verify_s[g + 1]
                     for g in cfg.gammas]
 
-        # -- generation: per temperature, per prompt, every configuration (interleaved, so slow
-        #    drifts of a shared machine hit all configurations alike)
+        # -- generation: per temperature, per compiled shape, per prompt, every configuration
+        #    (interleaved, so slow drifts of a shared machine hit all configurations alike).
+        #    The compiled programs of one shape are dropped before the next shape's: each
+        #    unrolled 30-layer program holds ~700-2500 memory mappings of generated code, and a
+        #    process that keeps them all reaches vm.max_map_count (65530 by default), after which
+        #    LLVM cannot allocate and XLA crashes (PROFILE.md).
         runner = sj_bench.Runner(w, drafters, log, args.max_new_tokens, args.repeats, eos_ids, args.verifier)
         gen_records = []
+        groups = shape_groups(inputs)
+        results["map_count_peak"] = 0
         for temp in args.temperatures:
-            for i, inp in enumerate(inputs):
-                ref = None
-                for cfg in cfgs:
-                    rec = runner.run(cfg, temp, inp, round_times(cfg, temp))
-                    rec.update(framework="specjax", method=cfg.name, drafter=cfg.drafter, config=cfg.describe(),
-                               temperature=float(temp))
-                    if cfg.drafter == "none":
-                        ref = rec["generated_ids"]
-                    elif temp == 0 and ref is not None:
-                        rec["greedy_matches_target_only"] = rec["generated_ids"] == ref
-                        rec["greedy_common_prefix"] = common_prefix(rec["generated_ids"], ref)
-                    gen_records.append(rec)
-                    writer.write("generation", **rec)
-                    _log(f"T={temp:g} prompt {i + 1}/{len(inputs)} (q{inp.prompt.question_id} "
-                         f"{inp.prompt.category}) {cfg.name}: {rec['new_tokens']} tokens, "
-                         f"{rec['tokens_per_s']:.1f} tok/s, compile {rec['compile_s']:.1f}s")
+            for group in groups:
+                release_programs(runner, results)
+                for i, inp in group:
+                    generate_prompt(cfgs, runner, round_times, writer, gen_records, temp, i, inp, len(inputs))
+        release_programs(runner, results)
+        _log(f"peak count of memory mappings: {results['map_count_peak']} (vm.max_map_count {max_map_count()})")
+        writer.write("map_count", peak=results["map_count_peak"], max_map_count=max_map_count(),
+                     shape_groups=len(groups))
         recompiled = sum(r["compiles_during_timing"] for r in gen_records)
         if recompiled:
             results["notes"].append(f"{recompiled} compilations happened inside timed specjax runs "
@@ -386,6 +441,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.argv = argv
+    from specjax import build
+    build.tune_xla_cpu()             # the main command's XLA CPU options (before any backend starts)
     results = run_benchmark(args)
     print_summary(results)
     return results

@@ -286,6 +286,8 @@ def main(argv=None):
     p.add_argument("--pad_multiple", type=int, default=256)
     p.add_argument("--cost_iters", type=int, default=20)
     args = p.parse_args(argv)
+    from specjax import build
+    build.tune_xla_cpu()
     if args.stage in ("all", "compare"):
         stage_compare(args)
     if args.stage in ("all", "recipe"):

@@ -13,6 +13,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    from specjax import build
+    build.tune_xla_cpu()
     from specjax.distill import train
     train(_CONFIG.value, _WORKDIR.value)
 

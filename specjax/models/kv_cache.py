@@ -2,19 +2,22 @@
 
 Two layouts of the same content, chosen by the model (``config.scan_layers``):
 
-* stacked: ``k`` / ``v`` are one array each, [layers, batch, kv_heads, slots, head_dim], for
-  the `lax.scan` layer loop (one in-place write of every layer after the scan);
-* per-layer: ``k`` / ``v`` are tuples of ``num_layers`` arrays [batch, kv_heads, slots,
-  head_dim], for the unrolled layer loop: each layer reads and then writes its own buffer, so
-  with the cache donated XLA updates every buffer in place (with one stacked buffer, the
-  unrolled loop's 30 static slices made XLA CPU copy the whole cache every step), and an
-  early-exit draft's view of the first k layers is a tuple slice, not a copy.
+* stacked: ``k`` is one array [layers, batch, kv_heads, slots, head_dim] and ``v`` one array
+  [layers, batch, kv_heads, head_dim, slots], for the `lax.scan` layer loop (one in-place
+  write of every layer after the scan);
+* per-layer: ``k`` / ``v`` are tuples of ``num_layers`` arrays, k [batch, kv_heads, slots,
+  head_dim] and v [batch, kv_heads, head_dim, slots], for the unrolled layer loop: each layer
+  reads and then writes its own buffer, so with the cache donated XLA updates every buffer in
+  place (with one stacked buffer, the unrolled loop's 30 static slices made XLA CPU copy the
+  whole cache every step), and an early-exit draft's view of the first k layers is a tuple
+  slice, not a copy.
 
-Why kv-heads before slots: attention is a batched matmul over (batch, kv_head) with the
-contraction over head_dim (scores) or slots (values). With [.., K, S, H] the batch dims are
-leading and each (b, k) block is a contiguous [S, H] matrix, so XLA on CPU feeds the cache
-straight into the dot without transposing (= copying) it every decode step; the alternative
-[.., S, K, H] layout forces a transpose of the whole per-layer cache per step.
+Why these layouts: attention is two batched matmuls over (batch, kv_head): scores contract
+head_dim (q against k), values contract slots (probabilities against v). XLA CPU's matmul
+kernels take the right operand with its contraction dim last, so k is stored [.., S, H] and v
+[.., H, S]: both feed their dot as they are. Stored [.., S, H], v was transposed (= copied
+whole) by every layer at every decode step, ~5 ms of a 30 ms step at 900 slots
+(experiments/bench_speed/PROFILE.md). `write_kv` is the one place that writes either.
 
 Slot s of row b holds the token at position s. ``lengths_B[b]`` is the number of committed
 tokens; slots at or beyond it hold garbage that is never attended to (the model masks them),
@@ -31,7 +34,7 @@ from flax import struct
 
 from specjax.models._protocol import CacheCapacityError
 
-Buffers = Union[jax.Array, tuple]   # [L, B, K, S, H] or L x [B, K, S, H]
+Buffers = Union[jax.Array, tuple]   # k: [L, B, K, S, H] or L x [B, K, S, H]; v: [.., H, S]
 
 
 @struct.dataclass
@@ -43,13 +46,14 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int,
               head_dim: int, dtype=jnp.float32, per_layer: bool = False) -> "KVCache":
+        k_shape = (batch_size, num_kv_heads, capacity, head_dim)
+        v_shape = (batch_size, num_kv_heads, head_dim, capacity)
         if per_layer:
-            shape = (batch_size, num_kv_heads, capacity, head_dim)
-            k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-            v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            k = tuple(jnp.zeros(k_shape, dtype) for _ in range(num_layers))
+            v = tuple(jnp.zeros(v_shape, dtype) for _ in range(num_layers))
         else:
-            shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-            k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+            k = jnp.zeros((num_layers,) + k_shape, dtype)
+            v = jnp.zeros((num_layers,) + v_shape, dtype)
         return cls(k=k, v=v, lengths_B=jnp.zeros((batch_size,), jnp.int32))
 
     @property
@@ -73,7 +77,7 @@ class KVCache:
         return self.k[0].dtype if self.per_layer else self.k.dtype
 
     def layer(self, i: int):
-        """(k_BKSH, v_BKSH) of layer i (a static slice of the stacked layout)."""
+        """(k_BKSH, v_BKHS) of layer i (a static slice of the stacked layout)."""
         return self.k[i], self.v[i]
 
     def first_layers(self, n: int) -> "KVCache":
@@ -105,22 +109,30 @@ class KVCache:
 
 def logical_axes(cache: KVCache) -> KVCache:
     """A `KVCache`-shaped pytree of logical axis names (for `specjax.sharding`)."""
-    per = ("batch", "kv", "sequence", "head_dim")
+    k_axes = ("batch", "kv", "sequence", "head_dim")
+    v_axes = ("batch", "kv", "head_dim", "sequence")
     if cache.per_layer:
-        return KVCache(k=tuple(per for _ in cache.k), v=tuple(per for _ in cache.v),
+        return KVCache(k=tuple(k_axes for _ in cache.k), v=tuple(v_axes for _ in cache.v),
                        lengths_B=("batch",))
-    return KVCache(k=("layers",) + per, v=("layers",) + per, lengths_B=("batch",))
+    return KVCache(k=("layers",) + k_axes, v=("layers",) + v_axes, lengths_B=("batch",))
 
 
-def write_kv(buf: jax.Array, new: jax.Array, lengths_B: jax.Array) -> jax.Array:
-    """Write this call's entries at slots ``lengths_B[b] + t`` (per row).
+def write_kv(k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Array,
+             lengths_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write this call's K and V entries at slots ``lengths_B[b] + t`` (per row).
 
-    ``buf`` [..., B, K, S, H] with ``new`` [..., B, T, K, H] (the same leading dims: none for one
-    layer's buffer, [L] for the stacked layout). One update of the buffer, so inside a jitted
-    step with the cache donated XLA writes in place: a ``dynamic_update_slice`` for batch 1
-    (note: a dynamic slice start is clamped to stay in bounds, so capacity must be checked on
-    the host beforehand), a scatter otherwise (out-of-range writes of padding are dropped).
+    ``k_buf`` [..., B, K, S, H] and ``v_buf`` [..., B, K, H, S] (the module docstring's layouts),
+    ``k_new`` / ``v_new`` [..., B, T, K, H], with the same leading dims: none for one layer's
+    buffers, [L] for the stacked layout. One update per buffer, so inside a jitted step with
+    the cache donated XLA writes in place: a ``dynamic_update_slice`` for batch 1 (note: a
+    dynamic slice start is clamped to stay in bounds, so capacity must be checked on the host
+    beforehand), a scatter otherwise (out-of-range writes of padding are dropped).
     """
+    return (_write(k_buf, k_new, lengths_B, slots_last=False),
+            _write(v_buf, v_new, lengths_B, slots_last=True))
+
+
+def _write(buf, new, lengths_B, slots_last: bool):
     lead = buf.ndim - 4
     B, T = new.shape[lead], new.shape[lead + 1]
     # Non-finite K/V only ever belong to positions whose logits are non-finite too; such a
@@ -129,14 +141,20 @@ def write_kv(buf: jax.Array, new: jax.Array, lengths_B: jax.Array) -> jax.Array:
     # with weight 0 (0 * NaN = NaN). Zeroing non-finite entries keeps masked garbage inert.
     new = jnp.nan_to_num(new.astype(buf.dtype), nan=0.0, posinf=0.0, neginf=0.0)
     zero = jnp.int32(0)
+    start = lengths_B[0].astype(jnp.int32) if B == 1 else None
+    if B == 1 and slots_last:
+        upd = jnp.moveaxis(new, lead + 1, lead + 3)                 # [..., B, K, H, T]
+        return jax.lax.dynamic_update_slice(buf, upd, (zero,) * (lead + 3) + (start,))
     if B == 1:
-        upd = jnp.swapaxes(new, lead + 1, lead + 2)          # [..., B, K, T, H]
-        start = (zero,) * (lead + 2) + (lengths_B[0].astype(jnp.int32), zero)
-        return jax.lax.dynamic_update_slice(buf, upd, start)
+        upd = jnp.swapaxes(new, lead + 1, lead + 2)                 # [..., B, K, T, H]
+        return jax.lax.dynamic_update_slice(buf, upd, (zero,) * (lead + 2) + (start, zero))
     pos_BT = lengths_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-    # The advanced indices (b, pos) broadcast to [B, T]; separated by a slice they move to the
-    # front, so the indexed view is [B, T, ..., K, H].
+    # The advanced indices (b, pos) broadcast to [B, T]; separated by slices they move to the
+    # front, so the indexed view is [B, T, ..., K, H] in either layout.
     upd = jnp.moveaxis(new, (lead, lead + 1), (0, 1))
-    index = (slice(None),) * lead + (b_B1, slice(None), pos_BT, slice(None))
+    if slots_last:
+        index = (slice(None),) * lead + (b_B1, slice(None), slice(None), pos_BT)
+    else:
+        index = (slice(None),) * lead + (b_B1, slice(None), pos_BT, slice(None))
     return buf.at[index].set(upd, mode="drop")

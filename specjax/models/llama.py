@@ -159,7 +159,8 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     """Grouped-query attention of T queries over cached slots and the T new tokens.
 
     ``past`` is None (plain causal attention over the new tokens) or
-    ``(k_BKSH, v_BKSH, lengths_B)``: the layer's cache *before* this call; slot s of row b
+    ``(k_BKSH, v_BKHS, lengths_B)``: the layer's cache *before* this call (layouts: see
+    `specjax.models.kv_cache`); slot s of row b
     is visible iff ``s < lengths_B[b]``. New token t' is visible to query t iff t' <= t.
     Query t therefore sees exactly positions < lengths_B[b] + t + 1. The cache is only
     read here (the new entries are written once, for all layers, after the layer loop),
@@ -184,7 +185,7 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
         out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_new_BTKH.dtype), v_new_BTKH,
                          preferred_element_type=jnp.float32)
         return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
-    k_BKSH, v_BKSH, lengths_B = past
+    k_BKSH, v_BKHS, lengths_B = past
     S = k_BKSH.shape[2]
     s_past = jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH,
                         preferred_element_type=jnp.float32) * scale
@@ -192,7 +193,7 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     s_past = jnp.where(visible_BS[:, None, None, None, :], s_past, neg)
     probs = jax.nn.softmax(jnp.concatenate([s_past, s_new], axis=-1), axis=-1)
     p_past, p_new = probs[..., :S], probs[..., S:]
-    out = jnp.einsum("bkgts,bksh->btkgh", p_past.astype(v_BKSH.dtype), v_BKSH,
+    out = jnp.einsum("bkgts,bkhs->btkgh", p_past.astype(v_BKHS.dtype), v_BKHS,
                      preferred_element_type=jnp.float32)
     out = out + jnp.einsum("bkgts,bskh->btkgh", p_new.astype(v_new_BTKH.dtype), v_new_BTKH,
                            preferred_element_type=jnp.float32)
@@ -207,7 +208,7 @@ def _linear(x, w, b=None):
 
 
 def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
-    """One decoder layer. ``past`` = (k_BKSH, v_BKSH, lengths_B) of this layer, or None.
+    """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None.
 
     Returns the new hidden states and this call's (k, v) [B, T, K, H] in the cache dtype.
     """
@@ -307,8 +308,8 @@ class Llama:
         cos, sin = rope_cos_sin(c, positions)
         layers = p["layers"]
 
-        def run_layer(lp, h, k_BKSH, v_BKSH):
-            past = None if cache is None else (k_BKSH, v_BKSH, lengths)
+        def run_layer(lp, h, k_BKSH, v_BKHS):
+            past = None if cache is None else (k_BKSH, v_BKHS, lengths)
             return _layer(c, lp, h, cos, sin, past)
 
         if isinstance(layers, (list, tuple)):
@@ -319,16 +320,15 @@ class Llama:
         per_layer_cache = cache is not None and cache.per_layer
         if c.scan_layers:
             def body(h, xs):
-                lp, k_BKSH, v_BKSH = xs
-                h, new_kv = run_layer(lp, h, k_BKSH, v_BKSH)
+                lp, k_BKSH, v_BKHS = xs
+                h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS)
                 return h, new_kv
 
             stacked = None if cache is None else cache.stacked()
             xs = (layers, None, None) if cache is None else (layers, stacked.k, stacked.v)
             h, (k_new, v_new) = jax.lax.scan(body, h, xs)      # [L, B, T, K, H]
             if cache is not None:
-                k_buf = write_kv(stacked.k, k_new, lengths)
-                v_buf = write_kv(stacked.v, v_new, lengths)
+                k_buf, v_buf = write_kv(stacked.k, stacked.v, k_new, v_new, lengths)
                 if per_layer_cache:    # (a per-layer cache given to a scan model: kept per layer)
                     k_buf = tuple(k_buf[i] for i in range(c.num_layers))
                     v_buf = tuple(v_buf[i] for i in range(c.num_layers))
@@ -347,8 +347,9 @@ class Llama:
                 h, (k, v) = run_layer(lp, h, k_i, v_i)
                 if per_layer_cache:
                     # Each layer writes its own buffer after reading it: in place when donated.
-                    ks.append(write_kv(k_i, k, lengths))
-                    vs.append(write_kv(v_i, v, lengths))
+                    k_i, v_i = write_kv(k_i, v_i, k, v, lengths)
+                    ks.append(k_i)
+                    vs.append(v_i)
                 else:
                     ks.append(k)
                     vs.append(v)
@@ -358,8 +359,7 @@ class Llama:
                 else:
                     # A stacked cache in the unrolled loop: XLA CPU schedules the static slices
                     # early and copies the donated buffer before this write (use per-layer).
-                    k_buf = write_kv(cache.k, jnp.stack(ks), lengths)
-                    v_buf = write_kv(cache.v, jnp.stack(vs), lengths)
+                    k_buf, v_buf = write_kv(cache.k, cache.v, jnp.stack(ks), jnp.stack(vs), lengths)
 
         h = rms_norm(h, p["final_norm"], c.rms_eps)
         if cache is not None:
