@@ -212,6 +212,7 @@ def run_benchmark(args) -> dict:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    load_at_start = common.loadavg()     # before the memory stage, whose own process loads the CPUs
     mem = None
     if not args.skip_memory:
         # First, in a fresh process, so nothing this process allocates is counted.
@@ -240,9 +241,10 @@ def run_benchmark(args) -> dict:
         "machine": common.machine(),
         "settings": {k: v for k, v in vars(args).items() if k != "argv"},
     }
+    prov["machine"]["loadavg_at_start"] = load_at_start
     writer = common.JsonlWriter(out_dir / "results.jsonl", prov)
     results = {"provenance": prov, "notes": []}
-    load = prov["machine"]["loadavg_at_start"]
+    load = load_at_start
     cpus = prov["machine"]["cpus_usable"] or 1
     if load and load[0] > 0.5 * cpus:
         results["notes"].append(f"the machine was busy when the run started (1-minute load average {load[0]:.1f} "
