@@ -171,9 +171,11 @@ def test_op_profile_runs_on_the_tiny_model(tmp_path):
     (matrix products included) and the generation loop itself is kept apart from the
     operations it contains."""
     _, records, _ = run_module("experiments.bench_speed.op_profile",
-                               ["--model", "tiny", "--contexts", "20", "--short", "4", "--long", "12"], tmp_path,
-                               records_file="op_profile.jsonl")
-    (rec,) = records
+                               ["--model", "tiny", "--contexts", "20", "--short", "4", "--long", "12",
+                                "--forward_k", "1,3"], tmp_path, records_file="op_profile.jsonl")
+    rec, fwd1, fwd3 = records
+    assert (fwd1["forward_k"], fwd3["forward_k"]) == (1, 3) and fwd3["context"] == 20
+    assert fwd1["profiled_ms_per_call"] > 0 and fwd3["profiled_ms_per_call"] > 0
     assert rec["context"] == 20 and rec["tokens"] == [4, 12]
     assert "while" not in rec["ops"] and "while" in rec["control_flow_ms_per_token"]
     assert rec["provenance"]["args"]["layers"] == "fused"

@@ -11,8 +11,11 @@ difference per extra token: prefill, compilation and the loop's set-up cancel ou
 is random token ids (cost depends on its length only). Profiling adds overhead (~10%): compare
 rows with each other, not with the benchmark's tokens/s.
 
-Writes `<out>/op_profile.jsonl` (appends; one record per context and operation kind, with the
-provenance block) and prints a table.
+With `--forward_k` (default 1,5) it also profiles single jitted, cache-donated k-token forwards
+(the verification pass at k = gamma + 1) at the first context, per call.
+
+Writes `<out>/op_profile.jsonl` (appends; one record per context and per k, each with its
+operations and the provenance block) and prints a table.
 """
 
 from __future__ import annotations
@@ -90,6 +93,34 @@ def profile_context(w, context: int, short: int, long: int, seed: int = 0) -> di
             "control_flow_ms_per_token": {k: v["ms_per_token"] for k, v in containers.items()}}
 
 
+def profile_forward(w, k: int, context: int, calls: int = 10) -> dict:
+    """The same per-operation sums for one jitted, cache-donated k-token forward (a
+    verification pass at k = gamma + 1), per call, against a cache holding `context` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    capacity = -(-(context + k) // 128) * 128
+    step = jax.jit(w.target.apply, donate_argnums=(2,))
+    tokens = (jnp.arange(k, dtype=jnp.int32)[None, :] * 7 + 3) % w.target.vocab_size
+    cache = w.target.init_cache(1, capacity).rollback(jnp.full((1,), context, jnp.int32))
+
+    def call(cache):
+        logits, cache = step(w.params, tokens, cache)
+        jax.block_until_ready(logits)
+        return cache.rollback(jnp.full((1,), context, jnp.int32))
+
+    cache = call(cache)                                     # compile, warm up
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                cache = call(cache)
+        us, counts = _op_times(d)
+    ops = {kind: {"ms_per_call": us[kind] / calls / 1e3, "calls_per_call": counts[kind] / calls} for kind in us}
+    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_call"]))
+    return {"forward_k": k, "context": context, "capacity": capacity, "calls": calls,
+            "profiled_ms_per_call": sum(v["ms_per_call"] for v in ops.values()), "ops": ops}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or GGUF path, or 'tiny'")
@@ -97,6 +128,8 @@ def main(argv=None):
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=[100, 700])
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=72)
+    p.add_argument("--forward_k", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 5],
+                   help="also profile one donated k-token forward per k (at the first context)")
     p.add_argument("--top", type=int, default=8, help="operation kinds printed per context")
     p.add_argument("--out", default="/tmp/op_profile", help="directory; records appended to op_profile.jsonl")
     args = p.parse_args(argv)
@@ -119,6 +152,13 @@ def main(argv=None):
               f"unprofiled, {rec['profiled_ms_per_token']:.1f} in traced operations")
         for kind, v in list(rec["ops"].items())[:args.top]:
             print(f"  {v['ms_per_token']:7.2f} ms/token  {v['calls_per_token']:6.1f} calls/token  {kind}")
+    for k in args.forward_k:
+        rec = profile_forward(w, k, args.contexts[0])
+        records.append(rec)
+        print(f"{k}-token forward at context {rec['context']} (capacity {rec['capacity']}): "
+              f"{rec['profiled_ms_per_call']:.1f} ms per call in traced operations")
+        for kind, v in list(rec["ops"].items())[:args.top]:
+            print(f"  {v['ms_per_call']:7.2f} ms/call  {v['calls_per_call']:6.1f} ops/call  {kind}")
     with open(out / "op_profile.jsonl", "a") as f:
         for r in records:
             f.write(json.dumps({**r, "provenance": prov}) + "\n")
