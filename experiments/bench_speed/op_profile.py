@@ -97,23 +97,16 @@ def profile_forward(w, k: int, context: int, calls: int = 10) -> dict:
     """The same per-operation sums for one jitted, cache-donated k-token forward (a
     verification pass at k = gamma + 1), per call, against a cache holding `context` tokens."""
     import jax
-    import jax.numpy as jnp
+
+    from experiments.bench_speed import sj_bench
 
     capacity = -(-(context + k) // 128) * 128
-    step = jax.jit(w.target.apply, donate_argnums=(2,))
-    tokens = (jnp.arange(k, dtype=jnp.int32)[None, :] * 7 + 3) % w.target.vocab_size
-    cache = w.target.init_cache(1, capacity).rollback(jnp.full((1,), context, jnp.int32))
-
-    def call(cache):
-        logits, cache = step(w.params, tokens, cache)
-        jax.block_until_ready(logits)
-        return cache.rollback(jnp.full((1,), context, jnp.int32))
-
-    cache = call(cache)                                     # compile, warm up
+    call = sj_bench.donated_step(w.target, w.params, k, context, capacity)
+    call()                                                  # compile, warm up
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(calls):
-                cache = call(cache)
+                call()
         us, counts = _op_times(d)
     ops = {kind: {"ms_per_call": us[kind] / calls / 1e3, "calls_per_call": counts[kind] / calls} for kind in us}
     ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_call"]))

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -61,19 +60,9 @@ def _median_time(fn, args, iters):
 
 def donated_step_cost(model, params, k: int, ctx: int, capacity: int, iters: int) -> float:
     """Median seconds of a jitted, cache-donated k-token step (logits and the cache write)."""
-    step = jax.jit(model.apply, donate_argnums=(2,))
-    tokens = (jnp.arange(k, dtype=jnp.int32)[None, :] * 7 + 3) % model.vocab_size
-    cache = model.init_cache(1, capacity).rollback(jnp.full((1,), ctx, jnp.int32))
-    logits, cache = step(params, tokens, cache)
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(iters):
-        cache = cache.rollback(jnp.full((1,), ctx, jnp.int32))
-        t0 = time.perf_counter()
-        logits, cache = step(params, tokens, cache)
-        jax.block_until_ready((logits, cache))
-        times.append(time.perf_counter() - t0)
-    return common.median(times)
+    call = sj_bench.donated_step(model, params, k, ctx, capacity)
+    call()                                                  # compile, warm up
+    return common.median([common.timed(call)[0] for _ in range(iters)])
 
 
 def per_round(run: dict) -> float:

@@ -195,6 +195,28 @@ def _time_many(fn, args, iters: int) -> list[float]:
     return [timed(fn, *args)[0] for _ in range(iters)]
 
 
+def probe_tokens(k: int, vocab_size: int) -> jax.Array:
+    """Fixed [1, k] token ids for cost probes (the cost does not depend on them)."""
+    return (jnp.arange(k, dtype=jnp.int32)[None, :] * 7 + 3) % vocab_size
+
+
+def donated_step(model, params, k: int, ctx: int, capacity: int):
+    """A jitted, cache-donated k-token step (logits and the in-place cache write, as in the
+    generation loop) against a cache holding `ctx` tokens. Returns `call()`: one step, waited
+    for, after which the cache is rolled back to `ctx` for the next call (compiles on the first)."""
+    step = jax.jit(model.apply, donate_argnums=(2,))
+    tokens = probe_tokens(k, model.vocab_size)
+    # A fresh lengths array each time: the cache (lengths included) is donated to the step.
+    state = {"cache": model.init_cache(1, capacity).rollback(jnp.full((1,), ctx, jnp.int32))}
+
+    def call():
+        logits, cache = step(params, tokens, state["cache"])
+        jax.block_until_ready((logits, cache))
+        state["cache"] = cache.rollback(jnp.full((1,), ctx, jnp.int32))
+
+    return call
+
+
 def forward_cost(model, params, ks, ctx: int, capacity: int, iters: int, log: CompileLog) -> dict:
     """Median seconds of one jitted `model.apply` of k tokens against a cache of `capacity`
     slots holding `ctx` committed tokens, for each k. Only the logits are returned, so the
@@ -207,7 +229,7 @@ def forward_cost(model, params, ks, ctx: int, capacity: int, iters: int, log: Co
     fn = jax.jit(lambda p, t, c: model.apply(p, t, c)[0])
     out = {}
     for k in ks:
-        tokens = (jnp.arange(k, dtype=jnp.int32)[None, :] * 7 + 3) % model.vocab_size
+        tokens = probe_tokens(k, model.vocab_size)
         with log.section() as box:
             timed(fn, params, tokens, cache)
         times = _time_many(fn, (params, tokens, cache), iters)

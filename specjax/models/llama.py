@@ -163,8 +163,8 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     `specjax.models.kv_cache`); slot s of row b
     is visible iff ``s < lengths_B[b]``. New token t' is visible to query t iff t' <= t.
     Query t therefore sees exactly positions < lengths_B[b] + t + 1. The cache is only
-    read here (the new entries are written once, for all layers, after the layer loop),
-    which keeps the cache update a single in-place write. Returns [B, T, N*H].
+    read here; the caller writes the new entries afterwards (`write_kv`: per layer right after
+    this read, or once for all layers after a `lax.scan`), an in-place update when donated. Returns [B, T, N*H].
     """
     B, T, N, H = q_BTNH.shape
     K = k_new_BTKH.shape[2]
