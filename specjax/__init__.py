@@ -3,21 +3,19 @@
 Floors (a module imports only from floors below it):
 
     cli.py, build.py, experiments/      what users run
-    decoding/                           the jitted generation loops (engine)
+    decoding/                           the engine object and the one request path
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
     models/                             Llama-family decoder, KV cache, loaders, tokenizer
     sampling.py  analysis.py  sharding.py  specbench.py     primitives
 """
 
 from specjax import analysis, decoding, drafters, models, sampling, specbench, verify
-from specjax.decoding import (AdaptiveGamma, GenerationConfig, autoregressive_generate, speculative_generate,
-                              stream_generate)
+from specjax.decoding import AdaptiveGamma, Engine, EngineParams, GenerationConfig, Generator, make_batch
 from specjax.sampling import SamplingConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "analysis", "decoding", "drafters", "models", "sampling", "specbench", "verify",
-    "AdaptiveGamma", "GenerationConfig", "SamplingConfig", "autoregressive_generate",
-    "speculative_generate", "stream_generate",
+    "AdaptiveGamma", "Engine", "EngineParams", "GenerationConfig", "Generator", "SamplingConfig", "make_batch",
 ]

@@ -1,13 +1,11 @@
-"""From a config to the objects the engine runs: target, drafter, sampling, generation config."""
+"""From a config to the objects the engine runs: target, drafter, sampling, generation config,
+and the `specjax.decoding.Generator` that ties them to a tokenizer (the request path)."""
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
-from typing import Any
 
 from specjax import decoding, drafters, models, sampling
-from specjax.models.tokenizer import load_tokenizer
 
 
 # Distilled drafts shipped with the package, by target registry name (see experiments/distill).
@@ -24,15 +22,6 @@ def shipped_draft(target_name: str) -> pathlib.Path:
         raise FileNotFoundError(f"the shipped draft {d} is missing (reinstall the package, or produce it with "
                                 f"experiments/distill/run.py)")
     return d
-
-
-@dataclasses.dataclass
-class Pair:
-    target: Any
-    target_params: Any
-    drafter: Any
-    draft_params: Any
-    tokenizer: Any
 
 
 def enable_compilation_cache(directory: str) -> str | None:
@@ -52,8 +41,8 @@ def limit_heap_retention(mmap_threshold: int = 128 * 1024) -> bool:
     """glibc only: serve every allocation of at least `mmap_threshold` bytes with its own
     mapping, returned to the OS when freed. By default glibc raises that threshold after each
     large free, so the buffers freed while loading (dequantized tensors, per-layer splits) stay
-    in the heap for good; pinning it cut the peak resident memory of a generation process from
-    2.47x to 1.94x weights + KV cache (experiments/bench_speed/PROFILE.md). Call before loading.
+    in the heap for good; pinning it lowers the peak resident memory of a generation process
+    (measured in experiments/bench_speed/PROFILE.md). Call before loading.
     Returns whether it applied (False off Linux/glibc)."""
     import ctypes
     import sys
@@ -69,9 +58,8 @@ def limit_heap_retention(mmap_threshold: int = 128 * 1024) -> bool:
 
 # XLA CPU options the fast path relies on (experiments/bench_speed/PROFILE.md, "What an XLA
 # profile showed"): with XLA's default copy insertion every donated per-layer cache buffer that
-# a layer reads (attention) and then updates in place was copied, twice, on every decode step
-# (123 copies per token, 9.3 of 30.8 ms per token at 896 cache slots); the region analysis
-# proves the read precedes the write and drops them. Semantics are unchanged.
+# a layer reads (attention) and then updates in place was copied, twice, on every decode step;
+# the region analysis proves the read precedes the write and drops them. Semantics are unchanged.
 XLA_CPU_FLAGS = ("--xla_cpu_copy_insertion_use_region_analysis=true",)
 
 
@@ -151,10 +139,14 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
                                      eos_ids=tuple(eos_ids))
 
 
-def load_pair(c) -> Pair:
-    target, params = load_target(c.target, c.dtype, c.scan_layers, c.get("fuse_projections", False))
+def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
+    """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
+    engine of a generation config (`configs/generate.py`), as a `decoding.Generator`."""
+    target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
+                                                           fuse_projections=c.get("fuse_projections", False))
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)
-    tokenizer = load_tokenizer(c.target)
-    return Pair(target, params, drafter, dparams, tokenizer)
+    engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids))
+    return decoding.Generator(engine, decoding.EngineParams(target=params, draft=dparams), tokenizer,
+                              pad_multiple=pad_multiple)

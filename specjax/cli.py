@@ -20,49 +20,37 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
 
 
-def timed_stream(pair, prompt_BP, plens, keys, samp, gen, capacity, on_tokens=None, round_time_s=None):
-    """Run one streamed generation of row 0; returns (tokens, timing summary, final state)."""
+def stream_tokens(gen, batch, samp, on_tokens=None):
+    """Stream row 0 of one generation; returns (tokens, timing summary, GenerateOutput)."""
     from specjax import decoding
-    gen_iter = decoding.stream_generate(pair.target, pair.target_params, pair.drafter, pair.draft_params,
-                                        prompt_BP, plens, keys, samp, gen, round_time_s=round_time_s,
-                                        capacity=capacity)
     tokens, events = [], []
-    while True:
-        try:
-            ev = next(gen_iter)
-        except StopIteration as stop:
-            state = stop.value
-            break
+    for ev in gen.stream(batch, samp):
         events.append(ev)
         tokens.extend(ev.new_tokens[0])
         if on_tokens is not None:
             on_tokens(ev.new_tokens[0])
-    return tokens, decoding.timing_summary(events), state
+    return tokens, decoding.timing_summary(events), events[-1].output
 
 
 def generate_main(c) -> dict:
     import jax
     import numpy as np
 
-    from specjax import build, decoding
+    from specjax import build
 
     t0 = time.perf_counter()
-    pair = build.load_pair(c)
-    tok = pair.tokenizer
+    gen = build.load_generator(c)
+    tok = gen.tokenizer
     load_s = time.perf_counter() - t0
-    messages = ([{"role": "system", "content": c.system}] if c.system else []) + [
-        {"role": "user", "content": c.prompt}]
-    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    # Pad to a multiple of 64 and give target-only and speculative runs one capacity, so both
-    # attend over the same number of cache slots and nearby prompt lengths share programs.
-    prompt_BP, plens = decoding.pad_prompts([prompt_ids], pair.target.vocab_size, multiple=64)
-    keys = decoding.request_keys(jax.random.key(c.seed), [0])
+    # Prompts padded to a multiple of 64; target-only and speculative runs share one capacity,
+    # so both attend over the same number of cache slots.
+    prompt_ids = gen.encode(c.prompt, system=c.system)
+    batch = gen.batch([prompt_ids], jax.random.key(c.seed))
     samp = build.sampling_config(c)
-    gen = build.generation_config(c, tok.stop_token_ids)
-    capacity = max(decoding.capacity_for(np.asarray(plens), gen, multiple=64), prompt_BP.shape[1])
+    config = gen.config
 
-    print(f"[specjax] target {c.target} ({pair.target.config.num_layers} layers), drafter {c.drafter}, "
-          f"gamma {gen.gamma}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
+    print(f"[specjax] target {c.target} ({gen.engine.target.config.num_layers} layers), drafter {c.drafter}, "
+          f"gamma {config.gamma}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
           f"loaded in {load_s:.1f}s", file=sys.stderr)
     print(f"\n>>> {c.prompt}\n", flush=True)
     decoder = tok.incremental_decoder(skip_special_tokens=True)
@@ -72,31 +60,26 @@ def generate_main(c) -> dict:
         if piece:
             print(piece, end="", flush=True)
 
-    round_time_s = None
-    if isinstance(gen.gamma, decoding.AdaptiveGamma):
-        round_time_s = decoding.calibrate_round_times(pair.target, pair.target_params, pair.drafter,
-                                                      pair.draft_params, prompt_BP, plens, samp, gen, repeats=3,
-                                                      capacity=capacity)
+    if config.adaptive:
+        round_time_s = gen.calibrate(batch, samp, repeats=3)
         print("[specjax] calibrated round times (ms) per gamma "
-              + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(gen.gammas, round_time_s)), file=sys.stderr)
-    tokens, timing, state = timed_stream(pair, prompt_BP, plens, keys, samp, gen, capacity, show, round_time_s)
+              + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, round_time_s)), file=sys.stderr)
+    tokens, timing, out = stream_tokens(gen, batch, samp, show)
     spec_tps, spec_first_s = timing["tokens_per_s"], timing["ttft_s"]
     print(decoder.finish(), flush=True)
-    m = state.metrics
+    m = jax.device_get(out.metrics)
     rounds = int(np.asarray(m.rounds_B)[0])
     stats = {
-        "target": c.target, "drafter": c.drafter, "gamma": str(gen.gamma), "temperature": c.temperature,
+        "target": c.target, "drafter": c.drafter, "gamma": str(config.gamma), "temperature": c.temperature,
         "new_tokens": len(tokens), "tokens_per_s": spec_tps, "ttft_s_incl_compile": spec_first_s,
         "inter_token_s": timing["inter_token_s"],
         "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
-        "proposed": int(np.asarray(m.proposed_B)[0]), "accepted": int(np.asarray(m.accepted_B)[0]),
-        "degenerate_residuals": int(np.asarray(m.degenerate_residual_B)[0]),
-        "status": decoding.STATUS_NAMES[int(np.asarray(state.status_B)[0])],
+        "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
+        "degenerate_residuals": int(m.degenerate_residual_B[0]),
+        "status": out.statuses()[0],
     }
     if c.compare_target_only and c.drafter != "none":
-        base = build.Pair(pair.target, pair.target_params, None, None, tok)
-        base_gen = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=0, eos_ids=gen.eos_ids)
-        base_tokens, base_timing, _ = timed_stream(base, prompt_BP, plens, keys, samp, base_gen, capacity)
+        base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp)
         base_tps = base_timing["tokens_per_s"]
         stats["target_only_tokens_per_s"] = base_tps
         stats["speedup"] = spec_tps / base_tps

@@ -1,8 +1,7 @@
 """Logical axis names -> mesh axes, and helpers to place params / KV caches on a mesh.
 
-Params and caches carry *logical* axis names (see `specjax.models.param_logical_axes` and
-`specjax.models.kv_cache.logical_axes`; the NNX module stores the same names as each
-`nnx.Param`'s ``out_sharding`` metadata):
+Params and caches carry *logical* axis names (`specjax.models.param_logical_axes`, for the
+parameter layout of a model's config, and `specjax.models.kv_cache.logical_axes`):
 
     batch, sequence, layers, embed, heads, kv, head_dim, mlp, vocab
 
@@ -21,6 +20,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.models import param_logical_axes
+from specjax.models.kv_cache import logical_axes
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -84,29 +86,6 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules = DEFAULT_RULES,
     return PartitionSpec(*out)
 
 
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
-
-
-def params_logical_axes(config, params) -> Any:
-    """Logical axes matching ``params`` (stacked, or per-layer as from `unstack_layers`)."""
-    from specjax.models.llama import as_pure_params, param_logical_axes
-    axes = param_logical_axes(config)
-    p = as_pure_params(params)
-    # Fused projections (`fuse_projections`) take the axes of their first part: the fused output
-    # axis is split like heads / mlp (correct under any split; XLA reshards the q|k|v slices).
-    layer_axes = dict(axes["layers"])
-    for fused, first in (("wqkv", "wq"), ("bqkv", "bq"), ("w_gate_up", "w_gate")):
-        if first in layer_axes:
-            layer_axes[fused] = layer_axes[first]
-    sample = p["layers"][0] if isinstance(p["layers"], (list, tuple)) else p["layers"]
-    layer_axes = {k: layer_axes[k] for k in sample}
-    if isinstance(p["layers"], (list, tuple)):
-        per_layer = jax.tree.map(lambda a: a[1:], layer_axes, is_leaf=_is_axes)
-        return {**axes, "layers": type(p["layers"])(per_layer for _ in p["layers"])}
-    return {**axes, "layers": layer_axes}
-
-
 def shardings_for(tree, axes_tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """NamedShardings for every array leaf of ``tree`` given a parallel tree of axis names."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -116,15 +95,13 @@ def shardings_for(tree, axes_tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     return jax.tree.unflatten(treedef, out)
 
 
-def shard_params(params, config, mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """Place params on ``mesh`` following the logical-axis rules."""
-    from specjax.models.llama import as_pure_params
-    config = getattr(config, "config", config)
-    p = as_pure_params(params)
-    return jax.device_put(p, shardings_for(p, params_logical_axes(config, p), mesh, rules))
+def shard_params(params, model_or_config, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Place params (in the layout of the model's config, see `Llama.prepare_params`) on
+    ``mesh`` following the logical-axis rules."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return jax.device_put(params, shardings_for(params, param_logical_axes(config), mesh, rules))
 
 
 def shard_cache(cache, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Place a `KVCache` on ``mesh`` (batch on "data", kv heads on "model" by default)."""
-    from specjax.models.kv_cache import logical_axes
     return jax.device_put(cache, shardings_for(cache, logical_axes(cache), mesh, rules))

@@ -1,4 +1,4 @@
-"""Run an experiments/ benchmark module end to end on CPU in a subprocess (CI smoke tests)."""
+"""Run an experiments/ entry point end to end on CPU in a subprocess (CI smoke tests)."""
 import json
 import os
 import pathlib
@@ -9,12 +9,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records_file: str = "results.jsonl"):
-    """(out, JSONL records of out/records_file, stdout) of ``python -m module *args --out out``,
-    compiled fast."""
+    """(out, JSONL records of out/records_file, stdout) of ``python -m module *args --config.out=out``,
+    compiled fast (XLA's backend optimisation turned down: the numbers of these runs mean nothing)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", module, *args, f"--config.out={out}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = [json.loads(line) for line in (out / records_file).read_text().splitlines() if line.strip()]

@@ -24,6 +24,10 @@ class ToyCache:
     def rollback(self, lengths_B):
         return self.replace(lengths_B=lengths_B)
 
+    def truncate(self, max_lengths_B):
+        """Keep at most max_lengths_B entries per row (like `KVCache.truncate`: lengths only)."""
+        return self.replace(lengths_B=jnp.minimum(self.lengths_B, jnp.asarray(max_lengths_B, jnp.int32)))
+
 
 @dataclasses.dataclass(frozen=True)
 class TabularModel:

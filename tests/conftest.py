@@ -1,11 +1,9 @@
-"""Shared test setup: CPU only, derandomized hypothesis, and paths to shared data."""
+"""Shared test setup: CPU only, the main command's XLA options, derandomized hypothesis."""
 import os
-import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
-import pytest  # noqa: E402
 
 from specjax import build  # noqa: E402
 
@@ -17,13 +15,3 @@ hypothesis.settings.register_profile(
     "ci", derandomize=True, deadline=None, max_examples=60, print_blob=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile("ci")
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SPEC_BENCH = REPO.parent / "shared" / "data" / "spec_bench_question.jsonl"
-
-
-@pytest.fixture(scope="session")
-def spec_bench_path():
-    if not SPEC_BENCH.is_file():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {SPEC_BENCH}")
-    return SPEC_BENCH

@@ -38,3 +38,15 @@ def test_tune_xla_cpu_adds_missing_flags_before_the_backend_starts():
     assert applied == "True" and after_start == "False"
     # a flag the user set keeps the user's value; the missing one is added
     assert flags == "--xla_cpu_copy_insertion_use_region_analysis=false --xla_cpu_enable_fast_math=false"
+
+
+def test_importing_specjax_starts_no_backend():
+    """XLA reads its flags when the first backend starts: `tune_xla_cpu` works only if importing
+    the package (every floor, the CLI included) creates no device array."""
+    import subprocess
+    import sys
+    code = ("import specjax, specjax.build, specjax.cli, specjax.distill\n"
+            "from jax._src import xla_bridge\n"
+            "print(xla_bridge.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

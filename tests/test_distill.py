@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from specjax import decoding, distill, models, sampling
-from specjax.distill import _data
 from specjax.drafters import ModelDrafter
 from specjax.models.draft_artifact import load_draft, save_draft
 from specjax.models.reduced_head import reduce_head
@@ -122,7 +121,7 @@ def test_batch_plan_is_deterministic_and_masks_the_continuation(toy_pair):
     data = toy_pair["data"]
     a = distill.BatchPlan(data, seed=3, tokens_per_batch=256, widths=(32, 64))
     b = distill.BatchPlan(data, seed=3, tokens_per_batch=256, widths=(32, 64))
-    n_epoch = len(a._epoch(0))
+    n_epoch = a.batches_per_epoch
     for i in (0, 1, n_epoch - 1, n_epoch, n_epoch + 2):   # also into the second epoch
         x, y = a.batch(i), b.batch(i)
         for k in x:
@@ -215,23 +214,29 @@ def test_reduced_head_is_zero_off_the_head_and_exact_on_it(toy_pair):
     assert (q[..., off] == 0).all() and np.allclose(q.sum(-1), 1.0, atol=1e-6)
 
 
+def _target_only_and_speculative(target, tparams, drafter, dparams, prompts, max_new, gamma, samp):
+    """(target-only output, speculative output) of the engine on the same batch and keys."""
+    outs = []
+    for d, g in ((None, 0), (drafter, gamma)):
+        config = decoding.GenerationConfig(max_new_tokens=max_new, gamma=g)
+        batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=64,
+                                    capacity=max(map(len, prompts)) + max_new + gamma + 1)
+        outs.append(decoding.Engine(target, d, config).run(decoding.EngineParams(tparams, dparams), samp, batch))
+    return outs
+
+
 def test_reduced_head_draft_in_the_engine_greedy_equals_target_only(toy_pair):
     target, tparams = toy_pair["target"], toy_pair["params"]
     ids = np.sort(np.random.default_rng(2).choice(64, 24, replace=False))
     choice = distill.DraftChoice(layers=(0, 2), head_vocab=24)
     draft, dparams = distill.build_draft(choice, target, tparams, key=jax.random.key(0), head_ids=ids)
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [11]]
-    P, L = decoding.pad_prompts(prompts, 64)
-    keys = decoding.request_keys(jax.random.key(0), range(3))
     greedy = sampling.SamplingConfig.greedy_config()
-    ref = decoding.autoregressive_generate(target, tparams, P, L, keys, greedy, 24)
-    spec = decoding.speculative_generate(target, tparams, ModelDrafter(draft), dparams, P, L, keys, greedy,
-                                         decoding.GenerationConfig(max_new_tokens=24, gamma=3))
+    ref, spec = _target_only_and_speculative(target, tparams, ModelDrafter(draft), dparams, prompts, 24, 3, greedy)
     assert ref.generated() == spec.generated()
     # And at temperature 1 the draft's q is a distribution over the head only.
     t1 = sampling.SamplingConfig.make(temperature=1.0)
-    out = decoding.speculative_generate(target, tparams, ModelDrafter(draft), dparams, P, L, keys, t1,
-                                        decoding.GenerationConfig(max_new_tokens=24, gamma=3))
+    _, out = _target_only_and_speculative(target, tparams, ModelDrafter(draft), dparams, prompts, 24, 3, t1)
     assert int(out.metrics.summary()["invalid_draft_rounds"]) == 0
 
 
@@ -242,13 +247,9 @@ def test_greedy_accepted_per_pass_matches_the_engine(toy_pair):
     choice = distill.DraftChoice(layers=(0,))
     draft, dparams = distill.build_draft(choice, target, tparams, key=jax.random.key(0))
     prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 31, 32, 33, 34, 35, 36]]
-    P, L = decoding.pad_prompts(prompts, 64)
-    keys = decoding.request_keys(jax.random.key(0), range(3))
     greedy = sampling.SamplingConfig.greedy_config()
     N, gamma = 40, 3
-    ref = decoding.autoregressive_generate(target, tparams, P, L, keys, greedy, N)
-    spec = decoding.speculative_generate(target, tparams, ModelDrafter(draft), dparams, P, L, keys, greedy,
-                                         decoding.GenerationConfig(max_new_tokens=N, gamma=gamma))
+    ref, spec = _target_only_and_speculative(target, tparams, ModelDrafter(draft), dparams, prompts, N, gamma, greedy)
     m = jax.device_get(spec.metrics)
     for b, (p, gen) in enumerate(zip(prompts, ref.generated())):
         seq = np.asarray(p + gen)
@@ -360,7 +361,7 @@ def test_on_policy_mixture_run(toy_pair, tmp_path):
     # and the teacher states are the target's.
     prompts = {tuple(t[:p].tolist()) for t, p in zip(toy_pair["data"].seqs.tokens, toy_pair["data"].seqs.prompt_lengths)}
     d0 = sorted((tmp_path / "work" / "onpolicy").iterdir())[0]
-    data = _data.TeacherData.load(d0, 64)
+    data = distill.TeacherData.load(d0, 64)
     assert len(data.seqs) == 6
     for t, p in zip(data.seqs.tokens, data.seqs.prompt_lengths):
         assert tuple(t[:p].tolist()) in prompts and len(t) - p <= 10

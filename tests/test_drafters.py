@@ -12,7 +12,8 @@ def _ngram(tokens, length, gamma=3, max_ngram=3, min_ngram=1):
     d = drafters.NGramDrafter(vocab_size=50, max_ngram=max_ngram, min_ngram=min_ngram)
     buf = jnp.asarray([tokens + [0] * 8], jnp.int32)
     lens = jnp.asarray([length], jnp.int32)
-    toks, q, _ = d.propose(None, d.init(None, buf, lens, 0), buf, lens, None, gamma, None)
+    context = drafters.DraftContext(tokens_BL=buf, lengths_B=lens, target_cache=None)
+    toks, q, _ = d.propose(None, d.init(None, buf, lens, 0), context, None, gamma, None)
     return np.asarray(toks)[0].tolist(), np.asarray(q), int(d.match_end(buf, lens)[0])
 
 
@@ -40,6 +41,15 @@ def test_ngram_ignores_tokens_past_the_committed_length():
     assert end == -1
 
 
+GREEDY = sampling.SamplingConfig.make(0.0)
+
+
+def _generate(model, params, drafter, draft_params, prompts, config):
+    batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=model.vocab_size)
+    engine = decoding.Engine(model, drafter, config)
+    return engine.run(decoding.EngineParams(target=params, draft=draft_params), GREEDY, batch)
+
+
 @pytest.fixture(scope="module")
 def llama():
     cfg = models.ModelConfig(vocab_size=97, hidden_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -54,13 +64,9 @@ def llama():
 def test_early_exit_greedy_equals_target_only(llama, kind):
     model, params = llama
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15], [20]]
-    pr, pl = decoding.pad_prompts(prompts, model.vocab_size)
-    keys = decoding.request_keys(jax.random.key(0), range(4))
-    greedy = sampling.SamplingConfig.make(0.0)
-    ref = decoding.autoregressive_generate(model, params, pr, pl, keys, greedy, 20)
+    ref = _generate(model, params, None, None, prompts, decoding.GenerationConfig(20, gamma=0))
     d, dp = build.make_drafter(kind, model, params, early_exit_layers=2)
-    out = decoding.speculative_generate(model, params, d, dp, pr, pl, keys, greedy,
-                                        decoding.GenerationConfig(20, gamma=3))
+    out = _generate(model, params, d, dp, prompts, decoding.GenerationConfig(20, gamma=3))
     assert out.generated() == ref.generated()
     acc, prop = int(out.metrics.accepted_B.sum()), int(out.metrics.proposed_B.sum())
     full = int(out.metrics.accepted_at_BG[:, -1].sum())
@@ -72,14 +78,11 @@ def test_shared_cache_early_exit_matches_own_cache_draft(llama):
     """The shared-cache draft sees the same context as a separately cached copy of the same
     layers: their greedy proposals, hence acceptance counts, agree."""
     model, params = llama
-    pr, pl = decoding.pad_prompts([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], model.vocab_size)
-    keys = decoding.request_keys(jax.random.key(0), range(2))
-    greedy = sampling.SamplingConfig.make(0.0)
     outs = []
     for kind in ("early_exit", "early_exit_own_cache"):
         d, dp = build.make_drafter(kind, model, params, early_exit_layers=2)
-        outs.append(decoding.speculative_generate(model, params, d, dp, pr, pl, keys, greedy,
-                                                  decoding.GenerationConfig(16, gamma=2)))
+        outs.append(_generate(model, params, d, dp, [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]],
+                              decoding.GenerationConfig(16, gamma=2)))
     assert outs[0].generated() == outs[1].generated()
     np.testing.assert_array_equal(outs[0].metrics.accepted_at_BG, outs[1].metrics.accepted_at_BG)
 
@@ -90,3 +93,38 @@ def test_early_exit_rejects_bad_depth(llama):
         drafters.EarlyExitDrafter.from_target(model, params, 0)
     with pytest.raises(ValueError):
         drafters.EarlyExitDrafter.from_target(model, params, 5)
+
+
+def test_early_exit_drafts_from_the_target_cache_in_its_context(llama):
+    """The early-exit drafter keeps no cache: it reads the target's cache from the
+    `DraftContext` it is handed. Its greedy proposals on the prefilled target cache equal a
+    cache-free greedy rollout of the truncated model on the committed tokens; handed another
+    prompt's cache with the same tokens, it proposes something else (it did read the cache)."""
+    model, params = llama
+    d, dp = drafters.EarlyExitDrafter.from_target(model, params, 2)
+    config = decoding.GenerationConfig(8, gamma=3)
+    engine = decoding.Engine(model, d, config)
+    ep = decoding.EngineParams(target=params, draft=dp)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=model.vocab_size)
+    state = engine.init(ep, batch)
+
+    @jax.jit
+    def propose(target_cache):
+        context = drafters.DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
+                                        target_cache=target_cache)
+        return d.propose(dp, state.draft_state, context, batch.key_B, 3, GREEDY)[0]
+
+    # cache-free reference: one causal forward over right-padded rows per drafted token
+    forward = jax.jit(lambda p, t: d.model.apply(p, t, None)[0])
+    seqs = [list(p) for p in prompts]
+    width = max(len(p) for p in prompts) + 3      # one shape for all three forwards
+    for _ in range(3):
+        logits = forward(dp, jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32))
+        for b, s in enumerate(seqs):
+            s.append(int(jnp.argmax(logits[b, len(s) - 1])))
+    got = np.asarray(propose(state.target_cache)).tolist()
+    assert got == [s[len(p):] for s, p in zip(seqs, prompts)]
+    other = engine.init(ep, decoding.make_batch([[40, 41, 42, 43, 44, 45, 46, 47], [50, 51, 52, 53]], config,
+                                                 jax.random.key(0), vocab_size=model.vocab_size))
+    assert np.asarray(propose(other.target_cache)).tolist() != got

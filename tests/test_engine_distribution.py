@@ -1,11 +1,11 @@
-"""End-to-end distribution exactness of `speculative_generate` (chi-square, Bonferroni).
+"""End-to-end distribution exactness of `Engine.run` (chi-square, Bonferroni).
 
 Setup: V = 3, a peaked prefix-dependent `TabularModel` target and a perturbed draft table
 (per-token rejection rate ~0.2-0.6; ~0.8 for the n-gram drafter). Every configuration generates N = 6 new tokens (N >
 gamma + 1, so every sequence spans several rounds, including the catch-up round after a fully
-accepted one) for B = 40 000 independent rows (one key per row via `request_keys`, all rows
-share the prompt), in ONE batched call. The empirical law of the whole N-token continuation
-(3^6 = 729 cells) is compared with the exact target-only law (`sequence_probs` with
+accepted one) for B = 40 000 independent rows (one key per row: `make_batch` folds request ids
+0..B-1 into the seed; all rows share the prompt), in ONE batched call. The empirical law of the
+whole N-token continuation (3^6 = 729 cells) is compared with the exact target-only law (`sequence_probs` with
 `sampling.probabilities` under the same `SamplingConfig`) by a chi-square goodness-of-fit test
 (cells with expected count < 5 are pooled; cells of exact probability 0 must stay empty).
 
@@ -68,12 +68,14 @@ class NoCatchUpDrafter(drafters.ModelDrafter):
     """BROKEN (draft side): ingests only the last committed token, never the 2 unseen tokens
     left after a fully accepted round (it writes tokens[L-1] at the cache slot of L-2)."""
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
         seen_B = state.cache.lengths_B
         last_B = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)[:, 0]
         rows = jnp.arange(tokens_BL.shape[0])
         fake_BL = tokens_BL.at[rows, seen_B].set(last_B)
-        return super().propose(params, state, fake_BL, seen_B + 1, key_B, gamma, cfg)
+        return super().propose(params, state, context.replace(tokens_BL=fake_BL, lengths_B=seen_B + 1),
+                               key_B, gamma, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +88,13 @@ class MisreportingDrafter(drafters.ModelDrafter):
     """
     mode: str = "temperature"
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+    def propose(self, params, state, context, key_B, gamma, cfg):
         if self.mode == "temperature":
             cfg_half = cfg.replace(temperature=cfg.temperature / 2)
-            toks, q_sampled, st = super().propose(params, state, tokens_BL, lengths_B, key_B, gamma, cfg_half)
+            toks, q_sampled, st = super().propose(params, state, context, key_B, gamma, cfg_half)
             q_rep = jnp.sqrt(q_sampled)
         else:
-            toks, q_sampled, st = super().propose(params, state, tokens_BL, lengths_B, key_B, gamma, cfg)
+            toks, q_sampled, st = super().propose(params, state, context, key_B, gamma, cfg)
             q_rep = q_sampled ** 2
         return toks, q_rep / q_rep.sum(-1, keepdims=True), st
 
@@ -102,6 +104,10 @@ class PtrCache:
     hist_BS: jax.Array
     lengths_B: jax.Array
     ptr_B: jax.Array     # where the model really writes; the engine only rolls back lengths_B
+
+    def truncate(self, max_lengths_B):
+        """The engine's rollback: lengths only, the write pointer stays (the bug)."""
+        return self.replace(lengths_B=jnp.minimum(self.lengths_B, max_lengths_B))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +166,16 @@ PER_TEST_ALPHA = FAMILY_WISE_ALPHA / FAMILY_SIZE
 def setup():
     target_table = random_table(jax.random.key(10), V, peak=2.0)
     draft_table = target_table + random_table(jax.random.key(11), V, peak=1.0)
-    prompt_BP, plen_B = decoding.pad_prompts([list(PROMPT)] * BATCH, V)
-    keys_B = decoding.request_keys(jax.random.key(2024), np.arange(BATCH))
-    return dict(target_table=target_table, draft_table=draft_table, prompt_BP=prompt_BP,
-                plen_B=plen_B, keys_B=keys_B, runs={})
+    return dict(target_table=target_table, draft_table=draft_table, batches={}, runs={})
+
+
+def _batch(setup, config):
+    """BATCH copies of PROMPT, request ids 0..BATCH-1 (one key each), default capacity for `config`."""
+    capacity = config.slots_needed(len(PROMPT))
+    if capacity not in setup["batches"]:
+        setup["batches"][capacity] = decoding.make_batch([list(PROMPT)] * BATCH, config, jax.random.key(2024),
+                                                         vocab_size=V)
+    return setup["batches"][capacity]
 
 
 def _run(setup, name, case):
@@ -173,10 +185,10 @@ def _run(setup, name, case):
     samp_kw, gen_cfg, kind = case
     cfg = sampling.SamplingConfig.make(**samp_kw)
     tt, dt = setup["target_table"], setup["draft_table"]
-    args = (setup["prompt_BP"], setup["plen_B"], setup["keys_B"], cfg)
     target = TabularModel(V)
     if gen_cfg is None:
-        out = decoding.autoregressive_generate(target, tt, *args, N_NEW)
+        gen_cfg = decoding.GenerationConfig(max_new_tokens=N_NEW, gamma=0)
+        drafter, draft_params = None, None
     else:
         draft_params = dt
         if kind == "model":
@@ -195,7 +207,8 @@ def _run(setup, name, case):
             drafter, target = drafters.ModelDrafter(TabularModel(V)), NoRollbackTarget(V)
         else:
             raise AssertionError(kind)
-        out = decoding.speculative_generate(target, tt, drafter, draft_params, *args, gen_cfg)
+    engine = decoding.Engine(target, drafter, gen_cfg)
+    out = engine.run(decoding.EngineParams(target=tt, draft=draft_params), cfg, _batch(setup, gen_cfg))
     lengths = np.asarray(out.lengths_B)
     assert (lengths == len(PROMPT) + N_NEW).all(), "every row must generate exactly N_NEW tokens"
     assert (np.asarray(out.status_B) == decoding.MAX_TOKENS).all()

@@ -1,4 +1,4 @@
-"""Edge cases of the generation loop, checked round by round through `init_state` / `step`.
+"""Edge cases of the generation loop, checked round by round through `Engine.init` / `Engine.step`.
 
 After every round, for every row still running:
   * the committed tokens are the target-only (greedy) reference prefix, PAD after `lengths`;
@@ -18,8 +18,11 @@ position i, `script[b, i]`: the greedy reference with chosen positions "poisoned
 which forces rejections exactly where wanted.
 
 Also: gamma = 0, EOS inside an accepted block, max_new_tokens mid-block, NaN rows,
-determinism / batch invariance / key dependence at temperature 1, host-side errors, and the
-trace count (one compilation per static configuration).
+determinism / batch invariance / key dependence at temperature 1, host-side errors, the
+trace count (one compilation per static configuration), `Engine.stream` and `Engine.step`
+driven by hand against `Engine.run` (same tokens, statuses and metrics; the stream copies only
+each round's `Commit` to the host), and a drafter that reads the target's cache through its
+`DraftContext` (the early-exit pattern).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import pytest
 from flax import struct
 
 from specjax import decoding, drafters, models, sampling
-from specjax.drafters import rollback_to_committed
 
 from _toy import TabularModel, random_table
 
@@ -48,6 +50,18 @@ TARGET = TabularModel(V)
 CFG = decoding.GenerationConfig(MAX_NEW, gamma=GAMMA)
 CFG_EOS = decoding.GenerationConfig(MAX_NEW, gamma=GAMMA, eos_ids=(6,))
 CFG_G0 = decoding.GenerationConfig(MAX_NEW, gamma=0)
+KEY0 = jax.random.key(0)
+
+
+def batch_for(config, prompts=PROMPTS, key=KEY0, **kw):
+    return decoding.make_batch(prompts, config, key, vocab_size=V, **kw)
+
+
+def run_engine(table, config, drafter=None, draft_params=None, prompts=PROMPTS, sampling_cfg=GREEDY, key=KEY0,
+               round_time_s=None, **batch_kw):
+    engine = decoding.Engine(TARGET, drafter, config)
+    return engine.run(decoding.EngineParams(target=table, draft=draft_params), sampling_cfg,
+                      batch_for(config, prompts, key, **batch_kw), round_time_s=round_time_s)
 
 
 def progression_table(seed=0, margin=6.0):
@@ -96,7 +110,11 @@ class ScriptedDrafter:
         _, cache = self._model().apply(params["table"], prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
         return ScriptState(cache)
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+    def forward_passes(self, gamma):
+        return 1     # one (gamma+1)-token forward of its toy model
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
         script = params["script"]
         last_B = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
         idx_BG = jnp.clip(lengths_B[:, None] + jnp.arange(gamma)[None], 0, script.shape[1] - 1)
@@ -105,7 +123,7 @@ class ScriptedDrafter:
         return draft_BG, jax.nn.one_hot(draft_BG, self.vocab_size, dtype=jnp.float32), ScriptState(cache)
 
     def commit(self, state, new_lengths_B):
-        return ScriptState(rollback_to_committed(state.cache, new_lengths_B))
+        return ScriptState(state.cache.truncate(new_lengths_B - 1))
 
 
 def make_script(refs, poison, width):
@@ -138,39 +156,46 @@ class Snap:
     next_fresh: np.ndarray      # the same recomputed without a cache on the committed prefix
 
 
+def _np(x):
+    """A host copy (the state's buffers are donated to the next `Engine.step`)."""
+    return np.array(x, copy=True)
+
+
 def _snap(state, table):
-    tokens = np.asarray(state.tokens_BL)
-    lengths = np.asarray(state.lengths_B)
+    tokens = _np(state.tokens_BL)
+    lengths = _np(state.lengths_B)
     last = jnp.take_along_axis(state.tokens_BL, (state.lengths_B - 1)[:, None], axis=1)
-    cached = np.asarray(TARGET.apply(table, last, state.target_cache)[0][:, 0])
+    cached = _np(TARGET.apply(table, last, state.target_cache)[0][:, 0])
     fresh = np.stack([np.asarray(TARGET.apply(table, jnp.asarray(tokens[b:b + 1, :lengths[b]]), None)[0][0, -1])
                       for b in range(tokens.shape[0])])
     cache = getattr(state.draft_state, "cache", None)
-    return Snap(tokens=tokens, lengths=lengths, done=np.asarray(state.done_B), status=np.asarray(state.status_B),
-                t_len=np.asarray(state.target_cache.lengths_B), t_hist=np.asarray(state.target_cache.hist_BS),
-                d_len=None if cache is None else np.asarray(cache.lengths_B),
-                d_hist=None if cache is None else np.asarray(cache.hist_BS),
-                accepted=np.asarray(state.metrics.accepted_B), proposed=np.asarray(state.metrics.proposed_B),
-                committed=np.asarray(state.metrics.committed_B),
-                gamma_rounds=np.asarray(state.metrics.gamma_rounds_K),
+    return Snap(tokens=tokens, lengths=lengths, done=_np(state.done_B), status=_np(state.status_B),
+                t_len=_np(state.target_cache.lengths_B), t_hist=_np(state.target_cache.hist_BS),
+                d_len=None if cache is None else _np(cache.lengths_B),
+                d_hist=None if cache is None else _np(cache.hist_BS),
+                accepted=_np(state.metrics.accepted_B), proposed=_np(state.metrics.proposed_B),
+                committed=_np(state.metrics.committed_B),
+                gamma_rounds=_np(state.metrics.gamma_rounds_K),
                 next_cached=cached, next_fresh=fresh)
 
 
 def run_rounds(table, config, drafter=None, draft_params=None, prompts=PROMPTS, sampling_cfg=GREEDY,
-               key=jax.random.key(0), round_time_K=None):
-    prompt_BP, plen = decoding.pad_prompts(prompts, V)
-    keys = decoding.request_keys(key, np.arange(len(prompts)))
-    cap = decoding.capacity_for(np.asarray(plen), config)
-    state = decoding.init_state(TARGET, table, drafter, draft_params, config, prompt_BP, plen, keys, cap)
-    if round_time_K is None:
-        round_time_K = jnp.ones((len(config.gammas),), jnp.float32)
+               key=KEY0, round_time_s=None, extra_snap=None):
+    """Drive `Engine.step` by hand; a snapshot after prefill and after every round."""
+    engine = decoding.Engine(TARGET, drafter, config)
+    params = decoding.EngineParams(target=table, draft=draft_params)
+    if round_time_s is None:
+        round_time_s = [1.0] * len(config.gammas)
+    state = engine.init(params, batch_for(config, prompts, key), round_time_s=round_time_s)
     snaps = [_snap(state, table)]
+    extras = [None if extra_snap is None else extra_snap(state)]
     for _ in range(config.max_rounds or config.max_new_tokens):
-        state = decoding.step(TARGET, table, drafter, draft_params, config, sampling_cfg, round_time_K, state)
+        state, _ = engine.step(params, sampling_cfg, state)
         snaps.append(_snap(state, table))
+        extras.append(None if extra_snap is None else extra_snap(state))
         if snaps[-1].done.all():
             break
-    return snaps
+    return snaps if extra_snap is None else (snaps, extras)
 
 
 def check_invariants(snaps, plens, refs, draft_exact=True):
@@ -216,17 +241,13 @@ def env():
     table = progression_table()
     refs = [greedy_reference(table, p, MAX_NEW + GAMMA + 2) for p in PROMPTS]
     plens = [len(p) for p in PROMPTS]
-    width = decoding.capacity_for(plens, CFG) + GAMMA
-    prompt_BP, plen_B = decoding.pad_prompts(PROMPTS, V)
-    keys = decoding.request_keys(jax.random.key(0), np.arange(len(PROMPTS)))
+    width = CFG.slots_needed(P) + GAMMA
 
     def ar(tab, eos_ids=()):
-        return decoding.autoregressive_generate(TARGET, tab, prompt_BP, plen_B, keys, GREEDY, MAX_NEW,
-                                                eos_ids=eos_ids)
+        return run_engine(tab, decoding.GenerationConfig(MAX_NEW, gamma=0, eos_ids=eos_ids))
 
     def spec(tab, drafter, draft_params, config):
-        return decoding.speculative_generate(TARGET, tab, drafter, draft_params, prompt_BP, plen_B, keys,
-                                             GREEDY, config)
+        return run_engine(tab, config, drafter, draft_params)
 
     return dict(table=table, refs=refs, plens=plens, width=width, ar=ar, spec=spec)
 
@@ -424,7 +445,7 @@ def test_model_drafter_cache_follows_committed_prefix(env, gamma):
     config = decoding.GenerationConfig(MAX_NEW, gamma=gamma)
     rt = None if isinstance(gamma, int) else jnp.asarray([1.0, 1.9, 2.8, 4.6], jnp.float32)
     drafter = drafters.ModelDrafter(TabularModel(V))
-    snaps = run_rounds(env["table"], config, drafter, env["table"], round_time_K=rt)
+    snaps = run_rounds(env["table"], config, drafter, env["table"], round_time_s=rt)
     check_invariants(snaps, env["plens"], env["refs"], draft_exact=False)
     ran = [config.gammas[int(np.argmax(s.gamma_rounds - prev.gamma_rounds))]
            for prev, s in zip(snaps, snaps[1:])]
@@ -461,9 +482,8 @@ def sampled():
     prompts = {0: [3, 4], 1: [2, 5], 2: [1, 6, 3], 3: [7], 10: [5, 5, 5], 11: [0]}
 
     def run(ids, key=jax.random.key(42)):
-        prompt_BP, plen = decoding.pad_prompts([prompts.get(i, prompts[2]) for i in ids], V)
-        keys = decoding.request_keys(key, ids)
-        out = decoding.speculative_generate(TARGET, table, drafter, draft, prompt_BP, plen, keys, cfg, config)
+        out = run_engine(table, config, drafter, draft, [prompts.get(i, prompts[2]) for i in ids], cfg, key,
+                         request_ids=ids)
         return out.generated(), out
     return run
 
@@ -493,41 +513,244 @@ def test_different_keys_different_samples(sampled):
     assert base != other_key
 
 
+# ----------------------------------------------------------------------------- stream and step vs run
+
+@pytest.fixture(scope="module", params=["greedy_adaptive", "sampled_g3"])
+def pair(request, env):
+    """(engine, params, sampling, batch, round_time_s): greedy with adaptive gamma (gamma-0
+    rounds, then positive ones, a draft that is often rejected), and temperature 1 with gamma 3
+    (the `sampled` configuration, so its `run` program is shared)."""
+    drafter = drafters.ModelDrafter(TabularModel(V))
+    if request.param == "greedy_adaptive":
+        config = decoding.GenerationConfig(MAX_NEW, gamma=ADAPTIVE)
+        params = decoding.EngineParams(target=env["table"], draft=random_table(jax.random.key(7), V, peak=2.0))
+        return (decoding.Engine(TARGET, drafter, config), params, GREEDY, batch_for(config),
+                (1.0, 1.9, 2.8, 4.6))
+    config = decoding.GenerationConfig(MAX_NEW, gamma=3)
+    params = decoding.EngineParams(target=progression_table(seed=3, margin=1.0),
+                                   draft=random_table(jax.random.key(4), V, peak=1.5))
+    return (decoding.Engine(TARGET, drafter, config), params, sampling.SamplingConfig.make(1.0),
+            batch_for(config, key=jax.random.key(42)), None)
+
+
+def _assert_same_output(a, b):
+    np.testing.assert_array_equal(np.asarray(a.tokens_BL), np.asarray(b.tokens_BL))
+    for name in ("lengths_B", "prompt_lengths_B", "status_B"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+    for name, x, y in zip(a.metrics.__dataclass_fields__, jax.tree.leaves(a.metrics), jax.tree.leaves(b.metrics)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"metrics.{name}")
+
+
+def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
+    """Same keys, same tokens: the concatenated per-round tokens are `run`'s continuation, the
+    last event carries `run`'s output, and the only host copies are the rounds' `Commit`s."""
+    engine, params, samp, batch, rt = pair
+    ref = engine.run(params, samp, batch, round_time_s=rt)
+    if engine.config.adaptive:
+        k = np.asarray(ref.metrics.gamma_rounds_K)
+        assert k[0] >= 1 and k[1:].sum() >= 1, "precondition: gamma-0 and drafting rounds"
+    assert 0 < int(ref.metrics.accepted_B.sum()) < int(ref.metrics.proposed_B.sum()), "precondition: rejections"
+    copied = []
+    real_device_get = jax.device_get
+
+    def spy(x):
+        copied.append(x)
+        return real_device_get(x)
+
+    monkeypatch.setattr(jax, "device_get", spy)
+    events = list(engine.stream(params, samp, batch, round_time_s=rt))
+    monkeypatch.undo()
+    assert [e.round for e in events] == list(range(1, len(events) + 1))
+    assert all(e.output is None for e in events[:-1]) and events[-1].output is not None
+    assert all(events[-1].done) and not all(events[-2].done)
+    assert int(ref.metrics.rounds_B.max()) == len(events)
+    streamed = [sum((e.new_tokens[b] for e in events), []) for b in range(len(PROMPTS))]
+    assert streamed == ref.generated()
+    assert [decoding.timing_summary(events, row=b)["tokens"] for b in range(len(PROMPTS))] == \
+        [len(g) for g in ref.generated()]
+    _assert_same_output(events[-1].output, ref)
+    # a row's events stop growing once it is done
+    for b in range(len(PROMPTS)):
+        first_done = next(i for i, e in enumerate(events) if e.done[b])
+        assert all(e.new_tokens[b] == [] for e in events[first_done + 1:])
+    # one host copy per round, and it is the round's Commit (never the token buffer or the state)
+    assert len(copied) == len(events)
+    assert all(isinstance(c, decoding.Commit) for c in copied)
+    K = engine.config.max_gamma + 1
+    assert all(c.tokens_BK.shape == (len(PROMPTS), K) for c in copied)
+
+
+def test_step_by_hand_equals_run(pair):
+    """`init` + `step` (state donated) until every row is done gives `run`'s output, and each
+    round's `Commit` describes exactly what the round wrote."""
+    engine, params, samp, batch, rt = pair
+    ref = engine.run(params, samp, batch, round_time_s=rt)
+    state = engine.init(params, batch, round_time_s=rt)
+    tokens = np.array(state.tokens_BL, copy=True)
+    lengths = np.array(state.lengths_B, copy=True)
+    K = engine.config.max_gamma + 1
+    rounds = 0
+    while not np.asarray(state.done_B).all():
+        assert rounds < MAX_NEW, "every round commits at least one token per running row"
+        state, commit = engine.step(params, samp, state)
+        rounds += 1
+        c = jax.device_get(commit)
+        new_tokens = np.array(state.tokens_BL, copy=True)
+        new_lengths = np.array(state.lengths_B, copy=True)
+        np.testing.assert_array_equal(c.start_B, lengths)
+        np.testing.assert_array_equal(c.n_B, new_lengths - lengths)
+        np.testing.assert_array_equal(c.done_B, np.asarray(state.done_B))
+        for b in range(len(PROMPTS)):
+            n = int(c.n_B[b])
+            np.testing.assert_array_equal(c.tokens_BK[b, :n], new_tokens[b, lengths[b]:lengths[b] + n])
+            assert (c.tokens_BK[b, n:] == decoding.PAD_ID).all()
+            np.testing.assert_array_equal(new_tokens[b, :lengths[b]], tokens[b, :lengths[b]])   # prefix kept
+        assert c.tokens_BK.shape == (len(PROMPTS), K)
+        tokens, lengths = new_tokens, new_lengths
+    assert rounds == int(np.asarray(state.round)) == int(ref.metrics.rounds_B.max())
+    _assert_same_output(decoding.GenerateOutput.from_state(state), ref)
+
+
+def test_round_times_measures_each_gamma_and_feeds_run(env):
+    """`round_times` (adaptive gamma's calibration): one positive time per configured gamma,
+    and the times it returns are accepted by `run`."""
+    config = decoding.GenerationConfig(MAX_NEW, gamma=decoding.AdaptiveGamma(gammas=(0, 2)))
+    engine = decoding.Engine(TARGET, drafters.ModelDrafter(TabularModel(V)), config)
+    params = decoding.EngineParams(target=env["table"], draft=env["table"])
+    times = engine.round_times(params, GREEDY, batch_for(config), repeats=1)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    out = engine.run(params, GREEDY, batch_for(config), round_time_s=times)
+    assert out.generated() == [r[:MAX_NEW] for r in env["refs"]]
+    with pytest.raises(ValueError, match="round_time_s"):
+        engine.run(params, GREEDY, batch_for(config), round_time_s=times + [1.0])
+
+
+# ----------------------------------------------------------------------------- drafter on the target cache
+
+@struct.dataclass
+class SeenState:
+    seen_cache_B: jax.Array      # the target cache's length as the drafter saw it (last round)
+    seen_context_B: jax.Array    # the committed length in the same DraftContext
+    ok_B: jax.Array              # every round so far: cache history == committed prefix minus last
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCacheDrafter:
+    """The early-exit pattern on the toy model: no cache of its own, it drafts from the target's
+    cache handed over in `DraftContext` (feed the last committed token, then roll out gamma
+    tokens with `drafters.rollout`; the speculative entries are dropped after proposing).
+    With the target's own table as draft params every proposal is right iff the cache it sees
+    holds exactly the committed prefix minus its last token."""
+    vocab_size: int
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity):
+        z = jnp.zeros(prompt_BP.shape[:1], jnp.int32)
+        return SeenState(z, z, jnp.ones(prompt_BP.shape[:1], bool))
+
+    def forward_passes(self, gamma):
+        return gamma
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        model = TabularModel(self.vocab_size)
+        cache = context.target_cache
+        L_B = context.lengths_B
+        pos_S = jnp.arange(cache.hist_BS.shape[1])[None]
+        same = jnp.where(pos_S < L_B[:, None] - 1, cache.hist_BS == context.tokens_BL[:, :cache.hist_BS.shape[1]],
+                         True).all(axis=1)
+        last_B1 = jnp.take_along_axis(context.tokens_BL, (L_B - 1)[:, None], axis=1)
+        logits_B1V, cache = model.apply(params, last_B1, cache)
+        toks, q, _ = drafters.rollout(model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)
+        ok_B = state.ok_B & same & (context.target_cache.lengths_B == L_B - 1)
+        return toks, q, SeenState(context.target_cache.lengths_B, L_B, ok_B)
+
+    def commit(self, state, new_lengths_B):
+        return state
+
+
+@pytest.mark.parametrize("gamma", [GAMMA, ADAPTIVE], ids=["fixed_gamma4", "adaptive_with_gamma0"])
+def test_drafter_reads_target_cache_through_context(env, gamma):
+    config = decoding.GenerationConfig(MAX_NEW, gamma=gamma)
+    rt = None if isinstance(gamma, int) else (1.0, 1.9, 2.8, 4.6)
+    snaps, seen = run_rounds(env["table"], config, TargetCacheDrafter(V), env["table"], round_time_s=rt,
+                             extra_snap=lambda s: jax.tree.map(_np, s.draft_state))
+    check_invariants(snaps, env["plens"], env["refs"])
+    ran = [config.gammas[int(np.argmax(s.gamma_rounds - prev.gamma_rounds))] for prev, s in zip(snaps, snaps[1:])]
+    if not isinstance(gamma, int):
+        assert ran[:2] == [0, 0] and any(g > 0 for g in ran), "precondition: gamma 0, then positive"
+    for r, (prev, s, d) in enumerate(zip(snaps, snaps[1:], seen[1:])):
+        if ran[r] == 0:
+            continue
+        for b in range(4):
+            if prev.done[b]:
+                continue
+            # what it saw in this round's context: the target cache of the state before the round
+            assert int(d.seen_context_B[b]) == int(prev.lengths[b])
+            assert int(d.seen_cache_B[b]) == int(prev.t_len[b]) == int(prev.lengths[b]) - 1
+    assert np.asarray(seen[-1].ok_B).all()
+    np.testing.assert_array_equal(snaps[-1].accepted, snaps[-1].proposed)   # the self draft is always right
+    assert (snaps[-1].accepted > 0).all()
+    np.testing.assert_array_equal(snaps[-1].lengths - np.asarray(env["plens"]), MAX_NEW)
+
+
 # ----------------------------------------------------------------------------- host-side errors
 
 def test_vocab_mismatch_raises(env):
-    prompt_BP, plen = decoding.pad_prompts(PROMPTS, V)
-    keys = decoding.request_keys(jax.random.key(0), np.arange(4))
     for drafter in (drafters.ModelDrafter(TabularModel(V + 1)), drafters.NGramDrafter(V - 1)):
         with pytest.raises(ValueError, match="vocab"):
-            decoding.speculative_generate(TARGET, env["table"], drafter, None, prompt_BP, plen, keys, GREEDY, CFG)
+            decoding.Engine(TARGET, drafter, CFG)
+    with pytest.raises(ValueError, match="drafter"):
+        decoding.Engine(TARGET, None, CFG)
 
 
 def test_capacity_too_small_raises(env):
-    prompt_BP, plen = decoding.pad_prompts(PROMPTS, V)
-    keys = decoding.request_keys(jax.random.key(0), np.arange(4))
-    need = decoding.capacity_for([P], CFG)
+    need = CFG.slots_needed(P)
     assert need == P + MAX_NEW + GAMMA + 1
+    assert batch_for(CFG).capacity == need                      # the default is exactly enough
+    assert batch_for(CFG, pad_multiple=8).capacity == 24        # rounded up to the multiple
+    params = decoding.EngineParams(target=env["table"], draft=dict(table=env["table"], script=None))
+    engine = decoding.Engine(TARGET, ScriptedDrafter(V), CFG)
+    small = batch_for(CFG, capacity=need - 1)
     with pytest.raises(models.CacheCapacityError):
-        decoding.speculative_generate(TARGET, env["table"], ScriptedDrafter(V), None, prompt_BP, plen, keys,
-                                      GREEDY, CFG, capacity=need - 1)
+        engine.run(params, GREEDY, small)
     with pytest.raises(models.CacheCapacityError):
-        decoding.autoregressive_generate(TARGET, env["table"], prompt_BP, plen, keys, GREEDY, MAX_NEW,
-                                         capacity=P + MAX_NEW)
+        engine.init(params, small)
+    with pytest.raises(models.CacheCapacityError):
+        next(engine.stream(params, GREEDY, small))
+    ar = decoding.Engine(TARGET, None, CFG_G0)
+    with pytest.raises(models.CacheCapacityError):
+        ar.run(decoding.EngineParams(target=env["table"]), GREEDY, batch_for(CFG_G0, capacity=P + MAX_NEW))
+    assert batch_for(CFG_G0).capacity == P + MAX_NEW + 1
+    # enough slots for the tokens, but the padded prompt is wider than the cache
+    wide = batch_for(CFG_G0, pad_multiple=32, capacity=P + MAX_NEW + 1)
+    assert wide.prompt_BP.shape[1] == 32
+    with pytest.raises(models.CacheCapacityError, match="width"):
+        ar.run(decoding.EngineParams(target=env["table"]), GREEDY, wide)
     assert issubclass(models.CacheCapacityError, ValueError)
 
 
 @pytest.mark.parametrize("prompts", [[], [[1, 2], []], [[1, V]], [[-1, 2]], [[0], [3, 2 * V]]],
                          ids=["no_prompts", "empty_prompt", "id_eq_vocab", "negative_id", "second_row_bad"])
-def test_pad_prompts_rejects_bad_prompts(prompts):
+def test_make_batch_rejects_bad_prompts(prompts):
     with pytest.raises(ValueError):
-        decoding.pad_prompts(prompts, V)
+        batch_for(CFG, prompts)
 
 
-def test_pad_prompts_layout():
-    toks, lens = decoding.pad_prompts([[1, 2, 3], [7]], V)
-    np.testing.assert_array_equal(np.asarray(toks), [[1, 2, 3], [7, decoding.PAD_ID, decoding.PAD_ID]])
-    np.testing.assert_array_equal(np.asarray(lens), [3, 1])
+def test_make_batch_rejects_wrong_number_of_request_ids():
+    with pytest.raises(ValueError, match="request ids"):
+        batch_for(CFG, [[1], [2]], request_ids=[0])
+
+
+def test_make_batch_layout():
+    batch = batch_for(CFG, [[1, 2, 3], [7]], request_ids=[5, 9])
+    np.testing.assert_array_equal(np.asarray(batch.prompt_BP), [[1, 2, 3], [7, decoding.PAD_ID, decoding.PAD_ID]])
+    np.testing.assert_array_equal(np.asarray(batch.prompt_lengths_B), [3, 1])
+    np.testing.assert_array_equal(jax.random.key_data(batch.key_B),
+                                  jax.random.key_data(decoding.request_keys(KEY0, [5, 9])))
+    padded = batch_for(CFG, [[1, 2, 3], [7]], pad_multiple=4)
+    np.testing.assert_array_equal(np.asarray(padded.prompt_BP),
+                                  [[1, 2, 3, decoding.PAD_ID], [7] + [decoding.PAD_ID] * 3])
+    np.testing.assert_array_equal(np.asarray(padded.prompt_lengths_B), [3, 1])
+    assert padded.capacity % 4 == 0 and padded.capacity >= CFG.slots_needed(3)
 
 
 # ----------------------------------------------------------------------------- compilation count
@@ -545,14 +768,16 @@ class CountingTabular(TabularModel):
 def test_one_compilation_per_static_configuration(env):
     target = CountingTabular(V)
     drafter = drafters.ModelDrafter(TabularModel(V))
-    draft = random_table(jax.random.key(9), V)
+    params = decoding.EngineParams(target=env["table"], draft=random_table(jax.random.key(9), V))
     config = decoding.GenerationConfig(8, gamma=2)
 
-    def call(prompts, key, temperature, cfg=config):
-        prompt_BP, plen = decoding.pad_prompts(prompts, V)
-        keys = decoding.request_keys(jax.random.key(key), np.arange(len(prompts)))
-        out = decoding.speculative_generate(target, env["table"], drafter, draft, prompt_BP, plen, keys,
-                                            sampling.SamplingConfig.make(temperature), cfg)
+    def call(prompts, key, temperature, cfg=config, stream=False):
+        engine = decoding.Engine(target, drafter, cfg)          # a fresh but equal engine each call
+        batch = decoding.make_batch(prompts, cfg, jax.random.key(key), vocab_size=V)
+        samp = sampling.SamplingConfig.make(temperature)
+        if stream:
+            return list(engine.stream(params, samp, batch))[-1].output
+        out = engine.run(params, samp, batch)
         jax.block_until_ready(out.tokens_BL)
         return out
 
@@ -562,6 +787,14 @@ def test_one_compilation_per_static_configuration(env):
     call([[6], [7, 0, 1]], 1, 1.3)           # other contents, lengths (same max), keys, temperature
     call([[2, 2, 2], [5, 1, 0]], 2, 2.0)
     assert len(CountingTabular.traces) == n_first, "retraced for new values of traced inputs"
-    # sanity: the counter does see a new static configuration
-    call([[1, 2, 3], [4, 5]], 0, 0.8, decoding.GenerationConfig(8, gamma=3))
-    assert len(CountingTabular.traces) > n_first
+    # the stream: init and step compile once, then never again for new values
+    call([[1, 2, 3], [4, 5]], 0, 0.8, stream=True)
+    n_stream = len(CountingTabular.traces)
+    assert n_stream > n_first
+    call([[6], [7, 0, 1]], 1, 1.3, stream=True)
+    assert len(CountingTabular.traces) == n_stream, "the stream retraced for new values of traced inputs"
+    # sanity: the counter does see a new static configuration (its prefill alone: cheap to compile)
+    config3 = decoding.GenerationConfig(8, gamma=3)
+    decoding.Engine(target, drafter, config3).init(
+        params, decoding.make_batch([[1, 2, 3], [4, 5]], config3, jax.random.key(0), vocab_size=V))
+    assert len(CountingTabular.traces) > n_stream

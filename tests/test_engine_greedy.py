@@ -1,11 +1,11 @@
 """Greedy exactness of the generation loop on toy models.
 
-At temperature 0, `speculative_generate` must return exactly the tokens (and statuses) of
-`autoregressive_generate`, for every row, whatever the drafter proposes: a draft table close
-to the target's, an independent one that disagrees often, prompt lookup (n-gram), and the
-target itself (everything accepted). Fixed gamma 1..4 and `AdaptiveGamma` (with gamma 0 in
-its set); 'token' and 'block' verifier configs (greedy always verifies greedily). Batch 1 and
-batch 4 with mixed prompt lengths.
+At temperature 0, speculative decoding (`Engine.run` with a drafter) must return exactly the
+tokens (and statuses) of target-only decoding (an `Engine` with gamma = 0), for every row,
+whatever the drafter proposes: a draft table close to the target's, an independent one that
+disagrees often, prompt lookup (n-gram), and the target itself (everything accepted). Fixed
+gamma 1..4 and `AdaptiveGamma` (with gamma 0 in its set); 'token' and 'block' verifier configs
+(greedy always verifies greedily). Batch 1 and batch 4 with mixed prompt lengths.
 
 Compile budget: one compiled loop per (batch, drafter class, gamma setting, verifier config);
 the close / disagreeing / self drafts are the same `ModelDrafter` with different params, so
@@ -80,35 +80,35 @@ def env():
         "disagree": random_table(jax.random.key(2), V, peak=3.0),
         "self": tt,
     }
-    batches = {}
-    for name, prompts in (("b4", PROMPTS_B4), ("b1", PROMPTS_B1)):
-        prompt_BP, plen_B = decoding.pad_prompts(prompts, V)
-        keys = decoding.request_keys(jax.random.key(5), np.arange(len(prompts)))
-        batches[name] = (prompt_BP, plen_B, keys)
+    batches = {"b4": PROMPTS_B4, "b1": PROMPTS_B1}
     return dict(tt=tt, tables=tables, batches=batches, runs={})
+
+
+def _generate(env, batch, drafter, draft_params, config, round_time_s=None):
+    """One jitted run; the batch's capacity is the default for `config` (as before the API change)."""
+    b = decoding.make_batch(env["batches"][batch], config, jax.random.key(5), vocab_size=V)
+    engine = decoding.Engine(TARGET, drafter, config)
+    return engine.run(decoding.EngineParams(target=env["tt"], draft=draft_params), GREEDY, b,
+                      round_time_s=round_time_s)
 
 
 def _ar(env, batch, eos_ids=()):
     key = ("ar", batch, eos_ids)
     if key not in env["runs"]:
-        prompt_BP, plen_B, keys = env["batches"][batch]
-        env["runs"][key] = decoding.autoregressive_generate(
-            TARGET, env["tt"], prompt_BP, plen_B, keys, GREEDY, MAX_NEW, eos_ids=eos_ids)
+        config = decoding.GenerationConfig(MAX_NEW, gamma=0, eos_ids=eos_ids)
+        env["runs"][key] = _generate(env, batch, None, None, config)
     return env["runs"][key]
 
 
 def _spec(env, batch, draft, gamma, verifier="token", eos_ids=(), round_time_s=None):
     key = ("spec", batch, draft, gamma, verifier, eos_ids, None if round_time_s is None else tuple(round_time_s))
     if key not in env["runs"]:
-        prompt_BP, plen_B, keys = env["batches"][batch]
         if draft == "ngram":
             drafter, params = NGRAM_DRAFTER, None
         else:
             drafter, params = MODEL_DRAFTER, env["tables"][draft]
         config = decoding.GenerationConfig(MAX_NEW, gamma=gamma, verifier=verifier, eos_ids=eos_ids)
-        env["runs"][key] = decoding.speculative_generate(
-            TARGET, env["tt"], drafter, params, prompt_BP, plen_B, keys, GREEDY, config,
-            round_time_s=round_time_s)
+        env["runs"][key] = _generate(env, batch, drafter, params, config, round_time_s)
     return env["runs"][key]
 
 

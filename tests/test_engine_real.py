@@ -1,7 +1,7 @@
 """Greedy exactness on the real default target (SmolLM2-135M-Instruct), as CI runs it.
 
 13 held-out Spec-Bench prompts (the shortest held-out question of each category), 32 new tokens, batch 1 and batch 4, each
-drafter. Float near-ties are handled by the rule in `specjax.decoding._greedy_check`
+drafter. Float near-ties are handled by the rule of `specjax.decoding.greedy_check`
 (allowed only where the target-only top-2 logit gap < NEAR_TIE_EPS; reported, then the
 reference token is teacher-forced). The test also asserts that rejections and fully
 accepted rounds both occurred, so it exercises every rollback path.
@@ -9,9 +9,9 @@ accepted rounds both occurred, so it exercises every rollback path.
 
 import pytest
 
-from specjax import build, specbench
-from specjax.decoding._greedy_check import NEAR_TIE_EPS, greedy_check, reference_greedy
-from specjax.models.tokenizer import load_tokenizer
+from specjax import build, decoding, specbench
+from specjax.decoding import NEAR_TIE_EPS, greedy_check, reference_greedy
+from specjax.models import load_tokenizer
 
 MAX_NEW = 32
 
@@ -40,8 +40,8 @@ DRAFTERS = [("ngram", 4), ("early_exit", 1)]
 def test_greedy_matches_target_only(real, kind, gamma, batch):
     target, params, prompts, refs = real
     drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4)
-    reports = greedy_check(target, params, drafter, dparams, prompts, MAX_NEW, gamma, references=refs,
-                           batch_size=batch)
+    reports = greedy_check(target, drafter, decoding.EngineParams(target=params, draft=dparams), prompts, MAX_NEW,
+                           gamma, references=refs, batch_size=batch)
     for r in reports:
         for pos, gap in r.near_ties:
             print(f"prompt {r.prompt_index}: near-tie at new token {pos}, gap {gap:.2e} < {NEAR_TIE_EPS}")

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from specjax import specbench  # noqa: E402
-from specjax.models import gguf_loader, load, resolve  # noqa: E402
-from specjax.models.llama import pad_prompts  # noqa: E402
+from specjax.models import (gguf_loader, load, load_tokenizer, load_with_tokenizer,  # noqa: E402
+                            names, resolve)
 
 N_DECODE = 32
 SHORT = ("qa", "stem", "reasoning", "math")
@@ -71,7 +71,10 @@ def _hf_reference(model, ids):
 
 def _specjax_logits(model, params, prompts, greedy):
     """Ragged prefill then N_DECODE teacher-forced decode steps; per-row logits [P+N, V]."""
-    tokens, lengths = pad_prompts(prompts)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
     capacity = int(-(-(tokens.shape[1] + N_DECODE + 1) // 64) * 64)
     step = jax.jit(model.apply, donate_argnums=(2,))
     cache = model.init_cache(len(prompts), capacity)
@@ -126,4 +129,15 @@ def test_gguf_config_and_unpermute(gguf_path):
     assert c.rope_theta == 1e5 and abs(c.rms_eps - 1e-5) < 1e-9 and c.tie_embeddings
     assert not c.attention_bias and (c.bos_token_id, c.eos_token_id) == (1, 2)
     w = np.arange(2 * 3 * 8 * 5, dtype=np.float32).reshape(3 * 16 // 2 * 2, 5)
-    np.testing.assert_array_equal(gguf_loader.unpermute_qk(gguf_loader.permute_qk(w, 3), 3), w)
+    np.testing.assert_array_equal(names.unpermute_qk(names.permute_qk(w, 3), 3), w)
+
+
+def test_load_with_tokenizer_matches_separate_loads(sj):
+    model, params, tok = load_with_tokenizer("smollm2-135m-instruct")
+    assert model == sj[0]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sj[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    alone = load_tokenizer("smollm2-135m-instruct")
+    text = "Grüße, 123 <|im_end|>"
+    assert tok.encode(text) == alone.encode(text) and tok.stop_token_ids == alone.stop_token_ids
+    assert tok.chat_template == alone.chat_template and tok.vocab_size == model.vocab_size

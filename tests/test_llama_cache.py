@@ -7,11 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from specjax.models import (CacheCapacityError, KVCache, Llama, ModelConfig, check_capacity,
-                            prefill, truncate_layers)
-from specjax.models.llama import unstack_layers
+from specjax.models import (KVCache, Llama, ModelConfig, canonical_params,
+                            truncate_layers)
 
 BASE = ModelConfig(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
                    head_dim=8, ffn_size=64, rope_theta=10000.0, rms_eps=1e-5)
@@ -21,11 +19,22 @@ ATOL = 3e-5
 
 
 def _model(config, seed=0):
+    """(model, params in the model's layout): the same weights for every layout of a config."""
     model = Llama(config)
-    params = model.init_params(jax.random.key(seed))
+    params = canonical_params(model.init_params(jax.random.key(seed)), config)
     # Bigger weights than the 0.02 init make attention patterns non-trivial.
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
-    return model, params
+    return model, model.prepare_params(params)
+
+
+def _prefill(step, model, prompts, capacity):
+    """Ragged prefill: right-padded prompts, ``num_valid_B`` = each row's length."""
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    logits, cache = step(jnp.asarray(tokens), model.init_cache(len(prompts), capacity), jnp.asarray(lengths))
+    return logits, cache
 
 
 _FULL = {}
@@ -46,7 +55,6 @@ def setup(request):
               "fused": BASE.replace(scan_layers=False, fuse_projections=True),
               "qwenish": QWENISH, "qwenish_fused_scan": QWENISH.replace(fuse_projections=True)}[request.param]
     model, params = _model(config)
-    params = model.prepare_params(params)
     return model, params, jax.jit(model.apply)
 
 
@@ -73,8 +81,7 @@ def test_ragged_batch_append_rollback_append(setup):
     plens = [5, 2, 7]
     prompts = [rng.integers(0, V, n) for n in plens]
     # Ragged prefill: right-padded, num_valid_B says how many tokens each row commits.
-    logits, cache, lengths = prefill(model, params, prompts, capacity=24, pad_id=0,
-                                     apply_fn=step)
+    logits, cache = _prefill(lambda *a: step(params, *a), model, prompts, capacity=24)
     np.testing.assert_array_equal(np.asarray(cache.lengths_B), plens)
     for b, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[b, :len(p)]), _fresh(model, params, p),
@@ -112,46 +119,49 @@ def test_ragged_batch_append_rollback_append(setup):
 def test_scan_and_unrolled_agree():
     model_s, params = _model(BASE)
     model_u = Llama(BASE.replace(scan_layers=False))
+    params_u = model_u.prepare_params(params)
+    assert isinstance(params_u["layers"], tuple) and len(params_u["layers"]) == BASE.num_layers
     seq = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 9)))
     ls, cs = jax.jit(model_s.apply)(params, seq, model_s.init_cache(2, 16))
-    lu, cu = jax.jit(model_u.apply)(params, seq, model_u.init_cache(2, 16))
-    lu2, cu2 = jax.jit(model_u.apply)(model_u.prepare_params(params), seq,
-                                      model_u.init_cache(2, 16))
+    lu, cu = jax.jit(model_u.apply)(params_u, seq, model_u.init_cache(2, 16))
     np.testing.assert_allclose(np.asarray(ls), np.asarray(lu), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(lu2), np.asarray(lu), atol=1e-6, rtol=1e-6)
-    assert not cs.per_layer and cu2.per_layer and len(cu2.k) == BASE.num_layers
-    np.testing.assert_allclose(np.asarray(cs.k), np.stack(cu2.k), atol=1e-5)
-    # scan mode also accepts per-layer params
-    ls2, _ = model_s.apply(unstack_layers(params), seq, None)
-    np.testing.assert_allclose(np.asarray(ls2), np.asarray(ls), atol=1e-5, rtol=1e-5)
+    assert not cs.per_layer and cu.per_layer and len(cu.k) == BASE.num_layers
+    np.testing.assert_allclose(np.asarray(cs.k), np.stack(cu.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cs.v), np.stack(cu.v), atol=1e-5)
+    first = model_u.init_cache(2, 16).first_layers(2)
+    assert first.num_layers == 2 and first.capacity == 16 and first.batch_size == 2
+    # prepare_params is idempotent and converts back
+    again = model_s.prepare_params(params_u)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), again, params)
 
 
 @pytest.mark.parametrize("scan", [True, False])
-def test_either_cache_layout_in_either_layer_loop(scan):
-    """A model accepts both cache layouts and returns the layout it was given, same content."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_apply_refuses_params_or_cache_of_another_layout(scan, fuse):
+    """The layout is the config's: other params or a cache of the other layout are an error
+    that names the fix, never a silent conversion."""
     model_ref, params = _model(BASE)
-    model = Llama(BASE.replace(scan_layers=scan))
-    p = model.prepare_params(params)
-    seq = jnp.asarray(np.random.default_rng(4).integers(0, 97, (2, 9)))
-    want, ref = jax.jit(model_ref.apply)(params, seq[:, :5], model_ref.init_cache(2, 16))
-    want2, ref = jax.jit(model_ref.apply)(params, seq[:, 5:], ref)
-    for per_layer in (True, False):
-        cache = KVCache.zeros(3, 2, 2, 16, 8, per_layer=per_layer)
-        step = jax.jit(model.apply, donate_argnums=(2,))
-        got, cache = step(p, seq[:, :5], cache)
-        got2, cache = step(p, seq[:, 5:], cache)
-        assert cache.per_layer == per_layer
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(got2), np.asarray(want2), atol=ATOL, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(cache.stacked().v), np.asarray(ref.v), atol=ATOL)
-    first = model.init_cache(2, 16).first_layers(2)
-    assert first.num_layers == 2 and first.capacity == 16 and first.batch_size == 2
+    model = Llama(BASE.replace(scan_layers=scan, fuse_projections=fuse))
+    seq = jnp.asarray([[3, 1, 4]])
+    for other_scan in (True, False):
+        for other_fuse in (True, False):
+            other = Llama(BASE.replace(scan_layers=other_scan, fuse_projections=other_fuse))
+            p = other.prepare_params(params)
+            if (other_scan, other_fuse) == (scan, fuse):
+                model.apply(p, seq, None)
+                continue
+            with pytest.raises(ValueError, match=r"model\.prepare_params\(params\)"):
+                model.apply(p, seq, None)
+    with pytest.raises(ValueError, match="init_cache"):
+        model.apply(model.prepare_params(params), seq, KVCache.zeros(3, 1, 2, 16, 8, per_layer=scan))
+    short, _ = truncate_layers(model.prepare_params(params), BASE, 2)
+    with pytest.raises(ValueError, match="prepare_params"):
+        model.apply(short, seq, None)
 
 
 @pytest.mark.parametrize("config", [BASE, QWENISH])
 def test_fused_projections_round_trip(config):
     """Fusing is exact (same logits), and `canonical_params` gives back the original tensors."""
-    from specjax.models.llama import canonical_params
     model, params = _model(config)
     seq = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 7)))
     want, _ = model.apply(params, seq, None)
@@ -170,23 +180,10 @@ def test_fused_projections_round_trip(config):
         assert "wq" in (again["layers"] if scan else again["layers"][0])
 
 
-def test_capacity_errors():
-    model, params = _model(BASE)
-    with pytest.raises(CacheCapacityError):
-        check_capacity(16, [10, 3], max_new_tokens=4, gamma=2)
-    check_capacity(17, [10, 3], max_new_tokens=4, gamma=2)
-    with pytest.raises(CacheCapacityError, match="does not fit"):
-        prefill(model, params, [[1] * 9, [2] * 3], capacity=8)
-    cache = model.init_cache(1, 8).rollback(jnp.asarray([6]))
-    with pytest.raises(CacheCapacityError):
-        cache.check_fits(3)
-    cache.check_fits(2)
-
-
 def test_bfloat16_runs_and_is_close_to_float32():
     model32, params = _model(BASE)
     model16 = Llama(BASE.replace(dtype="bfloat16"))
-    p16 = model16.cast_params(params)
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
     seq = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 10)))
     c16 = model16.init_cache(1, 16)
@@ -209,9 +206,11 @@ def test_truncate_layers_is_a_smaller_model():
     seq = jnp.asarray([[3, 1, 4, 1, 5]])
     got, cache = direct.apply(p2, seq, direct.init_cache(1, 8))
     assert cache.num_layers == 2
-    # per-layer form truncates the same way
-    p2u, _ = truncate_layers(unstack_layers(params), BASE, 2)
-    got_u, _ = Llama(c2.replace(scan_layers=False)).apply(p2u, seq, None)
+    # the per-layer, fused layout truncates the same way and keeps its layout
+    fused = Llama(BASE.replace(scan_layers=False, fuse_projections=True))
+    p2u, c2u = truncate_layers(fused.prepare_params(params), fused.config, 2)
+    assert isinstance(p2u["layers"], tuple) and len(p2u["layers"]) == 2 and "wqkv" in p2u["layers"][0]
+    got_u, _ = Llama(c2u).apply(p2u, seq, None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(got_u), atol=1e-5)
 
 
@@ -225,19 +224,24 @@ def test_hidden_states_and_head_compose_to_apply():
                                np.asarray(logits), atol=1e-6)
 
 
-def test_model_is_static_jit_arg_and_accepts_nnx_state():
-    model, _ = _model(BASE)
+def test_model_is_static_jit_arg_and_init_is_in_its_layout():
+    model, params = _model(BASE)
     assert hash(model) == hash(Llama(BASE)) and model == Llama(BASE)
-    module = model.module(jax.random.key(5))
-    _, state = nnx.split(module)
     seq = jnp.asarray([[1, 2, 3]])
     f = jax.jit(lambda m, p, t: m.apply(p, t, None)[0], static_argnums=0)
-    a = f(model, state, seq)
-    b = module(seq)[0]
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    want = model.apply(params, seq, None)[0]
+    np.testing.assert_allclose(np.asarray(f(model, params, seq)), np.asarray(want), atol=1e-6)
     assert isinstance(model.init_cache(2, 4), KVCache)
     axes = model.param_logical_axes()
     assert axes["layers"]["wq"] == ("layers", "embed", "heads")
+    fused = Llama(BASE.replace(scan_layers=False, fuse_projections=True))
+    init = fused.init_params(jax.random.key(5))
+    assert isinstance(init["layers"], tuple) and "wqkv" in init["layers"][0]
+    fused.apply(init, seq, None)
+    axes = fused.param_logical_axes()
+    assert axes["layers"][0]["wqkv"] == ("embed", "heads") and "wq" not in axes["layers"][0]
+    assert jax.tree.structure(init) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)
+                                                          and all(isinstance(a, str) for a in x))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5])
@@ -249,7 +253,6 @@ def test_compiled_decode_step_writes_the_cache_in_place(num_tokens):
     options of `specjax.build.tune_xla_cpu` (set in conftest)."""
     import re
     model, params = _model(BASE.replace(scan_layers=False, fuse_projections=True))
-    params = model.prepare_params(params)
     cache = model.init_cache(1, 256)
     K, H = BASE.num_kv_heads, BASE.head_dim
     txt = jax.jit(model.apply, donate_argnums=(2,)).lower(

@@ -1,5 +1,6 @@
-"""Loader errors are clear (typed, naming the tensor / file / architecture), and a tiny GGUF
-written here (llama with llama.cpp's Q/K permutation, and qwen2) loads back exactly."""
+"""Loader errors are clear (typed, naming the tensor / file / architecture), a tiny GGUF
+written here (llama with llama.cpp's Q/K permutation, and qwen2) loads back exactly, and
+`load_with_tokenizer` reads weights and tokenizer from one open GGUF (or a HF directory)."""
 import json
 import shutil
 
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 
 from specjax.models import (CheckpointError, CorruptCheckpointError, Llama, MissingTensorError,
-                            ModelConfig, TensorShapeError, UnsupportedArchitectureError,
-                            export_hf, load)
-from specjax.models.export import hf_state_dict
-from specjax.models.gguf_loader import gguf_name, permute_qk
+                            ModelConfig, TensorShapeError, Tokenizer, UnsupportedArchitectureError,
+                            canonical_params, export_hf, load, load_with_tokenizer)
+from specjax.models.names import permute_qk, tensor_names
+from specjax.models.tokenizer import byte_level_alphabet
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, ffn_size=48, rope_theta=10000.0, rms_eps=1e-5, bos_token_id=1,
@@ -24,7 +25,14 @@ def _random(config, seed=0):
     return model, jax.tree.map(lambda x: 3.0 * x, model.init_params(jax.random.key(seed)))
 
 
-def write_gguf(path, config, params, arch=None, drop=(), reshape=None):
+def _tiny_tokenizer_metadata(vocab_size):
+    """A byte-level BPE vocabulary of `vocab_size` tokens: three control tokens (BOS 1, EOS 2),
+    bytes from "a" on, and one merge."""
+    tokens = ["<unk>", "<s>", "</s>", *byte_level_alphabet()[ord("a"):ord("a") + vocab_size - 4], "ab"]
+    return {"tokens": tokens, "types": [3, 3, 3] + [1] * (vocab_size - 3), "merges": ["a b"]}
+
+
+def write_gguf(path, config, params, arch=None, drop=(), reshape=None, tokenizer=False):
     """A float32 GGUF of `params` laid out the way llama.cpp's converter writes them."""
     import gguf
     arch = arch or config.arch
@@ -40,18 +48,27 @@ def write_gguf(path, config, params, arch=None, drop=(), reshape=None):
     w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for hf_name, arr in hf_state_dict(config, params).items():
-        name = gguf_name(hf_name)
-        if name in drop:
-            continue
-        arr = np.asarray(arr, np.float32)
-        if arch == "llama" and name.endswith("attn_q.weight"):
-            arr = permute_qk(arr, config.num_heads)
-        elif arch == "llama" and name.endswith("attn_k.weight"):
-            arr = permute_qk(arr, config.num_kv_heads)
-        if reshape and name == reshape:
-            arr = arr[:-1]
-        w.add_tensor(name, np.ascontiguousarray(arr))
+    if tokenizer:
+        meta = _tiny_tokenizer_metadata(config.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(meta["tokens"])
+        w.add_token_types(meta["types"])
+        w.add_token_merges(meta["merges"])
+    p = canonical_params(params, config)
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if arch == "llama" else {}
+    for t in tensor_names(config):
+        for i in range(config.num_layers) if t.per_layer else [None]:
+            arr = np.asarray(p["layers"][t.key][i] if t.per_layer else p[t.key], np.float32)
+            arr = arr.T if t.transpose else arr          # as stored: [out, in]
+            name = t.gguf.format(i=i)
+            if name in drop:
+                continue
+            if t.key in heads:
+                arr = permute_qk(arr, heads[t.key])
+            if reshape and name == reshape:
+                arr = arr[:-1]
+            w.add_tensor(name, np.ascontiguousarray(arr))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -172,3 +189,34 @@ def test_not_a_checkpoint(tmp_path):
         load(str(tmp_path / "empty"))
     assert issubclass(CheckpointError, ValueError)
     shutil.rmtree(tmp_path / "empty")
+
+
+def test_load_with_tokenizer_opens_the_gguf_once(tmp_path, monkeypatch):
+    import gguf
+    model, params = _random(CFG)
+    path = write_gguf(tmp_path / "tok.gguf", CFG, params, tokenizer=True)
+    opened = []
+    reader_cls = gguf.GGUFReader
+
+    def counting_reader(*args, **kwargs):
+        opened.append(args)
+        return reader_cls(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    model2, params2, tok = load_with_tokenizer(str(path), scan_layers=False, fuse_projections=True)
+    assert len(opened) == 1
+    assert tok.vocab_size == CFG.vocab_size and (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.encode("abba") == [60, 4, 3] and tok.decode([60, 4, 3]) == "abba"   # "ab" merged
+    assert not model2.config.scan_layers and model2.config.fuse_projections
+    assert isinstance(params2["layers"], tuple) and "wqkv" in params2["layers"][0]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 canonical_params(params2, model2.config), canonical_params(params, CFG))
+
+    # A Hugging Face directory: the weights, and the directory's tokenizer.json.
+    d = _hf_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_with_tokenizer(str(d))
+    tok.save(d)
+    model3, params3, tok3 = load_with_tokenizer(str(d))
+    assert isinstance(tok3, Tokenizer) and tok3.encode("abba") == tok.encode("abba")
+    assert model3.config.scan_layers and "wq" in params3["layers"]

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.sampling import sample
 from specjax.verify import TokenVerifier
-from specjax.verify._result import row_keys, sample_rows
 
 import _tabular as tab
 
@@ -42,7 +42,7 @@ class ResampleFromTargetVerifier:
         n = res.n_accepted_B
         batch = draft_tokens_BG.shape[0]
         p_at_n = jnp.take_along_axis(p_BG1V, n[:, None, None], axis=1)[:, 0]
-        wrong = sample_rows(row_keys(jax.random.fold_in(key, 1), batch)[1], p_at_n)
+        wrong = jax.vmap(sample)(jax.random.split(jax.random.fold_in(key, 1), batch), p_at_n)
         committed = res.committed_BG1.at[jnp.arange(batch), n].set(wrong)
         return res.replace(committed_BG1=committed)
 

@@ -1,300 +1,239 @@
 """Distill drafts for SmolLM2-135M-Instruct and evaluate them on held-out Spec-Bench prompts.
 
-    python -m experiments.distill.run --stage all          # compare + recipe + evaluate
-    python -m experiments.distill.run --stage compare      # one 100k-token run per divergence
-    python -m experiments.distill.run --stage recipe       # configs/distill.py (1M tokens) -> shipped draft
-    python -m experiments.distill.run --stage evaluate     # the table in experiments/distill/results/
+    python -m experiments.distill.run --config=experiments/distill/config.py [--config.stage=STAGE]
 
-Every stage resumes: training runs continue from their checkpoints in ``--runs`` (so a long
-run can span several sessions), finished runs are skipped, and data sets are cached.
+Stages: compare (100k tokens per divergence), recipe (configs/distill.py -> the shipped draft),
+evaluate (results/results.jsonl, then report), report (results/README.md from the JSONL);
+all = every stage in that order.
+
+Every stage resumes: training runs continue from their checkpoints in ``runs`` (a long run can
+span sessions), finished runs are skipped, generated data sets are cached by the trainer.
 
 Evaluation (held-out split only, never trained on):
-- teacher-forced on the target's greedy continuations of 4 held-out prompts per category:
-  acceptance rate alpha = E[sum_x min(p, q)] at temperature 1, greedy agreement, and the
-  greedy mean committed tokens per target pass at gamma (exact simulation from the agreement,
-  `specjax.distill.greedy_accepted_per_pass`);
-- the engine, greedy, batch 1, on `--num_prompts` held-out prompts (round-robin over the
-  categories): tokens/s of target-only and speculative decoding in the same run (medians of
-  `--repeats`), the measured speedup, and the cost model's prediction beside it:
-  tokens per pass x t(1-token target step) / (gamma x t(draft step) + t(gamma+1-token verify)),
-  with the step times measured in the same run.
+- teacher-forced on the target's greedy continuations of `configs/distill.py`'s held-out
+  prompts (eval.per_category per category): alpha = E[sum_x min(p, q)] at temperature 1,
+  greedy agreement and the greedy committed tokens per target pass at each gamma (exact
+  simulation from the agreement, `specjax.distill.greedy_accepted_per_pass`); the trainer's
+  last recorded evaluation is reused when it covers every gamma;
+- the engine, greedy, batch 1, on `num_prompts` held-out prompts (the speed benchmark's
+  workload and runner, fused layers): tokens/s of target-only and speculative decoding in the
+  same run, and the cost model's prediction beside the measured speedup:
+  tokens per pass x t(1-token target step) / (gamma t(draft step) + t(gamma+1-token verify)).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import importlib.util
 import json
 import pathlib
-import sys
+import shutil
 import time
 
+import jax
+import ml_collections
 import numpy as np
+from absl import app
+from ml_collections import config_flags
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
+from specjax import build, decoding, distill, drafters, models
+from specjax.models import draft_artifact
+
+from experiments import toolkit
+from experiments.bench_speed import measure, workload
+
+_CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
+                                          "experiments/distill/config.py")
+TARGET = "smollm2-135m-instruct"
 
 
 def _log(msg):
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
-def _config(name: str, **overrides):
-    sys.path.insert(0, str(REPO))
-    import importlib
-    from specjax.distill import with_overrides
-    return with_overrides(importlib.import_module(f"configs.{name}").get_config(), overrides)
+def training_config(name: str, **overrides):
+    spec = importlib.util.spec_from_file_location(name, toolkit.REPO / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return distill.with_overrides(module.get_config(), overrides)
 
 
-def _finished(workdir: pathlib.Path, budget: int) -> bool:
+def _finished(workdir: pathlib.Path, budget: int, draft_dir: pathlib.Path) -> bool:
     f = workdir / "final.json"
-    return f.is_file() and json.loads(f.read_text()).get("tokens", 0) >= budget
+    return f.is_file() and json.loads(f.read_text()).get("tokens", 0) >= budget and (draft_dir / "draft.json").is_file()
 
 
-def stage_compare(args):
-    from specjax import distill
-    for div in args.divergences:
-        c = _config("distill_compare", **{"loss.divergence": div, "export_dir": str(args.drafts / f"compare-{div}")})
-        wd = args.runs / f"compare-{div}"
-        if _finished(wd, c.budget_tokens) and (args.drafts / f"compare-{div}" / "draft.json").is_file():
+def stage_compare(c):
+    for div in c.divergences:
+        out = pathlib.Path(c.drafts) / f"compare-{div}"
+        tc = training_config("distill_compare", **{"loss.divergence": div, "export_dir": str(out)})
+        wd = pathlib.Path(c.runs) / f"compare-{div}"
+        if _finished(wd, tc.budget_tokens, out):
             _log(f"compare-{div}: done, skipped")
             continue
-        _log(f"compare-{div}: training {c.budget_tokens} tokens in {wd}")
-        distill.train(c, wd, log=_log)
+        _log(f"compare-{div}: training {tc.budget_tokens} tokens in {wd}")
+        distill.train(tc, wd, log=_log)
 
 
-def stage_recipe(args):
-    from specjax import build, distill
-    out = build.SHIPPED_DRAFTS["smollm2-135m-instruct"]
-    c = _config("distill", export_dir=str(out))
-    wd = args.runs / "recipe"
-    if _finished(wd, c.budget_tokens) and (out / "draft.json").is_file():
+def stage_recipe(c):
+    out = build.SHIPPED_DRAFTS[TARGET]
+    tc = training_config("distill", export_dir=str(out))
+    wd = pathlib.Path(c.runs) / "recipe"
+    if _finished(wd, tc.budget_tokens, out):
         _log("recipe: done, skipped")
         return
-    _log(f"recipe: training {c.budget_tokens} tokens in {wd}, exporting to {out}")
-    distill.train(c, wd, log=_log)
+    _log(f"recipe: training {tc.budget_tokens} tokens in {wd}, exporting to {out}")
+    distill.train(tc, wd, log=_log)
 
 
 # ----------------------------------------------------------------------------- evaluation
 
-def _drafts_to_evaluate(args, target, params):
-    """name -> (model, params, gamma, description)."""
-    import jax
-    from specjax import build, distill, models
-    from specjax.models.draft_artifact import load_draft
+def _recorded_eval(workdir, at_start, gammas):
+    """The trainer's last evaluation in `workdir` (its step-0 one with `at_start`) when it covers
+    every gamma; else None."""
+    path = pathlib.Path(workdir) / "metrics.jsonl" if workdir else None
+    if path is None or not path.is_file():
+        return None
+    evals = [r for r in toolkit.read_jsonl(path) if r.get("kind") == "eval"
+             and all(f"greedy_tokens_per_pass_g{g}" in r for g in gammas) and (not at_start or r["step"] == 0)]
+    return (evals[0] if at_start else evals[-1]) if evals else None
 
-    out = {}
-    # The issue's reference: the 4-layer early exit of the target (full head), undistilled.
-    ee, ee_cfg = models.truncate_layers(params, target.config, 4)
-    out["early_exit_4 (undistilled)"] = (models.Llama(ee_cfg), ee, "target layers 0-3, full head")
-    # The distilled drafts' starting point: same architecture, before training.
-    recipe_dir = build.SHIPPED_DRAFTS["smollm2-135m-instruct"]
+
+def _drafts(c, w):
+    """name -> (model, params, where its training evaluations are: (workdir, at_start) or None)."""
+    runs, recipe_dir = pathlib.Path(c.runs), build.SHIPPED_DRAFTS[TARGET]
+    ee, ee_cfg = models.truncate_layers(w.params, w.target.config, 4)
+    out = {"early_exit_4 (undistilled)": (models.Llama(ee_cfg), ee, None)}     # the issue's reference
     if (recipe_dir / "draft.json").is_file():
-        desc = json.loads((recipe_dir / "draft.json").read_text())
-        head_ids = None
-        m, p = load_draft(recipe_dir, target, params)
-        if desc["head_size"]:
-            head_ids = np.asarray(p["head_ids"])
-        c = _config("distill")
-        choice = distill.DraftChoice.from_config(c.draft)
-        m0, p0 = distill.build_draft(choice, target, params, key=jax.random.key(0), head_ids=head_ids)
-        # Unrolled layers with fused projections, as `load_draft` gives the distilled ones (same speed path).
+        _, p = draft_artifact.load_draft(recipe_dir, w.target, w.params)
+        head_ids = np.asarray(p["head_ids"]) if "head_ids" in p else None
+        choice = distill.DraftChoice.from_config(training_config("distill").draft)
+        m0, p0 = distill.build_draft(choice, w.target, models.canonical_params(w.params, w.target.config),
+                                     key=jax.random.key(0), head_ids=head_ids)
+        # unrolled layers with fused projections, as `load_draft` gives the distilled ones (same speed path)
         m0 = dataclasses.replace(m0, config=m0.config.replace(scan_layers=False, fuse_projections=True))
-        p0 = models.Llama(m0.config).prepare_params(p0)
-        out["init (undistilled)"] = (m0, p0, ("start", args.runs / "recipe"))
-    for div in args.divergences:
-        d = args.drafts / f"compare-{div}"
+        out["init (undistilled)"] = (m0, models.Llama(m0.config).prepare_params(p0), (runs / "recipe", True))
+    for div in c.divergences:
+        d = pathlib.Path(c.drafts) / f"compare-{div}"
         if (d / "draft.json").is_file():
-            m, p = load_draft(d, target, params)
-            out[f"{div} (100k)"] = (m, p, args.runs / f"compare-{div}")
+            out[f"{div} (100k)"] = (*draft_artifact.load_draft(d, w.target, w.params), (runs / f"compare-{div}", False))
     if (recipe_dir / "draft.json").is_file():
-        m, p = load_draft(recipe_dir, target, params)
         info = json.loads((recipe_dir / "draft.json").read_text())["info"]
-        out[f"recipe: {info.get('divergence')} ({info.get('tokens')} tokens, shipped)"] = (m, p, args.runs / "recipe")
+        out[f"recipe: {info.get('divergence')} ({info.get('tokens')} tokens, shipped)"] = (
+            *draft_artifact.load_draft(recipe_dir, w.target, w.params), (runs / "recipe", False))
     return out
 
 
-def stage_evaluate(args):
-    from specjax import build
-    from specjax.distill import _data, _prepare, _train
-    from specjax.drafters import ModelDrafter
-    from specjax.models.tokenizer import load_tokenizer
-
-    from experiments.bench_speed import common, sj_bench, workload
-
-    c = _config("distill")
-    target, params = build.load_target(c.target)
-    tok = load_tokenizer(c.target)
-    eval_plan = _data.BatchPlan(_prepare.eval_data(c, target, params, tok, _log), 0, c.data.tokens_per_batch,
-                                tuple(c.data.widths))
-    full_head = _train.teacher_head(target, params, None)
-    drafts = _drafts_to_evaluate(args, target, params)
-    gamma, gammas = args.gamma, tuple(range(1, args.max_gamma + 1))
-
-    # The engine runs on the benchmark's target (unrolled layers, per-layer cache: the fast path).
-    wl = workload.load_workload(c.target, args.num_prompts, args.out / "_work", layers="fused")
-    inputs = sj_bench.prepare_inputs(wl, args.max_new_tokens, max(gammas), args.pad_multiple, seed=0)
-    log = common.CompileLog()
-    log.__enter__()
-
-    class Provider:
-        def __init__(self):
-            self.d = {name: (ModelDrafter(m), p) for name, (m, p, _) in drafts.items()}
-            self.d["none"] = (None, None)
-
-        def get(self, kind):
-            return self.d[kind]
-
-    runner = sj_bench.Runner(wl, Provider(), log, args.max_new_tokens, args.repeats, wl.eos_ids)
-    cap = max(i.capacity for i in inputs)
+def stage_evaluate(c):
+    tc = training_config("distill")
+    gammas = tuple(range(1, c.max_gamma + 1))
+    wc = ml_collections.ConfigDict(dict(workload=tc.target, dtype=tc.dtype, layers="fused", num_prompts=c.num_prompts,
+                                        prompt_len=0, seed=0, init_std=0.02, max_new_tokens=c.max_new_tokens,
+                                        repeats=c.repeats, verifier="token"))
+    out = pathlib.Path(c.out)
+    w = workload.load(wc, out / "_work")
+    tok = models.load_tokenizer(tc.target)
+    drafts = _drafts(c, w)
+    probe = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=max(gammas))
+    batches = [(p, decoding.make_batch([list(p.ids)], probe, jax.random.key(0), request_ids=[p.question_id],
+                                       vocab_size=w.target.vocab_size, pad_multiple=c.pad_multiple)) for p in w.prompts]
+    cap = max(b.capacity for _, b in batches)
     ctx = min(256, cap - max(gammas) - 2)
-    t_cost = sj_bench.forward_cost(wl.target, wl.params, [1] + [g + 1 for g in gammas], ctx, cap,
-                                   args.cost_iters, log)
-    t_k = {k: v["median_s"] for k, v in t_cost.items()}
-    t1 = t_k[1]
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    git = common.git_state(exclude=[args.out])
-    prov = {"git": git, "machine": common.machine(), "target_sha256": wl.model_sha256,
-            "prompt_ids": [i.prompt.question_id for i in inputs], "gamma": gamma, "gammas": list(gammas),
-            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "command": "python -m experiments.distill.run " + " ".join(sys.argv[1:])}
-    writer = common.JsonlWriter(args.out / "results.jsonl", prov)
-    writer.write("target_cost", t_k_s={str(k): v for k, v in t_k.items()})
-
-    def predicted(tpp, g, d_cost):
-        """Cost model: committed tokens per pass x t(1-token step) / (g draft steps + (g+1)-token verify)."""
-        return tpp * t1 / (g * d_cost + t_k[g + 1])
-
-    base = {}
-    _log("target-only runs")
-    for inp in inputs:
-        r = runner.run(sj_bench.DecodeConfig("target only", "none", 0), 0.0, inp)
-        base[inp.prompt.question_id] = r
-        writer.write("run", draft="none", **{k: v for k, v in r.items() if k != "generated_ids"})
-    base_tps = float(np.mean([r["tokens_per_s"] for r in base.values()]))
-    nan = float("nan")
-    rows = []
-    for name, (m, p, desc) in drafts.items():
-        tf = _recorded_eval(desc, gammas)
-        if tf is None:
-            _log(f"{name}: teacher-forced evaluation")
-            tf = _train.evaluate(m, p, full_head, eval_plan, gammas)
-        d_cost = sj_bench.forward_cost(m, p, [1], ctx, cap, args.cost_iters, log)[1]["median_s"]
-        preds = {g: predicted(tf[f"greedy_tokens_per_pass_g{g}"], g, d_cost) for g in gammas}
-        best = max(gammas, key=lambda g: preds[g])
-        row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
-               "sim_tokens_per_pass": tf[f"greedy_tokens_per_pass_g{gamma}"],
-               "sim_tokens_per_pass_by_gamma": {str(g): tf[f"greedy_tokens_per_pass_g{g}"] for g in gammas},
-               "predicted_by_gamma": {str(g): v for g, v in preds.items()}, "best_gamma": best,
-               "draft_step_over_target": d_cost / t1, "target_tokens_per_s": base_tps,
-               "predicted_speedup": preds[best], "what": str(desc)}
-        if name.startswith("early_exit_4"):
-            # The reference for acceptance only: its speed is bench_speed's `early_exit` (shared cache).
-            row.update(engine_tokens_per_pass=nan, tokens_per_s=nan, speedup_mean=nan, speedup_of_means=nan,
-                       greedy_outputs_identical=None)
-            rows.append(row)
-            writer.write("summary", **row)
-            continue
-        runs, ok = [], True
-        for inp in inputs:
-            r = runner.run(sj_bench.DecodeConfig(name, name, best), 0.0, inp)
-            ok &= r["generated_ids"] == base[inp.prompt.question_id]["generated_ids"]
-            runs.append(r)
-            writer.write("run", draft=name, gamma=best, **{k: v for k, v in r.items() if k != "generated_ids"})
-        tps = float(np.mean([r["tokens_per_s"] for r in runs]))
-        speedups = [r["tokens_per_s"] / base[r["question_id"]]["tokens_per_s"] for r in runs]
-        per_pass = sum(r["committed"] for r in runs) / max(sum(r["rounds"] for r in runs), 1)
-        row.update(engine_tokens_per_pass=per_pass, tokens_per_s=tps, speedup_mean=float(np.mean(speedups)),
-                   speedup_of_means=tps / base_tps, predicted_engine=predicted(per_pass, best, d_cost),
-                   greedy_outputs_identical=bool(ok))
-        rows.append(row)
-        writer.write("summary", **row)
-        _log(json.dumps(row))
-    writer.close()
-    log.__exit__(None, None, None)
-    _write_table(args.out, rows, prov)
-    import shutil
-    for wd in sorted(args.runs.iterdir()) if args.runs.is_dir() else []:
+    jl = toolkit.Jsonl(out / "results.jsonl", toolkit.provenance(
+        "experiments.distill.run", exclude=[out], model=w.name, model_file=w.model_file, model_sha256=w.model_sha256,
+        model_notes=w.notes, prompt_ids=[p.question_id for p in w.prompts], config=c.to_dict()))
+    plan, full_head = None, distill.teacher_head(w.target, w.params, None)
+    with toolkit.CompileLog() as log:
+        t_k = {k: v["median_s"] for k, v in toolkit.forward_costs(
+            w.target, w.params, [1] + [g + 1 for g in gammas], ctx=ctx, capacity=cap, iters=c.cost_iters,
+            log=log).items()}
+        jl.write("target_cost", t_k_s=t_k, context=ctx, capacity=cap)
+        runner = measure.Runner(w, wc, log, w.eos_ids)
+        _log("target-only runs")
+        base = {}
+        for p, b in batches:
+            rec, _ = runner.run(measure.Method("target_only", "none", 0), 0.0, b)
+            base[p.question_id] = rec
+            jl.write("run", draft="none", question_id=p.question_id, category=p.category, **rec)
+        base_tps = float(np.mean([r["tokens_per_s"] for r in base.values()]))
+        for name, (m, p, where) in drafts.items():
+            tf = _recorded_eval(*where, gammas=gammas) if where else None
+            if tf is None:
+                _log(f"{name}: teacher-forced evaluation")
+                plan = plan or distill.eval_plan(tc, w.target, w.params, tok, log=_log)
+                tf = distill.evaluate(m, p, full_head, plan, gammas)
+            d_cost = toolkit.forward_costs(m, p, [1], ctx=ctx, capacity=cap, iters=c.cost_iters, log=log)[1]["median_s"]
+            preds = {g: tf[f"greedy_tokens_per_pass_g{g}"] * t_k[1] / (g * d_cost + t_k[g + 1]) for g in gammas}
+            best = max(gammas, key=preds.get)
+            row = {"draft": name, "alpha_t1": tf["alpha_t1"], "greedy_agreement": tf["greedy_agreement"],
+                   "sim_tokens_per_pass_by_gamma": {g: tf[f"greedy_tokens_per_pass_g{g}"] for g in gammas},
+                   "predicted_by_gamma": preds, "best_gamma": best, "draft_step_over_target": d_cost / t_k[1],
+                   "target_tokens_per_s": base_tps, "predicted_speedup": preds[best]}
+            if not where:   # acceptance reference only: its speed is bench_speed's early_exit (shared cache)
+                jl.write("summary", **row)
+                continue
+            w.drafters[name] = (drafters.ModelDrafter(m), p)
+            runs = []
+            for q, b in batches:
+                rec, _ = runner.run(measure.Method(name, name, best), 0.0, b)
+                runs.append(rec)
+                jl.write("run", draft=name, gamma=best, question_id=q.question_id, category=q.category, **rec)
+            per_pass = sum(r["committed"] for r in runs) / max(sum(r["rounds"] for r in runs), 1)
+            tps = float(np.mean([r["tokens_per_s"] for r in runs]))
+            row.update(engine_tokens_per_pass=per_pass, tokens_per_s=tps, speedup_of_means=tps / base_tps,
+                       speedup_mean=float(np.mean([r["tokens_per_s"] / base[q.question_id]["tokens_per_s"]
+                                                   for r, (q, _) in zip(runs, batches)])),
+                       predicted_engine=per_pass * t_k[1] / (best * d_cost + t_k[best + 1]),
+                       greedy_outputs_identical=all(r["generated_ids"] == base[q.question_id]["generated_ids"]
+                                                    for r, (q, _) in zip(runs, batches)))
+            _log(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}))
+            jl.write("summary", **row)
+            del w.drafters[name]
+    jl.close()
+    for wd in sorted(pathlib.Path(c.runs).iterdir()) if pathlib.Path(c.runs).is_dir() else []:
         if (wd / "metrics.jsonl").is_file():
-            shutil.copy(wd / "metrics.jsonl", args.out / f"metrics-{wd.name}.jsonl")
+            shutil.copy(wd / "metrics.jsonl", out / f"metrics-{wd.name}.jsonl")
 
 
-def _recorded_eval(where, gammas):
-    """The teacher-forced evaluation a training run already wrote (its last one, or with
-    ``("start", workdir)`` its step-0 one), when it covers every gamma in `gammas`; else None."""
-    start = isinstance(where, tuple)
-    workdir = where[1] if start else where
-    if not isinstance(workdir, pathlib.Path) or not (workdir / "metrics.jsonl").is_file():
-        return None
-    evals = [r for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
-             if r.get("kind") == "eval" and all(f"greedy_tokens_per_pass_g{g}" in r for g in gammas)]
-    if start:
-        evals = [r for r in evals if r["step"] == 0]
-    return (evals[0] if start else evals[-1]) if evals else None
-
-
-def _write_table(out: pathlib.Path, rows, prov):
-    g = prov["gamma"]
-    git, mach = prov["git"], prov["machine"]
-    lines = [
-        "# Distilled drafts for SmolLM2-135M-Instruct: held-out Spec-Bench evaluation", "",
-        f"Command: `{prov['command']}`  ",
-        f"Commit: `{git.get('git_commit')}`{' (working tree dirty)' if git.get('git_dirty') else ''}; "
-        f"target GGUF sha256 `{prov['target_sha256']}`  ",
-        f"Machine: {mach.get('cpu_model')}, {mach.get('cpus_usable')} usable cores, "
-        f"{mach.get('mem_total_gib')} GiB; jax {mach.get('jax')}; batch 1, float32, greedy, "
-        f"{prov['max_new_tokens']} new tokens, median of {prov['repeats']} runs.  ",
-        f"Engine prompts (held-out question ids): {prov['prompt_ids']}", "",
-        "alpha: E[sum min(p, q)] at temperature 1; agreement: argmax q = argmax p; both teacher-forced on the "
-        f"target's greedy continuations of 4 held-out prompts per category. Tokens/pass: committed tokens per "
-        f"target forward (sim: exact simulation from the agreement, at gamma = {g} and at the chosen gamma; "
-        "engine: measured). The engine runs each draft at the gamma in "
-        f"{prov['gammas']} with the highest predicted speedup. Predicted speedup: tokens/pass x t(target step) "
-        "/ (gamma t(draft step) + t(verify gamma+1)), step times measured in this run; *pred. (engine)* uses "
-        "the engine's measured tokens/pass (it tests the cost model alone).", "",
-        f"| draft | alpha (T=1) | greedy agreement | tokens/pass sim, gamma {g} | chosen gamma | tokens/pass sim "
-        "| tokens/pass engine | draft cost / target | tokens/s | speedup (measured) | speedup (predicted) "
-        "| pred. (engine) | greedy output = target-only |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        b = r["best_gamma"]
-        lines.append(f"| {r['draft']} | {r['alpha_t1']:.3f} | {r['greedy_agreement']:.3f} | "
-                     f"{r['sim_tokens_per_pass']:.2f} | {b} | {r['sim_tokens_per_pass_by_gamma'][str(b)]:.2f} | "
-                     f"{r['engine_tokens_per_pass']:.2f} | {r['draft_step_over_target']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} (target {r['target_tokens_per_s']:.1f}) | "
-                     f"{r['speedup_mean']:.2f}x | {r['predicted_speedup']:.2f}x | "
-                     f"{r.get('predicted_engine', float('nan')):.2f}x | {r['greedy_outputs_identical']} |")
+def report(c):
+    """results/README.md from results/results.jsonl alone."""
+    out = pathlib.Path(c.out)
+    recs = toolkit.read_jsonl(out / "results.jsonl")
+    prov, rows = recs[0]["provenance"], [r for r in recs if r["kind"] == "summary"]
+    cfg, f = prov["config"], toolkit.fmt
+    g = str(cfg["gamma"])
+    lines = ["# Distilled drafts for SmolLM2-135M-Instruct: held-out Spec-Bench evaluation", ""] + \
+        toolkit.provenance_lines(prov) + [
+        f"- engine: batch 1, float32, greedy, {cfg['max_new_tokens']} new tokens, median of {cfg['repeats']} "
+        f"run(s); held-out question ids {prov['prompt_ids']}", "",
+        "alpha: E[sum min(p, q)] at temperature 1; agreement: argmax q = argmax p; both teacher-forced on the target's "
+        "greedy continuations of 4 held-out prompts per category. Tokens/pass: committed tokens per target forward "
+        f"(sim: exact simulation from the agreement, at gamma = {g} and at the chosen gamma; engine: measured). The "
+        f"engine runs each draft at the gamma in 1..{cfg['max_gamma']} with the highest predicted speedup. Predicted "
+        "speedup: tokens/pass x t(target step) / (gamma t(draft step) + t(verify gamma+1)), step times measured in "
+        "this run; *pred. (engine)* uses the engine's measured tokens/pass (it tests the cost model alone).", "",
+        toolkit.table(
+            ["draft", "alpha (T=1)", "greedy agreement", f"tokens/pass sim, gamma {g}", "chosen gamma",
+             "tokens/pass sim", "tokens/pass engine", "draft cost / target", "tokens/s", "speedup (measured)",
+             "speedup (predicted)", "pred. (engine)", "greedy output = target-only"],
+            [[r["draft"], f(r["alpha_t1"], 3), f(r["greedy_agreement"], 3), f(r["sim_tokens_per_pass_by_gamma"][g]),
+              r["best_gamma"], f(r["sim_tokens_per_pass_by_gamma"][str(r["best_gamma"])]),
+              f(r.get("engine_tokens_per_pass")), f(r["draft_step_over_target"], 3),
+              f"{f(r.get('tokens_per_s'), 1)} (target {f(r['target_tokens_per_s'], 1)})",
+              f"{f(r.get('speedup_mean'))}x", f"{f(r['predicted_speedup'])}x", f"{f(r.get('predicted_engine'))}x",
+              f(r.get("greedy_outputs_identical"))] for r in rows])]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", choices=("all", "compare", "recipe", "evaluate"), default="all")
-    p.add_argument("--runs", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "specjax" / "distill_runs",
-                   help="training workdirs (checkpoints, metrics.jsonl)")
-    p.add_argument("--drafts", type=pathlib.Path, default=REPO / "experiments" / "distill" / "drafts",
-                   help="where the comparison drafts are exported")
-    p.add_argument("--out", type=pathlib.Path, default=REPO / "experiments" / "distill" / "results")
-    p.add_argument("--divergences", type=lambda s: [x for x in s.split(",") if x], default=list(DIVERGENCES))
-    p.add_argument("--num_prompts", type=int, default=13)
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--gamma", type=int, default=4, help="fixed gamma of the tokens/pass comparison")
-    p.add_argument("--max_gamma", type=int, default=4, help="the engine runs the best gamma in 1..max_gamma")
-    p.add_argument("--pad_multiple", type=int, default=256)
-    p.add_argument("--cost_iters", type=int, default=20)
-    args = p.parse_args(argv)
-    from specjax import build
+def main(argv):
+    del argv
+    c = _CONFIG.value
     build.tune_xla_cpu()
-    if args.stage in ("all", "compare"):
-        stage_compare(args)
-    if args.stage in ("all", "recipe"):
-        stage_recipe(args)
-    if args.stage in ("all", "evaluate"):
-        stage_evaluate(args)
+    stages = {"all": ("compare", "recipe", "evaluate", "report"), "evaluate": ("evaluate", "report")}.get(
+        c.stage, (c.stage,))
+    for stage in stages:
+        {"compare": stage_compare, "recipe": stage_recipe, "evaluate": stage_evaluate, "report": report}[stage](c)
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

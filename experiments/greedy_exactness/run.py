@@ -1,88 +1,93 @@
-"""Greedy exactness at full size: speculative vs target-only greedy on the real target.
+"""Greedy exactness at full size: speculative vs target-only greedy decoding of the production
+configuration, per drafter and batch size.
 
-    python -m experiments.greedy_exactness.run --num_prompts=48 --max_new_tokens=128 \
-        --out=experiments/greedy_exactness/results.jsonl
+    python -m experiments.greedy_exactness.run --config=experiments/greedy_exactness/config.py
+    python -m experiments.greedy_exactness.run --config=experiments/greedy_exactness/config.py:tiny
 
-Held-out Spec-Bench prompts (round-robin over categories), each drafter; the near-tie rule
-of `specjax.decoding._greedy_check` applies (mismatch allowed only where the target-only
-top-2 logit gap < eps; reported, then teacher-forced). One JSONL record per (drafter, prompt)
-plus one summary record per drafter, each with the git commit and the GGUF sha256.
+The rule is `specjax.decoding.greedy_check`'s: a mismatch is allowed only where the target's
+top-2 logit gap on the target-only prefix is below `decoding.NEAR_TIE_EPS` (a near-tie: reported,
+then teacher-forced); any other mismatch is a failure. References (target-only greedy) are
+computed per batch size, with the same batch layout as the speculative runs. Writes one JSONL
+record per (drafter, batch size, prompt) and one summary per (drafter, batch size), each with
+the provenance block (git commit and dirty flag, the weights' sha256, machine, config); exits
+with status 1 if any prompt has a mismatch beyond the near-tie rule.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import importlib.util
+import pathlib
+import sys
 import time
 
-from absl import app, flags
+import ml_collections
+from absl import app
+from ml_collections import config_flags
 
-from specjax import build, specbench
-from specjax.decoding._greedy_check import NEAR_TIE_EPS, greedy_check, reference_greedy
-from specjax.models import registry
-from specjax.models.tokenizer import load_tokenizer
+from specjax import build, decoding
 
-_N = flags.DEFINE_integer("num_prompts", 48, "held-out prompts, round-robin over categories")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "new tokens per prompt")
-_BATCH = flags.DEFINE_integer("batch_size", 4, "rows per generate call")
-_DRAFTERS = flags.DEFINE_list("drafters", ["ngram:4", "early_exit:1"], "kind:gamma pairs")
-_OUT = flags.DEFINE_string("out", "experiments/greedy_exactness/results.jsonl", "JSONL output")
+from experiments import toolkit
+from experiments.bench_speed import workload
 
-
-def round_robin_prompts(n: int):
-    by_cat = {c: [q for q in specbench.load(split="held_out") if q.category == c] for c in specbench.CATEGORIES}
-    out, i = [], 0
-    while len(out) < n and any(i < len(v) for v in by_cat.values()):
-        out.extend(v[i] for v in by_cat.values() if i < len(v))
-        i += 1
-    return out[:n]
+_CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
+                                          "experiments/greedy_exactness/config.py[:tiny]")
 
 
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
+def production_config(path: str):
+    spec = importlib.util.spec_from_file_location("generate_config", toolkit.REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def main(argv):
     del argv
-    target, params = build.load_target(registry.DEFAULT_MODEL)
-    tok = load_tokenizer(registry.DEFAULT_MODEL)
-    questions = round_robin_prompts(_N.value)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q.prompt}]) for q in questions]
-    prov = {"commit": git_commit(), "gguf_sha256": registry.KNOWN[registry.DEFAULT_MODEL].sha256,
-            "eps": NEAR_TIE_EPS, "max_new_tokens": _MAX_NEW.value, "batch_size": _BATCH.value}
-    t0 = time.time()
-    refs = reference_greedy(target, params, prompts, _MAX_NEW.value, batch_size=_BATCH.value)
-    print(f"references: {time.time() - t0:.0f}s", flush=True)
-    with open(_OUT.value, "w") as f:
-        for spec in _DRAFTERS.value:
+    c = _CONFIG.value
+    build.tune_xla_cpu()
+    g = production_config(c.generate_config)
+    layers = "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
+    c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
+    wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
+                                    "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
+    w = workload.load(wc, pathlib.Path(c.out).parent / "_work")
+    prompts = [list(p.ids) for p in w.prompts]
+    jl = toolkit.Jsonl(c.out, toolkit.provenance(
+        "experiments.greedy_exactness.run", exclude=[pathlib.Path(c.out).parent], model=w.name,
+        model_file=w.model_file, model_sha256=w.model_sha256, model_notes=w.notes, eps=decoding.NEAR_TIE_EPS,
+        layers=layers, config=c.to_dict(), generate_config=g.to_dict()))
+    failures = 0
+    for B in c.batch_sizes:
+        t0 = time.time()
+        refs = decoding.reference_greedy(w.target, w.params, prompts, c.max_new_tokens, batch_size=B,
+                                         pad_multiple=c.pad_multiple)
+        print(f"batch {B}: references in {time.time() - t0:.0f} s", flush=True)
+        for spec in c.drafters:
             kind, gamma = spec.split(":")
-            drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4)
+            if kind == "distilled" and not workload.has_distilled(w, wc):
+                print(f"batch {B}: no distilled draft for {w.name}, skipped", flush=True)
+                continue
+            drafter, dparams = build.make_drafter(
+                kind, w.target, w.params, early_exit_layers=c.early_exit_layers, draft_model=g.draft_model,
+                max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name)
             t0 = time.time()
-            reports = greedy_check(target, params, drafter, dparams, prompts, _MAX_NEW.value, int(gamma),
-                                   references=refs, batch_size=_BATCH.value)
-            for q, r in zip(questions, reports):
-                f.write(json.dumps({**prov, "drafter": kind, "gamma": int(gamma), "question_id": q.question_id,
-                                    "category": q.category, "ok": r.ok, "tokens_compared": r.tokens_compared,
-                                    "near_ties": r.near_ties, "hard_mismatch": r.hard_mismatch,
-                                    "rounds": r.rounds, "proposed": r.proposed, "accepted": r.accepted,
-                                    "full_accept_rounds": r.full_accept_rounds}) + "\n")
-            summary = {**prov, "drafter": kind, "gamma": int(gamma), "summary": True, "prompts": len(reports),
-                       "question_ids": [q.question_id for q in questions],
-                       "hard_mismatches": sum(not r.ok for r in reports),
-                       "near_ties": sum(len(r.near_ties) for r in reports),
-                       "tokens_compared": sum(r.tokens_compared for r in reports),
-                       "proposed": sum(r.proposed for r in reports), "accepted": sum(r.accepted for r in reports),
-                       "full_accept_rounds": sum(r.full_accept_rounds for r in reports),
-                       "seconds": time.time() - t0}
-            f.write(json.dumps(summary) + "\n")
-            f.flush()
-            print(json.dumps(summary), flush=True)
+            reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),
+                                            prompts, c.max_new_tokens, int(gamma), references=refs, batch_size=B,
+                                            pad_multiple=c.pad_multiple)
+            for p, r in zip(w.prompts, reports):
+                jl.write("prompt", drafter=kind, gamma=int(gamma), batch_size=B, question_id=p.question_id,
+                         category=p.category, ok=r.ok, tokens_compared=r.tokens_compared, near_ties=r.near_ties,
+                         hard_mismatch=r.hard_mismatch, rounds=r.rounds, proposed=r.proposed, accepted=r.accepted,
+                         full_accept_rounds=r.full_accept_rounds)
+            total = {k: sum(getattr(r, k) for r in reports) for k in
+                     ("tokens_compared", "rounds", "proposed", "accepted", "full_accept_rounds")}
+            summary = jl.write("summary", drafter=kind, gamma=int(gamma), batch_size=B, prompts=len(reports),
+                               hard_mismatches=sum(not r.ok for r in reports),
+                               near_ties=sum(len(r.near_ties) for r in reports), **total, seconds=time.time() - t0)
+            failures += summary["hard_mismatches"]
+            print({k: v for k, v in summary.items() if k != "provenance"}, flush=True)
+    jl.close()
+    print(f"{failures} prompt(s) with a mismatch beyond the near-tie rule; wrote {c.out}")
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
-"""Generation loops: target-only and speculative decoding, jitted end to end."""
+"""Decoding: the engine (target-only and speculative decoding, one round, jitted end to end)
+and the one request path from prompts to completions."""
 
 from specjax.decoding._adaptive import AdaptiveGamma
-from specjax.decoding._stream import (StreamEvent, calibrate_round_times, init_state, run_stream, step,
-                                      stream_generate, timing_summary)
-from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES,
-                                      GenerateOutput, GenerationConfig, Metrics, autoregressive_generate,
-                                      capacity_for, pad_prompts, request_keys, speculative_generate)
+from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
+                                      Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
+                                      StreamEvent)
+from specjax.decoding._greedy_check import NEAR_TIE_EPS, RowReport, greedy_check, reference_greedy
+from specjax.decoding._request import Completion, Generator, make_batch, request_keys, timing_summary
 
 __all__ = [
     "AdaptiveGamma", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
-    "GenerateOutput", "GenerationConfig", "Metrics", "autoregressive_generate", "capacity_for",
-    "pad_prompts", "request_keys", "speculative_generate",
-    "StreamEvent", "calibrate_round_times", "init_state", "run_stream", "step", "stream_generate",
-    "timing_summary",
+    "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
+    "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
+    "Completion", "Generator", "make_batch", "request_keys", "timing_summary",
 ]

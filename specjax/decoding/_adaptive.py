@@ -8,7 +8,7 @@ unchanged across branches.
 Decision rule (Leviathan et al. 2023, §3.3, with measured instead of modelled costs): with an
 acceptance estimate a, the expected committed tokens of a gamma-round are
 (1 - a^(gamma+1)) / (1 - a), and its time is round_time_s[gamma], calibrated on the host
-once per model pair. The policy picks the gamma with the least predicted time per token.
+once per model pair and carried in the policy state. The policy picks the gamma with the least predicted time per token.
 Hysteresis: it moves away from the current gamma only when the best one is predicted at
 least `hysteresis` (relative) cheaper. The estimate a is an exponential moving average of the
 mean acceptance probability min(1, p/q) at the draft positions actually tested this round,
@@ -42,11 +42,13 @@ class PolicyState:
     alpha: jnp.ndarray             # float32 scalar: acceptance estimate
     index: jnp.ndarray             # int32 scalar: the current gamma's index in `gammas`
     since_probe: jnp.ndarray       # int32 scalar: rounds spent at gamma = 0 since last probe
+    round_time_G: jnp.ndarray      # float32 [len(gammas)]: seconds (or relative cost) of a round
 
 
-def init_policy(policy: AdaptiveGamma, start_index: int) -> PolicyState:
-    return PolicyState(alpha=jnp.float32(policy.initial_alpha), index=jnp.int32(start_index),
-                       since_probe=jnp.int32(0))
+def init_policy(policy: AdaptiveGamma, round_time_G) -> PolicyState:
+    """Start at the largest gamma with the prior acceptance estimate."""
+    return PolicyState(alpha=jnp.float32(policy.initial_alpha), index=jnp.int32(len(policy.gammas) - 1),
+                       since_probe=jnp.int32(0), round_time_G=jnp.asarray(round_time_G, jnp.float32))
 
 
 def expected_tokens(alpha, gamma_G):
@@ -58,10 +60,10 @@ def expected_tokens(alpha, gamma_G):
     return jnp.where(near_one, gamma_G + 1.0, val)
 
 
-def choose(policy: AdaptiveGamma, state: PolicyState, round_time_G):
+def choose(policy: AdaptiveGamma, state: PolicyState):
     """(index of the gamma to run this round, whether it is a probe out of gamma = 0)."""
     gammas_G = jnp.asarray(policy.gammas, jnp.float32)
-    per_token_G = round_time_G / expected_tokens(state.alpha, gammas_G)
+    per_token_G = state.round_time_G / expected_tokens(state.alpha, gammas_G)
     best = jnp.argmin(per_token_G).astype(jnp.int32)
     keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[state.index]
     chosen = jnp.where(keep, state.index, best)
@@ -83,4 +85,4 @@ def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_mean
     at_zero = jnp.asarray(policy.gammas, jnp.int32)[chosen] == 0
     since = jnp.where(at_zero, state.since_probe + 1, 0)
     index = jnp.where(probe, state.index, chosen)
-    return PolicyState(alpha=alpha, index=index.astype(jnp.int32), since_probe=since.astype(jnp.int32))
+    return state.replace(alpha=alpha, index=index.astype(jnp.int32), since_probe=since.astype(jnp.int32))

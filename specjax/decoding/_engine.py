@@ -1,41 +1,54 @@
-"""The generation loop: target-only and speculative decoding as one jitted `lax.while_loop`.
+"""The engine: target-only and speculative decoding as one frozen object with one round.
 
-One round (all on device, no host round trip):
+`Engine(target, drafter, config)` holds the statics (models, drafter, generation config) and
+is hashable, so its methods are jitted with ``self`` static; weights travel as arguments
+(`EngineParams`), never as closure constants. Every entry point runs the same `_round`:
 
-    key_B -> (draft, verify, next) per row             explicit split, every round
-    drafter.propose (gamma tokens, q as sampled)       lax.scan inside the drafter
-    target.apply([last, d_1..d_gamma])                 one (gamma+1)-token forward
-    verifier (vmapped per row, each with its own key)  -> n_accepted_B, committed tokens
-    write committed tokens, truncated at EOS / max_new_tokens, masked for finished rows
-    caches roll back to the committed prefix (lengths only; see `rollback_to_committed`)
+    init(params, batch)                 prefill target (and draft) -> LoopState      jitted
+    step(params, sampling, state)       one round, state donated -> (state, Commit)  jitted
+    run(params, sampling, batch)        init + lax.while_loop over step -> GenerateOutput
+    stream(params, sampling, batch)     init + step per host call, yields StreamEvents
+    round_times(params, sampling, batch)  measured seconds of one round per gamma (adaptive)
 
-Target-only decoding is the same round with gamma = 0 (no draft; the verifier then samples
-the one committed token from p), so both paths share prefill, logits processing, stopping
-and bookkeeping. A row whose target logits hold a NaN stops with status NAN_LOGITS and keeps
-what it had committed; other rows go on.
+One round, in named stages (all on device, no host round trip):
 
-Randomness: every row carries its own key, normally `fold_in(key, request_id)`, so with a
-fixed gamma a row's sample does not depend on its batch position or the batch size. With
-adaptive gamma the choice of gamma is batch-wide, so the realised sample (not its
-distribution, which is always the target's) can depend on the other rows.
+    key_B -> (draft, verify, next) per row              explicit split, every round
+    _propose     drafter.propose(context) -> tokens_BG, q_BGV as sampled
+    forward      target.apply([last, d_1..d_gamma])  -> p_BG1V, one (gamma+1)-token pass
+    _sanitize    non-finite q (round becomes gamma = 0), non-finite p (uniform stand-in)
+    _verify      verifier per row with its own key -> n_accepted_B, committed tokens
+    _truncate    EOS, max_new_tokens, NaN positions -> tokens committed, status, done
+    _bookkeep    write tokens, roll caches back (lengths only), metrics
+
+Target-only decoding is the same round with gamma = 0 (no draft; the verifier samples the one
+committed token from p), so both paths share prefill, logits processing, stopping and
+bookkeeping. A row whose target logits hold a NaN at a verified position stops with status
+NAN_LOGITS and keeps what it had committed; other rows go on.
+
+Randomness: every row carries its own key (normally `fold_in(key, request_id)`, see
+`specjax.decoding.request_keys`), so with a fixed gamma a row's sample does not depend on its
+batch position or the batch size. With adaptive gamma the choice of gamma is batch-wide, so
+the realised sample (not its distribution, which is always the target's) can depend on the
+other rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import functools
+import time
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import models
 from specjax import sampling as sampling_lib
 from specjax import verify as verify_lib
 from specjax.decoding import _adaptive
-from specjax.drafters._model import rollback_to_committed
-from specjax import models
-from specjax.models._protocol import CacheCapacityError, check_capacity
+from specjax.drafters import DraftContext, Drafter
 
 RUNNING, EOS, MAX_TOKENS, NAN_LOGITS = 0, 1, 2, 3
 STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", NAN_LOGITS: "nan_logits"}
@@ -66,12 +79,32 @@ class GenerationConfig:
             raise ValueError(f"verifier must be 'token' or 'block', got {self.verifier!r}")
 
     @property
+    def adaptive(self) -> bool:
+        return isinstance(self.gamma, _adaptive.AdaptiveGamma)
+
+    @property
     def gammas(self) -> tuple[int, ...]:
-        return self.gamma.gammas if isinstance(self.gamma, _adaptive.AdaptiveGamma) else (self.gamma,)
+        return self.gamma.gammas if self.adaptive else (self.gamma,)
 
     @property
     def max_gamma(self) -> int:
         return max(self.gammas)
+
+    def slots_needed(self, prompt_length: int) -> int:
+        """Cache slots for a prompt: prompt + max_new_tokens + the largest verification block."""
+        return int(prompt_length) + self.max_new_tokens + self.max_gamma + 1
+
+    def verifier_for(self, sampling: sampling_lib.SamplingConfig) -> verify_lib.Verifier:
+        if sampling.greedy:
+            return verify_lib.GreedyVerifier()
+        return verify_lib.BlockVerifier() if self.verifier == "block" else verify_lib.TokenVerifier()
+
+
+@struct.dataclass
+class EngineParams:
+    """The weights of one engine call: the target's and the drafter's (None for model-free)."""
+    target: Any
+    draft: Any = None
 
 
 @struct.dataclass
@@ -79,8 +112,8 @@ class Metrics:
     """Per-row counters, summed over rounds in which the row was active.
 
     accepted counts what the verifier accepted, including tokens that EOS or max_new_tokens
-    then cut off; committed counts what was written. draft_passes: gamma draft forwards per
-    round for model drafters (catch-up ingests not counted), 0 for model-free drafters.
+    then cut off; committed counts what was written. draft_passes: the drafter's forward
+    passes (`Drafter.forward_passes`; catch-up ingests not counted).
     """
     rounds_B: jax.Array
     draft_passes_B: jax.Array
@@ -92,6 +125,12 @@ class Metrics:
     tested_at_BG: jax.Array       # draft position j reached verification
     gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
     invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not finite (proposals discarded)
+
+    @classmethod
+    def zeros(cls, batch: int, max_gamma: int, num_gammas: int) -> "Metrics":
+        z_B = jnp.zeros((batch,), jnp.int32)
+        z_BG = jnp.zeros((batch, max_gamma), jnp.int32)
+        return cls(z_B, z_B, z_B, z_B, z_B, z_B, z_BG, z_BG, jnp.zeros((num_gammas,), jnp.int32), z_B)
 
     @property
     def target_passes_B(self):
@@ -133,8 +172,18 @@ class LoopState:
     draft_state: Any
     key_B: jax.Array
     metrics: Metrics
-    policy: Any
+    policy: Any                  # adaptive gamma's PolicyState, or None
     round: jax.Array
+
+
+@struct.dataclass
+class Commit:
+    """What one round wrote: tokens_BK (K = max_gamma + 1; slots >= n_B are padding) at
+    slots [start_B, start_B + n_B) of each row. Small: the stream copies only this to the host."""
+    tokens_BK: jax.Array
+    start_B: jax.Array
+    n_B: jax.Array
+    done_B: jax.Array
 
 
 @struct.dataclass
@@ -145,42 +194,38 @@ class GenerateOutput:
     status_B: jax.Array
     metrics: Metrics
 
+    @classmethod
+    def from_state(cls, state: LoopState) -> "GenerateOutput":
+        return cls(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, prompt_lengths_B=state.prompt_lengths_B,
+                   status_B=state.status_B, metrics=state.metrics)
+
     def generated(self) -> list[list[int]]:
         toks, lens, plens = (np.asarray(x) for x in (self.tokens_BL, self.lengths_B, self.prompt_lengths_B))
         return [toks[b, plens[b]:lens[b]].tolist() for b in range(toks.shape[0])]
 
-
-# ----------------------------------------------------------------------------- host helpers
-
-def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int | None = None, multiple: int = 1):
-    """Right-pad token lists into (prompt_BP int32, prompt_lengths_B int32), checking them.
-
-    `multiple` rounds the padded width up (e.g. 64), so prompts of similar lengths share one
-    compiled program.
-    """
-    if len(prompts) == 0:
-        raise ValueError("no prompts given")
-    lens = [len(p) for p in prompts]
-    if min(lens) < 1:
-        raise ValueError(f"prompt {lens.index(min(lens))} is empty; every prompt needs >= 1 token")
-    for b, p in enumerate(prompts):
-        arr = np.asarray(p, np.int64)
-        if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
-            raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): "
-                             f"min {arr.min()}, max {arr.max()}")
-    tokens_BP, lengths_B = models.pad_prompts(prompts, pad_id=PAD_ID, multiple=multiple)
-    return jnp.asarray(tokens_BP), jnp.asarray(lengths_B, jnp.int32)
+    def statuses(self) -> list[str]:
+        return [STATUS_NAMES[int(s)] for s in np.asarray(self.status_B)]
 
 
-def request_keys(key: jax.Array, request_ids) -> jax.Array:
-    """One key per request, folded from its id: samples do not depend on batch layout."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(request_ids, jnp.uint32))
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A checked, device-ready batch of requests (build it with `specjax.decoding.make_batch`).
+
+    prompt_BP: right-padded prompts; prompt_lengths_B: their lengths; key_B: one key per
+    request; capacity: cache slots (static: one compiled program per capacity)."""
+    prompt_BP: jax.Array
+    prompt_lengths_B: jax.Array
+    key_B: jax.Array
+    capacity: int
 
 
-def _verifier(config: GenerationConfig, cfg: sampling_lib.SamplingConfig):
-    if cfg.greedy:
-        return verify_lib.GreedyVerifier()
-    return verify_lib.BlockVerifier() if config.verifier == "block" else verify_lib.TokenVerifier()
+@dataclasses.dataclass
+class StreamEvent:
+    round: int
+    new_tokens: list[list[int]]     # per row, the tokens committed this round
+    done: list[bool]
+    elapsed_s: float                # since the call started (prefill included)
+    output: GenerateOutput | None = None   # set on the last event only
 
 
 def _write_rows(buf_BL, block_BK, start_B, n_B):
@@ -195,240 +240,274 @@ def _write_rows(buf_BL, block_BK, start_B, n_B):
     return jax.vmap(one)(buf_BL, block_BK, start_B, n_B)
 
 
-# ----------------------------------------------------------------------------- one round
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """Target, drafter (None for target-only decoding) and generation config; see the module doc."""
+    target: models.DecoderModel
+    drafter: Drafter | None
+    config: GenerationConfig
 
-def _round(target, target_params, drafter, draft_params, config, cfg, gamma, state: LoopState):
-    """One draft-verify round with a static gamma. Returns (state, tested_mean, any_tested)."""
-    B = state.tokens_BL.shape[0]
-    G1 = config.max_gamma + 1
-    keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
-    draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
-    L_B = state.lengths_B
-    last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
+    def __post_init__(self):
+        if self.config.max_gamma > 0 and self.drafter is None:
+            raise ValueError("gamma > 0 needs a drafter")
+        if self.drafter is not None and self.drafter.vocab_size != self.target.vocab_size:
+            raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target "
+                             f"{self.target.vocab_size}; speculative sampling needs a shared vocabulary")
 
-    V = target.vocab_size
-    if gamma > 0:
-        extra = {"target_cache": state.target_cache} if getattr(drafter, "reads_target_cache", False) else {}
-        draft_BG, q_BGV, draft_state = drafter.propose(
-            draft_params, state.draft_state, state.tokens_BL, L_B, draft_key_B, gamma, cfg, **extra)
-    else:
-        draft_BG = jnp.zeros((B, 0), jnp.int32)
-        q_BGV = jnp.zeros((B, 0, V), jnp.float32)
-        draft_state = state.draft_state
-    block_BG1 = jnp.concatenate([last_B[:, None], draft_BG], axis=1)
-    logits_BGV, target_cache = target.apply(target_params, block_BG1, state.target_cache)
-    p_BG1V = sampling_lib.probabilities(logits_BGV, cfg)
+    # ------------------------------------------------------------------ stages of one round
 
-    # Non-finite inputs. (a) A draft q that is not finite cannot be verified: the row's
-    # proposals are discarded and the round commits one token sampled from p_0, exactly a
-    # gamma = 0 round for that row. (b) NaN or +inf target logits: positions from the first such
-    # one are replaced by a uniform p before verifying (keeps the verifier's arithmetic finite;
-    # nothing from those positions is committed, see below).
-    bad_p_BG1 = (jnp.isnan(logits_BGV) | jnp.isposinf(logits_BGV)).any(axis=-1)   # -inf is a legal mask
-    bad_p_BG1 = jnp.cumsum(bad_p_BG1, axis=1) > 0
-    p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
-    bad_q_B = ~jnp.isfinite(q_BGV).all(axis=(1, 2)) if gamma > 0 else jnp.zeros((B,), bool)
-    q_safe_BGV = jnp.where(bad_q_B[:, None, None], jax.nn.one_hot(draft_BG, V, dtype=q_BGV.dtype), q_BGV)
+    def _propose(self, params, state: LoopState, key_B, gamma, sampling):
+        B = state.tokens_BL.shape[0]
+        if gamma == 0:
+            return (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, self.target.vocab_size), jnp.float32),
+                    state.draft_state)
+        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
+                               target_cache=state.target_cache)
+        return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
-    verifier = _verifier(config, cfg)
-    res = jax.vmap(lambda k, d, q, p: jax.tree.map(lambda x: x[0], verifier(k, d[None], q[None], p[None])))(
-        verify_key_B, draft_BG, q_safe_BGV, p_safe_BG1V)
-    if gamma > 0:   # bad-q rows: the gamma = 0 outcome, one token from p_0 with its own key
+    def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
+        """Non-finite inputs. (a) A draft q that is not finite cannot be verified: the row's
+        proposals are discarded and the round commits one token sampled from p_0, exactly a
+        gamma = 0 round for that row. (b) NaN or +inf target logits: positions from the first
+        such one are replaced by a uniform p before verifying (keeps the verifier's arithmetic
+        finite; nothing from those positions is committed, see `_truncate`)."""
+        V = self.target.vocab_size
+        bad_p_BG1 = (jnp.isnan(logits_BG1V) | jnp.isposinf(logits_BG1V)).any(axis=-1)   # -inf is a legal mask
+        bad_p_BG1 = jnp.cumsum(bad_p_BG1, axis=1) > 0
+        p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
+        bad_q_B = ~jnp.isfinite(q_BGV).all(axis=(1, 2))     # all True-free for gamma = 0
+        q_safe_BGV = jnp.where(bad_q_B[:, None, None], jax.nn.one_hot(draft_BG, V, dtype=q_BGV.dtype), q_BGV)
+        return p_safe_BG1V, q_safe_BGV, bad_p_BG1, bad_q_B
+
+    def _verify(self, sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B):
+        """The verifier, vmapped over rows (each with its own key); bad-q rows get the gamma = 0
+        outcome, one token from p_0 with their own key."""
+        gamma = draft_BG.shape[1]
+        verifier = self.config.verifier_for(sampling)
+        res = jax.vmap(lambda k, d, q, p: jax.tree.map(lambda x: x[0], verifier(k, d[None], q[None], p[None])))(
+            verify_key_B, draft_BG, q_BGV, p_BG1V)
+        if gamma == 0:
+            return res
         fresh_key_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
-        fresh_B = (jnp.argmax(p_safe_BG1V[:, 0], -1) if cfg.greedy
-                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_safe_BG1V[:, 0]))
+        fresh_B = (jnp.argmax(p_BG1V[:, 0], -1) if sampling.greedy
+                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_BG1V[:, 0]))
         fresh_BG1 = jnp.full_like(res.committed_BG1, verify_lib.PAD_TOKEN).at[:, 0].set(
             fresh_B.astype(res.committed_BG1.dtype))
-        res = res.replace(n_accepted_B=jnp.where(bad_q_B, 0, res.n_accepted_B),
-                          committed_BG1=jnp.where(bad_q_B[:, None], fresh_BG1, res.committed_BG1),
-                          degenerate_residual_B=jnp.where(bad_q_B, 0, res.degenerate_residual_B))
+        return res.replace(n_accepted_B=jnp.where(bad_q_B, 0, res.n_accepted_B),
+                           committed_BG1=jnp.where(bad_q_B[:, None], fresh_BG1, res.committed_BG1),
+                           degenerate_residual_B=jnp.where(bad_q_B, 0, res.degenerate_residual_B))
 
-    active_B = ~state.done_B
-    j_G1 = jnp.arange(gamma + 1)
-    # Non-finite target logits: only the positions whose p the verifier used (0 .. n_accepted)
-    # matter. With the first one at j <= n_accepted the row keeps the j drafts accepted before
-    # it (exactly what target-only decoding commits before reaching it) and stops with NAN_LOGITS.
-    nan_BG1 = bad_p_BG1 & (j_G1[None] <= res.n_accepted_B[:, None])
-    nan_B = nan_BG1.any(axis=1) & active_B
-    remaining_B = config.max_new_tokens - (L_B - state.prompt_lengths_B)
-    n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), res.n_accepted_B + 1)
-    n_commit_B = jnp.minimum(n_commit_B, remaining_B)
-    if config.eos_ids:
-        is_eos_BG1 = jnp.isin(res.committed_BG1, jnp.asarray(config.eos_ids)) & (j_G1[None] < n_commit_B[:, None])
-        hit_eos_B = is_eos_BG1.any(axis=1)
-        n_commit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BG1, axis=1) + 1, n_commit_B)
-    else:
-        hit_eos_B = jnp.zeros((B,), bool)
-    live_B = active_B & ~nan_B
-    hit_eos_B = hit_eos_B & active_B
-    n_commit_B = jnp.where(active_B, n_commit_B, 0).astype(jnp.int32)
+    def _truncate(self, state: LoopState, res, bad_p_BG1):
+        """How many of the verified tokens each row commits, and how rows end.
 
-    committed_BK = jnp.pad(res.committed_BG1, ((0, 0), (0, G1 - (gamma + 1))), constant_values=PAD_ID)
-    tokens_BL = _write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B)
-    new_L_B = L_B + n_commit_B
+        Non-finite target logits: only the positions whose p the verifier used (0 ..
+        n_accepted) matter. With the first one at j <= n_accepted the row keeps the j drafts
+        accepted before it (exactly what target-only decoding commits before reaching it) and
+        stops with NAN_LOGITS. Whatever ends the row first in token order names its status
+        (EOS or the limit can come before a NaN position inside the same block)."""
+        config = self.config
+        G1 = res.committed_BG1.shape[1]
+        B = state.lengths_B.shape[0]
+        active_B = ~state.done_B
+        j_G1 = jnp.arange(G1)
+        nan_BG1 = bad_p_BG1 & (j_G1[None] <= res.n_accepted_B[:, None])
+        nan_B = nan_BG1.any(axis=1) & active_B
+        remaining_B = config.max_new_tokens - (state.lengths_B - state.prompt_lengths_B)
+        n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), res.n_accepted_B + 1)
+        n_commit_B = jnp.minimum(n_commit_B, remaining_B)
+        if config.eos_ids:
+            is_eos_BG1 = jnp.isin(res.committed_BG1, jnp.asarray(config.eos_ids)) & (j_G1[None] < n_commit_B[:, None])
+            hit_eos_B = is_eos_BG1.any(axis=1)
+            n_commit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BG1, axis=1) + 1, n_commit_B)
+        else:
+            hit_eos_B = jnp.zeros((B,), bool)
+        hit_eos_B = hit_eos_B & active_B
+        n_commit_B = jnp.where(active_B, n_commit_B, 0).astype(jnp.int32)
+        new_L_B = state.lengths_B + n_commit_B
+        reached_max_B = active_B & (new_L_B - state.prompt_lengths_B >= config.max_new_tokens)
+        status_B = jnp.where(reached_max_B, MAX_TOKENS, state.status_B)
+        status_B = jnp.where(nan_B & ~hit_eos_B & ~reached_max_B, NAN_LOGITS, status_B)
+        status_B = jnp.where(hit_eos_B, EOS, status_B)
+        done_B = state.done_B | nan_B | hit_eos_B | reached_max_B
+        return n_commit_B, status_B, done_B, active_B & ~nan_B
 
-    reached_max_B = active_B & (new_L_B - state.prompt_lengths_B >= config.max_new_tokens)
-    # Whatever ends the row first in token order names its status (EOS or the limit can come
-    # before a NaN position inside the same block).
-    status_B = jnp.where(active_B & reached_max_B, MAX_TOKENS, state.status_B)
-    status_B = jnp.where(nan_B & ~hit_eos_B & ~reached_max_B, NAN_LOGITS, status_B)
-    status_B = jnp.where(hit_eos_B, EOS, status_B)
-    done_B = state.done_B | nan_B | hit_eos_B | reached_max_B
+    def _bookkeep(self, state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B):
+        """Per-row counters of this round, and the mean tested acceptance min(1, p/q) that
+        feeds adaptive gamma: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al.
+        2023, Def. 3.1), from the sampled draft tokens; independent of which verifier ran."""
+        m = state.metrics
+        active_B = ~state.done_B
+        pad_G = self.config.max_gamma - gamma
+        drafted_B = live_B & ~bad_q_B
+        n_acc_B = jnp.where(drafted_B, res.n_accepted_B, 0)
+        pos_G = jnp.arange(gamma)
+        accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
+        tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & drafted_B[:, None]
+        draft_forwards = 0 if gamma == 0 else self.drafter.forward_passes(gamma)
+        metrics = Metrics(
+            rounds_B=m.rounds_B + active_B.astype(jnp.int32),
+            draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_forwards,
+            proposed_B=m.proposed_B + drafted_B.astype(jnp.int32) * gamma,
+            accepted_B=m.accepted_B + n_acc_B,
+            committed_B=m.committed_B + n_commit_B,
+            degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, res.degenerate_residual_B, 0),
+            accepted_at_BG=m.accepted_at_BG + jnp.pad(accepted_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
+            tested_at_BG=m.tested_at_BG + jnp.pad(tested_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
+            gamma_rounds_K=m.gamma_rounds_K + (jnp.asarray(self.config.gammas) == gamma).astype(jnp.int32),
+            invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
+        )
+        n_tested = jnp.sum(tested_at_BG)
+        px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
+        qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
+        ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
+        tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
+        return metrics, tested_mean, n_tested > 0
 
-    m = state.metrics
-    pad_G = config.max_gamma - gamma
-    drafted_B = live_B & ~bad_q_B
-    n_acc_B = jnp.where(drafted_B, res.n_accepted_B, 0)
-    pos_G = jnp.arange(gamma)
-    accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
-    tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & drafted_B[:, None]
-    draft_forwards = 0 if getattr(drafter, "model_free", False) else gamma
-    metrics = Metrics(
-        rounds_B=m.rounds_B + active_B.astype(jnp.int32),
-        draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_forwards,
-        proposed_B=m.proposed_B + drafted_B.astype(jnp.int32) * gamma,
-        accepted_B=m.accepted_B + n_acc_B,
-        committed_B=m.committed_B + n_commit_B,
-        degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, res.degenerate_residual_B, 0),
-        accepted_at_BG=m.accepted_at_BG + jnp.pad(accepted_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
-        tested_at_BG=m.tested_at_BG + jnp.pad(tested_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
-        gamma_rounds_K=m.gamma_rounds_K + (jnp.asarray(config.gammas) == gamma).astype(jnp.int32),
-        invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
-    )
-    n_tested = jnp.sum(tested_at_BG)
-    # alpha estimate: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al. 2023, Def. 3.1),
-    # from the sampled draft tokens; independent of which verifier ran.
-    px_BG = jnp.take_along_axis(p_safe_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
-    qx_BG = jnp.take_along_axis(q_safe_BGV, draft_BG[..., None], axis=-1)[..., 0]
-    ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
-    tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
+    def _round(self, params: EngineParams, sampling, gamma: int, state: LoopState):
+        """One draft-verify round with a static gamma -> (state, Commit, tested_mean, any_tested)."""
+        keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
+        draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
+        L_B = state.lengths_B
+        last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
 
-    new_state = state.replace(
-        tokens_BL=tokens_BL, lengths_B=new_L_B, done_B=done_B, status_B=status_B,
-        target_cache=rollback_to_committed(target_cache, new_L_B),
-        draft_state=drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state,
-        key_B=next_key_B, metrics=metrics, round=state.round + 1)
-    return new_state, tested_mean, n_tested > 0
+        draft_BG, q_BGV, draft_state = self._propose(params, state, draft_key_B, gamma, sampling)
+        block_BG1 = jnp.concatenate([last_B[:, None], draft_BG], axis=1)
+        logits_BG1V, target_cache = self.target.apply(params.target, block_BG1, state.target_cache)
+        p_BG1V = sampling_lib.probabilities(logits_BG1V, sampling)
+        p_BG1V, q_BGV, bad_p_BG1, bad_q_B = self._sanitize(logits_BG1V, p_BG1V, draft_BG, q_BGV)
+        res = self._verify(sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B)
+        n_commit_B, status_B, done_B, live_B = self._truncate(state, res, bad_p_BG1)
+        metrics, tested_mean, any_tested = self._bookkeep(
+            state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B)
 
+        K = self.config.max_gamma + 1
+        committed_BK = jnp.pad(res.committed_BG1, ((0, 0), (0, K - (gamma + 1))), constant_values=PAD_ID)
+        new_L_B = L_B + n_commit_B
+        new_state = state.replace(
+            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
+            done_B=done_B, status_B=status_B,
+            # Caches see the committed prefix minus its last token (rollback = lengths only).
+            target_cache=target_cache.truncate(new_L_B - 1),
+            draft_state=self.drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state,
+            key_B=next_key_B, metrics=metrics, round=state.round + 1)
+        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
+                        start_B=L_B, n_B=n_commit_B, done_B=done_B)
+        return new_state, commit, tested_mean, any_tested
 
-def _step(target, target_params, drafter, draft_params, config, cfg, round_time_K, state):
-    """One round, with gamma fixed or chosen by the adaptive policy."""
-    if not isinstance(config.gamma, _adaptive.AdaptiveGamma):
-        state, _, _ = _round(target, target_params, drafter, draft_params, config, cfg, config.gamma, state)
-        return state
-    policy = config.gamma
-    chosen, probe = _adaptive.choose(policy, state.policy, round_time_K)
-    branches = [
-        (lambda s, g=g: _round(target, target_params, drafter, draft_params, config, cfg, g, s))
-        for g in policy.gammas]
-    state, tested_mean, any_tested = jax.lax.switch(chosen, branches, state)
-    return state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean, any_tested))
+    def _step(self, params, sampling, state):
+        """One round, with gamma fixed or chosen by the adaptive policy."""
+        if not self.config.adaptive:
+            state, commit, _, _ = self._round(params, sampling, self.config.gamma, state)
+            return state, commit
+        policy = self.config.gamma
+        chosen, probe = _adaptive.choose(policy, state.policy)
+        branches = [functools.partial(self._round, params, sampling, g) for g in policy.gammas]
+        state, commit, tested_mean, any_tested = jax.lax.switch(chosen, branches, state)
+        return state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean,
+                                                     any_tested)), commit
 
+    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity):
+        B, P = prompt_BP.shape
+        tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
+        # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
+        # otherwise spends tens of seconds of compile time folding attention over constants).
+        cache = jax.lax.optimization_barrier(self.target.init_cache(B, capacity))
+        _, cache = self.target.apply(params.target, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
+        draft_state = (self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
+                       if self.config.max_gamma > 0 else None)
+        policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None
+        return LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
+                         done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
+                         draft_state=draft_state, key_B=key_B,
+                         metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
+                         policy=policy, round=jnp.int32(0))
 
-def _init_state(target, target_params, drafter, draft_params, config, prompt_BP, prompt_lengths_B,
-                key_B, capacity):
-    B, P = prompt_BP.shape
-    tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
-    # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
-    # otherwise spends tens of seconds of compile time folding attention over constants).
-    cache = jax.lax.optimization_barrier(target.init_cache(B, capacity))
-    _, cache = target.apply(target_params, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
-    draft_state = (drafter.init(draft_params, prompt_BP, prompt_lengths_B, capacity)
-                   if config.max_gamma > 0 else None)
-    G, K = config.max_gamma, len(config.gammas)
-    zeros_B = jnp.zeros((B,), jnp.int32)
-    metrics = Metrics(zeros_B, zeros_B, zeros_B, zeros_B, zeros_B, zeros_B,
-                      jnp.zeros((B, G), jnp.int32), jnp.zeros((B, G), jnp.int32), jnp.zeros((K,), jnp.int32),
-                      zeros_B)
-    policy = None
-    if isinstance(config.gamma, _adaptive.AdaptiveGamma):
-        policy = _adaptive.init_policy(config.gamma, len(config.gammas) - 1)
-    return LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
-                     done_B=jnp.zeros((B,), bool), status_B=zeros_B, target_cache=cache,
-                     draft_state=draft_state, key_B=key_B, metrics=metrics, policy=policy,
-                     round=jnp.int32(0))
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity):
+        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity)
+        max_rounds = self.config.max_rounds or self.config.max_new_tokens
 
+        def cond(s):
+            return (~jnp.all(s.done_B)) & (s.round < max_rounds)
 
-def _generate(target, target_params, drafter, draft_params, config, cfg, prompt_BP, prompt_lengths_B,
-              key_B, round_time_K, capacity):
-    state = _init_state(target, target_params, drafter, draft_params, config, prompt_BP,
-                        prompt_lengths_B, key_B, capacity)
-    max_rounds = config.max_rounds or config.max_new_tokens
+        state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
+        return GenerateOutput.from_state(state)
 
-    def cond(s):
-        return (~jnp.all(s.done_B)) & (s.round < max_rounds)
+    # ------------------------------------------------------------------ compiled entry points
 
-    def body(s):
-        return _step(target, target_params, drafter, draft_params, config, cfg, round_time_K, s)
+    _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
+    _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
+    _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
+    _round_jit = functools.partial(jax.jit, static_argnums=(0, 3))(_round)
 
-    state = jax.lax.while_loop(cond, body, state)
-    return GenerateOutput(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
-                          prompt_lengths_B=state.prompt_lengths_B, status_B=state.status_B,
-                          metrics=state.metrics)
+    def _round_time_K(self, round_time_s):
+        if round_time_s is None:
+            # Uncalibrated default: a round costs (1 + 0.1 gamma) target tokens (cheap draft).
+            return jnp.asarray([1.0 + 0.1 * g for g in self.config.gammas], jnp.float32)
+        rt = jnp.asarray(round_time_s, jnp.float32)
+        if rt.shape != (len(self.config.gammas),):
+            raise ValueError(f"round_time_s needs one entry per gamma {self.config.gammas}, got shape {rt.shape}")
+        return rt
 
+    def _check(self, batch: Batch):
+        """Host-side capacity check before anything runs (XLA clamps out-of-range writes)."""
+        need = self.config.slots_needed(int(np.max(np.asarray(batch.prompt_lengths_B))))
+        if need > batch.capacity:
+            raise models.CacheCapacityError(
+                f"cache capacity {batch.capacity} is too small: the longest prompt has "
+                f"{int(np.max(np.asarray(batch.prompt_lengths_B)))} tokens, max_new_tokens="
+                f"{self.config.max_new_tokens} and a verification block of gamma+1={self.config.max_gamma + 1} "
+                f"need {need} slots. Raise the capacity or shorten the prompt.")
+        if batch.prompt_BP.shape[1] > batch.capacity:
+            raise models.CacheCapacityError(
+                f"padded prompt width {batch.prompt_BP.shape[1]} exceeds the cache capacity {batch.capacity}")
 
-_generate_jit = jax.jit(_generate, static_argnames=("target", "drafter", "config", "capacity"))
+    def init(self, params: EngineParams, batch: Batch, round_time_s=None) -> LoopState:
+        """Prefill the target (and the drafter) on the batch: the state `step` advances."""
+        self._check(batch)
+        return self._init_jit(params, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
+                              self._round_time_K(round_time_s), capacity=batch.capacity)
 
+    def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
+        """One round; ``state`` is donated (its buffers are updated in place, do not reuse it)."""
+        return self._step_jit(params, sampling, state)
 
-def capacity_for(prompt_lengths, config: GenerationConfig, multiple: int = 1) -> int:
-    """Slots needed: longest prompt + max_new_tokens + gamma_max + 1 (the verification block),
-    rounded up to `multiple` so that nearby prompt lengths share one compiled program."""
-    need = int(max(prompt_lengths)) + config.max_new_tokens + config.max_gamma + 1
-    return -(-need // multiple) * multiple
+    def run(self, params: EngineParams, sampling, batch: Batch, round_time_s=None) -> GenerateOutput:
+        """The whole generation in one jitted `lax.while_loop`, fully on device."""
+        self._check(batch)
+        return self._run_jit(params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
+                             self._round_time_K(round_time_s), capacity=batch.capacity)
 
+    def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None) -> Iterator[StreamEvent]:
+        """Yields each round's committed tokens per row with host timestamps; only the round's
+        `Commit` is copied to the host. The last event carries the `GenerateOutput`."""
+        t0 = time.perf_counter()
+        state = self.init(params, batch, round_time_s)
+        max_rounds = self.config.max_rounds or self.config.max_new_tokens
+        for r in range(1, max_rounds + 1):
+            state, commit = self.step(params, sampling, state)
+            c = jax.device_get(commit)
+            new_tokens = [c.tokens_BK[b, :c.n_B[b]].tolist() for b in range(c.n_B.shape[0])]
+            last = bool(np.all(c.done_B)) or r == max_rounds
+            yield StreamEvent(round=r, new_tokens=new_tokens, done=[bool(d) for d in c.done_B],
+                              elapsed_s=time.perf_counter() - t0,
+                              output=GenerateOutput.from_state(state) if last else None)
+            if last:
+                return
 
-def _checked_capacity(prompt_BP, prompt_lengths_B, config, capacity):
-    """Host-side capacity check before anything runs (XLA clamps out-of-range writes)."""
-    plens = np.asarray(prompt_lengths_B)
-    if plens.min() < 1 or plens.max() > prompt_BP.shape[1]:
-        raise ValueError(f"prompt lengths must lie in [1, {prompt_BP.shape[1]}] (the padded width), "
-                         f"got min {plens.min()}, max {plens.max()}")
-    if capacity is None:
-        # From the padded width, not the longest prompt: a static shape, so batches padded to
-        # the same width share one compiled program.
-        capacity = capacity_for([prompt_BP.shape[1]], config)
-    check_capacity(capacity, plens, config.max_new_tokens, config.max_gamma)
-    if prompt_BP.shape[1] > capacity:
-        raise CacheCapacityError(f"padded prompt width {prompt_BP.shape[1]} exceeds the cache capacity {capacity}")
-    return capacity
+    def round_times(self, params: EngineParams, sampling, batch: Batch, repeats: int = 5) -> list[float]:
+        """Median wall time of one round for each gamma in `config.gammas`, on this batch.
 
-
-def _round_times(config, round_time_s):
-    if round_time_s is None:
-        # Uncalibrated default: a round costs (1 + 0.1 gamma) target tokens (cheap draft).
-        return jnp.asarray([1.0 + 0.1 * g for g in config.gammas], jnp.float32)
-    rt = jnp.asarray(round_time_s, jnp.float32)
-    if rt.shape != (len(config.gammas),):
-        raise ValueError(f"round_time_s needs one entry per gamma {config.gammas}, got shape {rt.shape}")
-    return rt
-
-
-def _check_pair(target, drafter, config):
-    if config.max_gamma > 0 and drafter is None:
-        raise ValueError("gamma > 0 needs a drafter")
-    if drafter is not None and drafter.vocab_size != target.vocab_size:
-        raise ValueError(f"vocab mismatch: the drafter has {drafter.vocab_size} tokens, the target "
-                         f"{target.vocab_size}; speculative sampling needs a shared vocabulary")
-
-
-def speculative_generate(target, target_params, drafter, draft_params, prompt_BP, prompt_lengths_B,
-                         key_B, sampling: sampling_lib.SamplingConfig, config: GenerationConfig,
-                         round_time_s=None, capacity: int | None = None) -> GenerateOutput:
-    """Speculative decoding of a batch of right-padded prompts, fully on device.
-
-    key_B holds one key per row (see `request_keys`). round_time_s (one per gamma in the
-    adaptive set) feeds the adaptive policy; see `calibrate_round_times`.
-    """
-    _check_pair(target, drafter, config)
-    capacity = _checked_capacity(prompt_BP, prompt_lengths_B, config, capacity)
-    return _generate_jit(target, target_params, drafter, draft_params, config, sampling, prompt_BP,
-                         prompt_lengths_B, key_B, _round_times(config, round_time_s), capacity)
-
-
-def autoregressive_generate(target, target_params, prompt_BP, prompt_lengths_B, key_B,
-                            sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
-                            eos_ids: tuple[int, ...] = (), capacity: int | None = None) -> GenerateOutput:
-    """Target-only decoding: the same loop with gamma = 0."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, eos_ids=tuple(eos_ids))
-    return speculative_generate(target, target_params, None, None, prompt_BP, prompt_lengths_B, key_B,
-                                sampling, config, capacity=capacity)
+        Feeds adaptive gamma (``round_time_s=``); run once per model pair and machine. Each
+        gamma is compiled and warmed up first; every timed call starts from the same prefilled
+        state (not donated), so all repeats do identical work."""
+        state = self.init(params, batch)
+        out = []
+        for g in self.config.gammas:
+            jax.block_until_ready(self._round_jit(params, sampling, g, state))
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(self._round_jit(params, sampling, g, state))
+                ts.append(time.perf_counter() - t0)
+            out.append(float(np.median(ts)))
+        return out

@@ -19,13 +19,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.decoding import _engine
+from specjax.decoding._engine import Engine, EngineParams, GenerationConfig
+from specjax.decoding._request import make_batch
 
 NEAR_TIE_EPS = 1e-3   # absolute logit gap; one- vs multi-token forwards differ by ~1e-5 here
-_GREEDY = sampling_lib.SamplingConfig.make(temperature=0.0)
 
 
 @dataclasses.dataclass
@@ -53,26 +52,21 @@ def _batches(items, batch_size):
         yield chunk
 
 
-def _run(target, params, drafter, dparams, config, prompts, pad_multiple):
-    prompt_BP, plens = _engine.pad_prompts(prompts, target.vocab_size, pad_multiple)
-    cap = max(_engine.capacity_for(np.asarray(plens), config, pad_multiple), prompt_BP.shape[1])
-    keys = _engine.request_keys(jax.random.key(0), list(range(len(prompts))))
-    if drafter is None:
-        out = _engine.autoregressive_generate(target, params, prompt_BP, plens, keys, _GREEDY,
-                                              config.max_new_tokens, capacity=cap)
-    else:
-        out = _engine.speculative_generate(target, params, drafter, dparams, prompt_BP, plens, keys,
-                                           _GREEDY, config, capacity=cap)
+def _run(target, drafter, params: EngineParams, config, prompts, pad_multiple):
+    engine = Engine(target, drafter, config)
+    batch = make_batch(prompts, config, jax.random.key(0), vocab_size=target.vocab_size, pad_multiple=pad_multiple)
+    out = engine.run(params, sampling_lib.SamplingConfig.greedy_config(), batch)
     return out.generated(), jax.device_get(out.metrics)
 
 
-def reference_greedy(target, params, prompts, max_new_tokens, *, batch_size=4, pad_multiple=128):
+def reference_greedy(target, target_params, prompts, max_new_tokens, *, batch_size=4, pad_multiple=128):
     """Target-only greedy continuations, grouped by length so batches share compiled shapes."""
-    config = _engine.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=0)
+    params = EngineParams(target=target_params)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     refs = {}
     for chunk in _batches([(i, prompts[i]) for i in order], batch_size):
-        toks, _ = _run(target, params, None, None, config, [c[1] for c in chunk], pad_multiple)
+        toks, _ = _run(target, None, params, config, [c[1] for c in chunk], pad_multiple)
         for (i, _), t in zip(chunk, toks):
             if i >= 0:
                 refs[i] = t
@@ -86,13 +80,16 @@ def _top2_gap(target, params, seq: list[int], pos: int) -> float:
     return float(top2[0] - top2[1])
 
 
-def greedy_check(target, target_params, drafter, draft_params, prompts: list[list[int]], max_new_tokens: int,
+def greedy_check(target, drafter, params: EngineParams, prompts: list[list[int]], max_new_tokens: int,
                  gamma, *, references=None, batch_size: int = 1, eps: float = NEAR_TIE_EPS,
                  pad_multiple: int = 128, verifier: str = "token", max_restarts: int = 8) -> list[RowReport]:
-    """Compare speculative greedy decoding with target-only greedy references (module doc)."""
+    """Compare speculative greedy decoding with target-only greedy references (module doc).
+
+    gamma: an int or an `AdaptiveGamma`."""
+    target_params = params.target
     if references is None:
         references = reference_greedy(target, target_params, prompts, max_new_tokens, pad_multiple=pad_multiple)
-    config = _engine.GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, verifier=verifier)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, verifier=verifier)
     reports = [RowReport(i) for i in range(len(prompts))]
     # Work items: (prompt index, prompt tokens, reference continuation, tokens still to compare).
     pending = [(i, list(prompts[i]), list(references[i]), max_new_tokens) for i in range(len(prompts))]
@@ -102,8 +99,7 @@ def greedy_check(target, target_params, drafter, draft_params, prompts: list[lis
         pending.sort(key=lambda w: len(w[1]))
         next_pending = []
         for chunk in _batches(pending, batch_size):
-            spec_toks, m = _run(target, target_params, drafter, draft_params, config, [c[1] for c in chunk],
-                                pad_multiple)
+            spec_toks, m = _run(target, drafter, params, config, [c[1] for c in chunk], pad_multiple)
             for b, (idx, prompt, ref, budget) in enumerate(chunk):
                 if idx < 0:
                     continue

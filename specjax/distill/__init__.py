@@ -5,6 +5,7 @@
     divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
     SequenceSet / TeacherData / BatchPlan / generate / teacher_states / from_jsonl   data
+    eval_plan                     a training config's held-out evaluation set
 """
 
 from specjax.distill._data import BatchPlan, SequenceSet, TeacherData, from_jsonl, generate, teacher_states
@@ -12,6 +13,7 @@ from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, ge
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
 from specjax.distill._loop import train, with_overrides
+from specjax.distill._prepare import eval_plan
 from specjax.distill._train import (LossSpec, TrainState, evaluate, greedy_accepted_per_pass, init_state,
                                     loss_fn, make_optimizer, make_train_step, merge_params, split_params,
                                     teacher_head)
@@ -19,7 +21,7 @@ from specjax.distill._train import (LossSpec, TrainState, evaluate, greedy_accep
 __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
-    "DraftChoice", "build_draft", "select_layers", "train", "with_overrides",
+    "DraftChoice", "build_draft", "select_layers", "train", "with_overrides", "eval_plan",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",
 ]

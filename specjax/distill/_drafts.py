@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import Llama, ModelConfig
-from specjax.models.llama import as_pure_params, stack_layers
+from specjax.models import stack_layers
 from specjax.models.reduced_head import ReducedHeadLlama, reduce_head
 
 
@@ -59,7 +59,7 @@ def select_layers(params, config: ModelConfig, layer_ids) -> tuple[dict, ModelCo
     ids = [int(i) for i in layer_ids]
     if not ids or min(ids) < 0 or max(ids) >= config.num_layers:
         raise ValueError(f"layer ids {ids} outside [0, {config.num_layers})")
-    p = dict(as_pure_params(params))
+    p = dict(params)
     layers = stack_layers(p["layers"])
     p["layers"] = jax.tree.map(lambda x: x[jnp.asarray(ids)], layers)
     return p, config.replace(num_layers=len(ids), scan_layers=True)
@@ -67,7 +67,7 @@ def select_layers(params, config: ModelConfig, layer_ids) -> tuple[dict, ModelCo
 
 def build_draft(choice: DraftChoice, target: Llama, target_params, *, key, head_ids=None):
     """(draft model, draft params) for a choice; `head_ids` required when head_vocab > 0."""
-    tp = as_pure_params(target_params)
+    tp = target_params
     if choice.kind == "target_layers":
         params, cfg = select_layers(tp, target.config, choice.layers)
         model = Llama(cfg)

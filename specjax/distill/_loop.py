@@ -209,8 +209,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     # ---- evaluation ----------------------------------------------------------------------
     eval_plan = None
     if c.eval.every > 0:
-        eval_plan = _data.BatchPlan(_prepare.eval_data(c, target, target_params, tokenizer(), log), 0,
-                                    c.data.tokens_per_batch, widths)
+        eval_plan = _prepare.eval_plan(c, target, target_params, tokenizer(), log)
 
     def run_eval(step, state):
         if eval_plan is None:

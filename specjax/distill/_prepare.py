@@ -61,6 +61,12 @@ def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherDat
         eos_ids=eos_ids(target, tokenizer), widths=widths, source="eval-greedy", log=log)
 
 
+def eval_plan(c, target, target_params, tokenizer, log=None) -> _data.BatchPlan:
+    """The held-out evaluation set of a training config (`eval_data`, cached), in one fixed order."""
+    data = eval_data(c, target, target_params, tokenizer, log)
+    return _data.BatchPlan(data, 0, c.data.tokens_per_batch, tuple(c.data.widths))
+
+
 def fixed_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
     path = pathlib.Path(c.data.fixed_jsonl)
     spec = dict(target=c.target, dtype=c.dtype, path=str(path.resolve()), size=path.stat().st_size,

@@ -191,7 +191,7 @@ def evaluate(draft, params, full_head_VD, plan, gamma) -> dict:
     target-greedy continuations)."""
     from specjax import analysis
     gammas = (int(gamma),) if np.ndim(gamma) == 0 else tuple(int(g) for g in gamma)
-    n_batches = len(plan._epoch(0))
+    n_batches = plan.batches_per_epoch
     alpha_sum = agree_sum = count = 0.0
     committed, passes = dict.fromkeys(gammas, 0), dict.fromkeys(gammas, 0)
     for i in range(n_batches):

@@ -10,17 +10,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.models._protocol import DecoderModel
+from specjax.drafters._protocol import DraftContext
+from specjax.models import DecoderModel, Llama, truncate_layers
 
 
 @struct.dataclass
 class ModelDraftState:
     cache: Any
-
-
-def rollback_to_committed(cache, new_lengths_B):
-    """A cache sees the committed prefix minus its last token: keep min(written, L - 1)."""
-    return cache.replace(lengths_B=jnp.minimum(cache.lengths_B, new_lengths_B - 1))
 
 
 def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
@@ -82,8 +78,12 @@ class ModelDrafter:
         block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
         return self.model.apply(params, block_B2, cache, num_valid_B=num_B)
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+    def forward_passes(self, gamma: int) -> int:
+        return gamma
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
         cache = state.cache
+        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
 
         # More than two unseen tokens happen only after rounds without drafting (adaptive
         # gamma = 0): ingest them two at a time until two are left. A fixed-gamma loop never
@@ -104,7 +104,8 @@ class ModelDrafter:
         return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
     def commit(self, state, new_lengths_B):
-        return ModelDraftState(cache=rollback_to_committed(state.cache, new_lengths_B))
+        # The cache sees the committed prefix minus its last token.
+        return ModelDraftState(cache=state.cache.truncate(new_lengths_B - 1))
 
 
 @struct.dataclass
@@ -125,11 +126,9 @@ class EarlyExitDrafter:
     writes the real entries for all layers. Build it with `EarlyExitDrafter.from_target`.
     """
     model: DecoderModel            # a Llama with config.num_layers = k
-    reads_target_cache = True      # the engine passes target_cache= to propose
 
     @classmethod
     def from_target(cls, target, target_params, num_layers: int):
-        from specjax.models import Llama, truncate_layers
         params, config = truncate_layers(target_params, target.config, num_layers)
         return cls(Llama(config)), params
 
@@ -140,10 +139,13 @@ class EarlyExitDrafter:
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         return NoState()
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg, *, target_cache):
+    def forward_passes(self, gamma: int) -> int:
+        return gamma
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
         k = self.model.config.num_layers
-        cache = target_cache.first_layers(k)
-        last_B1 = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
+        cache = context.target_cache.first_layers(k)
+        last_B1 = jnp.take_along_axis(context.tokens_BL, (context.lengths_B - 1)[:, None], axis=1)
         logits_B1V, cache = self.model.apply(params, last_B1, cache)
         tokens_BG, q_BGV, _ = rollout(self.model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)
         return tokens_BG, q_BGV, state

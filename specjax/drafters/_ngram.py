@@ -22,7 +22,6 @@ class NGramState:
 @dataclasses.dataclass(frozen=True)
 class NGramDrafter:
     vocab_size: int
-    model_free = True   # no forward passes: the engine counts 0 draft passes
     max_ngram: int = 3
     min_ngram: int = 1
 
@@ -51,7 +50,11 @@ class NGramDrafter:
             best_B = jnp.where(last_B >= 0, last_B, best_B)
         return best_B
 
-    def propose(self, params, state, tokens_BL, lengths_B, key_B, gamma, cfg):
+    def forward_passes(self, gamma: int) -> int:
+        return 0     # no model
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
         end_B = self.match_end(tokens_BL, lengths_B)
         found_B = end_B >= 0
         start_B = jnp.where(found_B, end_B + 1, lengths_B - 1)

@@ -1,25 +1,29 @@
-"""The drafter protocol: how the engine asks for proposals and reports what was kept.
+"""The drafter protocol: what a drafter reads, what it returns, and how it is told the outcome.
 
-A drafter is a frozen, hashable object (a static argument of the jitted loop); its weights,
-if any, travel separately as ``params`` so they are loop invariants, not loop carry.
+A drafter is a frozen, hashable object (a static argument of the jitted engine); its weights,
+if any, travel separately as ``params`` (an argument of every call, never a closure constant).
 
 Cache convention shared with the engine: a committed sequence of length L is "seen" by a
 model cache when the cache holds the first L - 1 tokens; the last committed token is always
 the first input of the next forward. So every round feeds the target ``[last, d_1 .. d_G]``.
 
-* ``init(params, tokens_BL, prompt_lengths_B, capacity) -> state``: prefill on the prompts.
-* ``propose(params, state, tokens_BL, lengths_B, key_B, gamma, sampling)
-  -> (draft_tokens_BG, q_BGV, state)``: G = gamma proposals per row, each sampled from
-  ``q`` with the row's own key; ``q`` must be exactly the distribution the token was drawn
-  from, after the same logits processing (``sampling``) the target uses. A deterministic
-  proposer reports one-hot ``q``.
-* Optional ``reads_target_cache = True``: the engine then also passes the target's cache
-  (holding the committed prefix minus the last token) as ``propose(..., target_cache=...)``,
-  read-only; the early-exit drafter runs on its first layers instead of keeping its own.
+Every ``propose`` gets one `DraftContext`, the same object for every kind of drafter: the
+committed tokens and lengths, the target's KV cache (holding the committed prefix minus the
+last token, read-only), and a slot for the target's hidden features of the committed
+positions (``None`` until a drafter needs them). A drafter reads what it needs from it; the
+engine never asks a drafter what kind it is.
+
+* ``init(params, prompt_BP, prompt_lengths_B, capacity) -> state``: prefill on the prompts.
+* ``propose(params, state, context, key_B, gamma, sampling) -> (tokens_BG, q_BGV, state)``:
+  G = gamma proposals per row, each sampled from ``q`` with the row's own key; ``q`` must be
+  exactly the distribution the token was drawn from, after the same logits processing
+  (``sampling``) the target uses. A deterministic proposer reports one-hot ``q``.
 * ``commit(state, new_lengths_B) -> state``: the round's committed lengths (accepted
-  proposals plus one target token, after EOS / max-token truncation); roll any cache back
-  to the new committed prefix. Rounds without drafting (gamma = 0) call neither ``propose``
+  proposals plus one target token, after EOS / max-token truncation); a cache is rolled back
+  with its own ``truncate``. Rounds without drafting (gamma = 0) call neither ``propose``
   nor ``commit``: a stateful drafter catches up on the unseen tokens in its next ``propose``.
+* ``forward_passes(gamma) -> int``: draft forward passes a round of ``gamma`` proposals
+  costs (0 for model-free drafters); feeds the metrics.
 """
 
 from __future__ import annotations
@@ -27,21 +31,40 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+from flax import struct
 
 PyTree = Any
+
+
+@struct.dataclass
+class DraftContext:
+    """What every drafter may read in a round (read-only).
+
+    tokens_BL: committed tokens, ``PAD_ID`` after ``lengths_B``; lengths_B: committed lengths;
+    target_cache: the target's KV cache (its rows hold ``lengths_B - 1`` tokens);
+    features: the target's hidden features of the committed positions, for feature-level
+      draft heads (``None`` while no drafter asks for them).
+    """
+    tokens_BL: jax.Array
+    lengths_B: jax.Array
+    target_cache: PyTree
+    features: PyTree = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
     vocab_size: int
 
-    def init(self, params: PyTree, tokens_BL: jax.Array, prompt_lengths_B: jax.Array,
+    def init(self, params: PyTree, prompt_BP: jax.Array, prompt_lengths_B: jax.Array,
              capacity: int) -> PyTree:
         ...
 
-    def propose(self, params: PyTree, state: PyTree, tokens_BL: jax.Array, lengths_B: jax.Array,
-                key_B: jax.Array, gamma: int, sampling: Any) -> tuple[jax.Array, jax.Array, PyTree]:
+    def propose(self, params: PyTree, state: PyTree, context: DraftContext, key_B: jax.Array,
+                gamma: int, sampling: Any) -> tuple[jax.Array, jax.Array, PyTree]:
         ...
 
     def commit(self, state: PyTree, new_lengths_B: jax.Array) -> PyTree:
+        ...
+
+    def forward_passes(self, gamma: int) -> int:
         ...

@@ -1,25 +1,31 @@
-"""Models: the Llama-family decoder, its KV cache, checkpoint loaders and exporter."""
+"""Models: the Llama-family decoder, its KV cache, checkpoint loaders, tokenizer and exporter.
 
-from specjax.models._protocol import CacheCapacityError, DecoderModel, check_capacity
+Modules: `config` (ModelConfig, loader errors), `llama` (the decoder and its parameter
+layouts), `kv_cache`, `names` (canonical / Hugging Face / GGUF tensor names), `gguf_loader` and
+`hf_loader` (checkpoint -> config and canonical params), `loading` (`load`,
+`load_with_tokenizer`), `tokenizer`, `export`, `registry` (named checkpoints), `reduced_head`
+and `draft_artifact` (distilled drafts).
+"""
+
+from specjax.models._protocol import CacheCapacityError, DecoderModel
 from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError,
                                    ModelConfig, TensorShapeError, UnsupportedArchitectureError)
-from specjax.models.export import export_hf, hf_config_dict
-from specjax.models.gguf_loader import load_gguf
-from specjax.models.hf_loader import load_hf
+from specjax.models.export import export_hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import (Llama, LlamaModule, load, load_model,
-                                  pad_prompts, param_logical_axes, param_shapes, prefill,
-                                  stack_layers, truncate_layers, unstack_layers)
+from specjax.models.llama import (Llama, canonical_params, param_logical_axes, param_shapes,
+                                  stack_layers, truncate_layers)
+from specjax.models.loading import load, load_with_tokenizer
 from specjax.models.registry import DEFAULT_MODEL, resolve
 from specjax.models.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
 __all__ = [
-    "CacheCapacityError", "DecoderModel", "check_capacity",
+    "CacheCapacityError", "DecoderModel",
     "CheckpointError", "CorruptCheckpointError", "MissingTensorError", "ModelConfig",
     "TensorShapeError", "UnsupportedArchitectureError",
-    "KVCache", "export_hf", "hf_config_dict", "load_gguf", "load_hf",
-    "Llama", "LlamaModule", "load", "load_model", "pad_prompts",
-    "param_logical_axes", "param_shapes", "prefill", "stack_layers", "truncate_layers", "unstack_layers",
+    "KVCache", "export_hf",
+    "Llama", "canonical_params", "param_logical_axes", "param_shapes",
+    "stack_layers", "truncate_layers",
+    "load", "load_with_tokenizer",
     "DEFAULT_MODEL", "resolve",
     "IncrementalDecoder", "Tokenizer", "load_tokenizer",
 ]

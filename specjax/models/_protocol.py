@@ -4,7 +4,8 @@ A *model* is a frozen, hashable object (it is passed to `jax.jit` as a static ar
 
 * ``vocab_size: int``
 * ``apply(params, tokens_BT, cache, num_valid_B=None) -> (logits_BTV, cache)``
-  - ``params`` is a pytree (for NNX models: the ``nnx.State`` from ``nnx.split``).
+  - ``params`` is a pytree, in the layout the model's config prescribes (for `Llama`, see
+    `Llama.prepare_params`).
   - ``cache`` is a pytree with a field ``lengths_B`` (int32 [B]): the committed length of
     every row. ``apply`` writes the T new tokens of row b at slots ``lengths_B[b] + t`` and
     advances ``lengths_B[b]`` by ``num_valid_B[b]`` (default T). Positions are the slots:
@@ -19,7 +20,7 @@ A *model* is a frozen, hashable object (it is passed to `jax.jit` as a static ar
 * ``init_cache(batch_size, capacity) -> cache`` with ``lengths_B`` zeros.
 
 Capacity is the caller's to check on the host *before* the loop (see
-``specjax.models.check_capacity``): XLA clamps out-of-range dynamic writes silently.
+``specjax.decoding.Engine``, which checks every batch): XLA clamps out-of-range dynamic writes silently.
 """
 
 from __future__ import annotations
@@ -50,14 +51,3 @@ class DecoderModel(Protocol):
 
 class CacheCapacityError(ValueError):
     """A write would run past the cache's last slot (XLA would clamp it silently)."""
-
-
-def check_capacity(capacity: int, prompt_lengths, max_new_tokens: int, gamma: int) -> None:
-    """Host-side check that prompt + max_new_tokens + gamma + 1 slots fit in the cache."""
-    longest = int(max(prompt_lengths)) if len(prompt_lengths) else 0
-    need = longest + int(max_new_tokens) + int(gamma) + 1
-    if need > capacity:
-        raise CacheCapacityError(
-            f"cache capacity {capacity} is too small: the longest prompt has {longest} tokens, "
-            f"max_new_tokens={max_new_tokens} and a verification block of gamma+1={gamma + 1} "
-            f"need {need} slots. Raise the capacity or shorten the prompt.")

@@ -8,7 +8,7 @@ Directory layout::
                         bfloat16), plus ``head_ids`` (int32) for a reduced head
 
 Shared tensors (the embedding, and a head tied to the embedding) are taken from the target's
-parameters at load time, so a 3-layer SmolLM2 draft takes ~21 MB instead of ~134 MB.
+parameters at load time, so a draft stores its own layers, not the target's embedding.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig
-from specjax.models.llama import Llama, as_pure_params, canonical_params
+from specjax.models.llama import Llama, canonical_params
 from specjax.models.reduced_head import ReducedHeadLlama
 
 FORMAT = "specjax-draft-1"
@@ -124,10 +124,9 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     flat = load_file(str(d / "draft.safetensors"))
     params = _unflatten({k: (jnp.asarray(v) if v.dtype.kind in "iu" else jnp.asarray(v, compute_dtype))
                          for k, v in flat.items()})
-    tp = as_pure_params(target_params)
     shared = set(desc["shared"])
     if "embed" in shared:
-        params["embed"] = tp["embed"]
+        params["embed"] = target_params["embed"]
     for name in ("layers", "final_norm"):
         if name not in params:
             raise MissingTensorError(f"{d}/draft.safetensors has no tensors for {name!r}")

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.config import ModelConfig, UnsupportedArchitectureError
-from specjax.models.hf_loader import hf_tensor_names
 from specjax.models.llama import canonical_params
+from specjax.models.names import tensor_names
 
 _ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
@@ -67,15 +67,13 @@ def hf_state_dict(config: ModelConfig, params) -> dict[str, jax.Array]:
     """HF tensor name -> array in PyTorch [out, in] orientation (params dtype)."""
     p = canonical_params(params, config)
     out = {}
-    for path, (names, transpose) in hf_tensor_names(config).items():
-        arr = p
-        for key in path:
-            arr = arr[key]
-        if isinstance(names, list):
-            for i, name in enumerate(names):
-                out[name] = arr[i].T if transpose else arr[i]
+    for t in tensor_names(config):
+        if t.per_layer:
+            arr = p["layers"][t.key]
+            for i in range(config.num_layers):
+                out[t.hf.format(i=i)] = arr[i].T if t.transpose else arr[i]
         else:
-            out[names] = arr.T if transpose else arr
+            out[t.hf] = p[t.key].T if t.transpose else p[t.key]
     return out
 
 

@@ -1,17 +1,14 @@
-"""Load a GGUF file (llama / qwen2 architectures) into specjax params.
+"""Read a GGUF file (llama / qwen2 architectures): its `ModelConfig` and canonical params.
 
-Tensors are dequantized to float32 with `gguf.quants.dequantize` and cast to the config's
-dtype. llama.cpp's converter stores the Q and K projections of *llama*-architecture models
-with the rows of each head interleaved (its RoPE pairs dims 2i, 2i+1 where Hugging Face pairs
-i, i+hd/2); we undo that permutation so the weights match the HF "rotate_half" convention
-(transformers does the same when it loads a GGUF). qwen2 GGUFs are stored unpermuted.
+Tensors are found by their GGUF names (`specjax.models.names`), dequantized to float32 with
+`gguf.quants.dequantize`, un-permuted (llama Q/K, see `names.unpermute_qk`) and cast to the
+config's dtype. The caller opens the file once (`open_gguf`) and may read the tokenizer from the
+same reader (`specjax.models.load_with_tokenizer`).
 
 Memory: the file is memory-mapped (`gguf.GGUFReader`), and tensors stored as float32 come out
 of `dequantize` as read-only views of that mapping, which jax would alias instead of copying
 (keeping the whole file mapped, and its pages resident, for as long as the parameter lives);
-they are copied first. For ``scan_layers=False`` the stacked layer arrays are split into
-per-layer arrays one tensor kind at a time, each stacked array dropped as soon as it is split,
-so loading never holds two full copies of the layers.
+they are copied first.
 """
 
 from __future__ import annotations
@@ -22,54 +19,13 @@ import numpy as np
 
 from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
                                    TensorShapeError, UnsupportedArchitectureError)
-from specjax.models.hf_loader import params_from_hf_tensors
+from specjax.models.names import TensorName, assemble, unpermute_qk
 
 GGUF_ARCHS = ("llama", "qwen2")
 
-_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL:
-        return _GLOBAL[hf_name]
-    parts = hf_name.split(".")          # model.layers.{i}.<rest>
-    i, rest = parts[2], ".".join(parts[3:])
-    return f"blk.{i}.{_LAYER[rest]}"
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (per head: [pairs, 2] -> [2, pairs])."""
-    rows = w.shape[0]
-    half = rows // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (inverse of `unpermute_qk`)."""
-    rows = w.shape[0]
-    half = rows // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 def open_gguf(path):
+    """A `gguf.GGUFReader` for `path`; a file that does not parse is a `CorruptCheckpointError`."""
     import gguf
     path = pathlib.Path(path)
     try:
@@ -94,8 +50,8 @@ def _field(reader, key, default=None):
     return value
 
 
-def config_from_gguf(reader, dtype: str = "float32", scan_layers: bool = True,
-                     path=None) -> ModelConfig:
+def config_from_gguf(reader, dtype: str = "float32", path=None) -> ModelConfig:
+    """The model's configuration from GGUF metadata (layout fields at their defaults)."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise UnsupportedArchitectureError(
@@ -146,66 +102,42 @@ def config_from_gguf(reader, dtype: str = "float32", scan_layers: bool = True,
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        dtype=dtype, scan_layers=scan_layers,
+        dtype=dtype,
         max_position=int(_field(reader, f"{arch}.context_length", 8192)), arch=arch,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos))
 
 
-def load_gguf(path, dtype: str = "float32", scan_layers: bool = True):
-    """(Llama model, params) from a GGUF file (params in ``model.prepare_params`` form)."""
+def read_gguf(reader, dtype: str = "float32", path=None) -> tuple[ModelConfig, dict]:
+    """(config, canonical params) from an open GGUF reader (`open_gguf`)."""
     import gguf
-    from specjax.models.llama import Llama
 
-    path = pathlib.Path(path)
-    reader = open_gguf(path)
-    config = config_from_gguf(reader, dtype=dtype, scan_layers=scan_layers, path=path)
+    config = config_from_gguf(reader, dtype=dtype, path=path)
     tensors = {t.name: t for t in reader.tensors}
-    permute = config.arch == "llama"
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if config.arch == "llama" else {}
 
-    def get(hf_name):
-        name = gguf_name(hf_name)
-        t = tensors.get(name)
-        if t is None:
+    def get(t: TensorName, i):
+        name = t.gguf.format(i=i)
+        stored = tensors.get(name)
+        if stored is None:
             raise MissingTensorError(f"tensor {name!r} is missing from GGUF file {path}")
         try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(stored.data, stored.tensor_type)
         except Exception as e:
             raise CorruptCheckpointError(
-                f"cannot dequantize tensor {name!r} ({t.tensor_type.name}) from {path}: {e}") from e
+                f"cannot dequantize tensor {name!r} ({stored.tensor_type.name}) from {path}: {e}") from e
         arr = np.asarray(arr, np.float32)
         if np.may_share_memory(arr, reader.data):
             arr = arr.copy()            # a view of the mapped file: see the module docstring
-        want_rows = int(t.shape[-1]) if len(t.shape) > 1 else None
+        want_rows = int(stored.shape[-1]) if len(stored.shape) > 1 else None
         if want_rows is not None and arr.ndim == 2 and arr.shape[0] != want_rows:
             raise CorruptCheckpointError(f"tensor {name!r} in {path} decodes to {arr.shape}")
-        if permute and arr.ndim == 2 and name.endswith(("attn_q.weight", "attn_k.weight")):
-            n = config.num_heads if name.endswith("attn_q.weight") else config.num_kv_heads
+        n = heads.get(t.key)
+        if n is not None and arr.ndim == 2:
             if arr.shape[0] % (2 * n):
                 raise TensorShapeError(
                     f"tensor {name!r} has shape {arr.shape}, rows not divisible into {n} heads")
             arr = unpermute_qk(arr, n)
         return arr, name
 
-    model = Llama(config)
-    params = params_from_hf_tensors(config, get)
-    if not scan_layers:
-        params = split_layers_releasing(params)
-    return model, model.prepare_params(params)
-
-
-def split_layers_releasing(params: dict) -> dict:
-    """`params` with ``params['layers']`` (a dict of arrays stacked along a leading layer axis)
-    turned into a tuple of per-layer dicts, the form `Llama.prepare_params` gives for
-    ``scan_layers=False``. Each stacked array is removed from `params` as soon as it is split,
-    so at most one stacked tensor kind exists beside the per-layer arrays (`params` is consumed)."""
-    stacked = params.pop("layers")
-    num_layers = len(next(iter(stacked.values())))
-    per_layer: list[dict] = [{} for _ in range(num_layers)]
-    for key in list(stacked):
-        arr = stacked.pop(key)
-        for i in range(num_layers):
-            per_layer[i][key] = arr[i]
-        del arr
-    params["layers"] = tuple(per_layer)
-    return params
+    return config, assemble(config, get)

@@ -1,103 +1,29 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors) into specjax params.
+"""Read a Hugging Face checkpoint directory (config.json + safetensors): its `ModelConfig` and
+canonical params.
 
 Supports LlamaForCausalLM and Qwen2ForCausalLM (and configs whose ``model_type`` is llama /
 qwen2), single-file ``model.safetensors`` or sharded via ``model.safetensors.index.json``.
-
-`params_from_hf_tensors` is the shared assembler: given a getter for tensors under Hugging
-Face names (PyTorch [out, in] orientation), it checks shapes, transposes, and stacks layers.
-The GGUF loader reuses it after renaming and un-permuting its tensors.
+Tensors are found by their Hugging Face names (`specjax.models.names`).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Callable
-
-import jax.numpy as jnp
-import numpy as np
 
 from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
-                                   TensorShapeError, UnsupportedArchitectureError)
+                                   UnsupportedArchitectureError)
+from specjax.models.names import TensorName, assemble
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
-
-# our layer key -> (HF name pattern, expected HF shape as fn(config), transpose)
-_LAYER_TENSORS = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", lambda c: (c.hidden_size,), False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", lambda c: (c.q_size, c.hidden_size), True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", lambda c: (c.kv_size, c.hidden_size), True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", lambda c: (c.kv_size, c.hidden_size), True),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_size), True),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", lambda c: (c.q_size,), False),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", lambda c: (c.kv_size,), False),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", lambda c: (c.kv_size,), False),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight",
-                 lambda c: (c.hidden_size,), False),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", lambda c: (c.ffn_size, c.hidden_size), True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", lambda c: (c.ffn_size, c.hidden_size), True),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", lambda c: (c.hidden_size, c.ffn_size), True),
-}
-_GLOBAL_TENSORS = {
-    "embed": ("model.embed_tokens.weight", lambda c: (c.vocab_size, c.hidden_size), False),
-    "final_norm": ("model.norm.weight", lambda c: (c.hidden_size,), False),
-    "lm_head": ("lm_head.weight", lambda c: (c.vocab_size, c.hidden_size), True),
-}
-
-
-def hf_tensor_names(config: ModelConfig) -> dict:
-    """Our param path (tuple) -> HF name(s), for the exporter and for tests."""
-    out = {}
-    for key, (name, _, tr) in _GLOBAL_TENSORS.items():
-        if key == "lm_head" and config.tie_embeddings:
-            continue
-        out[(key,)] = (name, tr)
-    for key, (name, _, tr) in _LAYER_TENSORS.items():
-        if key in ("bq", "bk", "bv") and not config.attention_bias:
-            continue
-        out[("layers", key)] = ([name.format(i=i) for i in range(config.num_layers)], tr)
-    return out
-
-
-def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], tuple[np.ndarray, str]]):
-    """Assemble specjax params from tensors under HF names.
-
-    ``get(hf_name)`` returns (array in HF orientation, the name to print in errors) or raises
-    `MissingTensorError`. Arrays are cast to ``config.dtype``.
-    """
-    dtype = jnp.dtype(config.dtype)
-
-    def fetch(name, shape_fn, transpose):
-        arr, shown = get(name)
-        want = tuple(shape_fn(config))
-        if tuple(arr.shape) != want:
-            raise TensorShapeError(
-                f"tensor {shown!r} has shape {tuple(arr.shape)}, expected {want} "
-                f"for the configuration")
-        arr = np.asarray(arr, dtype=np.float32)
-        return arr.T if transpose else arr
-
-    params = {}
-    for key, (name, shape_fn, tr) in _GLOBAL_TENSORS.items():
-        if key == "lm_head" and config.tie_embeddings:
-            continue
-        params[key] = jnp.asarray(fetch(name, shape_fn, tr), dtype)
-    layers = {}
-    for key, (name, shape_fn, tr) in _LAYER_TENSORS.items():
-        if key in ("bq", "bk", "bv") and not config.attention_bias:
-            continue
-        stacked = np.stack([fetch(name.format(i=i), shape_fn, tr)
-                            for i in range(config.num_layers)])
-        layers[key] = jnp.asarray(stacked, dtype)
-    params["layers"] = layers
-    return params
 
 
 # ---------------------------------------------------------------------------------------
 # config.json -> ModelConfig
 # ---------------------------------------------------------------------------------------
-def config_from_hf(cfg: dict, dtype: str = "float32", scan_layers: bool = True) -> ModelConfig:
+def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
+    """The model's configuration from a parsed config.json (layout fields at their defaults)."""
     archs = cfg.get("architectures") or []
     arch = None
     for a in archs:
@@ -144,8 +70,7 @@ def config_from_hf(cfg: dict, dtype: str = "float32", scan_layers: bool = True) 
         ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling or None,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=bias,
-        dtype=dtype, scan_layers=scan_layers,
-        max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch,
+        dtype=dtype, max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch,
         bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
 
 
@@ -200,14 +125,8 @@ class _SafetensorsDir:
         return arr, name
 
 
-def load_hf(path, dtype: str = "float32", scan_layers: bool = True):
-    """(Llama model, params) from a Hugging Face checkpoint directory.
-
-    Params come in ``model.prepare_params`` form: stacked layers with ``scan_layers=True``,
-    a tuple of per-layer dicts with ``scan_layers=False``.
-    """
-    from specjax.models.llama import Llama
-
+def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(config, canonical params) from a Hugging Face checkpoint directory."""
     directory = pathlib.Path(path)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
@@ -216,12 +135,15 @@ def load_hf(path, dtype: str = "float32", scan_layers: bool = True):
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
-    config = config_from_hf(cfg, dtype=dtype, scan_layers=scan_layers)
+    config = config_from_hf(cfg, dtype=dtype)
     store = _SafetensorsDir(directory)
     if config.tie_embeddings is False and "lm_head.weight" not in store.where:
         # Some checkpoints say untied but ship no head; fail loudly rather than guess.
         raise MissingTensorError(
             f"tensor 'lm_head.weight' is missing from the checkpoint in {directory} "
             f"(config says tie_word_embeddings=false)")
-    model = Llama(config)
-    return model, model.prepare_params(params_from_hf_tensors(config, store.get))
+
+    def get(t: TensorName, i):
+        return store.get(t.hf.format(i=i))
+
+    return config, assemble(config, get)

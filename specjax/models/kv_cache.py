@@ -1,6 +1,7 @@
 """The KV cache: preallocated K and V buffers, per-row committed lengths, O(1) rollback.
 
-Two layouts of the same content, chosen by the model (``config.scan_layers``):
+Two layouts of the same content, chosen by the model (``config.scan_layers``; `Llama.apply`
+accepts only the layout its own `init_cache` makes):
 
 * stacked: ``k`` is one array [layers, batch, kv_heads, slots, head_dim] and ``v`` one array
   [layers, batch, kv_heads, head_dim, slots], for the `lax.scan` layer loop (one in-place
@@ -8,16 +9,16 @@ Two layouts of the same content, chosen by the model (``config.scan_layers``):
 * per-layer: ``k`` / ``v`` are tuples of ``num_layers`` arrays, k [batch, kv_heads, slots,
   head_dim] and v [batch, kv_heads, head_dim, slots], for the unrolled layer loop: each layer
   reads and then writes its own buffer, so with the cache donated XLA updates every buffer in
-  place (with one stacked buffer, the unrolled loop's 30 static slices made XLA CPU copy the
-  whole cache every step), and an early-exit draft's view of the first k layers is a tuple
+  place (with one stacked buffer, the unrolled loop's static per-layer slices made XLA CPU
+  copy the whole cache every step), and an early-exit draft's view of the first k layers is a tuple
   slice, not a copy.
 
 Why these layouts: attention is two batched matmuls over (batch, kv_head): scores contract
 head_dim (q against k), values contract slots (probabilities against v). XLA CPU's matmul
 kernels take the right operand with its contraction dim last, so k is stored [.., S, H] and v
 [.., H, S]: both feed their dot as they are. Stored [.., S, H], v was transposed (= copied
-whole) by every layer at every decode step, ~5 ms of a 30 ms step at 900 slots
-(experiments/bench_speed/PROFILE.md). `write_kv` is the one place that writes either.
+whole) by every layer at every decode step (experiments/bench_speed/PROFILE.md). `write_kv` is
+the one place that writes either.
 
 Slot s of row b holds the token at position s. ``lengths_B[b]`` is the number of committed
 tokens; slots at or beyond it hold garbage that is never attended to (the model masks them),
@@ -32,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models._protocol import CacheCapacityError
 
 Buffers = Union[jax.Array, tuple]   # k: [L, B, K, S, H] or L x [B, K, S, H]; v: [.., H, S]
 
@@ -84,27 +84,16 @@ class KVCache:
         """The cache of layers [0, n) with the same lengths (free for the per-layer layout)."""
         return self.replace(k=self.k[:n], v=self.v[:n])
 
-    def stacked(self) -> "KVCache":
-        if not self.per_layer:
-            return self
-        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
-
     def rollback(self, lengths_B) -> "KVCache":
         """Forget everything past ``lengths_B`` (per row). Never copies the buffers."""
         lengths_B = jnp.asarray(lengths_B, jnp.int32)
         lengths_B = jnp.broadcast_to(lengths_B, self.lengths_B.shape)
         return self.replace(lengths_B=lengths_B)
 
-    def advance(self, num_B) -> "KVCache":
-        return self.replace(lengths_B=self.lengths_B + jnp.asarray(num_B, jnp.int32))
+    def truncate(self, max_lengths_B) -> "KVCache":
+        """Keep at most ``max_lengths_B`` entries per row (a rollback that never grows a row)."""
+        return self.rollback(jnp.minimum(self.lengths_B, jnp.asarray(max_lengths_B, jnp.int32)))
 
-    def check_fits(self, num_new: int) -> None:
-        """Host-side check that ``num_new`` more tokens per row fit (syncs ``lengths_B``)."""
-        longest = int(jax.device_get(self.lengths_B).max(initial=0))
-        if longest + int(num_new) > self.capacity:
-            raise CacheCapacityError(
-                f"cache capacity {self.capacity} is too small: a row already holds {longest} "
-                f"tokens and {num_new} more were requested.")
 
 
 def logical_axes(cache: KVCache) -> KVCache:

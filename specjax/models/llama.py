@@ -1,7 +1,7 @@
-"""Llama-family decoder (Llama / SmolLM2 / Qwen2): a Flax NNX module for init, a pure apply.
+"""Llama-family decoder (Llama / SmolLM2 / Qwen2): pure functions over a plain parameter dict.
 
-Parameters are a plain nested dict (the pure form of the NNX state), with every per-layer
-tensor stacked along a leading layer axis, in both scan and unrolled mode::
+Canonical parameters (what the loaders return, `param_specs` describes and export / storage
+use) are a nested dict with every per-layer tensor stacked along a leading layer axis::
 
     embed        [V, D]                 token embedding (also the head when tied)
     final_norm   [D]
@@ -14,38 +14,56 @@ Projections are stored input-major ([in, out]) so ``x @ w`` needs no transpose; 
 laid out head-major inside the H*hd axis (the Hugging Face order). RoPE uses the HF
 "rotate_half" convention (dims i and i + hd/2 form a pair).
 
-With ``config.fuse_projections``, `Llama.prepare_params` concatenates along the output axis
-``wqkv = [wq | wk | wv]`` (and ``bqkv``) and ``w_gate_up = [w_gate | w_up]``: two matmuls per
-layer instead of five read the same bytes in longer streams (~20% faster layers at batch 1
-on a 2-core CPU). `canonical_params` turns any form back into the stacked, unfused one.
+Layout. The static config fixes how `Llama.apply` runs the layers and so which parameter
+layout it reads:
 
-`Llama(config)` is the frozen, hashable model object of `specjax.models._protocol`:
-``apply(params, tokens_BT, cache, num_valid_B=None) -> (logits_BTV, cache)``.
+* ``scan_layers=True``: a `lax.scan` over the stacked layers and a stacked KV cache (the
+  canonical layout; quick to compile);
+* ``scan_layers=False``: an unrolled loop over ``params['layers']``, a tuple of per-layer
+  dicts, and a per-layer cache (the fast path on XLA CPU, which loses its fast matmul path when
+  it slices a layer's weights out of the stacked arrays inside the step; see
+  experiments/bench_speed/PROFILE.md);
+* ``fuse_projections=True``: every layer holds ``wqkv = [wq | wk | wv]`` (and ``bqkv``) and
+  ``w_gate_up = [w_gate | w_up]``, concatenated along the output axis: two matmuls per layer
+  instead of five read the same bytes in longer streams.
+
+The layout is decided once, outside the jitted step: `Llama.prepare_params` turns params of any
+layout into the config's (`specjax.models.load`, `Llama.init_params`, `truncate_layers` and the
+draft loader all return that layout). `apply` reads the layout from the config and raises,
+naming `prepare_params`, when the params do not match it; `canonical_params` converts back.
+
+No Flax NNX module. The hot path is a pure function of this parameter dict, and every consumer
+(the jitted engine, optax training in `specjax.distill`, draft artifacts, the exporter,
+`specjax.sharding`) reads and writes the dict as it is. An NNX module would be split once into
+exactly this dict and never called; it would only add a second description of the parameters
+beside `param_specs` (which already holds shapes, logical axes for sharding and the init recipe)
+and a conversion, or one module per layout. So there is none.
+
+`Llama(config)` is the frozen, hashable model object of the `specjax.models.DecoderModel`
+protocol: ``apply(params, tokens_BT, cache, num_valid_B=None) -> (logits_BTV, cache)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from specjax.models._protocol import CacheCapacityError
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, write_kv
 
-PyTree = Any
+INIT_STD = 0.02
+# fused projection -> its parts, concatenated in this order along the output axis
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 # ---------------------------------------------------------------------------------------
 # Parameter specification: shapes, logical axes and init, one source of truth.
 # ---------------------------------------------------------------------------------------
 def param_specs(config: ModelConfig) -> dict:
-    """Nested dict path -> (shape, logical axes, init kind) for every parameter."""
+    """Canonical param path -> (shape, logical axes, init kind) for every parameter."""
     c = config
     D, F, L, V = c.hidden_size, c.ffn_size, c.num_layers, c.vocab_size
     Q, KV = c.q_size, c.kv_size
@@ -79,53 +97,147 @@ def _is_spec(x) -> bool:
 
 
 def param_shapes(config: ModelConfig) -> dict:
+    """Shapes of the canonical params."""
     return jax.tree.map(lambda s: s[0], param_specs(config), is_leaf=_is_spec)
 
 
 def param_logical_axes(config: ModelConfig) -> dict:
-    """A pytree parallel to the params holding each leaf's logical axis names."""
-    return jax.tree.map(lambda s: s[1], param_specs(config), is_leaf=_is_spec)
+    """A pytree parallel to the params in `config`'s layout, holding each leaf's logical axes.
 
-
-def _add_param(obj, name, spec, dtype, rngs, std):
-    shape, axes, kind = spec
-    if kind == "ones":
-        value = jnp.ones(shape, dtype)
-    else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    setattr(obj, name, nnx.Param(value, out_sharding=axes, eager_sharding=False))
-
-
-class _Group(nnx.Module):
-    """A bag of parameters (attributes set from a spec dict)."""
-
-    def __init__(self, specs: dict, dtype, rngs: nnx.Rngs, std: float):
-        for name, spec in specs.items():
-            if _is_spec(spec):
-                _add_param(self, name, spec, dtype, rngs, std)
-            else:
-                setattr(self, name, _Group(spec, dtype, rngs, std))
-
-
-class LlamaModule(nnx.Module):
-    """The NNX form of the decoder: random init, sharding metadata, and a convenience call.
-
-    The hot path is the pure `Llama.apply` over ``nnx.to_pure_dict(nnx.split(module)[1])``;
-    calling the module just routes there.
+    A fused projection takes the axes of its first part: its output axis is split like heads /
+    mlp (correct under any split; XLA reshards the q|k|v slices). Per-layer tensors drop the
+    leading ``layers`` axis.
     """
+    axes = jax.tree.map(lambda s: s[1], param_specs(config), is_leaf=_is_spec)
+    layer = axes["layers"]
+    if config.fuse_projections:
+        for fused, parts in _FUSED.items():
+            if parts[0] in layer:
+                layer[fused] = layer[parts[0]]
+                for name in parts:
+                    del layer[name]
+    if not config.scan_layers:
+        layer = {k: a[1:] for k, a in layer.items()}
+        axes["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
+    return axes
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, init_std: float = 0.02):
-        self.config = config
-        dtype = config.jnp_dtype
-        for name, spec in param_specs(config).items():
-            if _is_spec(spec):
-                _add_param(self, name, spec, dtype, rngs, init_std)
+
+def _init_canonical(config: ModelConfig, key, std: float = INIT_STD) -> dict:
+    """Random canonical params: normal(0, std) weights (drawn in float32, then cast), unit norms.
+
+    The i-th normal tensor, in `param_specs` order, is drawn with ``jax.random.fold_in(key, i)``.
+    """
+    dtype = config.jnp_dtype
+    drawn = 0
+
+    def make(specs: dict) -> dict:
+        nonlocal drawn
+        out = {}
+        for name, spec in specs.items():
+            if not _is_spec(spec):
+                out[name] = make(spec)
+                continue
+            shape, _, kind = spec
+            if kind == "ones":
+                out[name] = jnp.ones(shape, dtype)
             else:
-                setattr(self, name, _Group(spec, dtype, rngs, init_std))
+                k = jax.random.fold_in(key, drawn)
+                drawn += 1
+                out[name] = (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        return out
 
-    def __call__(self, tokens_BT, cache=None, num_valid_B=None):
-        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        return Llama(self.config).apply(params, tokens_BT, cache, num_valid_B)
+    return make(param_specs(config))
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter layouts (see the module docstring): converted once, outside the jitted step.
+# ---------------------------------------------------------------------------------------
+def _fuse(lp: dict) -> dict:
+    """One layer's (or the stacked layers') dict with fused projections (no-op if fused)."""
+    for fused, parts in _FUSED.items():
+        if all(n in lp for n in parts):
+            lp[fused] = jnp.concatenate([lp.pop(n) for n in parts], axis=-1)
+    return lp
+
+
+def _unfuse(lp: dict, config: ModelConfig) -> dict:
+    """The inverse of `_fuse` (no-op if unfused)."""
+    c = config
+    sizes = {"wqkv": (c.q_size, c.kv_size, c.kv_size), "bqkv": (c.q_size, c.kv_size, c.kv_size),
+             "w_gate_up": (c.ffn_size, c.ffn_size)}
+    for fused, parts in _FUSED.items():
+        if fused in lp:
+            arr = lp.pop(fused)
+            splits = np.cumsum(sizes[fused])[:-1].tolist()
+            lp.update(zip(parts, jnp.split(arr, splits, axis=-1)))
+    return lp
+
+
+def stack_layers(layers):
+    """Per-layer dicts (a list/tuple) -> one dict of arrays with a leading layer axis."""
+    if not isinstance(layers, (list, tuple)):
+        return layers
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def _relayout(params: dict, config: ModelConfig) -> dict:
+    """Params of any layout in the layout `config` prescribes; **consumes** ``params``.
+
+    The given dicts (``params``, its ``layers`` and their per-layer dicts) are emptied or
+    rewritten as the result is built, so a caller that holds no other reference to the arrays (a
+    loader) never holds two full copies of the layers: stacked arrays are split one tensor kind
+    at a time, projections fused one layer (or one tensor group) at a time.
+    """
+    layers = params.pop("layers")
+    out = dict(params)
+    params.clear()
+    convert = _fuse if config.fuse_projections else (lambda lp: _unfuse(lp, config))
+    if config.scan_layers:
+        out["layers"] = convert(layers if isinstance(layers, dict) else stack_layers(layers))
+        return out
+    if isinstance(layers, (list, tuple)):
+        per_layer = list(layers)
+    else:
+        per_layer = [{} for _ in range(jax.tree.leaves(layers)[0].shape[0])]
+        for key in list(layers):
+            arr = layers.pop(key)
+            for i, lp in enumerate(per_layer):
+                lp[key] = arr[i]
+            del arr
+    for i in range(len(per_layer)):
+        per_layer[i] = convert(per_layer[i])
+    out["layers"] = tuple(per_layer)
+    return out
+
+
+def _copy_dicts(params: dict) -> dict:
+    """New dicts (the arrays shared), so that `_relayout` leaves `params` intact."""
+    p = dict(params)
+    layers = p["layers"]
+    p["layers"] = tuple(dict(lp) for lp in layers) if isinstance(layers, (list, tuple)) else dict(layers)
+    return p
+
+
+def canonical_params(params, config: ModelConfig) -> dict:
+    """Stacked layers, unfused projections: the form of `param_specs` (export, storage)."""
+    canonical = config.replace(scan_layers=True, fuse_projections=False)
+    return _relayout(_copy_dicts(params), canonical)
+
+
+def truncate_layers(params, config: ModelConfig, k: int):
+    """The first k layers with the same embeddings, final norm and head (early-exit draft).
+
+    Keeps the layout (stacked params: a slice of every layer array; per-layer params: the first
+    k entries). Returns (params, config with num_layers=k).
+    """
+    if not 1 <= k <= config.num_layers:
+        raise ValueError(f"k must be in [1, {config.num_layers}], got {k}")
+    p = dict(params)
+    if isinstance(p["layers"], (list, tuple)):
+        p["layers"] = tuple(p["layers"][:k])
+    else:
+        p["layers"] = jax.tree.map(lambda x: x[:k], p["layers"])
+    return p, config.replace(num_layers=k)
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,11 +328,11 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
     B, T, _ = h_BTD.shape
     kv_dtype = c.jnp_dtype
     x = rms_norm(h_BTD, p["attn_norm"], c.rms_eps)
-    if "wqkv" in p:
-        qkv = _linear(x, p["wqkv"], p.get("bqkv"))
+    if c.fuse_projections:
+        qkv = _linear(x, p["wqkv"], p["bqkv"] if c.attention_bias else None)
         q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
     else:
-        q, k, v = (_linear(x, p["w" + n], p.get("b" + n)) for n in "qkv")
+        q, k, v = (_linear(x, p["w" + n], p["b" + n] if c.attention_bias else None) for n in "qkv")
     q = q.reshape(B, T, c.num_heads, c.head_dim)
     k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
     v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -230,7 +342,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
     attn = attention(q, k, v, past)
     h_BTD = h_BTD + _linear(attn, p["wo"])
     x = rms_norm(h_BTD, p["mlp_norm"], c.rms_eps)
-    if "w_gate_up" in p:
+    if c.fuse_projections:
         gate_up = _linear(x, p["w_gate_up"])
         gate, up = gate_up[..., :c.ffn_size], gate_up[..., c.ffn_size:]
     else:
@@ -239,11 +351,17 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
     return h_BTD, (k, v)
 
 
-def as_pure_params(params: PyTree) -> dict:
-    """Accept the pure dict or an `nnx.State` (as returned by `nnx.split`)."""
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    return params
+def _describe(layers) -> str:
+    if isinstance(layers, (list, tuple)):
+        first = layers[0] if layers else {}
+        kind = f"a tuple of {len(layers)} per-layer dicts"
+    elif isinstance(layers, dict):
+        first = layers
+        n = layers["attn_norm"].shape[0] if "attn_norm" in layers else "?"
+        kind = f"a dict of arrays stacked over {n} layers"
+    else:
+        return f"a {type(layers).__name__}"
+    return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,11 +372,8 @@ class Llama:
     """The decoder as a protocol model: frozen and hashable (a static `jax.jit` argument).
 
     ``apply`` jitted with the cache donated (``jax.jit(model.apply, donate_argnums=(2,))``)
-    updates the cache in place. ``scan_layers=True``: `lax.scan` over stacked layers and a
-    stacked cache; compiles in about a second, but on XLA CPU every step slices each layer's
-    weights out of the stacked arrays inside the matmul fusion, which runs ~3x slower at
-    batch 1. ``scan_layers=False``: an unrolled loop over per-layer params and a per-layer
-    cache (`init_cache` picks the layout); slower to compile, the fast path on CPU.
+    updates the cache in place. The config's layout fields pick the layer loop, the parameter
+    layout and the cache layout (`init_cache`); see the module docstring.
     """
     config: ModelConfig
 
@@ -272,28 +387,57 @@ class Llama:
         return KVCache.zeros(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim,
                              c.jnp_dtype, per_layer=not c.scan_layers)
 
-    def init_params(self, key) -> dict:
-        """Random parameters (normal(0.02) weights, unit norms) as a pure nested dict."""
-        module = self.module(key)
-        return as_pure_params(nnx.split(module)[1])
-
-    def module(self, key) -> LlamaModule:
-        return LlamaModule(self.config, rngs=nnx.Rngs(params=key))
-
     def apply(self, params, tokens_BT, cache, num_valid_B=None):
         h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B)
         return self.logits_from_hidden(params, h), cache
+
+    # -- parameters -----------------------------------------------------------------------
+    def init_params(self, key) -> dict:
+        """Random parameters (normal(0.02) weights, unit norms) in this config's layout."""
+        return _relayout(_init_canonical(self.config, key), self.config)
+
+    def prepare_params(self, params) -> dict:
+        """Params of any layout (canonical, per-layer, fused or not) in this config's layout.
+
+        Call once, outside the jitted step; idempotent. `params` itself is left intact (its
+        arrays are shared with the result where the layout already matches).
+        """
+        return _relayout(_copy_dicts(params), self.config)
+
+    def check_params(self, params) -> None:
+        """Raise ValueError unless `params` are in this config's layout (a trace-time check)."""
+        c = self.config
+        layers = params["layers"]
+        if c.scan_layers:
+            ok = isinstance(layers, dict) and "attn_norm" in layers \
+                and layers["attn_norm"].shape[0] == c.num_layers
+            first = layers
+            want = f"a dict of arrays stacked over {c.num_layers} layers"
+        else:
+            ok = isinstance(layers, (list, tuple)) and len(layers) == c.num_layers
+            first = layers[0] if ok else {}
+            want = f"a tuple of {c.num_layers} per-layer dicts"
+        if not (ok and ("wqkv" in first) == c.fuse_projections):
+            want += ", projections fused (wqkv, w_gate_up)" if c.fuse_projections else \
+                ", projections unfused (wq, wk, wv, w_gate, w_up)"
+            raise ValueError(
+                f"params['layers'] is {_describe(layers)}; this model (scan_layers={c.scan_layers}, "
+                f"fuse_projections={c.fuse_projections}) reads {want}. Convert the params once, "
+                f"outside the jitted step: params = model.prepare_params(params)")
+
+    def param_logical_axes(self) -> dict:
+        return param_logical_axes(self.config)
 
     # -- pieces ---------------------------------------------------------------------------
     def hidden_states(self, params, tokens_BT, cache, num_valid_B=None):
         """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache."""
         c = self.config
-        p = as_pure_params(params)
+        self.check_params(params)
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
         B, T = tokens_BT.shape
-        h = jnp.take(p["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+        h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
         t_T = jnp.arange(T, dtype=jnp.int32)
         if cache is None:
             positions = jnp.broadcast_to(t_T[None, :], (B, T))
@@ -301,67 +445,46 @@ class Llama:
         else:
             if cache.num_layers != c.num_layers:
                 raise ValueError(f"cache has {cache.num_layers} layers, the model {c.num_layers}")
+            if cache.per_layer == c.scan_layers:
+                raise ValueError(
+                    f"a {'per-layer' if cache.per_layer else 'stacked'} cache given to a model with "
+                    f"scan_layers={c.scan_layers}: make the cache with model.init_cache")
             if cache.batch_size != B:
                 raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
             lengths = cache.lengths_B.astype(jnp.int32)
             positions = lengths[:, None] + t_T[None, :]
         cos, sin = rope_cos_sin(c, positions)
-        layers = p["layers"]
+        layers = params["layers"]
 
         def run_layer(lp, h, k_BKSH, v_BKHS):
             past = None if cache is None else (k_BKSH, v_BKHS, lengths)
             return _layer(c, lp, h, cos, sin, past)
 
-        if isinstance(layers, (list, tuple)):
-            if len(layers) != c.num_layers:
-                raise ValueError(f"params hold {len(layers)} layers, the config {c.num_layers}")
-            if c.scan_layers:
-                layers = stack_layers(layers)
-        per_layer_cache = cache is not None and cache.per_layer
         if c.scan_layers:
             def body(h, xs):
                 lp, k_BKSH, v_BKHS = xs
                 h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS)
                 return h, new_kv
 
-            stacked = None if cache is None else cache.stacked()
-            xs = (layers, None, None) if cache is None else (layers, stacked.k, stacked.v)
+            xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
             h, (k_new, v_new) = jax.lax.scan(body, h, xs)      # [L, B, T, K, H]
             if cache is not None:
-                k_buf, v_buf = write_kv(stacked.k, stacked.v, k_new, v_new, lengths)
-                if per_layer_cache:    # (a per-layer cache given to a scan model: kept per layer)
-                    k_buf = tuple(k_buf[i] for i in range(c.num_layers))
-                    v_buf = tuple(v_buf[i] for i in range(c.num_layers))
+                k_buf, v_buf = write_kv(cache.k, cache.v, k_new, v_new, lengths)
         else:
             ks, vs = [], []
-            for i in range(c.num_layers):
-                # Per-layer dicts (see `unstack_layers`) are much faster here than slicing
-                # stacked arrays inside the jit: XLA CPU fuses a slice into its consumer dot
-                # and then loses the fast matmul path.
-                lp = layers[i] if isinstance(layers, (list, tuple)) else \
-                    jax.tree.map(lambda x: x[i], layers)
+            for i, lp in enumerate(layers):
                 if cache is None:
                     h, _ = run_layer(lp, h, None, None)
                     continue
                 k_i, v_i = cache.layer(i)
                 h, (k, v) = run_layer(lp, h, k_i, v_i)
-                if per_layer_cache:
-                    # Each layer writes its own buffer after reading it: in place when donated.
-                    k_i, v_i = write_kv(k_i, v_i, k, v, lengths)
-                    ks.append(k_i)
-                    vs.append(v_i)
-                else:
-                    ks.append(k)
-                    vs.append(v)
-            if cache is not None:
-                if per_layer_cache:
-                    k_buf, v_buf = tuple(ks), tuple(vs)
-                else:
-                    # A stacked cache in the unrolled loop: XLA CPU schedules the static slices
-                    # early and copies the donated buffer before this write (use per-layer).
-                    k_buf, v_buf = write_kv(cache.k, cache.v, jnp.stack(ks), jnp.stack(vs), lengths)
+                # Each layer writes its own buffer after reading it: in place when donated.
+                k_i, v_i = write_kv(k_i, v_i, k, v, lengths)
+                ks.append(k_i)
+                vs.append(v_i)
+            k_buf, v_buf = tuple(ks), tuple(vs)
 
-        h = rms_norm(h, p["final_norm"], c.rms_eps)
+        h = rms_norm(h, params["final_norm"], c.rms_eps)
         if cache is not None:
             n = T if num_valid_B is None else num_valid_B
             n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
@@ -370,188 +493,8 @@ class Llama:
 
     def logits_from_hidden(self, params, h_BTD):
         """The LM head: float32 logits [B, T, V] from final hidden states."""
-        p = as_pure_params(params)
         if self.config.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", h_BTD, p["embed"].astype(h_BTD.dtype),
+            return jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype),
                               preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", h_BTD, p["lm_head"].astype(h_BTD.dtype),
+        return jnp.einsum("btd,dv->btv", h_BTD, params["lm_head"].astype(h_BTD.dtype),
                           preferred_element_type=jnp.float32)
-
-    # -- conveniences ---------------------------------------------------------------------
-    def prepare_params(self, params) -> dict:
-        """The fastest parameter form for this config (call once, outside the jitted step).
-
-        Canonical params stack every layer tensor along a leading layer axis. With
-        ``scan_layers=False`` this returns per-layer dicts (``params['layers']`` a tuple), which
-        the unrolled loop reads without slicing; with ``scan_layers=True`` it returns the
-        stacked form. With ``fuse_projections`` the projections are fused (see the module
-        docstring), else unfused. `apply` accepts every form in both modes.
-        """
-        p = dict(as_pure_params(params))
-        c = self.config
-        layers = p["layers"]
-        per_layer = isinstance(layers, (list, tuple))
-        if c.scan_layers and per_layer:
-            layers = stack_layers(layers)
-        elif not c.scan_layers and not per_layer:
-            layers = unstack_layers({"layers": layers})["layers"]
-        convert = fuse_layer if c.fuse_projections else functools.partial(unfuse_layer, config=c)
-        p["layers"] = convert(layers) if c.scan_layers else tuple(convert(lp) for lp in layers)
-        return p
-
-    def cast_params(self, params, dtype: str | None = None) -> dict:
-        dt = jnp.dtype(dtype or self.config.dtype)
-        return jax.tree.map(lambda x: jnp.asarray(x, dt), as_pure_params(params))
-
-    def param_logical_axes(self) -> dict:
-        return param_logical_axes(self.config)
-
-    def with_config(self, **changes) -> "Llama":
-        return Llama(self.config.replace(**changes))
-
-
-_FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
-
-
-def fuse_layer(lp: dict) -> dict:
-    """One layer's (or the stacked layers') dict with fused projections (no-op if fused)."""
-    out = dict(lp)
-    for fused, parts in _FUSED.items():
-        if all(n in out for n in parts):
-            out[fused] = jnp.concatenate([out.pop(n) for n in parts], axis=-1)
-    return out
-
-
-def unfuse_layer(lp: dict, config: ModelConfig) -> dict:
-    """The inverse of `fuse_layer` (no-op if unfused)."""
-    c = config
-    sizes = {"wqkv": (c.q_size, c.kv_size, c.kv_size), "bqkv": (c.q_size, c.kv_size, c.kv_size),
-             "w_gate_up": (c.ffn_size, c.ffn_size)}
-    out = dict(lp)
-    for fused, parts in _FUSED.items():
-        if fused in out:
-            arr = out.pop(fused)
-            splits = np.cumsum(sizes[fused])[:-1].tolist()
-            out.update(zip(parts, jnp.split(arr, splits, axis=-1)))
-    return out
-
-
-def canonical_params(params, config: ModelConfig) -> dict:
-    """Stacked layers, unfused projections: the form of `param_specs` (export, storage)."""
-    p = dict(as_pure_params(params))
-    p["layers"] = unfuse_layer(stack_layers(p["layers"]), config)
-    return p
-
-
-def stack_layers(layers):
-    """Per-layer dicts (a list/tuple) -> one dict of arrays with a leading layer axis."""
-    if not isinstance(layers, (list, tuple)):
-        return layers
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def unstack_layers(params) -> dict:
-    """Params with ``params['layers']`` as a tuple of per-layer dicts (for unrolled apply)."""
-    p = dict(as_pure_params(params))
-    layers = p["layers"]
-    if isinstance(layers, (list, tuple)):
-        return p
-    n = jax.tree.leaves(layers)[0].shape[0]
-    p["layers"] = tuple(jax.tree.map(lambda x: x[i], layers) for i in range(n))
-    return p
-
-
-def truncate_layers(params, config: ModelConfig, k: int):
-    """The first k layers with the same embeddings, final norm and head (early-exit draft).
-
-    Slicing only (stacked params: a slice of every layer array; per-layer params: the first
-    k entries). Returns (params, config with num_layers=k).
-    """
-    if not 1 <= k <= config.num_layers:
-        raise ValueError(f"k must be in [1, {config.num_layers}], got {k}")
-    p = dict(as_pure_params(params))
-    if isinstance(p["layers"], (list, tuple)):
-        p["layers"] = tuple(p["layers"][:k])
-    else:
-        p["layers"] = jax.tree.map(lambda x: x[:k], p["layers"])
-    return p, config.replace(num_layers=k)
-
-
-def pad_prompts(token_lists, pad_id: int = 0, multiple: int = 1):
-    """Right-pad token lists into (tokens_BT int32, lengths_B int32) numpy arrays."""
-    lengths = np.asarray([len(t) for t in token_lists], np.int32)
-    T = int(lengths.max(initial=1))
-    T = max(1, -(-T // multiple) * multiple)
-    out = np.full((len(token_lists), T), pad_id, np.int32)
-    for i, t in enumerate(token_lists):
-        out[i, :len(t)] = np.asarray(t, np.int32)
-    return out, lengths
-
-
-def prefill(model: Llama, params, token_lists, capacity: int, pad_id: int = 0, apply_fn=None):
-    """Ragged prefill of a batch of prompts into a fresh cache.
-
-    Returns (logits_BTV, cache, lengths_B); the next-token logits of row b are at
-    ``logits[b, lengths_B[b] - 1]``. Raises `CacheCapacityError` for a prompt longer than the
-    cache (checked on the host; XLA would silently clamp the writes).
-    """
-    tokens, lengths = pad_prompts(token_lists, pad_id)
-    longest = int(lengths.max(initial=0))
-    if longest > capacity or tokens.shape[1] > capacity:
-        raise CacheCapacityError(
-            f"prompt of {longest} tokens does not fit a cache of capacity {capacity}")
-    cache = model.init_cache(len(token_lists), capacity)
-    fn = apply_fn or jax.jit(model.apply)
-    logits, cache = fn(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
-    return logits, cache, lengths
-
-
-# ---------------------------------------------------------------------------------------
-# One entry point for every checkpoint kind.
-# ---------------------------------------------------------------------------------------
-def load(name_or_path: str = "smollm2-135m-instruct", dtype: str = "float32",
-         scan_layers: bool = True, fuse_projections: bool = False):
-    """(model, params) from a known name, a GGUF file, or a Hugging Face checkpoint dir.
-
-    Known names go through `specjax.models.registry.resolve` (fetched and sha256-checked).
-    Params come in the fastest form for the config (``model.prepare_params``): layers
-    stacked along a leading axis for ``scan_layers=True``, a tuple of per-layer dicts for
-    ``scan_layers=False``; with ``fuse_projections`` the projections fused (see the module
-    docstring). `truncate_layers`, `export_hf` and `specjax.sharding` take every form.
-    """
-    model, params = _load(name_or_path, dtype, scan_layers)
-    if fuse_projections:
-        model = model.with_config(fuse_projections=True)
-        if isinstance(params["layers"], (list, tuple)):
-            # Layer by layer, each unfused layer released as soon as it is fused (no second copy).
-            layers = list(params.pop("layers"))
-            for i in range(len(layers)):
-                layers[i] = fuse_layer(layers[i])
-            params["layers"] = tuple(layers)
-        else:
-            params = model.prepare_params(params)
-    return model, params
-
-
-def _load(name_or_path, dtype, scan_layers):
-    import pathlib
-
-    from specjax.models import registry
-    from specjax.models.config import CheckpointError
-    from specjax.models.gguf_loader import load_gguf
-    from specjax.models.hf_loader import load_hf
-
-    path = registry.resolve(str(name_or_path))
-    path = pathlib.Path(path)
-    if path.is_dir():
-        return load_hf(path, dtype=dtype, scan_layers=scan_layers)
-    if path.suffix == ".safetensors" or path.name == "config.json":
-        return load_hf(path.parent, dtype=dtype, scan_layers=scan_layers)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if path.suffix == ".gguf" or magic == b"GGUF":
-        return load_gguf(path, dtype=dtype, scan_layers=scan_layers)
-    raise CheckpointError(f"{path} is neither a GGUF file nor a Hugging Face checkpoint directory")
-
-
-load_model = load

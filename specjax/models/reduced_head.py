@@ -21,7 +21,7 @@ import numpy as np
 
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache
-from specjax.models.llama import Llama, as_pure_params
+from specjax.models.llama import Llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +46,14 @@ class ReducedHeadLlama:
 
     def head_logits(self, params, h_BTD):
         """float32 logits [B, T, S] over the head's tokens."""
-        p = as_pure_params(params)
-        return jnp.einsum("btd,sd->bts", h_BTD, p["head"].astype(h_BTD.dtype),
+        return jnp.einsum("btd,sd->bts", h_BTD, params["head"].astype(h_BTD.dtype),
                           preferred_element_type=jnp.float32)
 
     def scatter(self, params, logits_BTS):
         """Full-vocabulary logits [B, T, V]: the head's logits at head_ids, -inf elsewhere."""
         B, T, _ = logits_BTS.shape
         full = jnp.full((B, T, self.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[:, :, as_pure_params(params)["head_ids"]].set(logits_BTS)
+        return full.at[:, :, params["head_ids"]].set(logits_BTS)
 
     def apply(self, params, tokens_BT, cache, num_valid_B=None):
         h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B)
@@ -66,7 +65,7 @@ def reduce_head(model: Llama, params, head_ids) -> tuple[ReducedHeadLlama, dict]
     ids = np.unique(np.asarray(head_ids, np.int64))
     if ids.size == 0 or ids[0] < 0 or ids[-1] >= model.vocab_size:
         raise ValueError(f"head_ids must be non-empty ids in [0, {model.vocab_size})")
-    p = dict(as_pure_params(params))
+    p = dict(params)
     ids_j = jnp.asarray(ids, jnp.int32)
     if model.config.tie_embeddings:
         head = jnp.take(p["embed"], ids_j, axis=0)
@@ -82,7 +81,7 @@ def full_head(model: ReducedHeadLlama, params) -> tuple[Llama, dict]:
     one (a Hugging Face checkpoint has no -inf logits). The head rows of S are kept; every other
     row is the embedding's (tied heads: exactly the original full head; a trained head: its S
     rows plus the embedding's rows elsewhere, so the result differs off S)."""
-    p = dict(as_pure_params(params))
+    p = dict(params)
     ids = p.pop("head_ids")
     head = p.pop("head")
     embed = p["embed"]

@@ -2,7 +2,8 @@
 
 The BPE itself is done by the ``tokenizers`` package; this module only assembles the pipeline
 (vocabulary, merges, pre-tokenizer, decoder, special tokens) from the metadata a GGUF file carries,
-renders chat templates with a sandboxed Jinja environment, and streams decoded text.
+renders chat templates with a sandboxed Jinja environment, and streams decoded text through
+``tokenizers.decoders.DecodeStream``.
 
 Compatibility: by default ``Tokenizer.from_gguf`` builds exactly the tokenizer that
 ``transformers.AutoTokenizer.from_pretrained(dir, gguf_file=...)`` builds for the same file, so a
@@ -12,13 +13,13 @@ every digit into its own piece *before* the GPT-2 split; transformers' GGUF load
 differ only on whitespace followed by a digit (``"a  1"``: transformers ``Ġ Ġ 1``, llama.cpp
 ``ĠĠ 1``). Pass ``compat="llama.cpp"`` for the llama.cpp behaviour.
 
-``Tokenizer.save(directory)`` writes ``tokenizer.json`` and ``tokenizer_config.json`` so an exported
-checkpoint directory loads with ``transformers.AutoTokenizer.from_pretrained(directory)``.
+``Tokenizer.save(directory)`` writes ``tokenizer.json`` (``tokenizers``' own format) and a short
+``tokenizer_config.json`` (special tokens, BOS/EOS flags, chat template) so an exported checkpoint
+directory loads with ``transformers.AutoTokenizer.from_pretrained(directory)``.
 """
 
 from __future__ import annotations
 
-import codecs
 import datetime
 import functools
 import json
@@ -37,6 +38,7 @@ __all__ = [
     "IncrementalDecoder",
     "load_tokenizer",
     "read_gguf_tokenizer_metadata",
+    "gguf_tokenizer_metadata",
     "check_gguf_tokenizer_model",
     "byte_level_alphabet",
 ]
@@ -116,29 +118,18 @@ def _byte_level_spelling(token: str) -> str:
     return "".join(alphabet[b] for b in token.encode("utf-8"))
 
 
-def _token_bytes(token: str) -> bytes:
-    """The bytes the ByteLevel decoder produces for one token string.
-
-    Characters of the byte alphabet become their byte; any other character (possible in an added
-    token) is kept as its UTF-8 encoding, as the ``tokenizers`` ByteLevel decoder does.
-    """
-    table = _char_to_byte()
-    out = bytearray()
-    for c in token:
-        b = table.get(c)
-        if b is None:
-            out += c.encode("utf-8")
-        else:
-            out.append(b)
-    return bytes(out)
-
-
 # ----------------------------------------------------------------------------- GGUF metadata
 
-def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``tokenizer.*`` fields of a GGUF file (plus ``general.architecture``), as Python values.
+def gguf_tokenizer_metadata(reader) -> dict[str, Any]:
+    """The ``tokenizer.*`` fields (plus ``general.architecture``) of an open ``gguf.GGUFReader``."""
+    return {key: field.contents() for key, field in reader.fields.items()
+            if key.startswith("tokenizer.") or key == "general.architecture"}
 
-    Parsing a GGUF takes seconds, so results are cached per (file, size, mtime); each call returns
+
+def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """`gguf_tokenizer_metadata` of the GGUF file at ``path``.
+
+    Parsing a GGUF is slow, so results are cached per (file, size, mtime); each call returns
     a fresh dict (whose list values are shared: do not mutate them in place).
     """
     path = pathlib.Path(path).expanduser()
@@ -152,12 +143,7 @@ def read_gguf_tokenizer_metadata(path: str | os.PathLike) -> dict[str, Any]:
 def _read_gguf_tokenizer_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     import gguf  # imported lazily: only GGUF loading needs it
 
-    reader = gguf.GGUFReader(path)
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.") or key == "general.architecture":
-            meta[key] = field.contents()
-    return meta
+    return gguf_tokenizer_metadata(gguf.GGUFReader(path))
 
 
 def check_gguf_tokenizer_model(metadata: Mapping[str, Any]) -> str:
@@ -301,7 +287,6 @@ class Tokenizer:
                 raise ValueError(f"{name} {tok!r} is not in the vocabulary")
         self._special_ids = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -455,9 +440,6 @@ class Tokenizer:
         """Number of ids, added tokens included (the size of the model's embedding table)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def __len__(self) -> int:
-        return self.vocab_size
-
     @property
     def special_token_ids(self) -> frozenset[int]:
         return self._special_ids
@@ -479,9 +461,6 @@ class Tokenizer:
     def id_to_token(self, index: int) -> str | None:
         return self.backend.id_to_token(int(index))
 
-    def get_vocab(self) -> dict[str, int]:
-        return self.backend.get_vocab(with_added_tokens=True)
-
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -496,9 +475,6 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
-        return [self.decode(ids, skip_special_tokens) for ids in batch]
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -538,25 +514,19 @@ class Tokenizer:
     # -- export -------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, BOS/EOS flags,
-        chat template) to ``directory``, loadable by ``transformers.AutoTokenizer``."""
+        """Write ``tokenizer.json`` (``tokenizers.Tokenizer.save``) and ``tokenizer_config.json``
+        (what tokenizer.json has no place for: special-token names, BOS/EOS flags, the chat
+        template) to ``directory``, loadable by ``transformers.AutoTokenizer``."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / "tokenizer.json"))
-        config: dict[str, Any] = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "add_bos_token": self.add_bos_token,
-            "add_eos_token": self.add_eos_token,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": int(1e30),
-        }
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "add_bos_token": self.add_bos_token,
+                                  "add_eos_token": self.add_eos_token,
+                                  "clean_up_tokenization_spaces": False}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if getattr(self, name) is not None:
                 config[name] = getattr(self, name)
-        config["added_tokens_decoder"] = {
-            str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
-                     "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
-            for i, t in sorted(self.backend.get_added_tokens_decoder().items())}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (directory / "tokenizer_config.json").write_text(
@@ -571,48 +541,22 @@ class Tokenizer:
 # ----------------------------------------------------------------------------- streaming
 
 class IncrementalDecoder:
-    """Turns a growing sequence of ids into text pieces, never splitting a UTF-8 character.
+    """Text pieces for a growing sequence of ids, never splitting a UTF-8 character.
 
-    ``add(ids)`` takes the *new* ids and returns the text they complete (possibly ``""`` while a
-    multi-byte character is still incomplete); ``finish()`` returns what is left (an incomplete
-    character at the very end becomes U+FFFD, as a full decode would make it). The pieces joined
-    equal ``tokenizer.decode(all_ids, skip_special_tokens)``.
-
-    Byte-level tokenizers are decoded byte-wise through an incremental UTF-8 decoder (linear time).
-    Other decoders re-decode a short window of recent ids and hold back text that ends in U+FFFD.
+    A thin wrapper over ``tokenizers.decoders.DecodeStream``: ``add(ids)`` takes the *new* ids and
+    returns the text they complete (``""`` while a character is still incomplete); ``finish()``
+    returns what the stream still holds back (an incomplete character at the very end becomes
+    U+FFFD, as a full decode makes it). The pieces joined equal
+    ``tokenizer.decode(all_ids, skip_special_tokens)``.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._pieces: list[str] = []
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context: list[int] = []   # the ids of the last piece the stream emitted
+        self._pending: list[int] = []   # ids the stream holds back
         self._finished = False
-        self._byte_level = tokenizer._byte_level
-        if self._byte_level:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self._bytes_cache: dict[int, bytes] = {}
-        else:
-            self._prefix = 0  # ids[_prefix:_read] were decoded for context only
-            self._read = 0    # ids[:_read] have been emitted
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        return "".join(self._pieces)
-
-    def _bytes_of(self, index: int) -> bytes:
-        cached = self._bytes_cache.get(index)
-        if cached is None:
-            if self.skip_special_tokens and index in self.tokenizer.special_token_ids:
-                cached = b""
-            else:
-                token = self.tokenizer.backend.id_to_token(index)
-                if token is None:
-                    raise ValueError(f"token id {index} is outside the vocabulary")
-                cached = _token_bytes(token)
-            self._bytes_cache[index] = cached
-        return cached
 
     def add(self, ids: int | Iterable[int]) -> str:
         if self._finished:
@@ -621,44 +565,26 @@ class IncrementalDecoder:
             new = [int(i) for i in ids]
         except TypeError:  # a single id (int or numpy integer)
             new = [int(ids)]
-        self.ids.extend(new)
-        if self._byte_level:
-            piece = self._utf8.decode(b"".join(self._bytes_of(i) for i in new))
-        else:
-            piece = self._window_step(final=False)
-        self._pieces.append(piece)
+        if not new:
+            return ""
+        piece = self._stream.step(self.tokenizer.backend, new)
+        self._pending.extend(new)
+        if piece is None:
+            return ""
+        self._context, self._pending = self._pending, []
         return piece
 
-    def _window_step(self, final: bool) -> str:
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
-        if final:  # one full decode settles whatever the windows held back
-            complete, emitted = decode(self.ids), self.text
-            return complete[len(emitted):] if complete.startswith(emitted) else ""
-        context = decode(self.ids[self._prefix:self._read])
-        full = decode(self.ids[self._prefix:])
-        if not full.endswith("\ufffd") and len(full) > len(context) and full.startswith(context):
-            self._prefix, self._read = self._read, len(self.ids)
-            return full[len(context):]
-        return ""
-
     def finish(self) -> str:
-        """Flush: the remaining text once no more ids will come."""
+        """Flush: the held-back text, decoded after the last emitted piece as the stream would."""
         if self._finished:
             return ""
         self._finished = True
-        piece = self._utf8.decode(b"", final=True) if self._byte_level else self._window_step(final=True)
-        self._pieces.append(piece)
-        return piece
-
-    def stream(self, ids: Iterable[int]) -> Iterable[str]:
-        """Yield the non-empty pieces for ``ids`` fed one at a time, then the flushed rest."""
-        for index in ids:
-            piece = self.add(index)
-            if piece:
-                yield piece
-        rest = self.finish()
-        if rest:
-            yield rest
+        if not self._pending:
+            return ""
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
+        context = decode(self._context)
+        full = decode(self._context + self._pending)
+        return full[len(context):] if full.startswith(context) else ""
 
 
 # ----------------------------------------------------------------------------- loading by name

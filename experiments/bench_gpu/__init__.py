@@ -1,1 +1,0 @@
-"""GPU (or any device) speed measurements on a random-weight Llama-shaped target; see README.md."""

@@ -1,0 +1,62 @@
+"""Settings of the speed benchmark (`python -m experiments.bench_speed.run --config=<this file>[:VARIANT]`).
+
+Variants: "" (SmolLM2-135M-Instruct, 26 held-out prompts, the committed table's workload),
+"tiny" (CI: a random 4-layer Llama, seconds), "gpu" (a random Llama-3.1-8B-shaped target in
+bfloat16 at batch 1 and 8: the former bench_gpu). Override anything on the command line,
+e.g. ``--config.workload=preset:1b --config.batch_sizes=1,8,32``.
+"""
+
+import ml_collections
+
+METHODS = ("ngram", "early_exit", "distilled", "oracle", "adaptive_ngram", "adaptive_early_exit", "adaptive_distilled")
+
+
+def get_config(variant: str = ""):
+    c = ml_collections.ConfigDict()
+    c.out = "experiments/bench_speed/results"
+    # A registry name, GGUF path or HF checkpoint dir (real weights, Spec-Bench prompts in its chat
+    # template), or preset:<tiny|smollm2|1b|3b|8b> (random weights with a real checkpoint's shapes,
+    # random prompt ids; see workload.PRESETS).
+    c.workload = "smollm2-135m-instruct"
+    c.dtype = "float32"                    # float32 | bfloat16 (params and KV cache)
+    c.layers = "fused"                     # fused (unrolled + fused projections) | unrolled | scan
+    c.num_prompts = 26                     # held-out questions, round-robin over the 13 categories
+    c.prompt_len = 0                       # presets: prompt ids per row (0: 12..47 at random)
+    c.batch_sizes = (1,)                   # rows per generate call (consecutive prompts)
+    c.max_new_tokens = 128
+    c.ignore_eos = False
+    c.repeats = 3                          # timed runs per configuration (median)
+    c.temperatures = (0.0, 1.0)
+    c.methods = ("ngram", "early_exit", "adaptive_ngram")   # target-only always runs; see METHODS
+    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, oracle=4))
+    c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
+    c.early_exit_layers = 4                # 0: max(1, layers // 8)
+    c.max_ngram = 3
+    c.draft_model = ""                     # distilled: a draft directory ("" = the one shipped for the model)
+    c.verifier = "token"
+    c.max_k = 9                            # k-token forward costs for k = 1..max(max_k, gamma + 1)
+    c.cost_iters = 30
+    c.bandwidth_gib = 1.0
+    c.bandwidth_threads = (1, 2)           # host (numpy) read probe on CPU
+    c.transformers = True                  # the transformers comparison (batch 1, needs torch + transformers)
+    c.torch_threads = 2
+    c.memory = True                        # peak RSS of a generation-only process (own process)
+    c.memory_prompts = 2
+    c.memory_drafter = "auto"              # auto: the distilled draft where one ships, else early_exit
+    c.alphas = ()                          # also predict speedups at these acceptance rates (report)
+    c.pad_multiple = 128
+    c.init_std = 0.02                      # presets' random weights
+    c.seed = 0
+    if variant == "tiny":
+        c.update(workload="preset:tiny", num_prompts=2, prompt_len=16, max_new_tokens=24, repeats=2,
+                 temperatures=(0.0,), max_k=3, cost_iters=3, bandwidth_gib=0.03, torch_threads=1, memory_prompts=1,
+                 adaptive_gammas=(0, 2), pad_multiple=64, init_std=0.2)
+        c.gamma.update(ngram=2, early_exit=2, oracle=2)
+    elif variant == "gpu":
+        c.update(workload="preset:8b", dtype="bfloat16", layers="scan", num_prompts=8, prompt_len=128,
+                 batch_sizes=(1, 8), temperatures=(0.0,), methods=("early_exit", "oracle"), early_exit_layers=0,
+                 transformers=False, memory=False, bandwidth_gib=2.0, cost_iters=20, alphas=(0.6, 0.7, 0.8, 0.9))
+        c.gamma.update(early_exit=4, oracle=4)
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny' or 'gpu'")
+    return c

@@ -1,0 +1,210 @@
+"""The benchmark's measurements: memory bandwidth, timed generation (specjax), transformers.
+
+Generation (`Runner.run`): one configuration on one batch. All configurations of a batch share
+its `decoding.Batch` (same padded width and cache capacity, sized for the largest gamma of the
+run), so target-only and speculative runs attend over the same slots. The first call per
+compiled shape is an untimed warm-up whose trace + compile seconds `CompileLog` records; then
+`repeats` timed runs of the prefill (`engine.init`) and of the whole generation (`engine.run`),
+medians kept; decode = median generation - median prefill; the timed runs must compile nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decoding, sampling
+
+from experiments import toolkit
+from experiments.bench_speed import workload
+
+
+def bandwidth(gib: float, threads=(1, 2), repeats: int = 5) -> dict:
+    """Streaming-read bandwidth, best of `repeats`. On CPU: numpy.sum over a float32 array of
+    `gib` GiB (pages touched first) split over t threads (numpy releases the GIL), per t. On an
+    accelerator: a jitted on-device read (jnp.sum) and copy (x * s, s traced so it stays)."""
+    n = max(1024, int(gib * 2 ** 30) // 4)
+    probes = {}
+    if jax.default_backend() == "cpu":
+        arr = np.ones(n, np.float32)
+        method = f"numpy.sum over {gib:g} GiB of float32 split over t threads, best of {repeats}"
+        for t in threads:
+            chunks = np.array_split(arr, t)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=t) as pool:
+                list(pool.map(np.sum, chunks))
+                best = min(toolkit.timed(lambda: list(pool.map(np.sum, chunks)))[0] for _ in range(repeats))
+            probes[f"read, {t} thread(s)"] = arr.nbytes / best / 1e9
+    else:
+        x = jax.jit(lambda: jnp.ones((n,), jnp.float32))()
+        method = (f"jitted on-device read (jnp.sum) and copy (x * s, bytes read + written) of {gib:g} GiB, "
+                  f"best of {repeats}")
+        for name, fn, args, moved in (("device read", jnp.sum, (x,), 4 * n),
+                                      ("device copy", lambda a, s: a * s, (x, jnp.float32(1)), 8 * n)):
+            f = jax.jit(fn)
+            toolkit.timed(f, *args)
+            probes[name] = moved / min(toolkit.timed(f, *args)[0] for _ in range(repeats)) / 1e9
+    return {"method": method, "probes": probes, "gb_per_s": max(probes.values())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One decoding configuration: its name in the report, its drafter kind and gamma."""
+    name: str
+    drafter: str                      # none | ngram | early_exit | distilled | oracle
+    gamma: int | decoding.AdaptiveGamma
+
+    @property
+    def gammas(self) -> tuple[int, ...]:
+        return self.gamma.gammas if isinstance(self.gamma, decoding.AdaptiveGamma) else (int(self.gamma),)
+
+    def describe(self) -> str:
+        if isinstance(self.gamma, decoding.AdaptiveGamma):
+            return f"{self.drafter}, adaptive gamma in {list(self.gamma.gammas)}"
+        return "target only" if self.drafter == "none" else f"{self.drafter}, gamma {self.gamma}"
+
+
+def methods(c, w: workload.Workload) -> list[Method]:
+    out = [Method("target_only", "none", 0)]
+    for name in c.methods:
+        kind = name.removeprefix("adaptive_")
+        if kind not in ("ngram", "early_exit", "distilled", "oracle"):
+            raise ValueError(f"unknown method {name!r}")
+        if kind == "distilled" and not workload.has_distilled(w, c):
+            continue
+        gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)) if name.startswith("adaptive_") \
+            else int(c.gamma[kind])
+        out.append(Method(name, kind, gamma))
+    return out
+
+
+class Runner:
+    """Runs configurations on batches; remembers which compiled shapes are warm."""
+
+    def __init__(self, w: workload.Workload, c, log: toolkit.CompileLog, eos_ids=()):
+        self.w, self.c, self.log, self.eos_ids = w, c, log, tuple(eos_ids)
+        self.warmed: set = set()
+
+    def run(self, method: Method, temperature: float, batch: decoding.Batch, round_time_s=None, draft_params=None):
+        """(record, GenerateOutput of the last timed run)."""
+        d, dp = (None, None) if method.drafter == "none" else workload.drafter(self.w, method.drafter, self.c)
+        config = decoding.GenerationConfig(max_new_tokens=self.c.max_new_tokens, gamma=method.gamma,
+                                           verifier=self.c.verifier, eos_ids=self.eos_ids)
+        engine = decoding.Engine(self.w.target, d, config)
+        params = decoding.EngineParams(target=self.w.params, draft=dp if draft_params is None else draft_params)
+        samp = sampling.SamplingConfig.make(temperature=temperature)
+        prefill = lambda: engine.init(params, batch)                        # noqa: E731
+        full = lambda: engine.run(params, samp, batch, round_time_s)        # noqa: E731
+        key = (method, float(temperature), tuple(batch.prompt_BP.shape), batch.capacity)
+        warm = {"compile_s": 0.0, "compiles": 0}
+        if key not in self.warmed:
+            with self.log.section() as warm:
+                toolkit.timed(prefill)
+                toolkit.timed(full)
+            self.warmed.add(key)
+        pre_s, full_s = [], []
+        with self.log.section() as timed_box:
+            for _ in range(self.c.repeats):
+                pre_s.append(toolkit.timed(prefill)[0])
+                out = None                                   # free the previous output first
+                t, out = toolkit.timed(full)
+                full_s.append(t)
+        out = jax.device_get(out)
+        m = out.metrics
+        total, pre = toolkit.median(full_s), toolkit.median(pre_s)
+        decode = total - pre if total > pre else float("nan")              # <= 0: lost in timing noise
+        gen = out.generated()
+        n = sum(map(len, gen))
+        return {
+            "batch": len(gen), "padded_prompt_width": int(batch.prompt_BP.shape[1]), "capacity": batch.capacity,
+            "new_tokens": n, "new_tokens_per_row": [len(g) for g in gen], "status": out.statuses(),
+            "total_s": total, "prefill_s": pre, "decode_s": decode, "total_s_all": full_s, "prefill_s_all": pre_s,
+            "tokens_per_s": n / decode if decode > 0 else float("nan"), "e2e_tokens_per_s": n / total,
+            "compile_s": warm["compile_s"], "compiles": warm["compiles"],
+            "compiles_during_timing": timed_box["compiles"],
+            "loop_rounds": int(np.max(m.rounds_B)), "rounds": int(np.sum(m.rounds_B)),
+            "proposed": int(np.sum(m.proposed_B)), "accepted": int(np.sum(m.accepted_B)),
+            "committed": int(np.sum(m.committed_B)), "degenerate_residuals": int(np.sum(m.degenerate_residual_B)),
+            "accepted_at": np.sum(m.accepted_at_BG, 0), "tested_at": np.sum(m.tested_at_BG, 0),
+            "gamma_rounds": dict(zip(map(str, method.gammas), np.asarray(m.gamma_rounds_K).tolist())),
+            "generated_ids": gen,
+        }, out
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def transformers_runs(w: workload.Workload, c, assistant_dir=None, on_record=None) -> list[dict]:
+    """transformers `generate` on the same weights and token ids, batch 1, float32, per prompt:
+    plain (`target_only`), prompt lookup (`prompt_lookup`: the n-gram gamma candidates,
+    `max_matching_ngram_size` = max_ngram) and, with `assistant_dir` (the distilled draft exported
+    as an HF checkpoint), assisted generation (`assisted_distilled`: its gamma tokens per round,
+    constant schedule, confidence threshold 0 = no early stop of a round). Greedy: do_sample=False;
+    T > 0: pure sampling (top_k 0, top_p 1), seeded per prompt. One untimed warm-up per method;
+    prefill = one `model(prompt, logits_to_keep=1)` timed apart; decode = generate - prefill."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(int(c.torch_threads))
+    model = transformers.AutoModelForCausalLM.from_pretrained(**w.hf_source, dtype=torch.float32).eval()
+    assistant = None
+    if assistant_dir is not None:
+        assistant = transformers.AutoModelForCausalLM.from_pretrained(str(assistant_dir), dtype=torch.float32).eval()
+        assistant.generation_config.update(num_assistant_tokens=int(c.gamma.distilled),
+                                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    records, greedy_ref = [], {}
+    with torch.inference_mode():
+        def prefill(ids):
+            t0 = time.perf_counter()
+            model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+            return time.perf_counter() - t0
+
+        def generate(ids, kw, qid):
+            torch.manual_seed(c.seed * 1_000_003 + qid)
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            return time.perf_counter() - t0, out[0, ids.shape[1]:].tolist()
+
+        for temp in c.temperatures:
+            for method in ("target_only", "prompt_lookup") + (("assisted_distilled",) if assistant else ()):
+                kw = dict(max_new_tokens=c.max_new_tokens, num_beams=1, do_sample=temp > 0)
+                if temp > 0:
+                    kw.update(temperature=float(temp), top_k=0, top_p=1.0)
+                if w.eos_ids:             # the workload's stop tokens (ignore_eos: max_new_tokens anyway)
+                    kw.update(eos_token_id=list(w.eos_ids), pad_token_id=int(w.eos_ids[0]),
+                              **({"min_new_tokens": c.max_new_tokens} if c.ignore_eos else {}))
+                if method == "prompt_lookup":
+                    kw.update(prompt_lookup_num_tokens=int(c.gamma.ngram), max_matching_ngram_size=int(c.max_ngram))
+                if method == "assisted_distilled":
+                    kw.update(assistant_model=assistant)
+                ids0 = torch.tensor([list(w.prompts[0].ids)])
+                generate(ids0, kw, w.prompts[0].question_id)                 # warm-up
+                for p in w.prompts:
+                    ids = torch.tensor([list(p.ids)])
+                    pre_s, full_s = [], []
+                    for _ in range(c.repeats):
+                        pre_s.append(prefill(ids))
+                        t, gen = generate(ids, kw, p.question_id)
+                        full_s.append(t)
+                    total, pre = toolkit.median(full_s), toolkit.median(pre_s)
+                    decode = total - pre if total > pre else float("nan")
+                    rec = {"framework": "transformers", "method": method, "drafter": method, "config": method,
+                           "temperature": float(temp), "question_ids": [p.question_id], "category": p.category,
+                           "prompt_tokens": [len(p.ids)], "batch": 1, "new_tokens": len(gen), "total_s": total,
+                           "prefill_s": pre, "decode_s": decode, "total_s_all": full_s, "prefill_s_all": pre_s,
+                           "tokens_per_s": len(gen) / decode if decode > 0 else float("nan"),
+                           "e2e_tokens_per_s": len(gen) / total, "torch_threads": torch.get_num_threads(),
+                           "generate_kwargs": {k: v for k, v in kw.items() if k != "assistant_model"},
+                           "generated_ids": [gen]}
+                    if temp == 0 and method == "target_only":
+                        greedy_ref[p.question_id] = gen
+                    elif temp == 0:
+                        rec["greedy_matches_transformers"] = gen == greedy_ref.get(p.question_id)
+                    records.append(rec)
+                    if on_record:
+                        on_record(rec)
+    return records

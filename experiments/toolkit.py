@@ -1,0 +1,277 @@
+"""What every experiment shares: timing, provenance, one JSONL writer, Markdown tables, and the
+k-token forward / draft cost probes.
+
+Timing: `timed` waits for every array of the result (`jax.block_until_ready`); `CompileLog`
+sums the seconds jax spends tracing, lowering and compiling (`jax.monitoring` events), so a
+warm-up reports its compile time apart and a timed call can be checked to compile nothing;
+`time_calls` = one warm-up (compile recorded) then the median of `iters` timed calls.
+
+Provenance (`provenance`): date, command line, git commit and dirty flag, the machine (CPU
+model and its avx512 / bf16 / amx flags, cores, cgroup quota, memory, load), package versions,
+jax backend and devices, XLA_FLAGS, and what the caller adds (weights file and sha256, the
+config). Every JSONL record carries it (`Jsonl`), so one line says where it came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decoding, drafters
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- timing
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def median(xs) -> float:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def timed(fn, *args, **kwargs):
+    """(seconds, result) of one call, waiting for every array in the result."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return time.perf_counter() - t0, out
+
+
+class CompileLog:
+    """Compile seconds and backend compiles, overall and per `section()` (a dict filled on exit)."""
+
+    def __init__(self):
+        self.seconds, self.compiles = 0.0, 0
+
+    def _listener(self, event: str, duration: float, **_):
+        if event in _COMPILE_EVENTS:
+            self.seconds += float(duration)
+            self.compiles += event == _COMPILE_EVENTS[-1]
+
+    def __enter__(self):
+        self._cb = self._listener          # one bound method object: unregistered by identity
+        jax.monitoring.register_event_duration_secs_listener(self._cb)
+        return self
+
+    def __exit__(self, *exc):
+        with contextlib.suppress(AttributeError, ValueError, KeyError):
+            jax.monitoring.unregister_event_duration_listener(self._cb)
+
+    @contextlib.contextmanager
+    def section(self):
+        box, s0, c0 = {}, self.seconds, self.compiles
+        try:
+            yield box
+        finally:
+            box.update(compile_s=self.seconds - s0, compiles=self.compiles - c0)
+
+
+def time_calls(fn, *args, iters: int, log: CompileLog) -> dict:
+    """One warm-up call (its compile seconds recorded), then `iters` timed calls."""
+    with log.section() as box:
+        timed(fn, *args)
+    ts = [timed(fn, *args)[0] for _ in range(iters)]
+    return {"median_s": median(ts), "min_s": float(min(ts)), "compile_s": box["compile_s"]}
+
+
+# ----------------------------------------------------------------------------- cost probes
+
+def probe_tokens(batch: int, k: int, vocab_size: int) -> jax.Array:
+    """Fixed [batch, k] token ids (a forward's cost does not depend on them)."""
+    return (jnp.arange(batch * k, dtype=jnp.int32).reshape(batch, k) * 7 + 3) % vocab_size
+
+
+def forward_costs(model, params, ks, *, ctx: int, capacity: int, iters: int, log: CompileLog, batch: int = 1) -> dict:
+    """{k: median seconds of one jitted `model.apply` of k tokens per row} against a cache of
+    `capacity` slots holding `ctx` tokens. Only the logits are returned, so the (not donated)
+    cache is not copied; inside the decode loop the cache write is an in-place update of k slots."""
+    if ctx + max(ks) > capacity:
+        raise ValueError(f"context {ctx} + k {max(ks)} exceeds capacity {capacity}")
+    cache = model.init_cache(batch, capacity).rollback(ctx)
+    fn = jax.jit(lambda p, t, c: model.apply(p, t, c)[0])
+    return {int(k): time_calls(fn, params, probe_tokens(batch, k, model.vocab_size), cache, iters=iters, log=log)
+            for k in ks}
+
+
+def propose_cost(target, drafter, draft_params, gamma: int, sampling, *, ctx: int, capacity: int, iters: int,
+                 log: CompileLog, batch: int = 1, seed: int = 0) -> dict:
+    """Seconds of one jitted `drafter.propose` of `gamma` tokens per row at context `ctx`: the
+    drafter prefilled on a random context, the target's cache holding ctx - 1 tokens."""
+    tokens_BL = jnp.asarray(np.random.default_rng(seed).integers(0, target.vocab_size, (batch, capacity)), jnp.int32)
+    lengths_B = jnp.full((batch,), ctx, jnp.int32)
+    state = jax.jit(lambda dp, t, n: drafter.init(dp, t, n, capacity))(draft_params, tokens_BL[:, :ctx], lengths_B)
+    context = drafters.DraftContext(tokens_BL=tokens_BL, lengths_B=lengths_B,
+                                    target_cache=target.init_cache(batch, capacity).rollback(ctx - 1))
+    keys = decoding.request_keys(jax.random.key(seed), list(range(batch)))
+    fn = jax.jit(lambda dp, st, cx, ky, sp: drafter.propose(dp, st, cx, ky, gamma, sp)[:2])
+    return time_calls(fn, draft_params, state, context, keys, sampling, iters=iters, log=log)
+
+
+# ----------------------------------------------------------------------------- provenance
+
+def git_state(exclude=()) -> dict:
+    """HEAD's commit and whether the tree differs from it, ignoring paths under `exclude`."""
+    def git(*args):
+        try:
+            p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
+                               env=dict(os.environ, GIT_OPTIONAL_LOCKS="0"))
+            return p.stdout if p.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=all")
+    if status is None:
+        return {"git_commit": commit and commit.strip(), "git_dirty": None, "git_changed_files": None}
+    prefixes = []
+    for e in exclude:
+        with contextlib.suppress(ValueError):
+            prefixes.append(pathlib.Path(e).resolve().relative_to(REPO).as_posix().rstrip("/") + "/")
+    changed = [line[3:].strip('"') for line in status.splitlines() if line.strip()]
+    changed = [c for c in changed if not any(c.startswith(p) for p in prefixes)]
+    return {"git_commit": commit and commit.strip(), "git_dirty": bool(changed), "git_changed_files": changed[:50]}
+
+
+def _read(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages (a busy machine makes every timing unreliable)."""
+    fields = _read("/proc/loadavg").split()[:3]
+    return [float(x) for x in fields] if fields else None
+
+
+def cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup (v2 cpu.max or v1 cfs quota); None if unlimited or unknown."""
+    v2 = _read("/sys/fs/cgroup/cpu.max").split()
+    if len(v2) == 2:
+        return None if v2[0] == "max" else int(v2[0]) / int(v2[1])
+    q, p = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").strip(), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us").strip()
+    return int(q) / int(p) if q and p and int(q) > 0 else None
+
+
+def machine() -> dict:
+    cpuinfo = _read("/proc/cpuinfo").splitlines()
+    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith(name)), "")  # noqa: E731
+    flags = field("flags").split()
+    mem = next((int(ln.split()[1]) for ln in _read("/proc/meminfo").splitlines() if ln.startswith("MemTotal:")), 0)
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "numpy", "ml_collections", "torch", "transformers", "specjax"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[pkg] = metadata.version(pkg)
+    devices = jax.devices()
+    return {
+        "cpu_model": field("model name") or platform.processor() or platform.machine(),
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx")) or "bf16" in f or f in ("avx2", "fma")),
+        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cgroup_cpu_quota": cpu_quota(),
+        "mem_total_gib": round(mem / 2 ** 20, 1), "loadavg_at_start": loadavg(), "platform": platform.platform(),
+        "python": platform.python_version(), "versions": versions, "jax_backend": jax.default_backend(),
+        "devices": f"{len(devices)} x {getattr(devices[0], 'device_kind', devices[0].platform)}",
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def provenance(module: str, *, exclude=(), **extra) -> dict:
+    """The block every record of a run carries; `module` names the entry point (``python -m``)."""
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": f"python -m {module} {shlex.join(sys.argv[1:])}".strip(),
+            **git_state(exclude), "machine": machine(), **extra}
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+def _clean(x):
+    """JSON-safe: mappings to dicts, numpy to Python, NaN / inf to None."""
+    if hasattr(x, "items"):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        return _clean(x.tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    return x
+
+
+class Jsonl:
+    """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``."""
+
+    def __init__(self, path, provenance: dict, append: bool = False):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.provenance = _clean(provenance)
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, kind: str, **fields) -> dict:
+        rec = {"kind": kind, **_clean(fields), "provenance": self.provenance}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        return rec
+
+    def close(self):
+        self._f.close()
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- Markdown
+
+def fmt(x, digits: int = 2, pct: bool = False) -> str:
+    if x is None or isinstance(x, bool) or (isinstance(x, float) and not math.isfinite(x)):
+        return "–" if x is None or not isinstance(x, bool) else ("yes" if x else "no")
+    if isinstance(x, int):
+        return str(x)
+    return f"{100 * x:.{digits}f}%" if pct else f"{x:.{digits}f}"
+
+
+def table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def provenance_lines(prov: dict) -> list[str]:
+    """The provenance block as Markdown bullet lines."""
+    m = prov["machine"]
+    dirty = {True: " (working tree dirty)", False: "", None: " (dirty state unknown)"}[prov.get("git_dirty")]
+    out = [f"- date (UTC): {prov['date_utc']}; command: `{prov['command']}`",
+           f"- git commit: `{prov.get('git_commit')}`{dirty}"]
+    if prov.get("model"):
+        out.append(f"- model: `{prov['model']}`, weights `{prov.get('model_file')}`, "
+                   f"sha256 `{prov.get('model_sha256')}` ({prov.get('model_notes', '')})")
+    quota = f" (cgroup quota {m['cgroup_cpu_quota']:g})" if m.get("cgroup_cpu_quota") else ""
+    out += [f"- machine: {m['cpu_model']} ({' '.join(m['cpu_flags']) or 'no avx512/amx'}), {m['cpus_usable']} usable "
+            f"of {m['cpu_count']} CPUs{quota}, {m['mem_total_gib']} GiB; {m['devices']} ({m['jax_backend']}); "
+            f"load average at start {m['loadavg_at_start']}",
+            "- versions: python " + m["python"] + ", " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+            + (f"; XLA_FLAGS `{m['xla_flags']}`" if m.get("xla_flags") else "")]
+    return out

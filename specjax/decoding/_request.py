@@ -1,0 +1,157 @@
+"""One request path, text in and text out: chat template -> pad -> capacity -> keys -> run or
+stream -> detokenize. The CLI, the distillation data generator, the greedy check and every
+benchmark go through it (`make_batch` for token ids, `Generator` for text).
+
+Capacity: the cache must hold the longest prompt, max_new_tokens and the largest
+verification block (`GenerationConfig.slots_needed`); it is rounded up to ``pad_multiple`` so
+nearby prompt lengths share one compiled program, and it is checked on the host before
+anything runs (XLA clamps out-of-range writes silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.decoding._engine import (PAD_ID, STATUS_NAMES, Batch, Engine, EngineParams, GenerateOutput,
+                                      GenerationConfig, StreamEvent)
+
+
+def request_keys(key: jax.Array, request_ids) -> jax.Array:
+    """One key per request, folded from its id: samples do not depend on batch layout."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(request_ids, jnp.uint32))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-int(x) // multiple) * multiple
+
+
+def make_batch(prompts: Sequence[Sequence[int]], config: GenerationConfig, key: jax.Array, *,
+               request_ids: Sequence[int] | None = None, vocab_size: int | None = None,
+               pad_multiple: int = 1, capacity: int | None = None) -> Batch:
+    """Check, right-pad (to a multiple of ``pad_multiple``) and key a batch of token-id prompts.
+
+    capacity: by default the slots `config` needs for the longest prompt, rounded up to
+    ``pad_multiple`` (at least the padded width); pass one to share it between runs (e.g.
+    speculative and target-only decoding of the same prompt). Raises ValueError for an empty
+    prompt or an id outside [0, vocab_size), `CacheCapacityError` (via the engine) when the
+    given capacity is too small.
+    """
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    lens = np.asarray([len(p) for p in prompts], np.int32)
+    if lens.min() < 1:
+        raise ValueError(f"prompt {int(lens.argmin())} is empty; every prompt needs >= 1 token")
+    width = _round_up(lens.max(), pad_multiple)
+    prompt_BP = np.full((len(prompts), width), PAD_ID, np.int32)
+    for b, p in enumerate(prompts):
+        arr = np.asarray(p, np.int64)
+        if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
+            raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): min {arr.min()}, max {arr.max()}")
+        prompt_BP[b, :len(p)] = arr
+    if capacity is None:
+        capacity = max(_round_up(config.slots_needed(lens.max()), pad_multiple), width)
+    ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+    if len(ids) != len(prompts):
+        raise ValueError(f"{len(ids)} request ids for {len(prompts)} prompts")
+    return Batch(prompt_BP=jnp.asarray(prompt_BP), prompt_lengths_B=jnp.asarray(lens),
+                 key_B=request_keys(key, ids), capacity=int(capacity))
+
+
+def timing_summary(events: list[StreamEvent], row: int = 0) -> dict:
+    """Host-side latency metrics of one row from its stream events.
+
+    ttft_s: time to the first committed token (prefill, first round and any compilation);
+    inter_token_s: mean time per token after the first round (a round's wall time spread
+    over the tokens it committed); tokens_per_s: tokens after the first round / their time.
+    """
+    times, counts = [], []
+    for e in events:
+        if e.new_tokens[row]:
+            times.append(e.elapsed_s)
+            counts.append(len(e.new_tokens[row]))
+    if not times:
+        return {"ttft_s": float("nan"), "tokens": 0, "inter_token_s": float("nan"), "tokens_per_s": float("nan")}
+    after = sum(counts[1:])
+    span = times[-1] - times[0]
+    return {"ttft_s": times[0], "tokens": sum(counts),
+            "inter_token_s": span / after if after else float("nan"),
+            "tokens_per_s": after / span if span > 0 else float("nan")}
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result: its generated ids, text (with a tokenizer) and status."""
+    prompt_tokens: int
+    tokens: list[int]
+    text: str | None
+    status: str
+
+
+@dataclasses.dataclass
+class Generator:
+    """The request path for one engine and its weights (in the spirit of gemma's `Sampler`).
+
+    Prompts are text (chat-templated with ``chat=True``, the default, else encoded as they
+    are) or lists of token ids. ``round_time_s`` feeds adaptive gamma (`calibrate` sets it).
+    """
+    engine: Engine
+    params: EngineParams
+    tokenizer: Any = None
+    pad_multiple: int = 64
+    round_time_s: tuple[float, ...] | None = None
+
+    @property
+    def config(self) -> GenerationConfig:
+        return self.engine.config
+
+    def target_only(self) -> "Generator":
+        """The same target and settings without a drafter (gamma = 0)."""
+        config = dataclasses.replace(self.config, gamma=0)
+        return dataclasses.replace(self, engine=Engine(self.engine.target, None, config),
+                                   params=EngineParams(target=self.params.target), round_time_s=None)
+
+    def encode(self, prompt: str | Sequence[int], *, chat: bool = True, system: str = "") -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer")
+        if not chat:
+            return list(self.tokenizer.encode(prompt))
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def batch(self, prompts: Sequence[str | Sequence[int]], key: jax.Array, *, chat: bool = True,
+              request_ids: Sequence[int] | None = None, capacity: int | None = None) -> Batch:
+        return make_batch([self.encode(p, chat=chat) for p in prompts], self.config, key,
+                          request_ids=request_ids, vocab_size=self.engine.target.vocab_size,
+                          pad_multiple=self.pad_multiple, capacity=capacity)
+
+    def run(self, batch: Batch, sampling: sampling_lib.SamplingConfig) -> GenerateOutput:
+        return self.engine.run(self.params, sampling, batch, self.round_time_s)
+
+    def stream(self, batch: Batch, sampling: sampling_lib.SamplingConfig) -> Iterator[StreamEvent]:
+        return self.engine.stream(self.params, sampling, batch, self.round_time_s)
+
+    def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3) -> tuple[float, ...]:
+        """Measure one round per gamma on `batch` (adaptive gamma's costs) and keep them."""
+        self.round_time_s = tuple(self.engine.round_times(self.params, sampling, batch, repeats))
+        return self.round_time_s
+
+    def detokenize(self, ids: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], sampling: sampling_lib.SamplingConfig,
+                 key: jax.Array, *, chat: bool = True) -> list[Completion]:
+        """Text (or ids) in, `Completion`s out: one jitted run over the whole batch."""
+        batch = self.batch(prompts, key, chat=chat)
+        out = jax.device_get(self.run(batch, sampling))
+        plens = np.asarray(out.prompt_lengths_B)
+        return [Completion(prompt_tokens=int(plens[b]), tokens=ids, text=self.detokenize(ids),
+                           status=STATUS_NAMES[int(out.status_B[b])])
+                for b, ids in enumerate(out.generated())]

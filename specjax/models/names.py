@@ -1,0 +1,115 @@
+"""Every parameter's canonical key, Hugging Face name and GGUF name: one table for the loaders
+and the exporter.
+
+Canonical params are what the loaders return and `specjax.models.Llama.prepare_params` starts
+from: a dict of the top-level tensors plus ``layers``, a dict of arrays stacked along a leading
+layer axis, projections input-major ([in, out], so ``x @ w``). Checkpoints store projections
+PyTorch-style ([out, in]); `TENSORS` records, for each tensor, both names, the shape a checkpoint
+stores and whether it is transposed on the way in. `assemble` builds canonical params from any
+checkpoint given a getter of stored tensors.
+
+llama.cpp's converter stores the Q and K projections of *llama*-architecture models with the
+rows of each head interleaved (its RoPE pairs dims 2i, 2i+1 where Hugging Face pairs i, i+hd/2);
+`unpermute_qk` undoes that, so the weights match the HF "rotate_half" convention (transformers
+does the same when it loads a GGUF). qwen2 GGUFs are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import ModelConfig, TensorShapeError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorName:
+    key: str                 # canonical key: top level, or inside params["layers"] for a layer tensor
+    hf: str                  # Hugging Face name; "{i}" stands for the layer index
+    gguf: str                # GGUF name; "{i}" stands for the layer index
+    stored: tuple[str, ...]  # the stored shape, as `ModelConfig` attribute names
+    transpose: bool          # stored [out, in], canonical [in, out]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+    def stored_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        return tuple(int(getattr(config, name)) for name in self.stored)
+
+
+_V, _D, _F, _Q, _K = "vocab_size", "hidden_size", "ffn_size", "q_size", "kv_size"
+_HF = "model.layers.{i}."
+TENSORS: tuple[TensorName, ...] = (
+    TensorName("embed", "model.embed_tokens.weight", "token_embd.weight", (_V, _D), False),
+    TensorName("final_norm", "model.norm.weight", "output_norm.weight", (_D,), False),
+    TensorName("lm_head", "lm_head.weight", "output.weight", (_V, _D), True),
+    TensorName("attn_norm", _HF + "input_layernorm.weight", "blk.{i}.attn_norm.weight", (_D,), False),
+    TensorName("wq", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", (_Q, _D), True),
+    TensorName("wk", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", (_K, _D), True),
+    TensorName("wv", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", (_K, _D), True),
+    TensorName("wo", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", (_D, _Q), True),
+    TensorName("bq", _HF + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", (_Q,), False),
+    TensorName("bk", _HF + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", (_K,), False),
+    TensorName("bv", _HF + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", (_K,), False),
+    TensorName("mlp_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", (_D,), False),
+    TensorName("w_gate", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", (_F, _D), True),
+    TensorName("w_up", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", (_F, _D), True),
+    TensorName("w_down", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", (_D, _F), True),
+)
+
+
+def tensor_names(config: ModelConfig) -> tuple[TensorName, ...]:
+    """The tensors a model of `config` has: q/k/v biases only with ``attention_bias``, an
+    ``lm_head`` only when the head is not tied to the embedding."""
+    skip = set()
+    if config.tie_embeddings:
+        skip.add("lm_head")
+    if not config.attention_bias:
+        skip.update(("bq", "bk", "bv"))
+    return tuple(t for t in TENSORS if t.key not in skip)
+
+
+def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[np.ndarray, str]]) -> dict:
+    """Canonical params (in ``config.dtype``) from a checkpoint.
+
+    ``get(tensor, layer)`` (``layer`` None for a top-level tensor) returns the stored array (HF
+    orientation, any float dtype) and the name to show in errors, or raises
+    `specjax.models.MissingTensorError`. Shapes are checked against the configuration.
+    """
+    dtype = jnp.dtype(config.dtype)
+
+    def fetch(t: TensorName, i):
+        arr, shown = get(t, i)
+        want = t.stored_shape(config)
+        if tuple(arr.shape) != want:
+            raise TensorShapeError(
+                f"tensor {shown!r} has shape {tuple(arr.shape)}, expected {want} "
+                f"for the configuration")
+        arr = np.asarray(arr, dtype=np.float32)
+        return arr.T if t.transpose else arr
+
+    params, layers = {}, {}
+    for t in tensor_names(config):
+        if t.per_layer:
+            stacked = np.stack([fetch(t, i) for i in range(config.num_layers)])
+            layers[t.key] = jnp.asarray(stacked, dtype)
+        else:
+            params[t.key] = jnp.asarray(fetch(t, None), dtype)
+    params["layers"] = layers
+    return params
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (per head: [pairs, 2] -> [2, pairs])."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (inverse of `unpermute_qk`)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
