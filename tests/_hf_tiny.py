@@ -1,4 +1,5 @@
-"""Tiny random transformers checkpoints (Llama with llama3/linear RoPE scaling, Qwen2)."""
+"""Test helpers for the model layer: tiny random transformers checkpoints (Llama with llama3/linear
+RoPE scaling, Qwen2) and right-padded prompt batches."""
 import numpy as np
 
 VOCAB = 101
@@ -52,3 +53,12 @@ def rel_and_kl(ref, got):
     lp_got = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
     kl = (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
     return rel, kl
+
+
+def right_padded(prompts):
+    """(tokens [B, longest] int32 with 0 after each prompt, lengths [B] int32) for ragged prefill."""
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    return tokens, lengths

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _hf_tiny import right_padded  # noqa: E402
 from specjax import specbench  # noqa: E402
 from specjax.models import (gguf_loader, load, load_tokenizer, load_with_tokenizer,  # noqa: E402
                             names, resolve)
@@ -71,10 +72,7 @@ def _hf_reference(model, ids):
 
 def _specjax_logits(model, params, prompts, greedy):
     """Ragged prefill then N_DECODE teacher-forced decode steps; per-row logits [P+N, V]."""
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
+    tokens, lengths = right_padded(prompts)
     capacity = int(-(-(tokens.shape[1] + N_DECODE + 1) // 64) * 64)
     step = jax.jit(model.apply, donate_argnums=(2,))
     cache = model.init_cache(len(prompts), capacity)

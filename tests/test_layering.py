@@ -5,9 +5,11 @@
 * No private name (a leading underscore) of one package is used by another package, the
   experiments or the tests, except the package's own modules.
 
-Run as a script to print the import graph between specjax's packages:
+Run as a script to print the import graph between specjax's packages, or between the modules
+of one package:
 
-    python tests/test_layering.py
+    python tests/test_layering.py            # units (floors)
+    python tests/test_layering.py models     # modules of specjax.models
 """
 
 from __future__ import annotations
@@ -123,7 +125,35 @@ def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
         f.unlink()
 
 
-if __name__ == "__main__":
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Imports between the modules of one specjax package (names relative to it)."""
+    prefix = f"specjax.{package}."
+    graph = collections.defaultdict(set)
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        src = _module_name(path)
+        for module, name, _ in imports(path):
+            full = f"{module}.{name}" if name else module
+            dst = full if (ROOT / (full.replace(".", "/") + ".py")).is_file() else module
+            if src.startswith(prefix) and dst.startswith(prefix) and dst != src:
+                graph[src[len(prefix):]].add(dst[len(prefix):])
+    return graph
+
+
+def test_no_import_circles_inside_packages():
+    for package in ("models", "decoding", "drafters", "verify", "distill"):
+        graph = module_graph(package)
+
+        def reaches(a, b, seen=()):
+            return any(n == b or (n not in seen and reaches(n, b, seen + (n,))) for n in graph.get(a, ()))
+
+        circles = [m for m in graph if reaches(m, m)]
+        assert not circles, f"specjax.{package}: import circle through {circles}"
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    for module, deps in sorted(module_graph(sys.argv[1]).items()):
+        print(f"{module:15s} -> {', '.join(sorted(deps))}")
+elif __name__ == "__main__":
     graph = unit_graph()
     for unit in sorted(FLOORS, key=lambda u: (-FLOORS[u], u)):
         print(f"{FLOORS[unit]} {unit:10s} -> {', '.join(sorted(graph.get(unit, ()), key=lambda u: -FLOORS[u])) or '-'}")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _hf_tiny import right_padded
 from specjax.models import (KVCache, Llama, ModelConfig, canonical_params,
                             truncate_layers)
 
@@ -29,10 +30,7 @@ def _model(config, seed=0):
 
 def _prefill(step, model, prompts, capacity):
     """Ragged prefill: right-padded prompts, ``num_valid_B`` = each row's length."""
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
+    tokens, lengths = right_padded(prompts)
     logits, cache = step(jnp.asarray(tokens), model.init_cache(len(prompts), capacity), jnp.asarray(lengths))
     return logits, cache
 
