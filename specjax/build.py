@@ -92,6 +92,9 @@ def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = T
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
 
 
+DRAFTER_KINDS = ("distilled", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
+
+
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
                  max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
                  target_name: str = ""):
@@ -120,8 +123,7 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
             raise ValueError(f"vocab mismatch: draft model {draft_model} has {model.vocab_size} tokens, "
                              f"the target {target.vocab_size}")
         return drafters.ModelDrafter(model), params
-    raise ValueError(f"unknown drafter {kind!r}: expected distilled, ngram, early_exit, early_exit_own_cache, model "
-                     f"or none")
+    raise ValueError(f"unknown drafter {kind!r}: expected one of {', '.join(DRAFTER_KINDS)}")
 
 
 def sampling_config(c) -> sampling.SamplingConfig:
@@ -139,9 +141,22 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
                                      eos_ids=tuple(eos_ids))
 
 
+def check_config(c) -> None:
+    """Validate a generation config's settings before anything heavy is loaded (ValueError
+    naming the setting)."""
+    if c.drafter not in DRAFTER_KINDS:
+        raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
+    if c.drafter == "model" and not c.draft_model:
+        raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    sampling_config(c)
+    generation_config(c, ())
+
+
 def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
     """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
-    engine of a generation config (`configs/generate.py`), as a `decoding.Generator`."""
+    engine of a generation config (`configs/generate.py`), as a `decoding.Generator`. The
+    settings are checked before anything is loaded (`check_config`)."""
+    check_config(c)
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
                                                            fuse_projections=c.get("fuse_projections", False))
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from configs import generate
 from specjax import cli
 
@@ -50,3 +52,20 @@ def test_importing_specjax_starts_no_backend():
             "print(xla_bridge.backends_are_initialized())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"drafter": "bogus"}, "drafter='bogus'"), ({"drafter": "model"}, "draft_model"),
+    ({"adaptive_gamma": False, "gamma": -1}, "gamma"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p")])
+def test_bad_settings_fail_before_the_model_loads(monkeypatch, override, message):
+    from specjax import build, models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(models, "load_with_tokenizer", no_load)
+    c = generate.get_config()
+    c.update(override)
+    with pytest.raises(ValueError, match=message):
+        build.load_generator(c)

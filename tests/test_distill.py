@@ -219,8 +219,7 @@ def _target_only_and_speculative(target, tparams, drafter, dparams, prompts, max
     outs = []
     for d, g in ((None, 0), (drafter, gamma)):
         config = decoding.GenerationConfig(max_new_tokens=max_new, gamma=g)
-        batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=64,
-                                    capacity=max(map(len, prompts)) + max_new + gamma + 1)
+        batch = decoding.make_batch(prompts, config, jax.random.key(0), capacity=max(map(len, prompts)) + max_new + gamma + 1)
         outs.append(decoding.Engine(target, d, config).run(decoding.EngineParams(tparams, dparams), samp, batch))
     return outs
 

@@ -45,7 +45,7 @@ GREEDY = sampling.SamplingConfig.make(0.0)
 
 
 def _generate(model, params, drafter, draft_params, prompts, config):
-    batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=model.vocab_size)
+    batch = decoding.make_batch(prompts, config, jax.random.key(0))
     engine = decoding.Engine(model, drafter, config)
     return engine.run(decoding.EngineParams(target=params, draft=draft_params), GREEDY, batch)
 
@@ -106,7 +106,7 @@ def test_early_exit_drafts_from_the_target_cache_in_its_context(llama):
     engine = decoding.Engine(model, d, config)
     ep = decoding.EngineParams(target=params, draft=dp)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
-    batch = decoding.make_batch(prompts, config, jax.random.key(0), vocab_size=model.vocab_size)
+    batch = decoding.make_batch(prompts, config, jax.random.key(0))
     state = engine.init(ep, batch)
 
     @jax.jit
@@ -126,5 +126,5 @@ def test_early_exit_drafts_from_the_target_cache_in_its_context(llama):
     got = np.asarray(propose(state.target_cache)).tolist()
     assert got == [s[len(p):] for s, p in zip(seqs, prompts)]
     other = engine.init(ep, decoding.make_batch([[40, 41, 42, 43, 44, 45, 46, 47], [50, 51, 52, 53]], config,
-                                                 jax.random.key(0), vocab_size=model.vocab_size))
+                                                 jax.random.key(0)))
     assert np.asarray(propose(other.target_cache)).tolist() != got

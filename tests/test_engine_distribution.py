@@ -173,8 +173,7 @@ def _batch(setup, config):
     """BATCH copies of PROMPT, request ids 0..BATCH-1 (one key each), default capacity for `config`."""
     capacity = config.slots_needed(len(PROMPT))
     if capacity not in setup["batches"]:
-        setup["batches"][capacity] = decoding.make_batch([list(PROMPT)] * BATCH, config, jax.random.key(2024),
-                                                         vocab_size=V)
+        setup["batches"][capacity] = decoding.make_batch([list(PROMPT)] * BATCH, config, jax.random.key(2024))
     return setup["batches"][capacity]
 
 

@@ -54,7 +54,7 @@ KEY0 = jax.random.key(0)
 
 
 def batch_for(config, prompts=PROMPTS, key=KEY0, **kw):
-    return decoding.make_batch(prompts, config, key, vocab_size=V, **kw)
+    return decoding.make_batch(prompts, config, key, **kw)
 
 
 def run_engine(table, config, drafter=None, draft_params=None, prompts=PROMPTS, sampling_cfg=GREEDY, key=KEY0,
@@ -728,11 +728,34 @@ def test_capacity_too_small_raises(env):
     assert issubclass(models.CacheCapacityError, ValueError)
 
 
-@pytest.mark.parametrize("prompts", [[], [[1, 2], []], [[1, V]], [[-1, 2]], [[0], [3, 2 * V]]],
-                         ids=["no_prompts", "empty_prompt", "id_eq_vocab", "negative_id", "second_row_bad"])
+@pytest.mark.parametrize("prompts", [[], [[1, 2], []], [[1, 2 ** 40]]], ids=["no_prompts", "empty_prompt", "beyond_int32"])
 def test_make_batch_rejects_bad_prompts(prompts):
     with pytest.raises(ValueError):
         batch_for(CFG, prompts)
+
+
+@pytest.mark.parametrize("prompts", [[[1, V]], [[-1, 2]], [[0], [3, 2 * V]]],
+                         ids=["id_eq_vocab", "negative_id", "second_row_bad"])
+def test_engine_rejects_ids_outside_the_target_vocabulary(env, prompts):
+    """Every entry point checks ids on the host (a gather would clamp them silently)."""
+    engine = decoding.Engine(TARGET, None, CFG_G0)
+    params = decoding.EngineParams(target=env["table"])
+    batch = batch_for(CFG_G0, prompts)
+    for call in (lambda: engine.run(params, GREEDY, batch), lambda: engine.init(params, batch),
+                 lambda: next(engine.stream(params, GREEDY, batch))):
+        with pytest.raises(ValueError, match="outside"):
+            call()
+    # an id beyond a row's length is padding, whose outputs are never used: accepted
+    padded = dataclasses.replace(batch_for(CFG_G0, [[1, V]]), prompt_lengths_B=jnp.asarray([1], jnp.int32))
+    assert engine.run(params, GREEDY, padded).generated() == engine.run(params, GREEDY, batch_for(CFG_G0, [[1]])).generated()
+
+
+@pytest.mark.parametrize("lengths", [[0], [3], [1, 1]], ids=["zero", "wider_than_padding", "wrong_count"])
+def test_engine_rejects_hand_built_batches_with_bad_lengths(env, lengths):
+    engine = decoding.Engine(TARGET, None, CFG_G0)
+    batch = dataclasses.replace(batch_for(CFG_G0, [[1, 2]]), prompt_lengths_B=jnp.asarray(lengths, jnp.int32))
+    with pytest.raises(ValueError, match="prompt lengths"):
+        engine.run(decoding.EngineParams(target=env["table"]), GREEDY, batch)
 
 
 def test_make_batch_rejects_wrong_number_of_request_ids():
@@ -773,7 +796,7 @@ def test_one_compilation_per_static_configuration(env):
 
     def call(prompts, key, temperature, cfg=config, stream=False):
         engine = decoding.Engine(target, drafter, cfg)          # a fresh but equal engine each call
-        batch = decoding.make_batch(prompts, cfg, jax.random.key(key), vocab_size=V)
+        batch = decoding.make_batch(prompts, cfg, jax.random.key(key))
         samp = sampling.SamplingConfig.make(temperature)
         if stream:
             return list(engine.stream(params, samp, batch))[-1].output
@@ -796,5 +819,5 @@ def test_one_compilation_per_static_configuration(env):
     # sanity: the counter does see a new static configuration (its prefill alone: cheap to compile)
     config3 = decoding.GenerationConfig(8, gamma=3)
     decoding.Engine(target, drafter, config3).init(
-        params, decoding.make_batch([[1, 2, 3], [4, 5]], config3, jax.random.key(0), vocab_size=V))
+        params, decoding.make_batch([[1, 2, 3], [4, 5]], config3, jax.random.key(0)))
     assert len(CountingTabular.traces) > n_stream

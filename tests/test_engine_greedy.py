@@ -86,7 +86,7 @@ def env():
 
 def _generate(env, batch, drafter, draft_params, config, round_time_s=None):
     """One jitted run; the batch's capacity is the default for `config` (as before the API change)."""
-    b = decoding.make_batch(env["batches"][batch], config, jax.random.key(5), vocab_size=V)
+    b = decoding.make_batch(env["batches"][batch], config, jax.random.key(5))
     engine = decoding.Engine(TARGET, drafter, config)
     return engine.run(decoding.EngineParams(target=env["tt"], draft=draft_params), GREEDY, b,
                       round_time_s=round_time_s)

@@ -23,7 +23,7 @@ class NaNRowDrafter(drafters.ModelDrafter):
 
 
 def _generate(target, target_params, drafter, draft_params, prompts, key, samp, config, capacity=None):
-    batch = decoding.make_batch(prompts, config, key, vocab_size=target.vocab_size, capacity=capacity)
+    batch = decoding.make_batch(prompts, config, key, capacity=capacity)
     engine = decoding.Engine(target, drafter, config)
     return engine.run(decoding.EngineParams(target=target_params, draft=draft_params), samp, batch)
 

@@ -22,7 +22,7 @@ def real():
     tok = load_tokenizer("smollm2-135m-instruct")
     shortest = {}
     for q in specbench.load(split="held_out"):
-        ids = tok.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
+        ids = decoding.encode_prompt(tok, q.prompt)
         if q.category not in shortest or len(ids) < len(shortest[q.category]):
             shortest[q.category] = ids
     prompts = [shortest[c] for c in specbench.CATEGORIES]

@@ -13,7 +13,7 @@ def test_metric_identities_and_summary():
     target = random_table(jax.random.key(0), V)
     draft = target + 0.8 * random_table(jax.random.key(1), V)
     cfg = decoding.GenerationConfig(max_new_tokens=40, gamma=3)
-    batch = decoding.make_batch([[1, 2, 3], [4], [0, 1, 2, 3]], cfg, jax.random.key(2), vocab_size=V)
+    batch = decoding.make_batch([[1, 2, 3], [4], [0, 1, 2, 3]], cfg, jax.random.key(2))
     engine = decoding.Engine(model, drafters.ModelDrafter(model), cfg)
     out = engine.run(decoding.EngineParams(target=target, draft=draft), sampling.SamplingConfig.make(1.0), batch)
     m = jax.device_get(out.metrics)

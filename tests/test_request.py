@@ -46,7 +46,7 @@ def test_generate_equals_the_engine_run_on_the_templated_prompts(generator):
     texts = ["abc", "hij"]
     done = generator.generate(texts, samp, key)
     ids = [[0] + CharTokenizer().encode(t) + [1] for t in texts]
-    batch = decoding.make_batch(ids, generator.config, key, vocab_size=V, pad_multiple=8)
+    batch = decoding.make_batch(ids, generator.config, key, pad_multiple=8)
     out = generator.engine.run(generator.params, samp, batch)
     assert [c.tokens for c in done] == out.generated()
     assert [c.prompt_tokens for c in done] == [5, 5]

@@ -110,7 +110,7 @@ def child(config_path: str) -> dict:
     eos = () if c.ignore_eos else w.eos_ids
     gamma = int(c.gamma[kind])
     probe = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, eos_ids=eos)
-    batches = [decoding.make_batch([list(p.ids)], probe, jax.random.key(c.seed), vocab_size=w.target.vocab_size,
+    batches = [decoding.make_batch([list(p.ids)], probe, jax.random.key(c.seed),
                                    pad_multiple=c.pad_multiple) for p in w.prompts]
     capacity = max(b.capacity for b in batches)
     greedy = sampling.SamplingConfig.make(temperature=0.0)

@@ -80,7 +80,7 @@ def run(c) -> pathlib.Path:
     probe = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=max_gamma)
     batches = {B: [(chunk, decoding.make_batch([list(p.ids) for p in chunk], probe, jax.random.key(c.seed),
                                                request_ids=[p.question_id for p in chunk],
-                                               vocab_size=cfg.vocab_size, pad_multiple=c.pad_multiple))
+                                               pad_multiple=c.pad_multiple))
                    for chunk in (w.prompts[i:i + B] for i in range(0, len(w.prompts), B))]
                for B in c.batch_sizes}
     with toolkit.CompileLog() as log:

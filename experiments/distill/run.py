@@ -136,7 +136,7 @@ def stage_evaluate(c):
     drafts = _drafts(c, w)
     probe = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=max(gammas))
     batches = [(p, decoding.make_batch([list(p.ids)], probe, jax.random.key(0), request_ids=[p.question_id],
-                                       vocab_size=w.target.vocab_size, pad_multiple=c.pad_multiple)) for p in w.prompts]
+                                       pad_multiple=c.pad_multiple)) for p in w.prompts]
     cap = max(b.capacity for _, b in batches)
     ctx = min(256, cap - max(gammas) - 2)
     jl = toolkit.Jsonl(out / "results.jsonl", toolkit.provenance(

@@ -6,11 +6,12 @@ from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNI
                                       Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
                                       StreamEvent)
 from specjax.decoding._greedy_check import NEAR_TIE_EPS, RowReport, greedy_check, reference_greedy
-from specjax.decoding._request import Completion, Generator, make_batch, request_keys, timing_summary
+from specjax.decoding._request import (Completion, Generator, encode_prompt, make_batch, request_keys,
+                                       timing_summary)
 
 __all__ = [
     "AdaptiveGamma", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
     "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
     "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
-    "Completion", "Generator", "make_batch", "request_keys", "timing_summary",
+    "Completion", "Generator", "encode_prompt", "make_batch", "request_keys", "timing_summary",
 ]

@@ -449,17 +449,30 @@ class Engine:
         return rt
 
     def _check(self, batch: Batch):
-        """Host-side capacity check before anything runs (XLA clamps out-of-range writes)."""
-        need = self.config.slots_needed(int(np.max(np.asarray(batch.prompt_lengths_B))))
+        """Host-side checks of a batch against this engine before anything runs: XLA clamps
+        out-of-range gathers and writes silently, so a bad length, id or capacity would
+        otherwise give wrong tokens without an error."""
+        prompt_BP = np.asarray(batch.prompt_BP)
+        lengths_B = np.asarray(batch.prompt_lengths_B)
+        B, P = prompt_BP.shape
+        if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
+            raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
+        V = self.target.vocab_size
+        valid_BP = np.arange(P)[None, :] < lengths_B[:, None]
+        bad_B = (valid_BP & ((prompt_BP < 0) | (prompt_BP >= V))).any(axis=1)
+        if bad_B.any():
+            b = int(np.argmax(bad_B))
+            row = prompt_BP[b, :lengths_B[b]]
+            raise ValueError(f"prompt {b} has token ids outside [0, {V}) (the target's vocabulary): "
+                             f"min {row.min()}, max {row.max()}")
+        need = self.config.slots_needed(int(lengths_B.max()))
         if need > batch.capacity:
             raise models.CacheCapacityError(
-                f"cache capacity {batch.capacity} is too small: the longest prompt has "
-                f"{int(np.max(np.asarray(batch.prompt_lengths_B)))} tokens, max_new_tokens="
-                f"{self.config.max_new_tokens} and a verification block of gamma+1={self.config.max_gamma + 1} "
-                f"need {need} slots. Raise the capacity or shorten the prompt.")
-        if batch.prompt_BP.shape[1] > batch.capacity:
-            raise models.CacheCapacityError(
-                f"padded prompt width {batch.prompt_BP.shape[1]} exceeds the cache capacity {batch.capacity}")
+                f"cache capacity {batch.capacity} is too small: the longest prompt has {int(lengths_B.max())} "
+                f"tokens, max_new_tokens={self.config.max_new_tokens} and a verification block of "
+                f"gamma+1={self.config.max_gamma + 1} need {need} slots. Raise the capacity or shorten the prompt.")
+        if P > batch.capacity:
+            raise models.CacheCapacityError(f"padded prompt width {P} exceeds the cache capacity {batch.capacity}")
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None) -> LoopState:
         """Prefill the target (and the drafter) on the batch: the state `step` advances."""

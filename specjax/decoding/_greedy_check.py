@@ -54,7 +54,7 @@ def _batches(items, batch_size):
 
 def _run(target, drafter, params: EngineParams, config, prompts, pad_multiple):
     engine = Engine(target, drafter, config)
-    batch = make_batch(prompts, config, jax.random.key(0), vocab_size=target.vocab_size, pad_multiple=pad_multiple)
+    batch = make_batch(prompts, config, jax.random.key(0), pad_multiple=pad_multiple)
     out = engine.run(params, sampling_lib.SamplingConfig.greedy_config(), batch)
     return out.generated(), jax.device_get(out.metrics)
 

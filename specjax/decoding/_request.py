@@ -31,16 +31,25 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-int(x) // multiple) * multiple
 
 
+def encode_prompt(tokenizer, prompt: str, *, chat: bool = True, system: str = "") -> list[int]:
+    """The token ids of one user prompt: in the tokenizer's chat template (a first user turn,
+    with an optional system message, ready for the assistant's answer), or as plain text."""
+    if not chat:
+        return list(tokenizer.encode(prompt))
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
 def make_batch(prompts: Sequence[Sequence[int]], config: GenerationConfig, key: jax.Array, *,
-               request_ids: Sequence[int] | None = None, vocab_size: int | None = None,
-               pad_multiple: int = 1, capacity: int | None = None) -> Batch:
-    """Check, right-pad (to a multiple of ``pad_multiple``) and key a batch of token-id prompts.
+               request_ids: Sequence[int] | None = None, pad_multiple: int = 1,
+               capacity: int | None = None) -> Batch:
+    """Right-pad (to a multiple of ``pad_multiple``) and key a batch of token-id prompts.
 
     capacity: by default the slots `config` needs for the longest prompt, rounded up to
     ``pad_multiple`` (at least the padded width); pass one to share it between runs (e.g.
-    speculative and target-only decoding of the same prompt). Raises ValueError for an empty
-    prompt or an id outside [0, vocab_size), `CacheCapacityError` (via the engine) when the
-    given capacity is too small.
+    speculative and target-only decoding of the same prompt). Raises ValueError for no prompts,
+    an empty prompt or a wrong number of request ids; the engine checks the rest (token ids
+    against the target's vocabulary, capacity) before it runs a batch.
     """
     if len(prompts) == 0:
         raise ValueError("no prompts given")
@@ -48,18 +57,17 @@ def make_batch(prompts: Sequence[Sequence[int]], config: GenerationConfig, key: 
     if lens.min() < 1:
         raise ValueError(f"prompt {int(lens.argmin())} is empty; every prompt needs >= 1 token")
     width = _round_up(lens.max(), pad_multiple)
-    prompt_BP = np.full((len(prompts), width), PAD_ID, np.int32)
+    prompt_BP = np.full((len(prompts), width), PAD_ID, np.int64)
     for b, p in enumerate(prompts):
-        arr = np.asarray(p, np.int64)
-        if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
-            raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): min {arr.min()}, max {arr.max()}")
-        prompt_BP[b, :len(p)] = arr
+        prompt_BP[b, :len(p)] = np.asarray(p, np.int64)
+    if prompt_BP.min() < np.iinfo(np.int32).min or prompt_BP.max() > np.iinfo(np.int32).max:
+        raise ValueError("token ids must fit in int32")
     if capacity is None:
         capacity = max(_round_up(config.slots_needed(lens.max()), pad_multiple), width)
     ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
     if len(ids) != len(prompts):
         raise ValueError(f"{len(ids)} request ids for {len(prompts)} prompts")
-    return Batch(prompt_BP=jnp.asarray(prompt_BP), prompt_lengths_B=jnp.asarray(lens),
+    return Batch(prompt_BP=jnp.asarray(prompt_BP, jnp.int32), prompt_lengths_B=jnp.asarray(lens),
                  key_B=request_keys(key, ids), capacity=int(capacity))
 
 
@@ -121,16 +129,12 @@ class Generator:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer")
-        if not chat:
-            return list(self.tokenizer.encode(prompt))
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)
 
     def batch(self, prompts: Sequence[str | Sequence[int]], key: jax.Array, *, chat: bool = True,
               request_ids: Sequence[int] | None = None, capacity: int | None = None) -> Batch:
         return make_batch([self.encode(p, chat=chat) for p in prompts], self.config, key,
-                          request_ids=request_ids, vocab_size=self.engine.target.vocab_size,
-                          pad_multiple=self.pad_multiple, capacity=capacity)
+                          request_ids=request_ids, pad_multiple=self.pad_multiple, capacity=capacity)
 
     def run(self, batch: Batch, sampling: sampling_lib.SamplingConfig) -> GenerateOutput:
         return self.engine.run(self.params, sampling, batch, self.round_time_s)

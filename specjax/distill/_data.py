@@ -106,10 +106,8 @@ def from_jsonl(path, tokenizer=None, *, chat: bool = True, max_records: int | No
             if tokenizer is None:
                 raise ValueError(f"{path}:{n + 1}: text records need a tokenizer")
             if "prompt" in rec:
-                prompt = (tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}],
-                                                        add_generation_prompt=True)
-                          if chat else tokenizer.encode(rec["prompt"]))
-                t = list(prompt) + list(tokenizer.encode(rec.get("response", "")))
+                prompt = decoding.encode_prompt(tokenizer, rec["prompt"], chat=chat)
+                t = prompt + list(tokenizer.encode(rec.get("response", "")))
                 p = len(prompt)
             else:
                 t, p = list(tokenizer.encode(rec["text"])), 1
@@ -162,7 +160,7 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
         width = width_of(rows)
         ids = chunk + [chunk[-1]] * (rows - len(chunk))
         batch = decoding.make_batch([list(prompts[reqs[r][0]]) for r in ids], config, key, request_ids=ids,
-                                    vocab_size=model.vocab_size, pad_multiple=width_multiple)
+                                    pad_multiple=width_multiple)
         res = engine.run(params, sampling, batch)
         plens_B = np.asarray(batch.prompt_lengths_B)
         toks, lens = np.asarray(res.tokens_BL), np.asarray(res.lengths_B)

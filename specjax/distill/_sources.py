@@ -9,8 +9,8 @@ from typing import Callable
 import jax
 import numpy as np
 
+from specjax import decoding, specbench
 from specjax import sampling as sampling_lib
-from specjax import specbench
 from specjax.distill import _data
 
 
@@ -29,11 +29,10 @@ def spec_bench_prompts(tokenizer, split: str, *, per_category: int = 0, chat: bo
         qs = keep
     prompts, ids = [], []
     for q in qs:
-        t = (tokenizer.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
-             if chat else tokenizer.encode(q.prompt))
+        t = decoding.encode_prompt(tokenizer, q.prompt, chat=chat)
         if max_prompt_tokens and len(t) > max_prompt_tokens:
             continue
-        prompts.append(list(t))
+        prompts.append(t)
         ids.append(q.question_id)
     return prompts, ids
 

@@ -108,11 +108,6 @@ class ModelDrafter:
         return ModelDraftState(cache=state.cache.truncate(new_lengths_B - 1))
 
 
-@struct.dataclass
-class NoState:
-    pass
-
-
 @dataclasses.dataclass(frozen=True)
 class EarlyExitDrafter:
     """Self-speculative draft: the target's first k layers and its head, on the target's cache.
@@ -137,7 +132,7 @@ class EarlyExitDrafter:
         return self.model.vocab_size
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
-        return NoState()
+        return None     # no cache of its own: it reads the target's from the context
 
     def forward_passes(self, gamma: int) -> int:
         return gamma

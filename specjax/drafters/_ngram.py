@@ -11,12 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import struct
-
-
-@struct.dataclass
-class NGramState:
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +24,7 @@ class NGramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
-        return NGramState()
+        return None     # stateless: everything it reads is in the context
 
     def match_end(self, tokens_BL, lengths_B):
         """Index of the last token of the latest earlier occurrence of the longest matching
