@@ -8,8 +8,13 @@ warm-up reports its compile time apart and a timed call can be checked to compil
 
 Provenance (`provenance`): date, command line, git commit and dirty flag, the machine (CPU
 model and its avx512 / bf16 / amx flags, cores, cgroup quota, memory, load), package versions,
-jax backend and devices, XLA_FLAGS, and what the caller adds (weights file and sha256, the
-config). Every JSONL record carries it (`Jsonl`), so one line says where it came from.
+jax backend and devices (`backend`), XLA_FLAGS, and what the caller adds (weights file and
+sha256, the config). Take it first thing in a run, so the commit, dirty flag, date and load
+are those of the start. Every JSONL record carries it (`Jsonl`), so one line says where it
+came from.
+
+Results (`Jsonl`): written to ``<file>.partial`` and moved over ``<file>`` on `close`, so a
+results file always holds exactly one complete run; replacing an earlier run is reported.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -139,12 +145,12 @@ def git_state(exclude=()) -> dict:
     commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=all")
     if status is None:
         return {"git_commit": commit and commit.strip(), "git_dirty": None, "git_changed_files": None}
-    prefixes = []
+    skip = []                                 # repo-relative files or folders
     for e in exclude:
         with contextlib.suppress(ValueError):
-            prefixes.append(pathlib.Path(e).resolve().relative_to(REPO).as_posix().rstrip("/") + "/")
+            skip.append(pathlib.Path(e).resolve().relative_to(REPO).as_posix().rstrip("/"))
     changed = [line[3:].strip('"') for line in status.splitlines() if line.strip()]
-    changed = [c for c in changed if not any(c.startswith(p) for p in prefixes)]
+    changed = [c for c in changed if not any(c == p or c.startswith(p + "/") for p in skip)]
     return {"git_commit": commit and commit.strip(), "git_dirty": bool(changed), "git_changed_files": changed[:50]}
 
 
@@ -171,6 +177,7 @@ def cpu_quota() -> float | None:
 
 
 def machine() -> dict:
+    """The host (no jax backend is started: see `backend`)."""
     cpuinfo = _read("/proc/cpuinfo").splitlines()
     field = lambda name: next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith(name)), "")  # noqa: E731
     flags = field("flags").split()
@@ -179,16 +186,20 @@ def machine() -> dict:
     for pkg in ("jax", "jaxlib", "flax", "numpy", "ml_collections", "torch", "transformers", "specjax"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[pkg] = metadata.version(pkg)
-    devices = jax.devices()
     return {
         "cpu_model": field("model name") or platform.processor() or platform.machine(),
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx")) or "bf16" in f or f in ("avx2", "fma")),
         "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cgroup_cpu_quota": cpu_quota(),
         "mem_total_gib": round(mem / 2 ** 20, 1), "loadavg_at_start": loadavg(), "platform": platform.platform(),
-        "python": platform.python_version(), "versions": versions, "jax_backend": jax.default_backend(),
-        "devices": f"{len(devices)} x {getattr(devices[0], 'device_kind', devices[0].platform)}",
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "python": platform.python_version(), "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def backend() -> dict:
+    """jax's backend and devices (this starts the backend: on a GPU it takes its memory)."""
+    devices = jax.devices()
+    return {"jax_backend": jax.default_backend(),
+            "devices": f"{len(devices)} x {getattr(devices[0], 'device_kind', devices[0].platform)}"}
 
 
 def sha256(path) -> str:
@@ -199,11 +210,24 @@ def sha256(path) -> str:
     return h.hexdigest()
 
 
-def provenance(module: str, *, exclude=(), **extra) -> dict:
-    """The block every record of a run carries; `module` names the entry point (``python -m``)."""
+def provenance(module: str, *, exclude=(), with_backend: bool = True, **extra) -> dict:
+    """The block every record of a run carries; `module` names the entry point (``python -m``).
+    Call it at the start of a run; with ``with_backend=False`` the jax backend is left unstarted
+    (add `backend()` to ``["machine"]`` later, e.g. after a child process that needs the device)."""
     return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": f"python -m {module} {shlex.join(sys.argv[1:])}".strip(),
-            **git_state(exclude), "machine": machine(), **extra}
+            **git_state(exclude), "machine": {**machine(), **(backend() if with_backend else {})}, **extra}
+
+
+def load_config(path, *args):
+    """``get_config(*args)`` of a config file (a path, relative to the repository or absolute)."""
+    path = REPO / path
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file {path}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*args)
 
 
 # ----------------------------------------------------------------------------- JSONL
@@ -222,13 +246,18 @@ def _clean(x):
 
 
 class Jsonl:
-    """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``."""
+    """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``.
 
-    def __init__(self, path, provenance: dict, append: bool = False):
+    One file holds one run: records go to ``<path>.partial`` (flushed per record, for a look
+    while it runs) and `close` moves it over `path`, saying on stderr when that replaces an
+    earlier run. A run that dies leaves the earlier results in place and its own in ``.partial``."""
+
+    def __init__(self, path, provenance: dict):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.partial = self.path.with_name(self.path.name + ".partial")
         self.provenance = _clean(provenance)
-        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._f = open(self.partial, "w", encoding="utf-8")
 
     def write(self, kind: str, **fields) -> dict:
         rec = {"kind": kind, **_clean(fields), "provenance": self.provenance}
@@ -238,6 +267,13 @@ class Jsonl:
 
     def close(self):
         self._f.close()
+        if self.path.is_file() and self.path.stat().st_size:
+            old = read_jsonl(self.path)
+            prov = old[0].get("provenance", {}) if old else {}
+            print(f"[toolkit] {self.path}: replaced an earlier run ({len(old)} records, commit "
+                  f"{prov.get('git_commit')}, {prov.get('date_utc')}); git keeps it if it was committed",
+                  file=sys.stderr, flush=True)
+        os.replace(self.partial, self.path)
 
 
 def read_jsonl(path) -> list[dict]:

@@ -1,5 +1,6 @@
 """Run an experiments/ entry point end to end on CPU in a subprocess (CI smoke tests)."""
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -19,3 +20,8 @@ def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records
     assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     records = [json.loads(line) for line in (out / records_file).read_text().splitlines() if line.strip()]
     return out, records, proc.stdout
+
+
+def positive(x) -> bool:
+    """A finite number > 0 (not a bool): what every measured time, rate and size must be."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

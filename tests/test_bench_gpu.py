@@ -14,16 +14,13 @@ import pytest
 
 from experiments.bench_speed import workload
 
+from _bench_run import positive as _positive
 from _bench_run import run_module
 
 ARGS = ["--config=experiments/bench_speed/config.py:gpu", "--config.workload=preset:tiny", "--config.batch_sizes=2",
         "--config.num_prompts=2", "--config.prompt_len=8", "--config.max_new_tokens=16", "--config.repeats=1",
         "--config.max_k=3", "--config.cost_iters=2", "--config.bandwidth_gib=0.02", "--config.alphas=0.6,0.8",
         "--config.gamma.early_exit=2", "--config.gamma.oracle=2", "--config.init_std=0.2", "--config.pad_multiple=32"]
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @pytest.mark.parametrize("size", ["smollm2", "1b", "3b", "8b"])

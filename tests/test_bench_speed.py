@@ -8,18 +8,14 @@ machines are noisy.
 """
 
 import json
-import math
 
 import pytest
 
+from _bench_run import positive as _positive
 from _bench_run import run_module
 
 ARGS = ["--config=experiments/bench_speed/config.py:tiny"]
 METHODS = {"target_only", "ngram", "early_exit", "adaptive_ngram"}
-
-
-def _positive(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +29,8 @@ def _kind(records, kind):
 
 def test_jsonl_kinds_and_provenance(bench):
     _, records, _ = bench
-    assert {"setup", "memory", "bandwidth", "forward_cost", "draft_cost", "generation", "map_count", "run"} == \
-        {r["kind"] for r in records}
+    assert {"setup", "memory", "bandwidth", "forward_cost", "draft_cost", "calibration", "generation", "map_count",
+            "run"} == {r["kind"] for r in records}
     prov = records[0]["provenance"]
     assert all(r["provenance"] == prov for r in records)
     assert prov["git_commit"] is None or len(prov["git_commit"]) == 40
@@ -74,6 +70,19 @@ def test_generation_records(bench):
     if hf:   # torch + transformers installed: the same tiny weights through transformers
         assert {r["method"] for r in hf} == {"target_only", "prompt_lookup"}
         assert all(r["new_tokens"] == 24 and _positive(r["tokens_per_s"]) for r in hf)
+
+
+def test_adaptive_gamma_is_calibrated_by_the_engine(bench):
+    """Adaptive gamma's round times are `Engine.round_times` (as `Generator.calibrate` and the
+    CLI measure them), taken before the timed runs and fed to every run of the method."""
+    _, records, _ = bench
+    (cal,) = _kind(records, "calibration")
+    assert (cal["method"], cal["temperature"], cal["batch"], cal["gammas"]) == ("adaptive_ngram", 0.0, 1, [0, 2])
+    assert len(cal["round_time_s"]) == 2 and all(_positive(t) for t in cal["round_time_s"])
+    assert _positive(cal["compile_s"])
+    for r in _kind(records, "generation"):
+        if r["framework"] == "specjax":
+            assert r["round_time_s"] == (cal["round_time_s"] if r["method"] == "adaptive_ngram" else None)
 
 
 def test_costs_bandwidth_memory(bench):
@@ -154,3 +163,109 @@ def test_targets_are_data(bench, tmp_path):
     assert "## 0. Made-up targets in this run" in md and "Issue 6" not in md
     rows = [line for line in md.splitlines() if line.startswith(("| roofline at", "| memory ratio"))]
     assert [r.rsplit("|", 2)[1].strip() for r in rows] == ["yes", "**no**", "yes"]
+
+
+# ----------------------------------------------------------------------------- in-process checks (no run)
+
+def _tiny(**overrides):
+    from experiments.bench_speed import config
+    c = config.get_config("tiny")
+    c.update(overrides)
+    return c
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(methods=("ngram", "medusa")), ["config.methods", "'medusa'", "adaptive_early_exit"]),
+    (dict(workload="preset:70b"), ["config.workload", "'preset:70b'", "preset:8b"]),
+    (dict(layers="scanned"), ["config.layers", "'scanned'", "unrolled"]),
+    (dict(dtype="float16"), ["config.dtype", "bfloat16"]),
+    (dict(memory_drafter="oracle"), ["config.memory_drafter", "early_exit"]),
+    (dict(batch_sizes=(0,)), ["config.batch_sizes"]),
+    (dict(draft_model="/nonexistent/draft"), ["config.draft_model", "/nonexistent/draft", "draft.json"]),
+])
+def test_bad_settings_fail_first_with_the_key_and_allowed_values(overrides, says, monkeypatch, tmp_path):
+    """A bad setting stops the run before anything (the memory process included) with a
+    message naming the setting and what is allowed."""
+    from experiments.bench_speed import memory, run
+    monkeypatch.setattr(memory, "measure", lambda *a, **k: pytest.fail("ran before the settings were checked"))
+    with pytest.raises(ValueError) as e:
+        run.run(_tiny(out=str(tmp_path / "out"), **overrides))
+    assert all(s in str(e.value) for s in says), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_provenance_is_taken_before_anything_runs(monkeypatch, tmp_path):
+    """The git state (commit, dirty flag) is read at the start, not after the minute-long memory
+    process: an edit made while the benchmark runs must not mark its results dirty."""
+    from experiments import toolkit
+    from experiments.bench_speed import memory, run
+    calls = []
+
+    def git_state(exclude=()):
+        calls.append("git_state")
+        return {"git_commit": "0" * 40, "git_dirty": False, "git_changed_files": []}
+
+    def measure(*args, **kwargs):
+        calls.append("memory")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(toolkit, "git_state", git_state)
+    monkeypatch.setattr(memory, "measure", measure)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run.run(_tiny(out=str(tmp_path)))
+    assert calls == ["git_state", "memory"]
+
+
+def test_a_results_file_holds_one_complete_run(tmp_path, capsys):
+    """Records go to a .partial file; closing moves it over the results (saying so when that
+    replaces an earlier run), so a run that dies leaves the earlier results whole, and no file
+    mixes two runs."""
+    from experiments import toolkit
+    path = tmp_path / "results.jsonl"
+    first = toolkit.Jsonl(path, {"git_commit": "a" * 40, "date_utc": "earlier"})
+    first.write("x", i=1)
+    first.write("x", i=2)
+    assert not path.exists()                                        # nothing complete yet
+    first.close()
+    assert [r["i"] for r in toolkit.read_jsonl(path)] == [1, 2] and "replaced" not in capsys.readouterr().err
+    second = toolkit.Jsonl(path, {"git_commit": "b" * 40})
+    second.write("x", i=3)
+    assert [r["i"] for r in toolkit.read_jsonl(path)] == [1, 2]    # the earlier run, intact while this one runs
+    second.close()
+    assert [r["i"] for r in toolkit.read_jsonl(path)] == [3] and not (tmp_path / "results.jsonl.partial").exists()
+    err = capsys.readouterr().err
+    assert "replaced an earlier run (2 records" in err and "a" * 40 in err
+
+
+def test_git_state_excludes_output_files_not_their_folder(monkeypatch):
+    """Excluding a run's output file leaves the code beside it counted (greedy_exactness writes
+    its results.jsonl next to its run.py)."""
+    import subprocess
+    from experiments import toolkit
+
+    def fake_run(args, **kwargs):
+        out = "f" * 40 + "\n" if "rev-parse" in args else (
+            " M experiments/greedy_exactness/run.py\n M experiments/greedy_exactness/results.jsonl\n"
+            "?? experiments/greedy_exactness/_work/x.json\n")
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(toolkit.subprocess, "run", fake_run)
+    d = toolkit.REPO / "experiments" / "greedy_exactness"
+    s = toolkit.git_state(exclude=[d / "results.jsonl", d / "_work"])
+    assert s["git_dirty"] is True and s["git_changed_files"] == ["experiments/greedy_exactness/run.py"]
+    assert toolkit.git_state(exclude=[d / "results.json"])["git_changed_files"][1:] == [
+        "experiments/greedy_exactness/results.jsonl", "experiments/greedy_exactness/_work/x.json"]   # no prefix match
+
+
+def test_greedy_exactness_and_distill_settings_are_checked():
+    import ml_collections
+    from experiments.distill import config as distill_config
+    from experiments.greedy_exactness import config as greedy_config
+    c = greedy_config.get_config("tiny")
+    assert greedy_config.drafter_specs(c) == [("ngram", 4), ("early_exit", 4), ("distilled", 4)]
+    for bad in ("ngram", "ngram:0", "ngram:x", "medusa:4"):
+        with pytest.raises(ValueError, match=r"config\.drafters: .*early_exit_own_cache"):
+            greedy_config.drafter_specs(ml_collections.ConfigDict({"drafters": (bad,)}))
+    assert distill_config.stages(ml_collections.ConfigDict({"stage": "evaluate"})) == ("evaluate", "report")
+    with pytest.raises(ValueError, match=r"config\.stage: 'eval' .*'compare', 'recipe'"):
+        distill_config.stages(ml_collections.ConfigDict({"stage": "eval"}))

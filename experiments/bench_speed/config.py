@@ -6,9 +6,12 @@ bfloat16 at batch 1 and 8: the former bench_gpu). Override anything on the comma
 e.g. ``--config.workload=preset:1b --config.batch_sizes=1,8,32``.
 """
 
+import pathlib
+
 import ml_collections
 
-METHODS = ("ngram", "early_exit", "distilled", "oracle", "adaptive_ngram", "adaptive_early_exit", "adaptive_distilled")
+DRAFTERS = ("ngram", "early_exit", "distilled", "oracle")
+METHODS = DRAFTERS + tuple(f"adaptive_{d}" for d in DRAFTERS)
 
 
 def get_config(variant: str = ""):
@@ -60,3 +63,33 @@ def get_config(variant: str = ""):
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: '', 'tiny' or 'gpu'")
     return c
+
+
+def check(c) -> None:
+    """ValueError naming the setting and its allowed values for a bad one, before anything runs."""
+    from specjax.models.config import SUPPORTED_DTYPES      # jax: only when a run checks its settings
+
+    from experiments.bench_speed import workload
+
+    def bad(key, value, allowed):
+        raise ValueError(f"config.{key}: {value!r} is not allowed; choose from {allowed}")
+
+    for name in c.methods:
+        if name not in METHODS:
+            bad("methods", name, list(METHODS))
+    workload.check_workload(c.workload)
+    for key, allowed in (("layers", ("fused", "unrolled", "scan")), ("dtype", SUPPORTED_DTYPES),
+                         ("verifier", ("token", "block")), ("memory_drafter", ("auto",) + DRAFTERS[:3])):
+        if c[key] not in allowed:
+            bad(key, c[key], list(allowed))
+    for key in ("batch_sizes", "adaptive_gammas", "temperatures"):
+        if not c[key] or any(v < 0 for v in c[key]):
+            bad(key, tuple(c[key]), "a non-empty tuple of numbers >= 0")
+    if any(b < 1 for b in c.batch_sizes):
+        bad("batch_sizes", tuple(c.batch_sizes), "integers >= 1")
+    for kind in {m for m in c.methods if not m.startswith("adaptive_")}:
+        if kind not in c.gamma or int(c.gamma[kind]) < 1:
+            bad(f"gamma.{kind}", c.gamma.get(kind), "an integer >= 1")
+    if c.draft_model and not (pathlib.Path(c.draft_model) / "draft.json").is_file():
+        raise ValueError(f"config.draft_model: {c.draft_model!r} is not a draft directory (no draft.json); give "
+                         f"one written by specjax.distill, or '' for the draft shipped with the model")

@@ -6,6 +6,8 @@ run), so target-only and speculative runs attend over the same slots. The first 
 compiled shape is an untimed warm-up whose trace + compile seconds `CompileLog` records; then
 `repeats` timed runs of the prefill (`engine.init`) and of the whole generation (`engine.run`),
 medians kept; decode = median generation - median prefill; the timed runs must compile nothing.
+Adaptive gamma's round times come from `Runner.calibrate`, i.e. `Engine.round_times` (what
+`Generator.calibrate` and the CLI use), measured before any timed run.
 """
 
 from __future__ import annotations
@@ -69,11 +71,10 @@ class Method:
 
 
 def methods(c, w: workload.Workload) -> list[Method]:
+    """target_only and `c.methods` (checked by `config.check`), less distilled ones where no draft exists."""
     out = [Method("target_only", "none", 0)]
     for name in c.methods:
         kind = name.removeprefix("adaptive_")
-        if kind not in ("ngram", "early_exit", "distilled", "oracle"):
-            raise ValueError(f"unknown method {name!r}")
         if kind == "distilled" and not workload.has_distilled(w, c):
             continue
         gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)) if name.startswith("adaptive_") \
@@ -89,13 +90,28 @@ class Runner:
         self.w, self.c, self.log, self.eos_ids = w, c, log, tuple(eos_ids)
         self.warmed: set = set()
 
-    def run(self, method: Method, temperature: float, batch: decoding.Batch, round_time_s=None, draft_params=None):
-        """(record, GenerateOutput of the last timed run)."""
+    def _engine(self, method: Method, draft_params=None):
         d, dp = (None, None) if method.drafter == "none" else workload.drafter(self.w, method.drafter, self.c)
         config = decoding.GenerationConfig(max_new_tokens=self.c.max_new_tokens, gamma=method.gamma,
                                            verifier=self.c.verifier, eos_ids=self.eos_ids)
-        engine = decoding.Engine(self.w.target, d, config)
-        params = decoding.EngineParams(target=self.w.params, draft=dp if draft_params is None else draft_params)
+        return (decoding.Engine(self.w.target, d, config),
+                decoding.EngineParams(target=self.w.params, draft=dp if draft_params is None else draft_params))
+
+    def calibrate(self, method: Method, temperature: float, batch: decoding.Batch, repeats: int):
+        """Adaptive gamma's seconds of one round per gamma on `batch` (`Engine.round_times`), and
+        the compile seconds of the probe; (None, None) for a fixed gamma."""
+        if not isinstance(method.gamma, decoding.AdaptiveGamma):
+            return None, None
+        oracle = np.zeros(batch.prompt_BP.shape[:1] + (batch.capacity,), np.int32) if method.drafter == "oracle" \
+            else None
+        engine, params = self._engine(method, oracle)
+        with self.log.section() as box:
+            times = engine.round_times(params, sampling.SamplingConfig.make(temperature=temperature), batch, repeats)
+        return times, box
+
+    def run(self, method: Method, temperature: float, batch: decoding.Batch, round_time_s=None, draft_params=None):
+        """(record, GenerateOutput of the last timed run)."""
+        engine, params = self._engine(method, draft_params)
         samp = sampling.SamplingConfig.make(temperature=temperature)
         prefill = lambda: engine.init(params, batch)                        # noqa: E731
         full = lambda: engine.run(params, samp, batch, round_time_s)        # noqa: E731
@@ -131,20 +147,21 @@ class Runner:
             "committed": int(np.sum(m.committed_B)), "degenerate_residuals": int(np.sum(m.degenerate_residual_B)),
             "accepted_at": np.sum(m.accepted_at_BG, 0), "tested_at": np.sum(m.tested_at_BG, 0),
             "gamma_rounds": dict(zip(map(str, method.gammas), np.asarray(m.gamma_rounds_K).tolist())),
-            "generated_ids": gen,
+            "round_time_s": None if round_time_s is None else list(round_time_s), "generated_ids": gen,
         }, out
 
 
 # ----------------------------------------------------------------------------- transformers
 
-def transformers_runs(w: workload.Workload, c, assistant_dir=None, on_record=None) -> list[dict]:
+def transformers_runs(w: workload.Workload, c, on_record, assistant_dir=None) -> None:
     """transformers `generate` on the same weights and token ids, batch 1, float32, per prompt:
     plain (`target_only`), prompt lookup (`prompt_lookup`: the n-gram gamma candidates,
     `max_matching_ngram_size` = max_ngram) and, with `assistant_dir` (the distilled draft exported
     as an HF checkpoint), assisted generation (`assisted_distilled`: its gamma tokens per round,
     constant schedule, confidence threshold 0 = no early stop of a round). Greedy: do_sample=False;
     T > 0: pure sampling (top_k 0, top_p 1), seeded per prompt. One untimed warm-up per method;
-    prefill = one `model(prompt, logits_to_keep=1)` timed apart; decode = generate - prefill."""
+    prefill = one `model(prompt, logits_to_keep=1)` timed apart; decode = generate - prefill.
+    Each prompt's record goes to `on_record`."""
     import torch
     import transformers
 
@@ -156,7 +173,7 @@ def transformers_runs(w: workload.Workload, c, assistant_dir=None, on_record=Non
         assistant = transformers.AutoModelForCausalLM.from_pretrained(str(assistant_dir), dtype=torch.float32).eval()
         assistant.generation_config.update(num_assistant_tokens=int(c.gamma.distilled),
                                            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
-    records, greedy_ref = [], {}
+    greedy_ref = {}
     with torch.inference_mode():
         def prefill(ids):
             t0 = time.perf_counter()
@@ -204,7 +221,4 @@ def transformers_runs(w: workload.Workload, c, assistant_dir=None, on_record=Non
                         greedy_ref[p.question_id] = gen
                     elif temp == 0:
                         rec["greedy_matches_transformers"] = gen == greedy_ref.get(p.question_id)
-                    records.append(rec)
-                    if on_record:
-                        on_record(rec)
-    return records
+                    on_record(rec)

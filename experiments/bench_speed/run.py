@@ -5,8 +5,10 @@ renders the tables from the JSONL alone (run here at the end, or on its own).
     python -m experiments.bench_speed.run --config=experiments/bench_speed/config.py:tiny --config.out=/tmp/bench
     python -m experiments.bench_speed.run --config=experiments/bench_speed/config.py:gpu --config.out=/tmp/gpu
 
-Order: the peak-memory process (its own, first, so nothing of this one is counted); loading;
-bandwidth; per batch size the k-token forward costs and the draft costs at a typical context;
+Order: the settings checked and the provenance taken (git state, date, load: those of the
+start); the peak-memory process (its own, first, so nothing of this one is counted); loading;
+bandwidth; per batch size the k-token forward costs and the draft costs at a typical context,
+and adaptive gamma's round times (`Engine.round_times` on the batch size's first batch);
 generation per temperature, batch size and compiled shape (the programs of one shape are
 dropped before the next's: compiled programs hold many memory mappings, and a process keeping
 them all can reach vm.max_map_count, see PROFILE.md), every configuration of a batch
@@ -30,7 +32,7 @@ from ml_collections import config_flags
 from specjax import build, decoding, sampling
 
 from experiments import toolkit
-from experiments.bench_speed import measure, memory, report, workload
+from experiments.bench_speed import config, measure, memory, report, workload
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
                                           "benchmark settings (experiments/bench_speed/config.py[:tiny|gpu])")
@@ -49,9 +51,13 @@ def _map_count() -> int:
 
 
 def run(c) -> pathlib.Path:
+    t_start = time.perf_counter()
+    config.check(c)
     out = pathlib.Path(c.out)
+    # First: the commit, dirty flag, date and load of the start (the backend is started after
+    # the memory process, which must find the device free).
+    prov = toolkit.provenance("experiments.bench_speed.run", exclude=[out], with_backend=False, config=c.to_dict())
     out.mkdir(parents=True, exist_ok=True)
-    t_start, load_at_start = time.perf_counter(), toolkit.loadavg()
     mem = None
     if c.memory:
         _log("peak resident memory of a generation-only process (own process)")
@@ -59,12 +65,13 @@ def run(c) -> pathlib.Path:
     _log(f"loading {c.workload}")
     w = workload.load(c, out / "_work", with_transformers=c.transformers and 1 in c.batch_sizes)
     methods = measure.methods(c, w)
+    if skipped := sorted(set(c.methods) - {m.name for m in methods}):
+        _log(f"skipped {skipped}: no distilled draft for {w.name} (set --config.draft_model)")
     max_gamma = max(max(m.gammas) for m in methods)
     ks = list(range(1, max(c.max_k, max_gamma + 1) + 1))
-    prov = toolkit.provenance("experiments.bench_speed.run", exclude=[out], model=w.name, model_file=w.model_file,
-                              model_sha256=w.model_sha256, model_notes=w.notes, random_weights=w.random_weights,
-                              prompt_ids=[p.question_id for p in w.prompts], config=c.to_dict())
-    prov["machine"]["loadavg_at_start"] = load_at_start        # before the memory process loaded the CPUs
+    prov["machine"].update(toolkit.backend())
+    prov.update(model=w.name, model_file=w.model_file, model_sha256=w.model_sha256, model_notes=w.notes,
+                random_weights=w.random_weights, prompt_ids=[p.question_id for p in w.prompts])
     jl = toolkit.Jsonl(out / "results.jsonl", prov)
     cfg = w.target.config
     jl.write("setup", num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, param_count=cfg.num_params(),
@@ -84,19 +91,18 @@ def run(c) -> pathlib.Path:
                    for chunk in (w.prompts[i:i + B] for i in range(0, len(w.prompts), B))]
                for B in c.batch_sizes}
     with toolkit.CompileLog() as log:
+        runner, round_times = measure.Runner(w, c, log, eos), {}
         _log(f"bandwidth ({c.bandwidth_gib} GiB)")
         jl.write("bandwidth", **measure.bandwidth(c.bandwidth_gib, c.bandwidth_threads))
 
-        # k-token forward costs and draft costs at a typical context and capacity
+        # k-token forward costs and draft costs at a typical context and capacity (the report's cost model)
         ctx = int(round(np.mean([len(p.ids) for p in w.prompts]) + c.max_new_tokens / 2))
         caps = collections.Counter(b.capacity for bs in batches.values() for _, b in bs)
         cap = max(caps.most_common(1)[0][0], -(-(ctx + max(ks)) // c.pad_multiple) * c.pad_multiple)
-        verify, propose = {}, {}
         for B in c.batch_sizes:
             _log(f"batch {B}: forward costs k = 1..{max(ks)} at context {ctx}, capacity {cap}")
             for k, v in toolkit.forward_costs(w.target, w.params, ks, ctx=ctx, capacity=cap, iters=c.cost_iters,
                                               log=log, batch=B).items():
-                verify[B, k] = v["median_s"]
                 jl.write("forward_cost", model="target", batch=B, k=k, context=ctx, capacity=cap, **v)
             if any(m.drafter == "early_exit" for m in methods):
                 ee, ee_params = workload.drafter(w, "early_exit", c)
@@ -110,18 +116,18 @@ def run(c) -> pathlib.Path:
                     dp = np.zeros((B, cap), np.int32) if kind == "oracle" else dp
                     v = toolkit.propose_cost(w.target, d, dp, g, sampling.SamplingConfig.make(temperature=temp),
                                              ctx=ctx, capacity=cap, iters=c.cost_iters, log=log, batch=B, seed=c.seed)
-                    propose[kind, g, float(temp), B] = v["median_s"]
                     jl.write("draft_cost", drafter=kind, gamma=g, temperature=float(temp), batch=B, context=ctx,
                              capacity=cap, **v)
+                # adaptive gamma's round times, as a user's Generator.calibrate measures them
+                for m in methods:
+                    rt, box = runner.calibrate(m, temp, batches[B][0][1], repeats=c.cost_iters)
+                    if rt is not None:
+                        round_times[m.name, float(temp), B] = rt
+                        jl.write("calibration", method=m.name, temperature=float(temp), batch=B,
+                                 capacity=batches[B][0][1].capacity, gammas=list(m.gammas), round_time_s=rt,
+                                 repeats=c.cost_iters, **box)
 
-        def round_times(m, temp, B):
-            """Adaptive gamma's per-gamma round times, from the costs above."""
-            if not isinstance(m.gamma, decoding.AdaptiveGamma):
-                return None
-            return [verify[B, 1] if g == 0 else propose[m.drafter, g, float(temp), B] + verify[B, g + 1]
-                    for g in m.gammas]
-
-        runner, map_peak = measure.Runner(w, c, log, eos), 0
+        map_peak = 0
         for temp in c.temperatures:
             for B, bs in batches.items():
                 groups = collections.defaultdict(list)
@@ -136,7 +142,8 @@ def run(c) -> pathlib.Path:
                         ref = None
                         for m in methods:
                             oracle = jnp.asarray(ref.tokens_BL) if m.drafter == "oracle" else None
-                            rec, o = runner.run(m, temp, batch, round_times(m, temp, B), draft_params=oracle)
+                            rec, o = runner.run(m, temp, batch, round_times.get((m.name, float(temp), B)),
+                                                draft_params=oracle)
                             if m.drafter == "none":
                                 ref = o
                             elif temp == 0:
@@ -159,7 +166,7 @@ def run(c) -> pathlib.Path:
             assistant = out / "_work" / "distilled_hf"
             draft_artifact.export_draft_hf(c.draft_model or build.shipped_draft(w.name), w.target, w.params, assistant)
         _log("transformers")
-        measure.transformers_runs(w, c, assistant, on_record=lambda r: jl.write("generation", **r))
+        measure.transformers_runs(w, c, lambda r: jl.write("generation", **r), assistant)
     try:
         peak_device = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     except Exception:                     # not reported by every backend

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import build, drafters, models, specbench
+from specjax import build, decoding, drafters, models, specbench
 
 from experiments import toolkit
 
@@ -66,6 +66,13 @@ class Workload:
     random_weights: bool
     hf_source: dict | None = None           # kwargs of transformers' from_pretrained, or None
     drafters: dict = dataclasses.field(default_factory=dict)
+
+
+def check_workload(name: str, key: str = "config.workload") -> None:
+    """ValueError naming `key` for an unknown ``preset:<size>`` (other names are checked on load)."""
+    if name.startswith("preset:") and name.split(":", 1)[1] not in PRESETS:
+        raise ValueError(f"{key}: unknown preset {name!r}; choose from {[f'preset:{k}' for k in PRESETS]}, "
+                         f"or give a registry name, GGUF path or HF checkpoint dir")
 
 
 def select_questions(n: int) -> list[specbench.Question]:
@@ -131,10 +138,8 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
             w.model_file, w.hf_source = str(ckpt / "model.safetensors"), {"pretrained_model_name_or_path": str(ckpt)}
             w.model_sha256 = toolkit.sha256(w.model_file)
         return w
-    target, params = build.load_target(c.workload, dtype=c.dtype, **layout)
-    tok = models.load_tokenizer(c.workload)
-    prompts = [Prompt(q.question_id, q.category, tuple(int(i) for i in tok.apply_chat_template(
-        [{"role": "user", "content": q.prompt}], add_generation_prompt=True, tokenize=True))) for q in questions]
+    target, params, tok = models.load_with_tokenizer(c.workload, dtype=c.dtype, **layout)
+    prompts = [Prompt(q.question_id, q.category, tuple(decoding.encode_prompt(tok, q.prompt))) for q in questions]
     path = models.resolve(c.workload)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     hf = {"pretrained_model_name_or_path": str(path)} if path.is_dir() else \

@@ -27,3 +27,14 @@ def get_config():
     c.pad_multiple = 256
     c.cost_iters = 20
     return c
+
+
+STAGES = {"all": ("compare", "recipe", "evaluate", "report"), "compare": ("compare",), "recipe": ("recipe",),
+          "evaluate": ("evaluate", "report"), "report": ("report",)}
+
+
+def stages(c) -> tuple[str, ...]:
+    """The stages ``c.stage`` runs; ValueError naming the setting for an unknown one."""
+    if c.stage not in STAGES:
+        raise ValueError(f"config.stage: {c.stage!r} is not a stage; choose from {list(STAGES)}")
+    return STAGES[c.stage]

@@ -24,7 +24,6 @@ Evaluation (held-out split only, never trained on):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -41,6 +40,7 @@ from specjax.models import draft_artifact
 
 from experiments import toolkit
 from experiments.bench_speed import measure, workload
+from experiments.distill import config as settings
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
                                           "experiments/distill/config.py")
@@ -52,10 +52,7 @@ def _log(msg):
 
 
 def training_config(name: str, **overrides):
-    spec = importlib.util.spec_from_file_location(name, toolkit.REPO / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return distill.with_overrides(module.get_config(), overrides)
+    return distill.with_overrides(toolkit.load_config(f"configs/{name}.py"), overrides)
 
 
 def _finished(workdir: pathlib.Path, budget: int, draft_dir: pathlib.Path) -> bool:
@@ -125,12 +122,13 @@ def _drafts(c, w):
 
 
 def stage_evaluate(c):
+    out = pathlib.Path(c.out)
+    prov = toolkit.provenance("experiments.distill.run", exclude=[out], config=c.to_dict())   # the start's
     tc = training_config("distill")
     gammas = tuple(range(1, c.max_gamma + 1))
     wc = ml_collections.ConfigDict(dict(workload=tc.target, dtype=tc.dtype, layers="fused", num_prompts=c.num_prompts,
                                         prompt_len=0, seed=0, init_std=0.02, max_new_tokens=c.max_new_tokens,
                                         repeats=c.repeats, verifier="token"))
-    out = pathlib.Path(c.out)
     w = workload.load(wc, out / "_work")
     tok = models.load_tokenizer(tc.target)
     drafts = _drafts(c, w)
@@ -139,9 +137,9 @@ def stage_evaluate(c):
                                        pad_multiple=c.pad_multiple)) for p in w.prompts]
     cap = max(b.capacity for _, b in batches)
     ctx = min(256, cap - max(gammas) - 2)
-    jl = toolkit.Jsonl(out / "results.jsonl", toolkit.provenance(
-        "experiments.distill.run", exclude=[out], model=w.name, model_file=w.model_file, model_sha256=w.model_sha256,
-        model_notes=w.notes, prompt_ids=[p.question_id for p in w.prompts], config=c.to_dict()))
+    jl = toolkit.Jsonl(out / "results.jsonl", {**prov, "model": w.name, "model_file": w.model_file,
+                                               "model_sha256": w.model_sha256, "model_notes": w.notes,
+                                               "prompt_ids": [p.question_id for p in w.prompts]})
     plan, full_head = None, distill.teacher_head(w.target, w.params, None)
     with toolkit.CompileLog() as log:
         t_k = {k: v["median_s"] for k, v in toolkit.forward_costs(
@@ -228,9 +226,8 @@ def report(c):
 def main(argv):
     del argv
     c = _CONFIG.value
+    stages = settings.stages(c)
     build.tune_xla_cpu()
-    stages = {"all": ("compare", "recipe", "evaluate", "report"), "evaluate": ("evaluate", "report")}.get(
-        c.stage, (c.stage,))
     for stage in stages:
         {"compare": stage_compare, "recipe": stage_recipe, "evaluate": stage_evaluate, "report": report}[stage](c)
 

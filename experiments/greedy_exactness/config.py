@@ -28,3 +28,17 @@ def get_config(variant: str = ""):
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")
     return c
+
+
+def drafter_specs(c) -> list[tuple[str, int]]:
+    """[(kind, gamma)] of ``c.drafters`` ("kind:gamma"); ValueError naming the setting for a bad one."""
+    from specjax.build import DRAFTER_KINDS
+
+    kinds = [k for k in DRAFTER_KINDS if k != "none"]
+    out = []
+    for spec in c.drafters:
+        kind, _, gamma = spec.partition(":")
+        if kind not in kinds or not gamma.isdigit() or int(gamma) < 1:
+            raise ValueError(f"config.drafters: {spec!r} is not kind:gamma with kind in {kinds} and gamma >= 1")
+        out.append((kind, int(gamma)))
+    return out

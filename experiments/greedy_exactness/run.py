@@ -15,7 +15,6 @@ with status 1 if any prompt has a mismatch beyond the near-tie rule.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import sys
 import time
@@ -28,41 +27,38 @@ from specjax import build, decoding
 
 from experiments import toolkit
 from experiments.bench_speed import workload
+from experiments.greedy_exactness import config as settings
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
                                           "experiments/greedy_exactness/config.py[:tiny]")
 
 
-def production_config(path: str):
-    spec = importlib.util.spec_from_file_location("generate_config", toolkit.REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def main(argv):
     del argv
     c = _CONFIG.value
-    build.tune_xla_cpu()
-    g = production_config(c.generate_config)
+    build.tune_xla_cpu()                          # sets XLA_FLAGS, before the backend starts
+    out = pathlib.Path(c.out)
+    specs = settings.drafter_specs(c)
+    g = toolkit.load_config(c.generate_config)
+    workload.check_workload(c.workload or g.target)
+    # the provenance of the start; the run's own files (not its code) do not make the tree dirty
+    prov = toolkit.provenance("experiments.greedy_exactness.run", exclude=[out, out.parent / "_work"],
+                              config=c.to_dict(), generate_config=g.to_dict())
     layers = "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
     c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
     wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
-    w = workload.load(wc, pathlib.Path(c.out).parent / "_work")
+    w = workload.load(wc, out.parent / "_work")
     prompts = [list(p.ids) for p in w.prompts]
-    jl = toolkit.Jsonl(c.out, toolkit.provenance(
-        "experiments.greedy_exactness.run", exclude=[pathlib.Path(c.out).parent], model=w.name,
-        model_file=w.model_file, model_sha256=w.model_sha256, model_notes=w.notes, eps=decoding.NEAR_TIE_EPS,
-        layers=layers, config=c.to_dict(), generate_config=g.to_dict()))
+    jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
+                             "model_notes": w.notes, "eps": decoding.NEAR_TIE_EPS, "layers": layers})
     failures = 0
     for B in c.batch_sizes:
         t0 = time.time()
         refs = decoding.reference_greedy(w.target, w.params, prompts, c.max_new_tokens, batch_size=B,
                                          pad_multiple=c.pad_multiple)
         print(f"batch {B}: references in {time.time() - t0:.0f} s", flush=True)
-        for spec in c.drafters:
-            kind, gamma = spec.split(":")
+        for kind, gamma in specs:
             if kind == "distilled" and not workload.has_distilled(w, wc):
                 print(f"batch {B}: no distilled draft for {w.name}, skipped", flush=True)
                 continue
@@ -71,16 +67,16 @@ def main(argv):
                 max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name)
             t0 = time.time()
             reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),
-                                            prompts, c.max_new_tokens, int(gamma), references=refs, batch_size=B,
+                                            prompts, c.max_new_tokens, gamma, references=refs, batch_size=B,
                                             pad_multiple=c.pad_multiple)
             for p, r in zip(w.prompts, reports):
-                jl.write("prompt", drafter=kind, gamma=int(gamma), batch_size=B, question_id=p.question_id,
+                jl.write("prompt", drafter=kind, gamma=gamma, batch_size=B, question_id=p.question_id,
                          category=p.category, ok=r.ok, tokens_compared=r.tokens_compared, near_ties=r.near_ties,
                          hard_mismatch=r.hard_mismatch, rounds=r.rounds, proposed=r.proposed, accepted=r.accepted,
                          full_accept_rounds=r.full_accept_rounds)
             total = {k: sum(getattr(r, k) for r in reports) for k in
                      ("tokens_compared", "rounds", "proposed", "accepted", "full_accept_rounds")}
-            summary = jl.write("summary", drafter=kind, gamma=int(gamma), batch_size=B, prompts=len(reports),
+            summary = jl.write("summary", drafter=kind, gamma=gamma, batch_size=B, prompts=len(reports),
                                hard_mismatches=sum(not r.ok for r in reports),
                                near_ties=sum(len(r.near_ties) for r in reports), **total, seconds=time.time() - t0)
             failures += summary["hard_mismatches"]
