@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from specjax.models import param_logical_axes
+from specjax.models import Llama, param_logical_axes
 from specjax.models.kv_cache import logical_axes
 
 Rules = Sequence[tuple[str, Any]]
@@ -99,6 +99,7 @@ def shard_params(params, model_or_config, mesh: Mesh, rules: Rules = DEFAULT_RUL
     """Place params (in the layout of the model's config, see `Llama.prepare_params`) on
     ``mesh`` following the logical-axis rules."""
     config = getattr(model_or_config, "config", model_or_config)
+    Llama(config).check_params(params)   # a clear error for params of another layout
     return jax.device_put(params, shardings_for(params, param_logical_axes(config), mesh, rules))
 
 

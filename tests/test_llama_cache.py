@@ -157,6 +157,29 @@ def test_apply_refuses_params_or_cache_of_another_layout(scan, fuse):
         model.apply(short, seq, None)
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_apply_names_a_missing_or_misshapen_tensor(scan):
+    """Params of the right layout with a tensor missing or of another shape (another config, a
+    bad edit) are an error naming that tensor, at trace time, not a shape error deep in a layer."""
+    model = Llama(BASE.replace(scan_layers=scan))
+    _, params = _model(model.config)
+    seq = jnp.asarray([[3, 1, 4]])
+    first = (lambda p: p["layers"]) if scan else (lambda p: p["layers"][1])
+    bad = model.prepare_params(params)
+    first(bad)["wq"] = first(bad)["wq"][..., :-8]
+    with pytest.raises(ValueError, match=r"\['wq'\] has shape .*expects"):
+        jax.jit(model.apply)(bad, seq, None)
+    bad = model.prepare_params(params)
+    del first(bad)["w_up"]
+    with pytest.raises(ValueError, match=r"missing: \['w_up'\]"):
+        model.apply(bad, seq, None)
+    wide = Llama(model.config.replace(hidden_size=60, ffn_size=72))
+    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(97, 48\).*\(97, 60\)"):
+        wide.apply(params, seq, None)
+    with pytest.raises(ValueError, match="final_norm"):
+        model.apply({k: v for k, v in params.items() if k != "final_norm"}, seq, None)
+
+
 @pytest.mark.parametrize("config", [BASE, QWENISH])
 def test_fused_projections_round_trip(config):
     """Fusing is exact (same logits), and `canonical_params` gives back the original tensors."""

@@ -157,6 +157,26 @@ def test_hf_misshapen_tensor(tmp_path):
     assert "(32, 30)" in msg and "(32, 32)" in msg
 
 
+def test_hf_config_without_a_required_key(tmp_path):
+    d = _hf_dir(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    without = {k: v for k, v in cfg.items() if k != "num_attention_heads"}
+    for broken, what in ((without, "num_attention_heads"), ({**cfg, "hidden_size": None}, "NoneType"),
+                         ([], "list")):
+        (d / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(CorruptCheckpointError, match=rf"config\.json is not a model config.*{what}"):
+            load(str(d))
+
+
+def test_tensor_names_cover_exactly_the_params_of_a_config():
+    """`names` holds only names: which tensors exist, and their shapes, are `param_specs`'s."""
+    from specjax.models.llama import param_shapes
+    for config in (CFG, CFG.replace(tie_embeddings=False, attention_bias=True)):
+        shapes = param_shapes(config)
+        keys = {t.key for t in tensor_names(config)}
+        assert keys == (set(shapes) - {"layers"}) | set(shapes["layers"])
+
+
 def test_hf_unsupported_architecture(tmp_path):
     d = _hf_dir(tmp_path)
     cfg = json.loads((d / "config.json").read_text())

@@ -32,6 +32,20 @@ def test_logical_to_spec_rules():
     assert per_layer.v == (("batch", "kv", "head_dim", "sequence"),) * 3
 
 
+def test_shard_params_names_a_layout_mismatch():
+    import jax
+    import pytest
+    c = ModelConfig(vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=4, ffn_size=16)
+    stacked = Llama(c).init_params(jax.random.key(0))
+    unrolled = Llama(c.replace(scan_layers=False))
+    mesh = sharding.make_mesh(data=1, model=1)
+    with pytest.raises(ValueError, match=r"model\.prepare_params\(params\)"):
+        sharding.shard_params(stacked, unrolled, mesh)
+    placed = sharding.shard_params(unrolled.prepare_params(stacked), unrolled, mesh)
+    assert isinstance(placed["layers"], tuple)
+
+
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from specjax import sharding

@@ -287,8 +287,8 @@ def test_incremental_decoding_truncated_character(tok):
     assert "\ufffd" not in "".join(pieces[:-1]) and pieces[-1].endswith("\ufffd")
 
 
-def test_incremental_decoding_byte_fallback():
-    """A non-byte-level (sentencepiece-style, byte-fallback) tokenizer streams as well."""
+def _byte_fallback_tokenizer():
+    """A sentencepiece-style tokenizer: ids 2..7 are ``▁ h i ▁h ▁hi x``, id 8 + b is byte b."""
     from tokenizers import Tokenizer as Backend, decoders, models, normalizers
     vocab = {"<unk>": 0, "<s>": 1, "▁": 2, "h": 3, "i": 4, "▁h": 5, "▁hi": 6, "x": 7}
     vocab.update({f"<0x{b:02X}>": 8 + b for b in range(256)})
@@ -296,13 +296,32 @@ def test_incremental_decoding_byte_fallback():
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                          decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    t = Tokenizer(backend, unk_token="<unk>")
+    return Tokenizer(backend, unk_token="<unk>")
+
+
+def test_incremental_decoding_byte_fallback():
+    """A non-byte-level (sentencepiece-style, byte-fallback) tokenizer streams as well."""
+    t = _byte_fallback_tokenizer()
     text = "hi 中文 hi x🦜x é"
     ids = t.encode(text)
     assert t.decode(ids) == text and len(ids) > 15
     pieces, _ = _stream(t, ids)
     assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
     assert "" in pieces[:-1]  # multi-byte characters were held back
+
+
+def test_incremental_decoding_goes_on_after_an_invalid_byte_run():
+    """Under a byte-fallback decoder an invalid byte turns the whole byte run, valid bytes already
+    emitted included, into U+FFFD; ``DecodeStream`` raises on that ("Invalid prefix"). The
+    decoder keeps what it emitted and goes on: no exception, and no text dropped at the end."""
+    t = _byte_fallback_tokenizer()
+    x, a, bad, hi = 7, 8 + ord("A"), 8 + 0xA6, 6     # 0xA6 alone is not UTF-8
+    ids = [x, a, bad, hi, x]
+    assert t.decode(ids) == "x\ufffd\ufffd hix"
+    pieces, _ = _stream(t, ids)
+    assert pieces[:2] == ["x", "A"] and "".join(pieces) == "xA\ufffd hix"
+    pieces, _ = _stream(t, ids[:3])                   # the bad byte is the last id
+    assert "".join(pieces) == "xA\ufffd"
 
 
 # ----------------------------------------------------------------------------- errors and loading
@@ -371,3 +390,7 @@ def test_missing_tokenizer_json_and_load_tokenizer(tmp_path, gguf_path, tok):
     assert load_tokenizer(os.fspath(gguf_path)).encode("héllo 12") == tok.encode("héllo 12")
     by_name = load_tokenizer("smollm2-135m-instruct")
     assert by_name.encode("héllo 12") == tok.encode("héllo 12") and by_name.stop_token_ids == tok.stop_token_ids
+    text = (tmp_path / "ckpt" / "tokenizer.json").read_text(encoding="utf-8")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
+    with pytest.raises(ValueError, match=r"ckpt/tokenizer\.json \(truncated or corrupt\?\)"):
+        load_tokenizer(tmp_path / "ckpt")

@@ -135,7 +135,11 @@ def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
-    config = config_from_hf(cfg, dtype=dtype)
+    try:
+        config = config_from_hf(cfg, dtype=dtype)
+    except (KeyError, TypeError, AttributeError) as e:   # a key missing or null, not a JSON object
+        raise CorruptCheckpointError(
+            f"{cfg_path} is not a model config: {type(e).__name__}: {e}") from e
     store = _SafetensorsDir(directory)
     if config.tie_embeddings is False and "lm_head.weight" not in store.where:
         # Some checkpoints say untied but ship no head; fail loudly rather than guess.

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-
 Buffers = Union[jax.Array, tuple]   # k: [L, B, K, S, H] or L x [B, K, S, H]; v: [.., H, S]
 
 
@@ -93,7 +92,6 @@ class KVCache:
     def truncate(self, max_lengths_B) -> "KVCache":
         """Keep at most ``max_lengths_B`` entries per row (a rollback that never grows a row)."""
         return self.rollback(jnp.minimum(self.lengths_B, jnp.asarray(max_lengths_B, jnp.int32)))
-
 
 
 def logical_axes(cache: KVCache) -> KVCache:

@@ -101,25 +101,33 @@ def param_shapes(config: ModelConfig) -> dict:
     return jax.tree.map(lambda s: s[0], param_specs(config), is_leaf=_is_spec)
 
 
-def param_logical_axes(config: ModelConfig) -> dict:
-    """A pytree parallel to the params in `config`'s layout, holding each leaf's logical axes.
-
-    A fused projection takes the axes of its first part: its output axis is split like heads /
-    mlp (correct under any split; XLA reshards the q|k|v slices). Per-layer tensors drop the
-    leading ``layers`` axis.
-    """
-    axes = jax.tree.map(lambda s: s[1], param_specs(config), is_leaf=_is_spec)
-    layer = axes["layers"]
+def _layout_specs(config: ModelConfig) -> dict:
+    """`param_specs` in the layout `config` prescribes: a fused projection concatenates its
+    parts' output axes and takes the logical axes of its first part (its output axis is split
+    like heads / mlp: correct under any split; XLA reshards the q|k|v slices); per-layer specs
+    drop the leading ``layers`` axis."""
+    specs = param_specs(config)
+    layer = specs["layers"]
     if config.fuse_projections:
         for fused, parts in _FUSED.items():
             if parts[0] in layer:
-                layer[fused] = layer[parts[0]]
-                for name in parts:
-                    del layer[name]
+                shape, axes, init = layer[parts[0]]
+                width = sum(layer.pop(name)[0][-1] for name in parts)
+                layer[fused] = (shape[:-1] + (width,), axes, init)
     if not config.scan_layers:
-        layer = {k: a[1:] for k, a in layer.items()}
-        axes["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
-    return axes
+        layer = {k: (shape[1:], axes[1:], init) for k, (shape, axes, init) in layer.items()}
+        specs["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
+    return specs
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and not any(isinstance(d, (tuple, list, dict)) for d in x)
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """A pytree parallel to the params in `config`'s layout, holding each leaf's logical axes
+    (see `_layout_specs`)."""
+    return jax.tree.map(lambda s: s[1], _layout_specs(config), is_leaf=_is_spec)
 
 
 def _init_canonical(config: ModelConfig, key, std: float = INIT_STD) -> dict:
@@ -405,25 +413,46 @@ class Llama:
         return _relayout(_copy_dicts(params), self.config)
 
     def check_params(self, params) -> None:
-        """Raise ValueError unless `params` are in this config's layout (a trace-time check)."""
+        """Raise ValueError unless `params` are in this config's layout, with this config's shapes
+        for ``embed``, ``final_norm`` and every layer tensor (a trace-time check, free at run time)."""
         c = self.config
+        missing = [k for k in ("embed", "final_norm", "layers") if k not in params]
+        if missing:
+            raise ValueError(f"params lack {missing}: not the parameters of a Llama model")
+        want = jax.tree.map(lambda s: s[0], _layout_specs(c), is_leaf=_is_spec)
         layers = params["layers"]
+        layers = tuple(layers) if isinstance(layers, list) else layers
+        if jax.tree.structure(layers) != jax.tree.structure(want["layers"], is_leaf=_is_shape) or \
+                (c.scan_layers and jnp.shape(layers["attn_norm"])[:1] != (c.num_layers,)):
+            raise ValueError(self._layout_error(layers, want["layers"]))
+        got = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
+        for (path, x), (_, shape) in zip(jax.tree_util.tree_leaves_with_path(got),
+                                         jax.tree_util.tree_leaves_with_path(
+                                             {k: want[k] for k in got}, is_leaf=_is_shape)):
+            if tuple(jnp.shape(x)) != shape:
+                raise ValueError(
+                    f"params{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}; this "
+                    f"model's config expects {shape}")
+
+    def _layout_error(self, layers, want_layers) -> str:
+        c = self.config
         if c.scan_layers:
-            ok = isinstance(layers, dict) and "attn_norm" in layers \
-                and layers["attn_norm"].shape[0] == c.num_layers
-            first = layers
-            want = f"a dict of arrays stacked over {c.num_layers} layers"
+            want, first_want = f"a dict of arrays stacked over {c.num_layers} layers", want_layers
+            first = layers if isinstance(layers, dict) else None
         else:
-            ok = isinstance(layers, (list, tuple)) and len(layers) == c.num_layers
-            first = layers[0] if ok else {}
-            want = f"a tuple of {c.num_layers} per-layer dicts"
-        if not (ok and ("wqkv" in first) == c.fuse_projections):
-            want += ", projections fused (wqkv, w_gate_up)" if c.fuse_projections else \
-                ", projections unfused (wq, wk, wv, w_gate, w_up)"
-            raise ValueError(
-                f"params['layers'] is {_describe(layers)}; this model (scan_layers={c.scan_layers}, "
-                f"fuse_projections={c.fuse_projections}) reads {want}. Convert the params once, "
-                f"outside the jitted step: params = model.prepare_params(params)")
+            want, first_want = f"a tuple of {c.num_layers} per-layer dicts", want_layers[0]
+            dicts = [lp for lp in layers if isinstance(lp, dict)] if isinstance(layers, tuple) else []
+            first = next((lp for lp in dicts if set(lp) != set(first_want)), dicts[0] if dicts else None)
+        want += ", projections fused (wqkv, w_gate_up)" if c.fuse_projections else \
+            ", projections unfused (wq, wk, wv, w_gate, w_up)"
+        keys = ""   # the right kind of container with the wrong tensors in it: name them
+        if isinstance(first, dict) and ("wqkv" in first) == c.fuse_projections:
+            missing, extra = sorted(set(first_want) - set(first)), sorted(set(first) - set(first_want))
+            if missing or extra:
+                keys = f" (tensors missing: {missing}, unexpected: {extra})"
+        return (f"params['layers'] is {_describe(layers)}{keys}; this model (scan_layers="
+                f"{c.scan_layers}, fuse_projections={c.fuse_projections}) reads {want}. Convert the "
+                f"params once, outside the jitted step: params = model.prepare_params(params)")
 
     def param_logical_axes(self) -> dict:
         return param_logical_axes(self.config)

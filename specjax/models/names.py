@@ -4,9 +4,10 @@ and the exporter.
 Canonical params are what the loaders return and `specjax.models.Llama.prepare_params` starts
 from: a dict of the top-level tensors plus ``layers``, a dict of arrays stacked along a leading
 layer axis, projections input-major ([in, out], so ``x @ w``). Checkpoints store projections
-PyTorch-style ([out, in]); `TENSORS` records, for each tensor, both names, the shape a checkpoint
-stores and whether it is transposed on the way in. `assemble` builds canonical params from any
-checkpoint given a getter of stored tensors.
+PyTorch-style ([out, in]); `TENSORS` records, for each tensor, both names and whether it is
+transposed on the way in. Which tensors a configuration has, and their shapes, come from
+`specjax.models.llama.param_specs`. `assemble` builds canonical params from any checkpoint given a
+getter of stored tensors.
 
 llama.cpp's converter stores the Q and K projections of *llama*-architecture models with the
 rows of each head interleaved (its RoPE pairs dims 2i, 2i+1 where Hugging Face pairs i, i+hd/2);
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig, TensorShapeError
+from specjax.models.llama import param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,47 +32,38 @@ class TensorName:
     key: str                 # canonical key: top level, or inside params["layers"] for a layer tensor
     hf: str                  # Hugging Face name; "{i}" stands for the layer index
     gguf: str                # GGUF name; "{i}" stands for the layer index
-    stored: tuple[str, ...]  # the stored shape, as `ModelConfig` attribute names
     transpose: bool          # stored [out, in], canonical [in, out]
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
-    def stored_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        return tuple(int(getattr(config, name)) for name in self.stored)
 
-
-_V, _D, _F, _Q, _K = "vocab_size", "hidden_size", "ffn_size", "q_size", "kv_size"
 _HF = "model.layers.{i}."
 TENSORS: tuple[TensorName, ...] = (
-    TensorName("embed", "model.embed_tokens.weight", "token_embd.weight", (_V, _D), False),
-    TensorName("final_norm", "model.norm.weight", "output_norm.weight", (_D,), False),
-    TensorName("lm_head", "lm_head.weight", "output.weight", (_V, _D), True),
-    TensorName("attn_norm", _HF + "input_layernorm.weight", "blk.{i}.attn_norm.weight", (_D,), False),
-    TensorName("wq", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", (_Q, _D), True),
-    TensorName("wk", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", (_K, _D), True),
-    TensorName("wv", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", (_K, _D), True),
-    TensorName("wo", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", (_D, _Q), True),
-    TensorName("bq", _HF + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", (_Q,), False),
-    TensorName("bk", _HF + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", (_K,), False),
-    TensorName("bv", _HF + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", (_K,), False),
-    TensorName("mlp_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", (_D,), False),
-    TensorName("w_gate", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", (_F, _D), True),
-    TensorName("w_up", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", (_F, _D), True),
-    TensorName("w_down", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", (_D, _F), True),
+    TensorName("embed", "model.embed_tokens.weight", "token_embd.weight", False),
+    TensorName("final_norm", "model.norm.weight", "output_norm.weight", False),
+    TensorName("lm_head", "lm_head.weight", "output.weight", True),
+    TensorName("attn_norm", _HF + "input_layernorm.weight", "blk.{i}.attn_norm.weight", False),
+    TensorName("wq", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", True),
+    TensorName("wk", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", True),
+    TensorName("wv", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", True),
+    TensorName("wo", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", True),
+    TensorName("bq", _HF + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", False),
+    TensorName("bk", _HF + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", False),
+    TensorName("bv", _HF + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", False),
+    TensorName("mlp_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight", False),
+    TensorName("w_gate", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", True),
+    TensorName("w_up", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", True),
+    TensorName("w_down", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", True),
 )
 
 
 def tensor_names(config: ModelConfig) -> tuple[TensorName, ...]:
-    """The tensors a model of `config` has: q/k/v biases only with ``attention_bias``, an
-    ``lm_head`` only when the head is not tied to the embedding."""
-    skip = set()
-    if config.tie_embeddings:
-        skip.add("lm_head")
-    if not config.attention_bias:
-        skip.update(("bq", "bk", "bv"))
-    return tuple(t for t in TENSORS if t.key not in skip)
+    """The tensors a model of `config` has: those of `param_specs` (q/k/v biases only with
+    ``attention_bias``, an ``lm_head`` only when the head is not tied to the embedding)."""
+    shapes = param_shapes(config)
+    return tuple(t for t in TENSORS if t.key in (shapes["layers"] if t.per_layer else shapes))
 
 
 def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[np.ndarray, str]]) -> dict:
@@ -81,10 +74,12 @@ def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[
     `specjax.models.MissingTensorError`. Shapes are checked against the configuration.
     """
     dtype = jnp.dtype(config.dtype)
+    shapes = param_shapes(config)
 
     def fetch(t: TensorName, i):
         arr, shown = get(t, i)
-        want = t.stored_shape(config)
+        want = shapes["layers"][t.key][1:] if t.per_layer else shapes[t.key]   # canonical [in, out]
+        want = want[::-1] if t.transpose else want                            # stored [out, in]
         if tuple(arr.shape) != want:
             raise TensorShapeError(
                 f"tensor {shown!r} has shape {tuple(arr.shape)}, expected {want} "

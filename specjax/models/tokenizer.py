@@ -383,7 +383,10 @@ class Tokenizer:
             where = f"in directory {path}" if path.is_dir() else f"at {file}"
             raise FileNotFoundError(f"no tokenizer.json found {where}")
         folder = file.parent
-        backend = tokenizers.Tokenizer.from_file(str(file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:   # tokenizers raises a bare Exception that does not name the file
+            raise ValueError(f"cannot read the tokenizer in {file} (truncated or corrupt?): {e}") from e
 
         config: dict[str, Any] = {}
         if (folder / "tokenizer_config.json").is_file():
@@ -547,7 +550,10 @@ class IncrementalDecoder:
     returns the text they complete (``""`` while a character is still incomplete); ``finish()``
     returns what the stream still holds back (an incomplete character at the very end becomes
     U+FFFD, as a full decode makes it). The pieces joined equal
-    ``tokenizer.decode(all_ids, skip_special_tokens)``.
+    ``tokenizer.decode(all_ids, skip_special_tokens)``, except where new ids change text already
+    emitted: a byte-fallback decoder turns every byte of an invalid UTF-8 run into U+FFFD, the
+    valid bytes before it included. ``DecodeStream`` raises on that; the stream then restarts
+    after the text already emitted (which cannot be taken back) instead of failing.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
@@ -567,8 +573,13 @@ class IncrementalDecoder:
             new = [int(ids)]
         if not new:
             return ""
-        piece = self._stream.step(self.tokenizer.backend, new)
         self._pending.extend(new)
+        try:
+            piece = self._stream.step(self.tokenizer.backend, new)
+        except Exception:   # tokenizers' "Invalid prefix encountered while decoding stream"
+            self._stream = decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._context = []
+            piece = self._stream.step(self.tokenizer.backend, self._pending)
         if piece is None:
             return ""
         self._context, self._pending = self._pending, []
@@ -584,7 +595,7 @@ class IncrementalDecoder:
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
         context = decode(self._context)
         full = decode(self._context + self._pending)
-        return full[len(context):] if full.startswith(context) else ""
+        return full[len(context):] if full.startswith(context) else decode(self._pending)
 
 
 # ----------------------------------------------------------------------------- loading by name
