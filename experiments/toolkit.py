@@ -38,6 +38,8 @@ from importlib import metadata
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app
+from ml_collections import config_flags
 
 from specjax import decoding, drafters
 
@@ -311,3 +313,19 @@ def provenance_lines(prov: dict) -> list[str]:
             "- versions: python " + m["python"] + ", " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
             + (f"; XLA_FLAGS `{m['xla_flags']}`" if m.get("xla_flags") else "")]
     return out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def main_with_config(main, default_config, help: str) -> None:
+    """Run ``main(config)`` as an absl program with ``--config=<file>[:variant]`` (and
+    ``--config.key=value`` overrides). The flag is defined here, when the program starts, and
+    not at import, so experiments (and the CLI) can be imported side by side, e.g. by tests."""
+    flag = config_flags.DEFINE_config_file("config", str(default_config), help)
+
+    def run(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        main(flag.value)
+
+    app.run(run)

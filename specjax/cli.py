@@ -17,9 +17,6 @@ import time
 from absl import app
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
-
-
 def stream_tokens(gen, batch, samp, on_tokens=None):
     """Stream row 0 of one generation; returns (tokens, timing summary, GenerateOutput)."""
     from specjax import decoding
@@ -97,23 +94,31 @@ def generate_main(c) -> dict:
     return stats
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None:
-        raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
+def main(c) -> dict:
+    """The main command on a config: XLA options, optional multi-host start, caches, generation."""
     from specjax import build
     build.tune_xla_cpu()                  # before any backend starts
-    if _CONFIG.value.get("distributed", False):
+    if c.get("distributed", False):
         import jax
         jax.distributed.initialize()
-    build.enable_compilation_cache(_CONFIG.value.get("compilation_cache_dir", ""))
+    build.enable_compilation_cache(c.get("compilation_cache_dir", ""))
     build.limit_heap_retention()
-    generate_main(_CONFIG.value)
+    return generate_main(c)
 
 
 def run():
-    app.run(main)
+    """Console entry point. The --config flag is defined here, not at import, so the CLI module
+    can be imported next to other absl programs (experiments, tests)."""
+    flag = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
+
+    def _main(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        if flag.value is None:
+            raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
+        main(flag.value)
+
+    app.run(_main)
 
 
 if __name__ == "__main__":

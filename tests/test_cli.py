@@ -69,3 +69,13 @@ def test_bad_settings_fail_before_the_model_loads(monkeypatch, override, message
     c.update(override)
     with pytest.raises(ValueError, match=message):
         build.load_generator(c)
+
+
+def test_entry_modules_import_side_by_side():
+    """No program defines its absl flags at import: the CLI and every experiment can be imported
+    into one process (as the test suite does)."""
+    import subprocess
+    import sys
+    code = ("import specjax.cli, experiments.bench_speed.run, experiments.greedy_exactness.run, "
+            "experiments.distill.run\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

@@ -26,16 +26,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 from specjax import build, decoding, sampling
 
 from experiments import toolkit
 from experiments.bench_speed import config, measure, memory, report, workload
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
-                                          "benchmark settings (experiments/bench_speed/config.py[:tiny|gpu])")
 
 
 def _log(msg: str):
@@ -177,12 +173,12 @@ def run(c) -> pathlib.Path:
     return out / "results.jsonl"
 
 
-def main(argv):
-    del argv
+def main(c):
     build.tune_xla_cpu()              # the main command's XLA CPU options, before any backend starts
-    path = run(_CONFIG.value)
+    path = run(c)
     print(report.write(path))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
+                             "benchmark settings (experiments/bench_speed/config.py[:tiny|gpu])")

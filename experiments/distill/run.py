@@ -32,8 +32,6 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import app
-from ml_collections import config_flags
 
 from specjax import build, decoding, distill, drafters, models
 from specjax.models import draft_artifact
@@ -42,8 +40,6 @@ from experiments import toolkit
 from experiments.bench_speed import measure, workload
 from experiments.distill import config as settings
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
-                                          "experiments/distill/config.py")
 TARGET = "smollm2-135m-instruct"
 
 
@@ -223,9 +219,7 @@ def report(c):
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv):
-    del argv
-    c = _CONFIG.value
+def main(c):
     stages = settings.stages(c)
     build.tune_xla_cpu()
     for stage in stages:
@@ -233,4 +227,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
+                             "experiments/distill/config.py")

@@ -20,8 +20,6 @@ import sys
 import time
 
 import ml_collections
-from absl import app
-from ml_collections import config_flags
 
 from specjax import build, decoding
 
@@ -29,13 +27,9 @@ from experiments import toolkit
 from experiments.bench_speed import workload
 from experiments.greedy_exactness import config as settings
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(pathlib.Path(__file__).with_name("config.py")),
-                                          "experiments/greedy_exactness/config.py[:tiny]")
 
 
-def main(argv):
-    del argv
-    c = _CONFIG.value
+def main(c):
     build.tune_xla_cpu()                          # sets XLA_FLAGS, before the backend starts
     out = pathlib.Path(c.out)
     specs = settings.drafter_specs(c)
@@ -87,4 +81,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
+                             "experiments/greedy_exactness/config.py[:tiny]")
