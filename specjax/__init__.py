@@ -6,16 +6,16 @@ Floors (a module imports only from floors below it):
     decoding/                           the engine object and the one request path
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
     models/                             Llama-family decoder, KV cache, loaders, tokenizer
-    sampling.py  analysis.py  sharding.py  specbench.py     primitives
+    sampling.py  analysis.py  sharding.py  specbench.py  trees.py     primitives
 """
 
-from specjax import analysis, decoding, drafters, models, sampling, specbench, verify
+from specjax import analysis, decoding, drafters, models, sampling, specbench, trees, verify
 from specjax.decoding import AdaptiveGamma, Engine, EngineParams, GenerationConfig, Generator, make_batch
 from specjax.sampling import SamplingConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "analysis", "decoding", "drafters", "models", "sampling", "specbench", "verify",
+    "analysis", "decoding", "drafters", "models", "sampling", "specbench", "trees", "verify",
     "AdaptiveGamma", "Engine", "EngineParams", "GenerationConfig", "Generator", "SamplingConfig", "make_batch",
 ]
