@@ -23,6 +23,13 @@ def get_config():
     c.adaptive_gamma = True                 # gamma per round from acceptance and calibrated round times
     c.adaptive_gammas = (0, 1, 2, 3, 4)
     c.verifier = "token"                    # 'token' or 'block'; greedy uses the greedy verifier
+    # Token trees (specjax.trees): "" = linear drafts; 'branching:2,2,1', 'paths:0;1;0.0',
+    # 'dynamic:depth,topk,budget' (EAGLE-2). A tree replaces gamma (and adaptive_gamma, unless
+    # adaptive_trees lists static trees for the adaptive policy to choose among beside gammas).
+    c.tree = ""
+    c.adaptive_trees = ()                   # e.g. ('branching:2,1,1', 'branching:3,2,1,1')
+    c.tree_verifier = "traversal"           # 'traversal' (Weng et al. 2025) or 'recursive' (SpecInfer)
+    c.tree_children = "iid"                 # sampled trees: 'iid', 'without_replacement' or 'deterministic'
     c.temperature = 0.0
     c.top_k = 0
     c.top_p = 1.0

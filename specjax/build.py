@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from specjax import decoding, drafters, models, sampling
+from specjax import decoding, drafters, models, sampling, trees
 
 
 # Distilled drafts shipped with the package, by target registry name (see experiments/distill).
@@ -131,14 +131,19 @@ def sampling_config(c) -> sampling.SamplingConfig:
 
 
 def generation_config(c, eos_ids) -> decoding.GenerationConfig:
+    tree = c.get("tree", "")
     if c.drafter == "none":
         gamma = 0
+    elif tree:
+        gamma = trees.parse_tree(tree)
     elif c.adaptive_gamma:
-        gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas))
+        gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)
+                                       + tuple(trees.parse_tree(t) for t in c.get("adaptive_trees", ())))
     else:
         gamma = int(c.gamma)
     return decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, verifier=c.verifier,
-                                     eos_ids=tuple(eos_ids))
+                                     eos_ids=tuple(eos_ids), tree_verifier=c.get("tree_verifier", "traversal"),
+                                     tree_children=c.get("tree_children", "iid"))
 
 
 def check_config(c) -> None:

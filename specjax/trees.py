@@ -224,22 +224,36 @@ class DraftTree:
     parents_BN: jax.Array
     depths_BN: jax.Array
     valid_BN: jax.Array
+    draft_slots_BN: jax.Array | None = None   # where the drafter holds each node's K/V (drafter-specific)
     mode: str = struct.field(pytree_node=False, default="iid")
     max_depth: int = struct.field(pytree_node=False, default=1)
 
     @classmethod
-    def from_shape(cls, shape: TreeShape, tokens_BN, mode: str, valid_BN=None) -> "DraftTree":
+    def from_shape(cls, shape: TreeShape, tokens_BN, mode: str, valid_BN=None, draft_slots_BN=None) -> "DraftTree":
         if mode not in CHILDREN_MODES:
             raise ValueError(f"mode must be one of {CHILDREN_MODES}, got {mode!r}")
         B = tokens_BN.shape[0]
         bcast = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32)[None], (B, shape.num_nodes))
         valid = jnp.ones((B, shape.num_nodes), bool) if valid_BN is None else valid_BN
         return cls(tokens_BN=jnp.asarray(tokens_BN, jnp.int32), parents_BN=bcast(shape.parents),
-                   depths_BN=bcast(shape.depths), valid_BN=valid, mode=mode, max_depth=shape.max_depth)
+                   depths_BN=bcast(shape.depths), valid_BN=valid, draft_slots_BN=draft_slots_BN, mode=mode,
+                   max_depth=shape.max_depth)
 
     @property
     def num_nodes(self) -> int:
         return self.tokens_BN.shape[1]
+
+
+@struct.dataclass
+class AcceptedPath:
+    """What a round committed of a tree, for a drafter that holds tentative K/V of its nodes.
+
+    nodes_BD: accepted node indices by depth (-1 after); num_B: how many of them were committed
+    (after EOS / max-token truncation); draft_slots_BD: the drafter's ``draft_slots_BN`` of those
+    nodes (-1 where it holds none)."""
+    nodes_BD: jax.Array
+    num_B: jax.Array
+    draft_slots_BD: jax.Array
 
 
 def ancestor_mask(parents_BN, valid_BN, max_depth: int):

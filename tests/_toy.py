@@ -28,6 +28,18 @@ class ToyCache:
         """Keep at most max_lengths_B entries per row (like `KVCache.truncate`: lengths only)."""
         return self.replace(lengths_B=jnp.minimum(self.lengths_B, jnp.asarray(max_lengths_B, jnp.int32)))
 
+    def commit_path(self, offsets_BA, num_B):
+        """Like `KVCache.commit_path`: slot L + j <- slot L + offsets[j] for j < num, L += num."""
+        A = offsets_BA.shape[1]
+
+        def row(h, L, off, n):
+            src = jnp.take(h, L + off, mode="clip")
+            dst = jnp.where(jnp.arange(A) < n, L + jnp.arange(A), h.shape[0])   # out of range: dropped
+            return h.at[dst].set(src, mode="drop")
+
+        hist = jax.vmap(row)(self.hist_BS, self.lengths_B, offsets_BA.astype(jnp.int32), num_B.astype(jnp.int32))
+        return ToyCache(hist, self.lengths_B + num_B.astype(jnp.int32))
+
 
 @dataclasses.dataclass(frozen=True)
 class TabularModel:
@@ -36,8 +48,10 @@ class TabularModel:
     def init_cache(self, batch_size, capacity):
         return ToyCache(jnp.zeros((batch_size, capacity), jnp.int32), jnp.zeros((batch_size,), jnp.int32))
 
-    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None):
+    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None, tree=None):
         B, T = tokens_BT.shape
+        if tree is not None:
+            return self._apply_tree(table_VVV, tokens_BT, cache, tree)
         if cache is None:
             prev_BT = jnp.concatenate([jnp.zeros((B, 1), tokens_BT.dtype), tokens_BT[:, :-1]], axis=1)
             return table_VVV[prev_BT, tokens_BT], None
@@ -51,6 +65,25 @@ class TabularModel:
                             jnp.take_along_axis(hist, jnp.maximum(prev_idx_BT, 0), axis=1), 0)
         logits = table_VVV[prev_BT, tokens_BT]
         return logits, ToyCache(hist, start_B + num_valid_B)
+
+
+    @staticmethod
+    def _apply_tree(table_VVV, tokens_BT, cache, tree):
+        """Tree attention for the toy: the block is written at L + offset + t, the lengths stay;
+        a token's previous token is its deepest visible window entry other than itself (its
+        parent), else the last committed one."""
+        B, T = tokens_BT.shape
+        W = tree.visible_BTW.shape[2]
+        offset = W - T
+        start_B = cache.lengths_B
+        hist = jax.vmap(lambda h, t, s: jax.lax.dynamic_update_slice(h, t.astype(h.dtype), (s,)))(
+            cache.hist_BS, tokens_BT, start_B + offset)
+        not_self_TW = jnp.arange(W)[None, :] != (offset + jnp.arange(T))[:, None]
+        vis_BTW = tree.visible_BTW & not_self_TW[None]
+        deepest_BT = jnp.max(jnp.where(vis_BTW, jnp.arange(W)[None, None], -1), axis=2)
+        idx_BT = jnp.where(deepest_BT >= 0, start_B[:, None] + deepest_BT, start_B[:, None] - 1)
+        prev_BT = jnp.where(idx_BT >= 0, jnp.take_along_axis(hist, jnp.maximum(idx_BT, 0), axis=1), 0)
+        return table_VVV[prev_BT, tokens_BT], ToyCache(hist, start_B)
 
 
 def random_table(key, vocab_size, peak=3.0):

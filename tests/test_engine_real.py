@@ -9,7 +9,7 @@ accepted rounds both occurred, so it exercises every rollback path.
 
 import pytest
 
-from specjax import build, decoding, specbench
+from specjax import build, decoding, specbench, trees
 from specjax.decoding import NEAR_TIE_EPS, greedy_check, reference_greedy
 from specjax.models import load_tokenizer
 
@@ -30,16 +30,20 @@ def real():
     return target, params, prompts, refs
 
 
-# (drafter, gamma): prompt lookup with a long block; the untrained 4-layer early exit agrees
+# (drafter, gamma or tree): prompt lookup with a long block; the untrained 4-layer early exit agrees
 # rarely, so gamma = 1 makes fully accepted rounds (and the two-token draft catch-up) occur.
-DRAFTERS = [("ngram", 4), ("early_exit", 1)]
+# Token trees: the n-gram drafter's k-branch tree, a shallow static tree for the early exit and
+# an EAGLE-2 dynamic tree for the shipped distilled draft (its own cache, path compaction).
+DRAFTERS = [("ngram", 4), ("early_exit", 1), ("ngram", trees.TreeShape.from_branching((3, 1, 1, 1))),
+            ("early_exit", trees.TreeShape.from_branching((3, 2))),
+            ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8))]
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("kind,gamma", DRAFTERS)
+@pytest.mark.parametrize("kind,gamma", DRAFTERS, ids=lambda x: x if isinstance(x, (str, int)) else x.describe())
 def test_greedy_matches_target_only(real, kind, gamma, batch):
     target, params, prompts, refs = real
-    drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4)
+    drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4, target_name="smollm2-135m-instruct")
     reports = greedy_check(target, drafter, decoding.EngineParams(target=params, draft=dparams), prompts, MAX_NEW,
                            gamma, references=refs, batch_size=batch)
     for r in reports:

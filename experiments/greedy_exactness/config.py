@@ -2,7 +2,9 @@
 
 The target, its dtype and layer layout and the drafters' settings come from the production
 configuration (`configs/generate.py`: unrolled layers, fused projections); this file picks the
-prompts, lengths, batch sizes and drafters. Variant "tiny": a random 4-layer target (seconds).
+prompts, lengths, batch sizes and drafters. Variant "tiny": a random 4-layer target (seconds). Variant "trees": token-tree speculation
+(static trees for the n-gram and early-exit drafters, an EAGLE-2 dynamic tree for the distilled
+draft), written to results_trees.jsonl.
 """
 
 import ml_collections
@@ -25,20 +27,38 @@ def get_config(variant: str = ""):
     if variant == "tiny":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
                  early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results.jsonl")
+    elif variant == "trees":
+        c.update(drafters=("ngram:branching:3,1,1,1", "early_exit:branching:2,2,1", "distilled:dynamic:4,3,12"),
+                 out="experiments/greedy_exactness/results_trees.jsonl")
+    elif variant == "tiny_trees":
+        c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
+                 early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results_trees.jsonl",
+                 drafters=("ngram:branching:3,1,1", "early_exit:branching:2,2", "early_exit:dynamic:3,2,5"))
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees' or 'tiny_trees'")
     return c
 
 
-def drafter_specs(c) -> list[tuple[str, int]]:
-    """[(kind, gamma)] of ``c.drafters`` ("kind:gamma"); ValueError naming the setting for a bad one."""
+def drafter_specs(c) -> list[tuple[str, object]]:
+    """[(kind, gamma or tree)] of ``c.drafters`` ("kind:gamma" or "kind:<tree>", the tree as
+    `specjax.trees.parse_tree` reads it, e.g. "early_exit:branching:2,2,1"); ValueError naming
+    the setting for a bad one."""
+    from specjax import trees
     from specjax.build import DRAFTER_KINDS
 
     kinds = [k for k in DRAFTER_KINDS if k != "none"]
     out = []
     for spec in c.drafters:
-        kind, _, gamma = spec.partition(":")
-        if kind not in kinds or not gamma.isdigit() or int(gamma) < 1:
-            raise ValueError(f"config.drafters: {spec!r} is not kind:gamma with kind in {kinds} and gamma >= 1")
-        out.append((kind, int(gamma)))
+        kind, _, rest = spec.partition(":")
+        if kind in kinds and rest.isdigit() and int(rest) >= 1:
+            out.append((kind, int(rest)))
+            continue
+        try:
+            tree = trees.parse_tree(rest)
+        except ValueError:
+            tree = None
+        if kind not in kinds or tree is None:
+            raise ValueError(f"config.drafters: {spec!r} is not kind:gamma (gamma >= 1) or kind:<tree> "
+                             f"(e.g. early_exit:branching:2,2,1) with kind in {kinds}")
+        out.append((kind, tree))
     return out

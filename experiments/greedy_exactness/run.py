@@ -63,14 +63,15 @@ def main(c):
             reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),
                                             prompts, c.max_new_tokens, gamma, references=refs, batch_size=B,
                                             pad_multiple=c.pad_multiple)
+            label = gamma if isinstance(gamma, int) else gamma.describe()
             for p, r in zip(w.prompts, reports):
-                jl.write("prompt", drafter=kind, gamma=gamma, batch_size=B, question_id=p.question_id,
+                jl.write("prompt", drafter=kind, gamma=label, batch_size=B, question_id=p.question_id,
                          category=p.category, ok=r.ok, tokens_compared=r.tokens_compared, near_ties=r.near_ties,
                          hard_mismatch=r.hard_mismatch, rounds=r.rounds, proposed=r.proposed, accepted=r.accepted,
                          full_accept_rounds=r.full_accept_rounds)
             total = {k: sum(getattr(r, k) for r in reports) for k in
                      ("tokens_compared", "rounds", "proposed", "accepted", "full_accept_rounds")}
-            summary = jl.write("summary", drafter=kind, gamma=gamma, batch_size=B, prompts=len(reports),
+            summary = jl.write("summary", drafter=kind, gamma=label, batch_size=B, prompts=len(reports),
                                hard_mismatches=sum(not r.ok for r in reports),
                                near_ties=sum(len(r.near_ties) for r in reports), **total, seconds=time.time() - t0)
             failures += summary["hard_mismatches"]

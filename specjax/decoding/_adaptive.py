@@ -14,6 +14,11 @@ least `hysteresis` (relative) cheaper. The estimate a is an exponential moving a
 mean acceptance probability min(1, p/q) at the draft positions actually tested this round,
 averaged over active rows; while at gamma = 0 nothing is tested, so every `probe_every`
 rounds the smallest positive gamma is tried once to refresh it.
+
+Static token trees (`specjax.trees.TreeShape`) may be candidates beside the draft lengths: a
+tree's expected committed tokens under the same estimate are `TreeShape.expected_tokens`
+(every tried child accepted with probability a independently; for a chain it is the formula
+above), and a is measured on the first child tried at each depth.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import dataclasses
 
 import jax.numpy as jnp
 from flax import struct
+
+from specjax import trees as trees_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +40,16 @@ class AdaptiveGamma:
     initial_alpha: float = 0.5
 
     def __post_init__(self):
-        if not self.gammas or any(g < 0 for g in self.gammas) or list(self.gammas) != sorted(set(self.gammas)):
+        lengths = [g for g in self.gammas if isinstance(g, int)]
+        shapes = [g for g in self.gammas if not isinstance(g, int)]
+        if not self.gammas or any(g < 0 for g in lengths) or lengths != sorted(set(lengths)):
             raise ValueError(f"gammas must be distinct, sorted and >= 0, got {self.gammas}")
+        if list(self.gammas) != lengths + shapes or len(set(shapes)) != len(shapes):
+            raise ValueError(f"adaptive candidates are the draft lengths (sorted) followed by distinct static trees, "
+                             f"got {self.gammas}")
+        if any(not isinstance(g, trees_lib.TreeShape) for g in shapes):
+            raise ValueError("adaptive drafting chooses among draft lengths and static trees (TreeShape); a dynamic "
+                             "tree's size is not known before it is drafted, so it has no cost model here")
 
 
 @struct.dataclass
@@ -60,16 +75,33 @@ def expected_tokens(alpha, gamma_G):
     return jnp.where(near_one, gamma_G + 1.0, val)
 
 
+def tree_expected_tokens(alpha, shape: trees_lib.TreeShape):
+    """`TreeShape.expected_tokens` for a traced alpha."""
+    alpha = jnp.clip(alpha, 0.0, 1.0)
+    reach = []
+    for p, r in zip(shape.parents, shape.ranks):
+        reach.append((1.0 if p < 0 else reach[p]) * alpha * (1.0 - alpha) ** r)
+    return 1.0 + sum(reach)
+
+
+def expected_per_candidate(alpha, candidates):
+    return jnp.stack([expected_tokens(alpha, jnp.float32(g)) if isinstance(g, int) else tree_expected_tokens(alpha, g)
+                      for g in candidates])
+
+
+def _is_zero(g) -> bool:
+    return isinstance(g, int) and g == 0
+
+
 def choose(policy: AdaptiveGamma, state: PolicyState):
     """(index of the gamma to run this round, whether it is a probe out of gamma = 0)."""
-    gammas_G = jnp.asarray(policy.gammas, jnp.float32)
-    per_token_G = state.round_time_G / expected_tokens(state.alpha, gammas_G)
+    per_token_G = state.round_time_G / expected_per_candidate(state.alpha, policy.gammas)
     best = jnp.argmin(per_token_G).astype(jnp.int32)
     keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[state.index]
     chosen = jnp.where(keep, state.index, best)
-    positive = [i for i, g in enumerate(policy.gammas) if g > 0]
+    positive = [i for i, g in enumerate(policy.gammas) if not _is_zero(g)]
     probe = jnp.zeros((), bool)
-    if policy.gammas[0] == 0 and positive:
+    if _is_zero(policy.gammas[0]) and positive:
         probe = (chosen == 0) & (state.since_probe >= policy.probe_every)
         chosen = jnp.where(probe, jnp.int32(positive[0]), chosen)
     return chosen, probe
@@ -82,7 +114,7 @@ def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_mean
     """
     alpha = jnp.where(any_tested, policy.ema * state.alpha + (1 - policy.ema) * tested_mean_accept,
                       state.alpha)
-    at_zero = jnp.asarray(policy.gammas, jnp.int32)[chosen] == 0
+    at_zero = (chosen == 0) & _is_zero(policy.gammas[0])
     since = jnp.where(at_zero, state.since_probe + 1, 0)
     index = jnp.where(probe, state.index, chosen)
     return state.replace(alpha=alpha, index=index.astype(jnp.int32), since_probe=since.astype(jnp.int32))

@@ -46,6 +46,7 @@ from flax import struct
 
 from specjax import models
 from specjax import sampling as sampling_lib
+from specjax import trees as trees_lib
 from specjax import verify as verify_lib
 from specjax.decoding import _adaptive
 from specjax.drafters import DraftContext, Drafter
@@ -55,49 +56,92 @@ STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", NA
 PAD_ID = 0  # what unwritten slots of the token buffer hold (a valid id: models may read them)
 
 
+TREE_VERIFIERS = {"traversal": "TraversalVerifier", "recursive": "RecursiveRejectionVerifier"}
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
     """Static settings (shapes and strategy choices); numeric sampling knobs live in
     `SamplingConfig` as traced values.
 
-    gamma: a fixed draft length (0 = target-only), or `AdaptiveGamma` for a per-round choice.
-    verifier: 'token' (Leviathan/Chen) or 'block' (Sun et al. 2025); greedy sampling always
-      uses the greedy verifier, which the others reduce to at temperature 0.
+    gamma: what the drafter proposes each round: a draft length (0 = target-only), a token tree
+      (`specjax.trees.TreeShape` or `DynamicTree`), or `AdaptiveGamma` for a per-round choice
+      among draft lengths and static trees.
+    verifier: for linear drafts, 'token' (Leviathan/Chen) or 'block' (Sun et al. 2025).
+    tree_verifier: for trees, 'traversal' (Weng et al. 2025) or 'recursive' (SpecInfer's
+      recursive rejection sampling, Miao et al. 2024).
+    tree_children: how a sampled tree draws the children of a node ('iid', 'without_replacement'
+      or 'deterministic' top-k; `specjax.trees.CHILDREN_MODES`); the tree verifier must be exact
+      for it. Greedy decoding always drafts deterministic children and uses the greedy verifiers,
+      which the others reduce to at temperature 0.
     """
     max_new_tokens: int
-    gamma: int | _adaptive.AdaptiveGamma = 4
+    gamma: int | _adaptive.AdaptiveGamma | trees_lib.TreeShape | trees_lib.DynamicTree = 4
     verifier: str = "token"
     eos_ids: tuple[int, ...] = ()
     max_rounds: int | None = None   # safety bound; default max_new_tokens (every round commits >= 1)
+    tree_verifier: str = "traversal"
+    tree_children: str = "iid"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if isinstance(self.gamma, int) and self.gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+        if not isinstance(self.gamma, (int, _adaptive.AdaptiveGamma, trees_lib.TreeShape, trees_lib.DynamicTree)):
+            raise ValueError(f"gamma must be an int, an AdaptiveGamma or a tree, got {self.gamma!r}")
         if self.verifier not in ("token", "block"):
             raise ValueError(f"verifier must be 'token' or 'block', got {self.verifier!r}")
+        if self.tree_verifier not in TREE_VERIFIERS:
+            raise ValueError(f"tree_verifier must be one of {sorted(TREE_VERIFIERS)}, got {self.tree_verifier!r}")
+        if self.tree_children not in trees_lib.CHILDREN_MODES:
+            raise ValueError(f"tree_children must be one of {trees_lib.CHILDREN_MODES}, got {self.tree_children!r}")
+        if self.has_trees:
+            # Fails here, before anything runs, when the verifier is not exact for the children.
+            verifier = self._tree_verifier()
+            if self.tree_children not in verifier.MODES:
+                raise ValueError(f"tree_verifier={self.tree_verifier!r} is not exact for tree_children="
+                                 f"{self.tree_children!r} (it supports {verifier.MODES})")
 
     @property
     def adaptive(self) -> bool:
         return isinstance(self.gamma, _adaptive.AdaptiveGamma)
 
     @property
-    def gammas(self) -> tuple[int, ...]:
+    def gammas(self) -> tuple:
+        """The candidate proposals: draft lengths and trees (one, unless adaptive)."""
         return self.gamma.gammas if self.adaptive else (self.gamma,)
 
     @property
+    def has_trees(self) -> bool:
+        return any(not isinstance(g, int) for g in self.gammas)
+
+    @property
     def max_gamma(self) -> int:
-        return max(self.gammas)
+        """The longest run of drafted tokens a round can accept (a chain's gamma, a tree's depth)."""
+        return max(g if isinstance(g, int) else g.max_depth for g in self.gammas)
+
+    @property
+    def max_block(self) -> int:
+        """The most drafted tokens one target pass scores (gamma, or a tree's node count)."""
+        return max(g if isinstance(g, int) else g.num_nodes for g in self.gammas)
 
     def slots_needed(self, prompt_length: int) -> int:
         """Cache slots for a prompt: prompt + max_new_tokens + the largest verification block."""
-        return int(prompt_length) + self.max_new_tokens + self.max_gamma + 1
+        return int(prompt_length) + self.max_new_tokens + self.max_block + 1
 
     def verifier_for(self, sampling: sampling_lib.SamplingConfig) -> verify_lib.Verifier:
         if sampling.greedy:
             return verify_lib.GreedyVerifier()
         return verify_lib.BlockVerifier() if self.verifier == "block" else verify_lib.TokenVerifier()
+
+    def tree_verifier_for(self, sampling: sampling_lib.SamplingConfig):
+        if sampling.greedy:
+            return verify_lib.GreedyTreeVerifier()
+        return self._tree_verifier()
+
+    def _tree_verifier(self):
+        return getattr(verify_lib, TREE_VERIFIERS[self.tree_verifier])()
 
 
 @struct.dataclass
@@ -113,7 +157,9 @@ class Metrics:
 
     accepted counts what the verifier accepted, including tokens that EOS or max_new_tokens
     then cut off; committed counts what was written. draft_passes: the drafter's forward
-    passes (`Drafter.forward_passes`; catch-up ingests not counted).
+    passes (`Drafter.forward_passes`; catch-up ingests not counted). scored: tokens the target
+    scored (gamma + 1 per linear round, nodes + 1 per tree round). For trees, position j of
+    accepted_at / tested_at is depth j + 1 along the accepted path.
     """
     rounds_B: jax.Array
     draft_passes_B: jax.Array
@@ -125,12 +171,13 @@ class Metrics:
     tested_at_BG: jax.Array       # draft position j reached verification
     gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
     invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not finite (proposals discarded)
+    scored_B: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, max_gamma: int, num_gammas: int) -> "Metrics":
         z_B = jnp.zeros((batch,), jnp.int32)
         z_BG = jnp.zeros((batch, max_gamma), jnp.int32)
-        return cls(z_B, z_B, z_B, z_B, z_B, z_B, z_BG, z_BG, jnp.zeros((num_gammas,), jnp.int32), z_B)
+        return cls(z_B, z_B, z_B, z_B, z_B, z_B, z_BG, z_BG, jnp.zeros((num_gammas,), jnp.int32), z_B, z_B)
 
     @property
     def target_passes_B(self):
@@ -158,6 +205,7 @@ class Metrics:
             "acceptance_per_position": [float(a) / max(int(t), 1) for a, t in zip(m.accepted_at_BG.sum(0), tested_G)],
             "rounds_per_gamma": [int(x) for x in m.gamma_rounds_K],
             "invalid_draft_rounds": int(m.invalid_draft_rounds_B.sum()),
+            "tokens_scored_per_pass": float(m.scored_B.sum()) / max(passes, 1),
         }
 
 
@@ -253,6 +301,9 @@ class Engine:
         if self.drafter is not None and self.drafter.vocab_size != self.target.vocab_size:
             raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target "
                              f"{self.target.vocab_size}; speculative sampling needs a shared vocabulary")
+        for g in self.config.gammas:
+            if not isinstance(g, int):
+                self.drafter.check_tree(g)
 
     # ------------------------------------------------------------------ stages of one round
 
@@ -297,7 +348,7 @@ class Engine:
                            committed_BG1=jnp.where(bad_q_B[:, None], fresh_BG1, res.committed_BG1),
                            degenerate_residual_B=jnp.where(bad_q_B, 0, res.degenerate_residual_B))
 
-    def _truncate(self, state: LoopState, res, bad_p_BG1):
+    def _truncate(self, state: LoopState, n_accepted_B, committed_BG1, bad_p_BG1):
         """How many of the verified tokens each row commits, and how rows end.
 
         Non-finite target logits: only the positions whose p the verifier used (0 ..
@@ -306,17 +357,17 @@ class Engine:
         stops with NAN_LOGITS. Whatever ends the row first in token order names its status
         (EOS or the limit can come before a NaN position inside the same block)."""
         config = self.config
-        G1 = res.committed_BG1.shape[1]
+        G1 = committed_BG1.shape[1]
         B = state.lengths_B.shape[0]
         active_B = ~state.done_B
         j_G1 = jnp.arange(G1)
-        nan_BG1 = bad_p_BG1 & (j_G1[None] <= res.n_accepted_B[:, None])
+        nan_BG1 = bad_p_BG1 & (j_G1[None] <= n_accepted_B[:, None])
         nan_B = nan_BG1.any(axis=1) & active_B
         remaining_B = config.max_new_tokens - (state.lengths_B - state.prompt_lengths_B)
-        n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), res.n_accepted_B + 1)
+        n_commit_B = jnp.where(nan_B, jnp.argmax(nan_BG1, axis=1), n_accepted_B + 1)
         n_commit_B = jnp.minimum(n_commit_B, remaining_B)
         if config.eos_ids:
-            is_eos_BG1 = jnp.isin(res.committed_BG1, jnp.asarray(config.eos_ids)) & (j_G1[None] < n_commit_B[:, None])
+            is_eos_BG1 = jnp.isin(committed_BG1, jnp.asarray(config.eos_ids)) & (j_G1[None] < n_commit_B[:, None])
             hit_eos_B = is_eos_BG1.any(axis=1)
             n_commit_B = jnp.where(hit_eos_B, jnp.argmax(is_eos_BG1, axis=1) + 1, n_commit_B)
         else:
@@ -353,8 +404,9 @@ class Engine:
             degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, res.degenerate_residual_B, 0),
             accepted_at_BG=m.accepted_at_BG + jnp.pad(accepted_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
             tested_at_BG=m.tested_at_BG + jnp.pad(tested_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
-            gamma_rounds_K=m.gamma_rounds_K + (jnp.asarray(self.config.gammas) == gamma).astype(jnp.int32),
+            gamma_rounds_K=m.gamma_rounds_K + self._onehot(gamma),
             invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
+            scored_B=m.scored_B + active_B.astype(jnp.int32) * (gamma + 1),
         )
         n_tested = jnp.sum(tested_at_BG)
         px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
@@ -363,8 +415,14 @@ class Engine:
         tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
         return metrics, tested_mean, n_tested > 0
 
-    def _round(self, params: EngineParams, sampling, gamma: int, state: LoopState):
-        """One draft-verify round with a static gamma -> (state, Commit, tested_mean, any_tested)."""
+    def _onehot(self, proposal):
+        """Counts one round of this candidate (`Metrics.gamma_rounds_K`)."""
+        return (jnp.arange(len(self.config.gammas)) == self.config.gammas.index(proposal)).astype(jnp.int32)
+
+    def _round(self, params: EngineParams, sampling, gamma, state: LoopState):
+        """One draft-verify round with a static gamma or tree -> (state, Commit, tested_mean, any_tested)."""
+        if not isinstance(gamma, int):
+            return self._tree_round(params, sampling, gamma, state)
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
         draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
         L_B = state.lengths_B
@@ -376,7 +434,7 @@ class Engine:
         p_BG1V = sampling_lib.probabilities(logits_BG1V, sampling)
         p_BG1V, q_BGV, bad_p_BG1, bad_q_B = self._sanitize(logits_BG1V, p_BG1V, draft_BG, q_BGV)
         res = self._verify(sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B)
-        n_commit_B, status_B, done_B, live_B = self._truncate(state, res, bad_p_BG1)
+        n_commit_B, status_B, done_B, live_B = self._truncate(state, res.n_accepted_B, res.committed_BG1, bad_p_BG1)
         metrics, tested_mean, any_tested = self._bookkeep(
             state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B)
 
@@ -393,6 +451,102 @@ class Engine:
         commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
         return new_state, commit, tested_mean, any_tested
+
+    # ------------------------------------------------------------------ tree rounds
+
+    def _tree_round(self, params: EngineParams, sampling, tree, state: LoopState):
+        """One round with a token tree: the drafter drafts a tree, the target scores the root
+        (the last committed token) and every node in one pass with tree attention, the tree
+        verifier picks a path, and the caches keep exactly that path (its K/V moved to the
+        committed slots). Same stages as a linear round; see `_round`."""
+        keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
+        draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
+        L_B = state.lengths_B
+        B = L_B.shape[0]
+        V = self.target.vocab_size
+        D = tree.max_depth
+        last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
+        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=L_B, target_cache=state.target_cache)
+        draft, q_BN1V, draft_state = self.drafter.propose_tree(
+            params.draft, state.draft_state, context, draft_key_B, tree, sampling, self.config.tree_children)
+        N = draft.num_nodes
+
+        block_BT = jnp.concatenate([last_B[:, None], draft.tokens_BN], axis=1)
+        visible_BTT = trees_lib.ancestor_mask(draft.parents_BN, draft.valid_BN, D)
+        rel_BT = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft.depths_BN], axis=1)
+        logits_BTV, target_cache = self.target.apply(params.target, block_BT, state.target_cache,
+                                                     tree=models.TreeBlock(rel_BT, visible_BTT))
+        p_BTV = sampling_lib.probabilities(logits_BTV, sampling)
+        # _sanitize's rules per node: non-finite target logits -> uniform stand-in (never
+        # committed from, see below); a non-finite q -> the row's round becomes gamma = 0.
+        bad_p_BT = (jnp.isnan(logits_BTV) | jnp.isposinf(logits_BTV)).any(axis=-1)
+        p_BTV = jnp.where(bad_p_BT[..., None], 1.0 / V, p_BTV)
+        bad_q_B = ~jnp.isfinite(q_BN1V).all(axis=(1, 2))
+        q_BN1V = jnp.where(bad_q_B[:, None, None], 1.0 / V, q_BN1V)
+
+        verifier = self.config.tree_verifier_for(sampling)
+        one = lambda x: x[None]
+        res = jax.vmap(lambda k, t, q, p: jax.tree.map(lambda x: x[0], verifier(k, jax.tree.map(one, t), q[None], p[None])))(
+            verify_key_B, draft, q_BN1V, p_BTV)
+        fresh_key_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
+        fresh_B = (jnp.argmax(p_BTV[:, 0], -1) if sampling.greedy
+                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_BTV[:, 0])).astype(jnp.int32)
+        fresh_BD1 = jnp.full((B, D + 1), verify_lib.PAD_TOKEN, jnp.int32).at[:, 0].set(fresh_B)
+        n_acc_B = jnp.where(bad_q_B, 0, res.n_accepted_B)
+        path_BD = jnp.where(bad_q_B[:, None], -1, res.path_BD)
+        committed_BD1 = jnp.where(bad_q_B[:, None], fresh_BD1, res.committed_BD1)
+        degenerate_B = jnp.where(bad_q_B, 0, res.degenerate_residual_B)
+
+        # Non-finite logits along the path (root, then the accepted nodes): from the first one on.
+        pos_BD1 = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path_BD, -1) + 1], axis=1)
+        bad_path_BD1 = jnp.take_along_axis(bad_p_BT, pos_BD1, axis=1) & (jnp.arange(D + 1)[None] <= n_acc_B[:, None])
+        bad_path_BD1 = jnp.cumsum(bad_path_BD1, axis=1) > 0
+        n_commit_B, status_B, done_B, live_B = self._truncate(state, n_acc_B, committed_BD1, bad_path_BD1)
+
+        # Caches: the root and the committed nodes, in path order, to the committed slots.
+        target_cache = target_cache.commit_path(pos_BD1, n_commit_B)
+        nodes_B = jnp.minimum(n_acc_B, n_commit_B)
+        slots_BD = (jnp.full((B, D), -1, jnp.int32) if draft.draft_slots_BN is None else
+                    jnp.where(path_BD >= 0, jnp.take_along_axis(draft.draft_slots_BN, jnp.maximum(path_BD, 0), axis=1), -1))
+        accepted = trees_lib.AcceptedPath(nodes_BD=path_BD, num_B=nodes_B, draft_slots_BD=slots_BD)
+        new_L_B = L_B + n_commit_B
+        draft_state = self.drafter.commit(draft_state, new_L_B, accepted)
+
+        # Metrics (per depth along the accepted path).
+        m = state.metrics
+        active_B = ~state.done_B
+        drafted_B = live_B & ~bad_q_B
+        n_acc_B = jnp.where(drafted_B, n_acc_B, 0)
+        G = self.config.max_gamma
+        j_G = jnp.arange(G)
+        accepted_at_BG = (j_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
+        tested_BD = res.tested_BD & drafted_B[:, None]
+        tested_at_BG = jnp.pad(tested_BD, ((0, 0), (0, G - D)))
+        metrics = Metrics(
+            rounds_B=m.rounds_B + active_B.astype(jnp.int32),
+            draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * self.drafter.tree_forward_passes(tree),
+            proposed_B=m.proposed_B + jnp.where(drafted_B, jnp.sum(draft.valid_BN, axis=1), 0).astype(jnp.int32),
+            accepted_B=m.accepted_B + n_acc_B,
+            committed_B=m.committed_B + n_commit_B,
+            degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, degenerate_B, 0),
+            accepted_at_BG=m.accepted_at_BG + accepted_at_BG.astype(jnp.int32),
+            tested_at_BG=m.tested_at_BG + tested_at_BG.astype(jnp.int32),
+            gamma_rounds_K=m.gamma_rounds_K + self._onehot(tree),
+            invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
+            scored_B=m.scored_B + active_B.astype(jnp.int32) * (N + 1),
+        )
+        n_tested = jnp.sum(tested_BD)
+        tested_mean = jnp.sum(jnp.where(tested_BD, res.tested_accept_BD, 0.0)) / jnp.maximum(n_tested, 1)
+
+        K = G + 1
+        committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - (D + 1))), constant_values=PAD_ID)
+        new_state = state.replace(
+            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
+            done_B=done_B, status_B=status_B, target_cache=target_cache, draft_state=draft_state,
+            key_B=next_key_B, metrics=metrics, round=state.round + 1)
+        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
+                        start_B=L_B, n_B=n_commit_B, done_B=done_B)
+        return new_state, commit, tested_mean, n_tested > 0
 
     def _step(self, params, sampling, state):
         """One round, with gamma fixed or chosen by the adaptive policy."""
@@ -442,7 +596,8 @@ class Engine:
     def _round_time_K(self, round_time_s):
         if round_time_s is None:
             # Uncalibrated default: a round costs (1 + 0.1 gamma) target tokens (cheap draft).
-            return jnp.asarray([1.0 + 0.1 * g for g in self.config.gammas], jnp.float32)
+            return jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
+                               jnp.float32)
         rt = jnp.asarray(round_time_s, jnp.float32)
         if rt.shape != (len(self.config.gammas),):
             raise ValueError(f"round_time_s needs one entry per gamma {self.config.gammas}, got shape {rt.shape}")

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import sampling as sampling_lib
+from specjax import trees as trees_lib
+from specjax.drafters import _tree
 from specjax.drafters._protocol import DraftContext
 from specjax.models import DecoderModel, Llama, truncate_layers
 
@@ -17,6 +19,15 @@ from specjax.models import DecoderModel, Llama, truncate_layers
 @struct.dataclass
 class ModelDraftState:
     cache: Any
+
+
+def expand(model, params, cache, root_logits_BV, key_B, tree, sampling, children):
+    """Draft a tree (static or dynamic) from the root's logits; greedy decoding always drafts
+    deterministic (top-k) children: greedy q is one-hot, so sampled children would repeat."""
+    if isinstance(tree, trees_lib.DynamicTree):
+        return _tree.expand_dynamic(model, params, cache, root_logits_BV, tree, sampling)
+    mode = "deterministic" if sampling.greedy else children
+    return _tree.expand_static(model, params, cache, root_logits_BV, key_B, tree, sampling, mode)
 
 
 def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
@@ -81,8 +92,8 @@ class ModelDrafter:
     def forward_passes(self, gamma: int) -> int:
         return gamma
 
-    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        cache = state.cache
+    def _catch_up(self, params, cache, context: DraftContext):
+        """Ingest the committed tokens the cache has not seen -> (logits at the last one, cache)."""
         tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
 
         # More than two unseen tokens happen only after rounds without drafting (adaptive
@@ -100,12 +111,35 @@ class ModelDrafter:
         num_new_B = jnp.clip(lengths_B - cache.lengths_B, 1, 2).astype(jnp.int32)
         logits_B2V, cache = self._ingest(params, cache, tokens_BL, num_new_B)
         logits_BV = jnp.take_along_axis(logits_B2V, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
+        return logits_BV, cache
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        logits_BV, cache = self._catch_up(params, state.cache, context)
         tokens_BG, q_BGV, cache = rollout(self.model, params, cache, logits_BV, key_B, gamma, cfg)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
-    def commit(self, state, new_lengths_B):
-        # The cache sees the committed prefix minus its last token.
-        return ModelDraftState(cache=state.cache.truncate(new_lengths_B - 1))
+    def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):
+        logits_BV, cache = self._catch_up(params, state.cache, context)
+        draft, q_BN1V, cache = expand(self.model, params, cache, logits_BV, key_B, tree, cfg, children)
+        return draft, q_BN1V, ModelDraftState(cache=cache)
+
+    def tree_forward_passes(self, tree) -> int:
+        return tree.max_depth          # the root's ingest + one block per level but the last
+
+    def check_tree(self, tree) -> None:
+        pass
+
+    def commit(self, state, new_lengths_B, accepted=None):
+        # The cache sees the committed prefix minus its last token. After a tree round the
+        # committed nodes' tentative K/V (those the draft forwarded, a leading run of the path)
+        # move to the committed slots; whatever is missing is ingested next round.
+        cache = state.cache
+        if accepted is not None:
+            have_BD = accepted.draft_slots_BD >= 0
+            num_B = jnp.sum(jnp.cumprod(have_BD, axis=1), axis=1)
+            num_B = jnp.minimum(num_B, accepted.num_B).astype(jnp.int32)
+            cache = cache.commit_path(jnp.maximum(accepted.draft_slots_BD, 0), num_B)
+        return ModelDraftState(cache=cache.truncate(new_lengths_B - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +171,27 @@ class EarlyExitDrafter:
     def forward_passes(self, gamma: int) -> int:
         return gamma
 
-    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        k = self.model.config.num_layers
-        cache = context.target_cache.first_layers(k)
+    def _root(self, params, context: DraftContext):
+        cache = context.target_cache.first_layers(self.model.config.num_layers)
         last_B1 = jnp.take_along_axis(context.tokens_BL, (context.lengths_B - 1)[:, None], axis=1)
         logits_B1V, cache = self.model.apply(params, last_B1, cache)
-        tokens_BG, q_BGV, _ = rollout(self.model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)
+        return logits_B1V[:, 0], cache
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        logits_BV, cache = self._root(params, context)
+        tokens_BG, q_BGV, _ = rollout(self.model, params, cache, logits_BV, key_B, gamma, cfg)
         return tokens_BG, q_BGV, state
 
-    def commit(self, state, new_lengths_B):
+    def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):
+        logits_BV, cache = self._root(params, context)
+        draft, q_BN1V, _ = expand(self.model, params, cache, logits_BV, key_B, tree, cfg, children)
+        return draft.replace(draft_slots_BN=None), q_BN1V, state
+
+    def tree_forward_passes(self, tree) -> int:
+        return tree.max_depth
+
+    def check_tree(self, tree) -> None:
+        pass
+
+    def commit(self, state, new_lengths_B, accepted=None):
         return state

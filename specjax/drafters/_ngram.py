@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import trees as trees_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class NGramDrafter:
@@ -25,6 +27,22 @@ class NGramDrafter:
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         return None     # stateless: everything it reads is in the context
+
+    def _match_lengths(self, tokens_BL, lengths_B):
+        """m_BL[b, i]: the longest n in [min_ngram, max_ngram] such that the n tokens ending at i
+        equal the row's last n tokens (i < length - 1); 0 where none."""
+        B, Lmax = tokens_BL.shape
+        pos_L = jnp.arange(Lmax)
+        m_BL = jnp.zeros((B, Lmax), jnp.int32)
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            ok_BL = (pos_L[None, :] >= n - 1) & (pos_L[None, :] < lengths_B[:, None] - 1)
+            for k in range(n):
+                suffix_B = jnp.take_along_axis(
+                    tokens_BL, jnp.clip(lengths_B - 1 - k, 0, Lmax - 1)[:, None], axis=1)
+                ok_BL &= jnp.roll(tokens_BL, k, axis=1) == suffix_B
+            ok_BL &= (lengths_B >= n + 1)[:, None]
+            m_BL = jnp.where(ok_BL, n, m_BL)
+        return m_BL
 
     def match_end(self, tokens_BL, lengths_B):
         """Index of the last token of the latest earlier occurrence of the longest matching
@@ -47,17 +65,77 @@ class NGramDrafter:
     def forward_passes(self, gamma: int) -> int:
         return 0     # no model
 
-    def propose(self, params, state, context, key_B, gamma, cfg):
-        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
-        end_B = self.match_end(tokens_BL, lengths_B)
-        found_B = end_B >= 0
-        start_B = jnp.where(found_B, end_B + 1, lengths_B - 1)
-        # Continue cyclically through tokens[start:L]: a repeating pattern keeps repeating.
+    @staticmethod
+    def _continue(tokens_BL, lengths_B, end_B, gamma):
+        """gamma tokens after the match ending at end_B (-1: none, repeat the last token),
+        continuing cyclically through tokens[start:L]: a repeating pattern keeps repeating."""
+        start_B = jnp.where(end_B >= 0, end_B + 1, lengths_B - 1)
         period_B = jnp.maximum(lengths_B - start_B, 1)
         idx_BG = start_B[:, None] + jnp.arange(gamma)[None, :] % period_B[:, None]
-        tokens_BG = jnp.take_along_axis(tokens_BL, jnp.clip(idx_BG, 0, tokens_BL.shape[1] - 1), axis=1)
-        q_BGV = jax.nn.one_hot(tokens_BG, self.vocab_size, dtype=jnp.float32)
-        return tokens_BG.astype(jnp.int32), q_BGV, state
+        return jnp.take_along_axis(tokens_BL, jnp.clip(idx_BG, 0, tokens_BL.shape[1] - 1), axis=1).astype(jnp.int32)
 
-    def commit(self, state, new_lengths_B):
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        tokens_BG = self._continue(context.tokens_BL, context.lengths_B,
+                                   self.match_end(context.tokens_BL, context.lengths_B), gamma)
+        q_BGV = jax.nn.one_hot(tokens_BG, self.vocab_size, dtype=jnp.float32)
+        return tokens_BG, q_BGV, state
+
+    # -- trees: k branches, the continuations of the k best earlier matches ------------------
+    @staticmethod
+    def _branches(tree) -> tuple[int, int]:
+        """(k, depth) of a tree of k chains from the root (branching (k, 1, ..., 1))."""
+        if isinstance(tree, trees_lib.TreeShape):
+            depth = tree.max_depth
+            k = tree.level(1)[1]
+            if tree == trees_lib.TreeShape.from_branching((k,) + (1,) * (depth - 1)):
+                return k, depth
+        raise ValueError(f"the n-gram drafter drafts k chains from the root (e.g. --config.tree=branching:3,1,1,1), "
+                         f"one per earlier match; got {tree}")
+
+    def check_tree(self, tree) -> None:
+        self._branches(tree)
+
+    def tree_forward_passes(self, tree) -> int:
+        return 0
+
+    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
+        """Branch i continues the i-th best earlier match of the suffix (longer n-gram first,
+        then the latest); branches that share a prefix are merged (the later copy is padding
+        and its children hang from the earlier one), so siblings are distinct. Deterministic."""
+        k, D = self._branches(tree)
+        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
+        B, Lmax = tokens_BL.shape
+        m_BL = self._match_lengths(tokens_BL, lengths_B)
+        score_BL = jnp.where(m_BL > 0, m_BL * Lmax + jnp.arange(Lmax)[None], -1)
+        best_v_Bk, end_Bk = jax.lax.top_k(score_BL, k)
+        found_Bk = best_v_Bk >= 0
+        # Branch 0 always exists (no match: repeat the last token, as the linear proposal does).
+        end_Bk = jnp.where(found_Bk, end_Bk, -1).astype(jnp.int32)
+        branch_ok_Bk = found_Bk.at[:, 0].set(True)
+        toks_BkD = jax.vmap(lambda e: self._continue(tokens_BL, lengths_B, e, D), in_axes=1, out_axes=1)(end_Bk)
+        # canon[b, i, d]: the first branch j with the same first d+1 tokens (and a valid branch).
+        same_prefix_Bkk = jnp.ones((B, k, k), bool)
+        nodes_tok, nodes_par, nodes_ok = [], [], []
+        canon_prev_Bk = None
+        for d in range(D):
+            same_prefix_Bkk &= toks_BkD[:, :, None, d] == toks_BkD[:, None, :, d]
+            cand_Bkk = same_prefix_Bkk & branch_ok_Bk[:, None, :]
+            canon_Bk = jnp.argmax(cand_Bkk, axis=2).astype(jnp.int32)      # first j matching i
+            ok_Bk = branch_ok_Bk & (canon_Bk == jnp.arange(k)[None])
+            parent_Bk = (jnp.full((B, k), -1, jnp.int32) if d == 0
+                         else (d - 1) * k + canon_prev_Bk)
+            nodes_tok.append(toks_BkD[:, :, d])
+            nodes_par.append(parent_Bk)
+            nodes_ok.append(ok_Bk)
+            canon_prev_Bk = canon_Bk
+        N = k * D
+        draft = trees_lib.DraftTree(
+            tokens_BN=jnp.concatenate(nodes_tok, axis=1), parents_BN=jnp.concatenate(nodes_par, axis=1),
+            depths_BN=jnp.broadcast_to(jnp.repeat(jnp.arange(1, D + 1, dtype=jnp.int32), k)[None], (B, N)),
+            valid_BN=jnp.concatenate(nodes_ok, axis=1), mode="deterministic", max_depth=D)
+        # Deterministic children: each child's q is its own one-hot (the verifier builds it); the
+        # rows here are informative only.
+        return draft, jnp.zeros((B, N + 1, self.vocab_size), jnp.float32), state
+
+    def commit(self, state, new_lengths_B, accepted=None):
         return state

@@ -24,6 +24,18 @@ engine never asks a drafter what kind it is.
   nor ``commit``: a stateful drafter catches up on the unseen tokens in its next ``propose``.
 * ``forward_passes(gamma) -> int``: draft forward passes a round of ``gamma`` proposals
   costs (0 for model-free drafters); feeds the metrics.
+
+Token trees (`specjax.trees`): ``propose_tree(params, state, context, key_B, tree, sampling,
+children) -> (DraftTree, q_BN1V, state)`` drafts a whole tree for a static ``tree`` setting
+(`TreeShape` or `DynamicTree`); ``children`` is how each node's children are drawn
+(`trees.CHILDREN_MODES`; a drafter that can only make deterministic trees reports
+``"deterministic"`` in the returned tree whatever was asked). ``q_BN1V[:, 0]`` is the
+distribution the root's children were drawn from, ``q_BN1V[:, n + 1]`` node n's. A drafter
+that keeps tentative K/V of tree nodes records where in ``DraftTree.draft_slots_BN`` and gets
+the accepted path back in ``commit(state, new_lengths_B, accepted)`` (`trees.AcceptedPath`; None
+after a linear round). ``tree_forward_passes(tree)`` is the tree round's draft forward count.
+A drafter that cannot draft a given tree raises ValueError from ``check_tree(tree)`` (called
+when the engine is built).
 """
 
 from __future__ import annotations
@@ -63,8 +75,18 @@ class Drafter(Protocol):
                 gamma: int, sampling: Any) -> tuple[jax.Array, jax.Array, PyTree]:
         ...
 
-    def commit(self, state: PyTree, new_lengths_B: jax.Array) -> PyTree:
+    def commit(self, state: PyTree, new_lengths_B: jax.Array, accepted: Any = None) -> PyTree:
         ...
 
     def forward_passes(self, gamma: int) -> int:
+        ...
+
+    def propose_tree(self, params: PyTree, state: PyTree, context: DraftContext, key_B: jax.Array,
+                     tree: Any, sampling: Any, children: str) -> tuple[Any, jax.Array, PyTree]:
+        ...
+
+    def tree_forward_passes(self, tree: Any) -> int:
+        ...
+
+    def check_tree(self, tree: Any) -> None:
         ...

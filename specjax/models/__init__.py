@@ -1,17 +1,18 @@
 """Models: the Llama-family decoder, its KV cache, checkpoint loaders, tokenizer and exporter.
 
-Modules: `config` (ModelConfig, loader errors), `llama` (the decoder and its parameter
-layouts), `kv_cache`, `names` (canonical / Hugging Face / GGUF tensor names), `gguf_loader` and
-`hf_loader` (checkpoint -> config and canonical params), `loading` (`load`,
-`load_with_tokenizer`), `tokenizer`, `export`, `registry` (named checkpoints), `reduced_head`
-and `draft_artifact` (distilled drafts).
+Modules: `config` (ModelConfig, loader errors), `llama` (the decoder, its parameter layouts
+and tree attention), `kv_cache` (the KV cache, `TreeBlock`, committing an accepted tree path),
+`names` (canonical / Hugging Face / GGUF tensor names), `gguf_loader` and `hf_loader`
+(checkpoint -> config and canonical params), `loading` (`load`, `load_with_tokenizer`),
+`tokenizer`, `export`, `registry` (named checkpoints), `reduced_head` and `draft_artifact`
+(distilled drafts).
 """
 
 from specjax.models._protocol import CacheCapacityError, DecoderModel
 from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError,
                                    ModelConfig, TensorShapeError, UnsupportedArchitectureError)
 from specjax.models.export import export_hf
-from specjax.models.kv_cache import KVCache
+from specjax.models.kv_cache import KVCache, TreeBlock
 from specjax.models.llama import (Llama, canonical_params, param_logical_axes, param_shapes,
                                   stack_layers, truncate_layers)
 from specjax.models.loading import load, load_with_tokenizer
@@ -22,7 +23,7 @@ __all__ = [
     "CacheCapacityError", "DecoderModel",
     "CheckpointError", "CorruptCheckpointError", "MissingTensorError", "ModelConfig",
     "TensorShapeError", "UnsupportedArchitectureError",
-    "KVCache", "export_hf",
+    "KVCache", "TreeBlock", "export_hf",
     "Llama", "canonical_params", "param_logical_axes", "param_shapes",
     "stack_layers", "truncate_layers",
     "load", "load_with_tokenizer",

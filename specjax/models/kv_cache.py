@@ -23,6 +23,13 @@ the one place that writes either.
 Slot s of row b holds the token at position s. ``lengths_B[b]`` is the number of committed
 tokens; slots at or beyond it hold garbage that is never attended to (the model masks them),
 so rolling back is just ``cache.rollback(shorter_lengths)``: no copy, no zeroing.
+
+Tree blocks (`TreeBlock`, ``Llama.apply(..., tree=...)``) write *tentative* entries past the
+committed length without advancing it: a tree's nodes sit at slots ``lengths_B + offset + t``
+in block order, not at their positions, and a node's position (``lengths_B + rel_position``)
+differs from its slot. Once a path is accepted, `KVCache.commit_path` moves its entries to the
+slots of their positions (``lengths_B + j`` for the path's j-th token) and advances the length;
+whatever stays past the new length (rejected branches) is garbage like any other.
 """
 
 from __future__ import annotations
@@ -34,6 +41,34 @@ import jax.numpy as jnp
 from flax import struct
 
 Buffers = Union[jax.Array, tuple]   # k: [L, B, K, S, H] or L x [B, K, S, H]; v: [.., H, S]
+
+
+@struct.dataclass
+class TreeBlock:
+    """How the T tokens of one tree call see each other and where they sit (traced arrays).
+
+    ``rel_positions_BT`` int32 [B, T]: token t of row b has position
+    ``cache.lengths_B[b] + rel_positions_BT[b, t]`` (its RoPE position).
+
+    ``visible_BTW`` bool [B, T, W] with W = offset + T and the static ``offset = W - T >= 0``:
+    query t sees slot ``lengths_B[b] + w`` (w < W) iff ``visible_BTW[b, t, w]``. The block's
+    own tokens are written at slots ``lengths_B[b] + offset + t`` (columns offset .. W-1 are the
+    block itself and replace the causal mask); columns 0 .. offset-1 are a window over slots
+    ``lengths_B[b] .. lengths_B[b] + offset - 1``, tentative entries written by earlier tree
+    calls of the same round (a drafter's previous depths). Besides the window and the block,
+    every query sees every committed slot ``s < lengths_B[b]``.
+    """
+    rel_positions_BT: jax.Array   # int32 [B, T]
+    visible_BTW: jax.Array        # bool [B, T, offset + T]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rel_positions_BT.shape[1]
+
+    @property
+    def offset(self) -> int:
+        """Slots between the committed length and the block's first slot (static)."""
+        return self.visible_BTW.shape[2] - self.rel_positions_BT.shape[1]
 
 
 @struct.dataclass
@@ -93,6 +128,48 @@ class KVCache:
         """Keep at most ``max_lengths_B`` entries per row (a rollback that never grows a row)."""
         return self.rollback(jnp.minimum(self.lengths_B, jnp.asarray(max_lengths_B, jnp.int32)))
 
+    def commit_path(self, offsets_BA, num_B) -> "KVCache":
+        """Commit an accepted path of tentative tree entries: for every row b and ``j < num_B[b]``,
+        slot ``lengths_B[b] + j`` receives the K and V of slot ``lengths_B[b] + offsets_BA[b, j]``;
+        then ``lengths_B += num_B``.
+
+        ``offsets_BA`` int32 [B, A] (A static): callers guarantee ``offsets_BA[b, j] >= j``,
+        strictly increasing over the valid j, and ``lengths_B[b] + offsets_BA[b, j]`` inside the
+        capacity. Entries ``j >= num_B[b]`` are ignored; ``num_B`` [B] (or a scalar) is in
+        ``[0, A]``. Every buffer is moved with one gather of A slots per row and one write (a
+        ``dynamic_update_slice`` for batch 1, a scatter otherwise): in place when the cache is
+        donated. Committed slots ``< lengths_B[b]`` and rows with ``num_B[b] = 0`` are unchanged;
+        slots at or beyond the new length may hold anything (as after any call).
+        """
+        offsets_BA = jnp.asarray(offsets_BA, jnp.int32)
+        B, S = self.batch_size, self.capacity
+        if offsets_BA.ndim != 2 or offsets_BA.shape[0] != B:
+            raise ValueError(f"offsets_BA must be [batch={B}, A], got shape {offsets_BA.shape}")
+        A = offsets_BA.shape[1]
+        if A > S:
+            raise ValueError(f"a path of {A} entries does not fit a cache of {S} slots")
+        num_B = jnp.broadcast_to(jnp.asarray(num_B, jnp.int32), (B,))
+        lengths_B = self.lengths_B.astype(jnp.int32)
+        if A == 0:
+            return self.replace(lengths_B=lengths_B + num_B)
+        # Destination slots: lengths + j. For batch 1 the window starts at min(lengths, S - A),
+        # so that the dynamic_update_slice start is never clamped (a clamped start would shift
+        # the written entries onto committed slots); entries not on the path rewrite their own
+        # slot's content (an identity move), so nothing but the path changes.
+        start_B = lengths_B if B > 1 else jnp.minimum(lengths_B, S - A)
+        dst_BA = start_B[:, None] + jnp.arange(A, dtype=jnp.int32)[None, :]
+        j_BA = dst_BA - lengths_B[:, None]
+        on_path_BA = (j_BA >= 0) & (j_BA < num_B[:, None])
+        off_BA = jnp.take_along_axis(offsets_BA, jnp.clip(j_BA, 0, A - 1), axis=1)
+        src_BA = jnp.clip(jnp.where(on_path_BA, lengths_B[:, None] + off_BA, dst_BA), 0, S - 1)
+        move = lambda buf, slots_last: _move(buf, src_BA, dst_BA, slots_last)
+        if self.per_layer:
+            k = tuple(move(b, False) for b in self.k)
+            v = tuple(move(b, True) for b in self.v)
+        else:
+            k, v = move(self.k, False), move(self.v, True)
+        return self.replace(k=k, v=v, lengths_B=lengths_B + num_B)
+
 
 def logical_axes(cache: KVCache) -> KVCache:
     """A `KVCache`-shaped pytree of logical axis names (for `specjax.sharding`)."""
@@ -110,7 +187,8 @@ def write_kv(k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Ar
 
     ``k_buf`` [..., B, K, S, H] and ``v_buf`` [..., B, K, H, S] (the module docstring's layouts),
     ``k_new`` / ``v_new`` [..., B, T, K, H], with the same leading dims: none for one layer's
-    buffers, [L] for the stacked layout. One update per buffer, so inside a jitted step with
+    buffers, [L] for the stacked layout. (A tree block passes ``lengths_B + offset``: the first
+    slot past its window.) One update per buffer, so inside a jitted step with
     the cache donated XLA writes in place: a ``dynamic_update_slice`` for batch 1 (note: a
     dynamic slice start is clamped to stay in bounds, so capacity must be checked on the host
     beforehand), a scatter otherwise (out-of-range writes of padding are dropped).
@@ -145,3 +223,27 @@ def _write(buf, new, lengths_B, slots_last: bool):
     else:
         index = (slice(None),) * lead + (b_B1, slice(None), pos_BT, slice(None))
     return buf.at[index].set(upd, mode="drop")
+
+
+def _move(buf, src_BA, dst_BA, slots_last: bool):
+    """``buf`` with slot ``dst_BA[b, a]`` of row b set to the old slot ``src_BA[b, a]`` (every
+    layer, head and head dim): one gather, then one write. For batch 1 ``dst_BA`` must be
+    consecutive (``dst_BA[0, 0] + a``, in bounds); otherwise out-of-range destinations are dropped."""
+    lead = buf.ndim - 4
+    B = src_BA.shape[0]
+    b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
+
+    def index(slots_BA):
+        # As in `_write`: the advanced indices (b, slot) move to the front: [B, A, ..., K, H].
+        if slots_last:
+            return (slice(None),) * lead + (b_B1, slice(None), slice(None), slots_BA)
+        return (slice(None),) * lead + (b_B1, slice(None), slots_BA, slice(None))
+
+    moved = buf[index(src_BA)]                                          # [B, A, ..., K, H]
+    if B == 1:
+        upd = jnp.moveaxis(moved, (0, 1), (lead, lead + (3 if slots_last else 2)))
+        zero = jnp.int32(0)
+        start = (zero,) * (lead + 3) + (dst_BA[0, 0],) if slots_last else \
+            (zero,) * (lead + 2) + (dst_BA[0, 0], zero)
+        return jax.lax.dynamic_update_slice(buf, upd, start)
+    return buf.at[index(dst_BA)].set(moved, mode="drop")

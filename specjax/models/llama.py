@@ -40,7 +40,16 @@ beside `param_specs` (which already holds shapes, logical axes for sharding and 
 and a conversion, or one module per layout. So there is none.
 
 `Llama(config)` is the frozen, hashable model object of the `specjax.models.DecoderModel`
-protocol: ``apply(params, tokens_BT, cache, num_valid_B=None) -> (logits_BTV, cache)``.
+protocol: ``apply(params, tokens_BT, cache, num_valid_B=None, tree=None) -> (logits_BTV, cache)``.
+
+Attention. Without ``tree`` a call is causal over the committed slots and the block (token t of
+row b sits at slot and position ``lengths_B[b] + t``). With a `specjax.models.TreeBlock` (tree
+verification, tree drafting) the block is a flattened token tree: positions come from the tree,
+the causal mask inside the block is replaced by the tree's visibility (a node sees its
+ancestors), a window of earlier tentative entries may be visible too, and the entries are
+written past the committed length without advancing it (`KVCache.commit_path` commits an
+accepted path). The two cases are separate traces: a call without ``tree`` compiles to exactly
+the program it compiled to before trees existed.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, write_kv
+from specjax.models.kv_cache import KVCache, TreeBlock, write_kv
 
 INIT_STD = 0.02
 # fused projection -> its parts, concatenated in this order along the output axis
@@ -275,7 +284,7 @@ def apply_rope(x_BTNH, cos_BTH, sin_BTH):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
+def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, tree_mask=None):
     """Grouped-query attention of T queries over cached slots and the T new tokens.
 
     ``past`` is None (plain causal attention over the new tokens) or
@@ -285,6 +294,9 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     Query t therefore sees exactly positions < lengths_B[b] + t + 1. The cache is only
     read here; the caller writes the new entries afterwards (`write_kv`: per layer right after
     this read, or once for all layers after a `lax.scan`), an in-place update when donated. Returns [B, T, N*H].
+
+    ``tree_mask`` (tree blocks; needs ``past``) is ``(visible_past_BTS, visible_new_BTT)`` from
+    `tree_attention_mask`: it replaces both rules above (``visible_past`` may be [B, 1, S]).
     """
     B, T, N, H = q_BTNH.shape
     K = k_new_BTKH.shape[2]
@@ -298,8 +310,11 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     scale = 1.0 / np.sqrt(H)
     s_new = jnp.einsum("btkgh,bskh->bkgts", q, k_new_BTKH,
                        preferred_element_type=jnp.float32) * scale
-    t_T = jnp.arange(T)
-    s_new = jnp.where((t_T[None, :] <= t_T[:, None])[None, None, None], s_new, neg)
+    if tree_mask is None:
+        t_T = jnp.arange(T)
+        s_new = jnp.where((t_T[None, :] <= t_T[:, None])[None, None, None], s_new, neg)
+    else:
+        s_new = jnp.where(tree_mask[1][:, None, None], s_new, neg)
     if past is None:
         probs = jax.nn.softmax(s_new, axis=-1)
         out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_new_BTKH.dtype), v_new_BTKH,
@@ -309,8 +324,11 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     S = k_BKSH.shape[2]
     s_past = jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH,
                         preferred_element_type=jnp.float32) * scale
-    visible_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
-    s_past = jnp.where(visible_BS[:, None, None, None, :], s_past, neg)
+    if tree_mask is None:
+        visible_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
+        s_past = jnp.where(visible_BS[:, None, None, None, :], s_past, neg)
+    else:
+        s_past = jnp.where(tree_mask[0][:, None, None], s_past, neg)
     probs = jax.nn.softmax(jnp.concatenate([s_past, s_new], axis=-1), axis=-1)
     p_past, p_new = probs[..., :S], probs[..., S:]
     out = jnp.einsum("bkgts,bkhs->btkgh", p_past.astype(v_BKHS.dtype), v_BKHS,
@@ -320,6 +338,27 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None):
     return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
 
 
+def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
+    """(visible_past_BTS, visible_new_BTT) of a tree block (see `TreeBlock`).
+
+    Query t of row b sees cache slot s iff ``s < lengths_B[b]`` (committed) or s is in the
+    window, ``0 <= w = s - lengths_B[b] < offset``, with ``visible_BTW[b, t, w]``; it sees the
+    block's token t' iff ``visible_BTW[b, t, offset + t']``. ``visible_past`` is [B, 1, S] when
+    the window is empty (offset 0), [B, T, S] otherwise (one gather of the window's columns).
+    """
+    B, T = tree.rel_positions_BT.shape
+    offset = tree.offset
+    visible_BTW = tree.visible_BTW.astype(bool)
+    rel_BS = jnp.arange(capacity, dtype=jnp.int32)[None, :] - lengths_B[:, None]
+    past_BTS = (rel_BS < 0)[:, None, :]
+    if offset > 0:
+        in_window_BS = (rel_BS >= 0) & (rel_BS < offset)
+        w_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, offset - 1)[:, None, :], (B, T, capacity))
+        window_BTS = jnp.take_along_axis(visible_BTW[:, :, :offset], w_BTS, axis=2)
+        past_BTS = past_BTS | (window_BTS & in_window_BS[:, None, :])
+    return past_BTS, visible_BTW[:, :, offset:]
+
+
 def _linear(x, w, b=None):
     y = jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
     if b is not None:
@@ -327,8 +366,9 @@ def _linear(x, w, b=None):
     return y.astype(x.dtype)
 
 
-def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
-    """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None.
+def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
+    """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
+    ``tree_mask`` as in `attention`.
 
     Returns the new hidden states and this call's (k, v) [B, T, K, H] in the cache dtype.
     """
@@ -347,7 +387,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past):
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
-    attn = attention(q, k, v, past)
+    attn = attention(q, k, v, past, tree_mask)
     h_BTD = h_BTD + _linear(attn, p["wo"])
     x = rms_norm(h_BTD, p["mlp_norm"], c.rms_eps)
     if c.fuse_projections:
@@ -395,8 +435,9 @@ class Llama:
         return KVCache.zeros(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim,
                              c.jnp_dtype, per_layer=not c.scan_layers)
 
-    def apply(self, params, tokens_BT, cache, num_valid_B=None):
-        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B)
+    def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
+        """Logits [B, T, V] (float32) and the updated cache; see `hidden_states`."""
+        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree)
         return self.logits_from_hidden(params, h), cache
 
     # -- parameters -----------------------------------------------------------------------
@@ -458,14 +499,36 @@ class Llama:
         return param_logical_axes(self.config)
 
     # -- pieces ---------------------------------------------------------------------------
-    def hidden_states(self, params, tokens_BT, cache, num_valid_B=None):
-        """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache."""
+    def hidden_states(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
+        """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache.
+
+        Without ``tree``: token t of row b at slot and position ``lengths_B[b] + t``, causal,
+        ``lengths_B`` advanced by ``num_valid_B`` (default T). With a `TreeBlock` (needs a
+        cache; ``num_valid_B`` must be None): positions ``lengths_B + tree.rel_positions_BT``,
+        the tree's visibility (`tree_attention_mask`), entries written at slots
+        ``lengths_B + tree.offset + t`` and ``lengths_B`` returned unchanged (tentative entries,
+        committed by `KVCache.commit_path`). Capacity is the caller's to check.
+        """
         c = self.config
         self.check_params(params)
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
         B, T = tokens_BT.shape
+        if tree is not None:
+            if cache is None:
+                raise ValueError("tree= needs a cache: tree entries are written past its committed "
+                                 "length (for a cache-free forward, pass tree=None)")
+            if num_valid_B is not None:
+                raise ValueError("tree= and num_valid_B cannot be combined: a tree call never "
+                                 "advances the committed length (commit a path with "
+                                 "cache.commit_path)")
+            pos_shape, vis_shape = jnp.shape(tree.rel_positions_BT), jnp.shape(tree.visible_BTW)
+            if pos_shape != (B, T) or len(vis_shape) != 3 or vis_shape[:2] != (B, T) \
+                    or vis_shape[2] < T:
+                raise ValueError(f"a tree block for tokens [{B}, {T}] needs rel_positions_BT "
+                                 f"[{B}, {T}] and visible_BTW [{B}, {T}, offset + {T}], got "
+                                 f"{pos_shape} and {vis_shape}")
         h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
         t_T = jnp.arange(T, dtype=jnp.int32)
         if cache is None:
@@ -481,13 +544,19 @@ class Llama:
             if cache.batch_size != B:
                 raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
             lengths = cache.lengths_B.astype(jnp.int32)
-            positions = lengths[:, None] + t_T[None, :]
+            positions = lengths[:, None] + (
+                t_T[None, :] if tree is None else jnp.asarray(tree.rel_positions_BT, jnp.int32))
+        # write_at: the slot of the block's first token; tree_mask: None (causal) or the tree's.
+        write_at, tree_mask = lengths, None
+        if tree is not None:
+            tree_mask = tree_attention_mask(tree, lengths, cache.capacity)
+            write_at = lengths + tree.offset
         cos, sin = rope_cos_sin(c, positions)
         layers = params["layers"]
 
         def run_layer(lp, h, k_BKSH, v_BKHS):
             past = None if cache is None else (k_BKSH, v_BKHS, lengths)
-            return _layer(c, lp, h, cos, sin, past)
+            return _layer(c, lp, h, cos, sin, past, tree_mask)
 
         if c.scan_layers:
             def body(h, xs):
@@ -498,7 +567,7 @@ class Llama:
             xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
             h, (k_new, v_new) = jax.lax.scan(body, h, xs)      # [L, B, T, K, H]
             if cache is not None:
-                k_buf, v_buf = write_kv(cache.k, cache.v, k_new, v_new, lengths)
+                k_buf, v_buf = write_kv(cache.k, cache.v, k_new, v_new, write_at)
         else:
             ks, vs = [], []
             for i, lp in enumerate(layers):
@@ -508,13 +577,15 @@ class Llama:
                 k_i, v_i = cache.layer(i)
                 h, (k, v) = run_layer(lp, h, k_i, v_i)
                 # Each layer writes its own buffer after reading it: in place when donated.
-                k_i, v_i = write_kv(k_i, v_i, k, v, lengths)
+                k_i, v_i = write_kv(k_i, v_i, k, v, write_at)
                 ks.append(k_i)
                 vs.append(v_i)
             k_buf, v_buf = tuple(ks), tuple(vs)
 
         h = rms_norm(h, params["final_norm"], c.rms_eps)
-        if cache is not None:
+        if tree is not None:          # tentative entries: the committed length stays
+            cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths)
+        elif cache is not None:
             n = T if num_valid_B is None else num_valid_B
             n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
             cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths + n)

@@ -41,8 +41,8 @@ class ReducedHeadLlama:
     def init_cache(self, batch_size: int, capacity: int) -> KVCache:
         return self.base.init_cache(batch_size, capacity)
 
-    def hidden_states(self, params, tokens_BT, cache, num_valid_B=None):
-        return self.base.hidden_states(params, tokens_BT, cache, num_valid_B)
+    def hidden_states(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
+        return self.base.hidden_states(params, tokens_BT, cache, num_valid_B, tree=tree)
 
     def head_logits(self, params, h_BTD):
         """float32 logits [B, T, S] over the head's tokens."""
@@ -55,8 +55,8 @@ class ReducedHeadLlama:
         full = jnp.full((B, T, self.vocab_size), -jnp.inf, jnp.float32)
         return full.at[:, :, params["head_ids"]].set(logits_BTS)
 
-    def apply(self, params, tokens_BT, cache, num_valid_B=None):
-        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B)
+    def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
+        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree=tree)
         return self.scatter(params, self.head_logits(params, h)), cache
 
 

@@ -13,6 +13,15 @@ Inputs are checked on the host, outside jit, by ``validate_verify_inputs``.
 * ``TokenVerifier``: Leviathan et al. 2023 / Chen et al. 2023 token-level rejection sampling.
 * ``BlockVerifier``: Sun et al. 2025 block verification (never fewer accepted tokens).
 * ``GreedyVerifier``: temperature 0, accept while the draft equals the target argmax.
+
+Tree verifiers take a flattened draft tree instead (``specjax.trees.DraftTree``)::
+
+    verifier(key, tree, q_BN1V, p_BN1V) -> TreeVerifyResult
+
+* ``GreedyTreeVerifier``: follow the target's argmax down the tree.
+* ``RecursiveRejectionVerifier``: SpecInfer / RSD recursive rejection sampling (all modes).
+* ``TraversalVerifier``: Weng et al. 2025 leaf-to-root traversal verification (block
+  verification on a chain).
 """
 
 from specjax.verify._block import BlockVerifier
@@ -20,14 +29,28 @@ from specjax.verify._greedy import GreedyVerifier
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
 from specjax.verify._result import PAD_TOKEN, Verifier, VerifyResult
 from specjax.verify._token import TokenVerifier
+from specjax.verify._traversal import TraversalVerifier
+from specjax.verify._tree import (
+    GreedyTreeVerifier,
+    RecursiveRejectionVerifier,
+    TreeVerifyResult,
+    TreeWalk,
+    TreeWalkVerifier,
+)
 from specjax.verify._validate import validate_verify_inputs
 
 __all__ = [
     "BlockVerifier",
+    "GreedyTreeVerifier",
     "GreedyVerifier",
     "PAD_TOKEN",
     "RESIDUAL_TOL",
+    "RecursiveRejectionVerifier",
     "TokenVerifier",
+    "TraversalVerifier",
+    "TreeVerifyResult",
+    "TreeWalk",
+    "TreeWalkVerifier",
     "Verifier",
     "VerifyResult",
     "normalize_residual",

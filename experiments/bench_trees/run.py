@@ -1,0 +1,155 @@
+"""The token-tree benchmark: chain vs static tree vs dynamic tree per drafter, and the cost of
+scoring N tokens in one target pass; every measurement a JSONL record, the tables rendered from
+the JSONL by `report` (here at the end, or on its own: ``python -m experiments.bench_trees.report``).
+
+    python -m experiments.bench_trees.run --config=experiments/bench_trees/config.py
+    python -m experiments.bench_trees.run --config=experiments/bench_trees/config.py:tiny
+
+Timing: each configuration runs every prompt once with `Engine.run` (the whole generation,
+prefill included, one jitted call); a call that compiled is run again and only the second
+call is timed. Target-only decoding runs on the same prompts, batches and cache capacity in the
+same process, per temperature, so the ratios are measured in one run. Under greedy decoding the
+outputs are compared with target-only decoding's (recorded, not asserted: float near-ties, see
+`specjax.decoding.greedy_check`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from specjax import build, decoding, models, sampling, trees
+
+from experiments import toolkit
+from experiments.bench_speed import workload
+from experiments.bench_trees import report
+
+
+def _log(msg: str):
+    print(f"[bench_trees {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def proposals(c, kind: str) -> list[tuple[str, object]]:
+    """(label, gamma or tree) of one drafter kind: the chains, then its trees."""
+    tree_texts = c.ngram_trees if kind == "ngram" else c.model_trees
+    return [(f"chain:{g}", int(g)) for g in c.chains] + [(t, trees.parse_tree(t)) for t in tree_texts]
+
+
+def node_costs(target, params, counts, *, ctx: int, capacity: int, iters: int, log) -> dict:
+    """{N: timing} of one target pass scoring N tokens as a tree block (root + N - 1 nodes, a
+    chain-shaped ancestor mask: the cost does not depend on the mask's shape) against a cache
+    holding ctx tokens."""
+    cache = target.init_cache(1, capacity).rollback(ctx)
+    fn = jax.jit(lambda p, t, c, b: target.apply(p, t, c, tree=b)[0])
+    out = {}
+    for n in counts:
+        block = models.TreeBlock(rel_positions_BT=jnp.arange(n, dtype=jnp.int32)[None],
+                                 visible_BTW=jnp.tril(jnp.ones((n, n), bool))[None])
+        out[int(n)] = toolkit.time_calls(fn, params, toolkit.probe_tokens(1, n, target.vocab_size), cache, block,
+                                         iters=iters, log=log)
+    return out
+
+
+def _generate(engine, params, samp, batch, log):
+    """(seconds, output, compile seconds) of one `Engine.run`; rerun once if it compiled."""
+    with log.section() as box:
+        t, out = toolkit.timed(engine.run, params, samp, batch)
+    if box["compiles"]:
+        t, out = toolkit.timed(engine.run, params, samp, batch)
+    return t, out, box["compile_s"]
+
+
+def main(c):
+    build.tune_xla_cpu()
+    out = pathlib.Path(c.out)
+    g = toolkit.load_config(c.generate_config)
+    workload.check_workload(c.workload or g.target)
+    for kind in c.drafters:
+        proposals(c, kind)                         # bad tree strings fail before anything loads
+    prov = toolkit.provenance("experiments.bench_trees.run", exclude=[out.parent], config=c.to_dict(),
+                              generate_config=g.to_dict())
+    layers = "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
+    c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
+    wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
+                                    "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
+    _log(f"loading {wc.workload}")
+    w = workload.load(wc, out.parent / "_work")
+    jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
+                             "model_notes": w.notes, "layers": layers})
+    prompts = [list(p.ids) for p in w.prompts]
+    kinds = [k for k in c.drafters if k != "distilled" or workload.has_distilled(w, wc)]
+    max_block = max(p.num_nodes if not isinstance(p, int) else p for k in kinds for _, p in proposals(c, k))
+    longest = max(map(len, prompts))
+    capacity = -(-(longest + c.max_new_tokens + max_block + 1) // c.pad_multiple) * c.pad_multiple
+    width = -(-longest // c.pad_multiple) * c.pad_multiple
+    base_config = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=0, eos_ids=w.eos_ids)
+
+    def batch_of(i, p):     # one request per call, every call with the same width and capacity
+        b = decoding.make_batch([p], base_config, jax.random.key(c.seed), request_ids=[w.prompts[i].question_id],
+                                pad_multiple=c.pad_multiple, capacity=capacity)
+        pad = width - b.prompt_BP.shape[1]
+        return b if pad == 0 else decoding.Batch(jnp.pad(b.prompt_BP, ((0, 0), (0, pad))), b.prompt_lengths_B,
+                                                 b.key_B, b.capacity)
+
+    batches = [batch_of(i, p) for i, p in enumerate(prompts)]
+    with toolkit.CompileLog() as log:
+        ctx = int(round(np.mean([len(p) for p in prompts]) + c.max_new_tokens / 2))
+        _log(f"node costs N = {list(c.node_counts)} at context {ctx}, capacity {capacity}")
+        for n, v in node_costs(w.target, w.params, c.node_counts, ctx=ctx, capacity=capacity, iters=c.cost_iters,
+                               log=log).items():
+            jl.write("node_cost", n=n, context=ctx, capacity=capacity, **v)
+        for temp in c.temperatures:
+            samp = sampling.SamplingConfig.make(temperature=temp)
+            runs = [("none", "target_only", 0)] + [(k, label, p) for k in kinds for label, p in proposals(c, k)]
+            reference = None
+            for kind, label, proposal in runs:
+                drafter, dparams = (None, None) if kind == "none" else workload.drafter(w, kind, wc)
+                config = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=proposal, eos_ids=w.eos_ids,
+                                                   tree_verifier=c.tree_verifier, tree_children=c.tree_children)
+                engine = decoding.Engine(w.target, drafter, config)
+                params = decoding.EngineParams(target=w.params, draft=dparams)
+                tot = dict(seconds=0.0, compile_s=0.0, new_tokens=0, target_passes=0, proposed=0, accepted=0,
+                           scored=0, draft_passes=0)
+                outputs = []
+                for b in batches:
+                    t, o, comp = _generate(engine, params, samp, b, log)
+                    m = jax.device_get(o.metrics)
+                    gen = o.generated()[0]
+                    outputs.append(gen)
+                    tot["seconds"] += t
+                    tot["compile_s"] += comp
+                    tot["new_tokens"] += len(gen)
+                    tot["target_passes"] += int(m.rounds_B[0])
+                    tot["proposed"] += int(m.proposed_B[0])
+                    tot["accepted"] += int(m.accepted_B[0])
+                    tot["scored"] += int(m.scored_B[0])
+                    tot["draft_passes"] += int(m.draft_passes_B[0])
+                    acc_at = np.asarray(m.accepted_at_BG[0]).tolist()
+                    tested_at = np.asarray(m.tested_at_BG[0]).tolist()
+                    tot["accepted_at"] = [a + b2 for a, b2 in zip(tot.get("accepted_at", [0] * len(acc_at)), acc_at)]
+                    tot["tested_at"] = [a + b2 for a, b2 in zip(tot.get("tested_at", [0] * len(tested_at)), tested_at)]
+                if kind == "none":
+                    reference = outputs
+                rec = dict(drafter=kind, setting=label, temperature=float(temp), prompts=len(batches),
+                           tokens_per_s=tot["new_tokens"] / tot["seconds"],
+                           accepted_tokens_per_pass=tot["new_tokens"] / max(tot["target_passes"], 1),
+                           tokens_scored_per_pass=tot["scored"] / max(tot["target_passes"], 1), **tot)
+                if temp == 0 and kind != "none":
+                    rec["greedy_rows_matching"] = sum(a == b2 for a, b2 in zip(outputs, reference))
+                jl.write("generation", **rec)
+                _log(f"T={temp:g} {kind} {label}: {rec['accepted_tokens_per_pass']:.2f} tokens/pass, "
+                     f"{rec['tokens_per_s']:.1f} tok/s (compile {tot['compile_s']:.0f} s)")
+                jax.clear_caches()
+    jl.close()
+    print(report.write(out))
+
+
+if __name__ == "__main__":
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
+                             "experiments/bench_trees/config.py[:tiny]")

@@ -1,0 +1,314 @@
+"""Tree speculation through the engine: greedy equality, distribution exactness, cache state.
+
+Toy setup as in test_engine_distribution: V = 3, a peaked prefix-dependent `TabularModel`
+target (its logits depend on the previous and the current token, so a cache holding a wrong
+history changes the output) and a perturbed draft table, both with tree attention
+(`_toy.TabularModel._apply_tree`: a node's previous token is its parent).
+
+Distribution tests: every configuration generates N_NEW = 6 tokens (more than the tree
+depth + 1, so each sequence spans several rounds) for BATCH = 20 000 independent rows in one
+batched call; the law of the whole continuation (3^6 cells) is compared with the exact
+target-only law by a pooled chi-square test. Family: the EXACT cases; family-wise false-alarm
+rate 1e-4, Bonferroni over the family. Seeds fixed, so outcomes are deterministic.
+Negative control (must FAIL at the same per-test level): a target cache whose `commit_path`
+keeps the first block entries instead of the accepted path (a rejected branch's K/V stays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import struct
+
+from specjax import decoding, drafters, sampling, trees
+
+from _toy import TabularModel, ToyCache, random_table, sequence_probs
+
+V = 3
+N_NEW = 6
+BATCH = 20_000
+PROMPT = (2, 1)
+FAMILY_WISE_ALPHA = 1e-4
+
+BRANCHING = trees.TreeShape.from_branching((2, 2))
+UNEVEN = trees.TreeShape.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)])
+DYNAMIC = trees.DynamicTree(depth=3, topk=2, node_budget=5)
+
+# (label, tree, children, tree_verifier)
+EXACT_CASES = [
+    ("iid-traversal", BRANCHING, "iid", "traversal"),
+    ("iid-recursive", BRANCHING, "iid", "recursive"),
+    ("iid-recursive-uneven", UNEVEN, "iid", "recursive"),
+    ("without-replacement-recursive", BRANCHING, "without_replacement", "recursive"),
+    ("deterministic-recursive", UNEVEN, "deterministic", "recursive"),
+    ("dynamic-recursive", DYNAMIC, "deterministic", "recursive"),
+]
+PER_TEST_ALPHA = FAMILY_WISE_ALPHA / len(EXACT_CASES)
+
+
+def _tables():
+    target = random_table(jax.random.key(1), V)
+    draft = target + 1.2 * jax.random.normal(jax.random.key(2), target.shape)
+    return target, draft
+
+
+def _engine(tree, children="iid", tree_verifier="traversal", max_new=N_NEW, target=None, drafter=None):
+    config = decoding.GenerationConfig(max_new_tokens=max_new, gamma=tree, tree_children=children,
+                                       tree_verifier=tree_verifier)
+    return decoding.Engine(target or TabularModel(V), drafter or drafters.ModelDrafter(TabularModel(V)), config)
+
+
+def _run(engine, prompts, sampling_cfg, draft_table=None, seed=0):
+    target_t, draft_t = _tables()
+    batch = decoding.make_batch(prompts, engine.config, jax.random.key(seed))
+    params = decoding.EngineParams(target=target_t, draft=draft_t if draft_table is None else draft_table)
+    return engine.run(params, sampling_cfg, batch)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+GREEDY_PROMPTS = [[2, 1], [0, 1, 2, 2], [1], [2, 2, 0, 1, 0]]
+
+
+def _greedy_reference(prompts, max_new):
+    target_t, _ = _tables()
+    engine = decoding.Engine(TabularModel(V), None, decoding.GenerationConfig(max_new_tokens=max_new, gamma=0))
+    batch = decoding.make_batch(prompts, engine.config, jax.random.key(0))
+    return engine.run(decoding.EngineParams(target=target_t), sampling.SamplingConfig.greedy_config(),
+                      batch).generated()
+
+
+@pytest.mark.parametrize("tree", [BRANCHING, UNEVEN, DYNAMIC, trees.TreeShape.chain(3)],
+                         ids=["branching", "uneven", "dynamic", "chain"])
+def test_greedy_tree_equals_target_only(tree):
+    ref = _greedy_reference(GREEDY_PROMPTS, 12)
+    out = _run(_engine(tree, max_new=12), GREEDY_PROMPTS, sampling.SamplingConfig.greedy_config())
+    assert out.generated() == ref
+    m = out.metrics.summary()
+    assert m["committed"] == sum(len(r) for r in ref)
+    assert m["accepted"] > 0 and m["accepted"] < m["proposed"]
+    assert m["tokens_scored_per_pass"] == tree.num_nodes + 1
+
+
+def test_greedy_ngram_tree_equals_target_only():
+    # Repetitive prompts so that several earlier matches exist.
+    prompts = [[1, 2, 0, 1, 2, 1, 1, 2, 0, 1], [0, 0, 1, 0, 0, 2, 0, 0]]
+    ref = _greedy_reference(prompts, 12)
+    tree = trees.TreeShape.from_branching((3, 1, 1))
+    engine = _engine(tree, max_new=12, drafter=drafters.NGramDrafter(V))
+    out = _run(engine, prompts, sampling.SamplingConfig.greedy_config())
+    assert out.generated() == ref
+
+
+def test_ngram_rejects_trees_it_cannot_draft():
+    with pytest.raises(ValueError, match="n-gram drafter drafts k chains"):
+        _engine(BRANCHING, drafter=drafters.NGramDrafter(V))
+
+
+def test_adaptive_among_chains_and_trees_is_exact_and_uses_trees():
+    adaptive = decoding.AdaptiveGamma(gammas=(0, 2, BRANCHING), initial_alpha=0.9)
+    config = decoding.GenerationConfig(max_new_tokens=12, gamma=adaptive)
+    engine = decoding.Engine(TabularModel(V), drafters.ModelDrafter(TabularModel(V)), config)
+    target_t, draft_t = _tables()
+    batch = decoding.make_batch(GREEDY_PROMPTS, config, jax.random.key(0))
+    # Round times that make the tree the cheapest per expected token at a high acceptance.
+    out = engine.run(decoding.EngineParams(target=target_t, draft=target_t), sampling.SamplingConfig.greedy_config(),
+                     batch, round_time_s=[1.0, 1.05, 1.1])
+    assert out.generated() == _greedy_reference(GREEDY_PROMPTS, 12)
+    rounds = out.metrics.summary()["rounds_per_gamma"]
+    assert rounds[2] > 0, rounds
+
+
+def test_adaptive_rejects_dynamic_trees():
+    with pytest.raises(ValueError, match="dynamic tree"):
+        decoding.AdaptiveGamma(gammas=(0, 2, DYNAMIC))
+
+
+# ----------------------------------------------------------------------------- distribution
+
+def _chisquare_pvalue(out, cfg):
+    target_t, _ = _tables()
+    exact = sequence_probs(target_t, PROMPT, N_NEW, lambda t: sampling.probabilities(t, cfg))
+    gen = out.generated()
+    assert all(len(g) == N_NEW for g in gen)
+    index = {seq: i for i, seq in enumerate(exact)}
+    counts = np.bincount([index[tuple(g)] for g in gen], minlength=len(exact)).astype(float)
+    probs = np.asarray([exact[s] for s in exact], np.float64)
+    probs = probs / probs.sum()         # float32 tables: renormalise the rounding away
+    assert counts[probs == 0].sum() == 0, "a sequence of target probability 0 was generated"
+    expected = probs * len(gen)
+    order = np.argsort(expected)
+    obs, exp = [], []
+    acc_o = acc_e = 0.0
+    for i in order:           # pool the smallest cells until each pooled cell expects >= 5
+        acc_o += counts[i]
+        acc_e += expected[i]
+        if acc_e >= 5:
+            obs.append(acc_o)
+            exp.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:
+        obs[-1] += acc_o
+        exp[-1] += acc_e
+    return scipy.stats.chisquare(obs, exp).pvalue
+
+
+CFG = sampling.SamplingConfig.make(temperature=1.0)
+
+
+@pytest.mark.parametrize("label,tree,children,tree_verifier", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+def test_tree_sampling_is_exact(label, tree, children, tree_verifier):
+    out = _run(_engine(tree, children, tree_verifier), [list(PROMPT)] * BATCH, CFG)
+    m = out.metrics.summary()
+    assert m["accepted"] > 0.2 * m["target_passes"], m     # the trees really are used
+    p = _chisquare_pvalue(out, CFG)
+    assert p > PER_TEST_ALPHA, f"{label}: chi-square p = {p:.2e}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongCommitTarget(TabularModel):
+    """BROKEN target: its cache commits the first block entries (root, then nodes 0, 1, ...)
+    instead of the accepted path, so K/V of rejected branches stay in the committed prefix."""
+
+    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None, tree=None):
+        logits, cache = super().apply(table_VVV, tokens_BT, cache, num_valid_B, tree)
+        return logits, _WrongCommitCache(cache.hist_BS, cache.lengths_B)
+
+    def init_cache(self, batch_size, capacity):
+        c = super().init_cache(batch_size, capacity)
+        return _WrongCommitCache(c.hist_BS, c.lengths_B)
+
+
+@struct.dataclass
+class _WrongCommitCache(ToyCache):
+    def commit_path(self, offsets_BA, num_B):
+        return _WrongCommitCache(self.hist_BS, self.lengths_B + num_B.astype(jnp.int32))
+
+    def truncate(self, max_lengths_B):
+        c = super().truncate(max_lengths_B)
+        return _WrongCommitCache(c.hist_BS, c.lengths_B)
+
+
+def test_negative_control_cache_keeping_a_rejected_branch_is_detected():
+    engine = _engine(BRANCHING, "iid", "recursive", target=WrongCommitTarget(V))
+    out = _run(engine, [list(PROMPT)] * BATCH, CFG)
+    p = _chisquare_pvalue(out, CFG)
+    assert p < PER_TEST_ALPHA, f"the broken cache was not detected (p = {p:.2e})"
+
+
+# ----------------------------------------------------------------------------- real decoder: caches
+
+from specjax import models  # noqa: E402
+
+LLAMA = models.ModelConfig(vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                           head_dim=8, ffn_size=48, rope_theta=10000.0, rms_eps=1e-5)
+LLAMA_PROMPTS = [[5, 9, 3, 7, 1], [2, 4], [8, 8, 1, 30, 12, 7, 22]]
+
+
+def _llama(scan_layers, seed=0):
+    model = models.Llama(LLAMA.replace(scan_layers=scan_layers))
+    params = models.canonical_params(model.init_params(jax.random.key(seed)), model.config)
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)   # non-trivial attention
+    return model, model.prepare_params(params)
+
+
+def _drafter(kind, target, tparams):
+    if kind == "early_exit":
+        return drafters.EarlyExitDrafter.from_target(target, tparams, 1)
+    draft, dparams = _llama(target.config.scan_layers, seed=3)
+    return drafters.ModelDrafter(draft), dparams
+
+
+_FRESH_WIDTH = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_prefill(model):
+    """Jitted causal prefill of one row padded to _FRESH_WIDTH (the padding comes after the
+    compared slots, so it cannot change them)."""
+    return jax.jit(lambda p, t: model.apply(p, t, model.init_cache(1, _FRESH_WIDTH + 1))[1])
+
+
+def _fresh_kv(model, params, tokens):
+    """K/V of a fresh causal prefill of `tokens` (one row): per layer (k [K, n, H], v [K, H, n])."""
+    n = len(tokens)
+    padded = jnp.asarray([list(tokens) + [0] * (_FRESH_WIDTH - n)], jnp.int32)
+    cache = _fresh_prefill(model)(params, padded)
+    return [(np.asarray(cache.layer(l)[0][0, :, :n, :]), np.asarray(cache.layer(l)[1][0, :, :, :n]))
+            for l in range(model.config.num_layers)]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("kind,tree", [("early_exit", BRANCHING), ("model", UNEVEN), ("model", DYNAMIC)],
+                         ids=["early_exit-branching", "model-uneven", "model-dynamic"])
+def test_caches_hold_exactly_the_committed_prefix_after_every_round(scan_layers, kind, tree):
+    """Greedy tree rounds on a random tiny Llama, rows of different lengths: after every round the
+    target's cache (and a model draft's) holds exactly the committed prefix minus its last token,
+    equal to a fresh prefill of it; the output equals target-only greedy decoding."""
+    target, tparams = _llama(scan_layers)
+    drafter, dparams = _drafter(kind, target, tparams)
+    config = decoding.GenerationConfig(max_new_tokens=10, gamma=tree)
+    engine = decoding.Engine(target, drafter, config)
+    params = decoding.EngineParams(target=tparams, draft=dparams)
+    greedy = sampling.SamplingConfig.greedy_config()
+    batch = decoding.make_batch(LLAMA_PROMPTS, config, jax.random.key(0))
+    state = engine.init(params, batch)
+    depths = set()
+    for _ in range(12):
+        before = np.asarray(state.lengths_B)
+        state, commit = engine.step(params, greedy, state)
+        depths |= set((np.asarray(commit.n_B) - 1).tolist())
+        lengths = np.asarray(state.lengths_B)
+        tokens = np.asarray(state.tokens_BL)
+        caches = [("target", target, tparams, state.target_cache)]
+        if kind == "model":
+            caches.append(("draft", drafter.model, dparams, state.draft_state.cache))
+        for b in range(len(LLAMA_PROMPTS)):
+            committed = tokens[b, :lengths[b]].tolist()
+            for name, model, mparams, cache in caches:
+                n = int(np.asarray(cache.lengths_B)[b])
+                if name == "draft":   # the draft may lag (it ingests what it has not seen next round)
+                    assert n <= lengths[b] - 1
+                else:
+                    assert n == lengths[b] - 1, (name, b, n, lengths[b], before[b])
+                fresh = _fresh_kv(model, mparams, committed[:n])
+                for l, (k_ref, v_ref) in enumerate(fresh):
+                    k, v = (np.asarray(x[b]) for x in cache.layer(l))
+                    np.testing.assert_allclose(k[:, :n, :], k_ref, atol=2e-5, err_msg=f"{name} layer {l} row {b}")
+                    np.testing.assert_allclose(v[:, :, :n], v_ref, atol=2e-5, err_msg=f"{name} layer {l} row {b}")
+        if bool(np.all(np.asarray(commit.done_B))):
+            break
+    assert len(depths) > 1, f"rows accepted the same depth every round: {depths}"
+    ref_engine = decoding.Engine(target, None, decoding.GenerationConfig(max_new_tokens=10, gamma=0))
+    ref = ref_engine.run(decoding.EngineParams(target=tparams), greedy,
+                         decoding.make_batch(LLAMA_PROMPTS, ref_engine.config, jax.random.key(0))).generated()
+    out = engine.run(params, greedy, batch).generated()
+    assert out == ref
+
+
+def test_sampled_tree_on_llama_commits_only_in_support_tokens_with_top_k():
+    """T = 1 with top-k = 3 on the tiny Llama: every committed token is among the target's top 3
+    at its position (a fresh teacher-forced forward), for every verifier and children mode."""
+    target, tparams = _llama(False)
+    drafter, dparams = _drafter("model", target, tparams)
+    cfg = sampling.SamplingConfig.make(temperature=1.0, top_k=3)
+    for children, verifier in [("iid", "traversal"), ("without_replacement", "recursive"),
+                               ("deterministic", "traversal")]:
+        config = decoding.GenerationConfig(max_new_tokens=8, gamma=BRANCHING, tree_children=children,
+                                           tree_verifier=verifier)
+        engine = decoding.Engine(target, drafter, config)
+        out = engine.run(decoding.EngineParams(target=tparams, draft=dparams), cfg,
+                         decoding.make_batch(LLAMA_PROMPTS, config, jax.random.key(7)))
+        for prompt, gen in zip(LLAMA_PROMPTS, out.generated()):
+            seq = prompt + gen
+            logits = np.asarray(target.apply(tparams, jnp.asarray([seq]), None)[0][0])
+            for i, tok in enumerate(gen):
+                pos = len(prompt) + i - 1
+                top3 = np.argsort(-logits[pos])[:3]
+                assert tok in top3, (children, verifier, i, tok, top3)
