@@ -61,7 +61,7 @@ def get_config():
     c.optim.learning_rate = 1e-3
     c.optim.warmup_steps = 50
     c.optim.end_lr_fraction = 0.1       # cosine decay to this fraction of the peak
-    c.optim.clip_norm = 1.0
+    c.optim.clip_norm = 1.0             # max global gradient norm; 0 = no clipping (< 0 is an error)
     c.optim.weight_decay = 0.0
     c.optim.accumulate = 1              # micro-batches per optimizer update
 

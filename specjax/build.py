@@ -3,6 +3,7 @@ and the `specjax.decoding.Generator` that ties them to a tokenizer (the request 
 
 from __future__ import annotations
 
+import numbers
 import pathlib
 
 from specjax import decoding, drafters, models, sampling, trees
@@ -130,7 +131,79 @@ def sampling_config(c) -> sampling.SamplingConfig:
     return sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
 
+def _int_setting(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+def _tree_setting(name: str, text):
+    if not isinstance(text, str):
+        raise ValueError(f"{name}={text!r}: expected a tree string such as 'branching:2,2,1'")
+    try:
+        return trees.parse_tree(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r}: {e}") from None
+
+
+def check_generation_settings(c) -> None:
+    """Validate every decoding setting of a generation config, whichever mode would read it
+    (a bad ``gamma`` is an error with ``adaptive_gamma`` on, a bad ``adaptive_gammas`` with it
+    off, a bad ``tree`` with ``drafter='none'``...): ``max_new_tokens``, ``gamma``,
+    ``adaptive_gammas``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
+    ``tree_children``, ``temperature``, ``top_k``, ``top_p``. Raises one ``ValueError`` that
+    starts with ``setting=value``."""
+    _int_setting("max_new_tokens", c.max_new_tokens, 1)
+    _int_setting("gamma", c.gamma, 0)
+    raw_gammas = c.adaptive_gammas
+    if isinstance(raw_gammas, (str, bytes)) or not hasattr(raw_gammas, "__iter__"):
+        raise ValueError(f"adaptive_gammas={raw_gammas!r}: expected a tuple of integers >= 0")
+    gammas = tuple(raw_gammas)
+    for g in gammas:
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
+            raise ValueError(f"adaptive_gammas={gammas!r}: expected integers >= 0, got {g!r}")
+    tree = c.get("tree", "")
+    if tree:
+        _tree_setting("tree", tree)
+    raw_trees = c.get("adaptive_trees", ())
+    if isinstance(raw_trees, (str, bytes)) or not hasattr(raw_trees, "__iter__"):
+        raise ValueError(f"adaptive_trees={raw_trees!r}: expected a tuple of tree strings")
+    raw_trees = tuple(raw_trees)
+    shapes = []
+    for t in raw_trees:
+        try:
+            shapes.append(_tree_setting("tree", t))
+        except ValueError as e:
+            raise ValueError(f"adaptive_trees={raw_trees!r}: {e}") from None
+    if gammas or shapes or c.adaptive_gamma:
+        try:
+            decoding.AdaptiveGamma(gammas=gammas)
+        except ValueError as e:
+            raise ValueError(f"adaptive_gammas={gammas!r}: {e}") from None
+        try:
+            decoding.AdaptiveGamma(gammas=gammas + tuple(shapes))
+        except ValueError as e:
+            raise ValueError(f"adaptive_trees={raw_trees!r}: {e}") from None
+    # The verifier names, checked by GenerationConfig itself (its messages start with the
+    # setting's name and give the value); a one-node chain makes it check the tree verifier's
+    # exactness for tree_children too, as it would for a real tree.
+    decoding.GenerationConfig(max_new_tokens=1, gamma=trees.TreeShape.chain(1), verifier=c.verifier,
+                              tree_verifier=c.get("tree_verifier", "traversal"),
+                              tree_children=c.get("tree_children", "iid"))
+    for name in ("temperature", "top_p"):
+        value = c[name]
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name}={value!r}: expected a number")
+    _int_setting("top_k", c.top_k, 0)
+    try:
+        sampling_config(c)
+    except ValueError as e:
+        name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
+        raise ValueError(f"{name}={c[name]!r}: {e}") from None
+
+
 def generation_config(c, eos_ids) -> decoding.GenerationConfig:
+    check_generation_settings(c)
     tree = c.get("tree", "")
     if c.drafter == "none":
         gamma = 0
@@ -148,12 +221,13 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
 
 def check_config(c) -> None:
     """Validate a generation config's settings before anything heavy is loaded (ValueError
-    naming the setting)."""
+    naming the setting and its value). Every decoding setting is checked whichever mode reads
+    it (`check_generation_settings`)."""
     if c.drafter not in DRAFTER_KINDS:
         raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
     if c.drafter == "model" and not c.draft_model:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
-    sampling_config(c)
+    check_generation_settings(c)
     generation_config(c, ())
 
 

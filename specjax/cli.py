@@ -29,6 +29,11 @@ def stream_tokens(gen, batch, samp, on_tokens=None):
     return tokens, decoding.timing_summary(events), events[-1].output
 
 
+def _describe(gamma) -> str:
+    """A draft length, a tree or an adaptive policy, in a few words."""
+    return gamma.describe() if hasattr(gamma, "describe") else str(gamma)
+
+
 def generate_main(c) -> dict:
     import jax
     import numpy as np
@@ -47,7 +52,7 @@ def generate_main(c) -> dict:
     config = gen.config
 
     print(f"[specjax] target {c.target} ({gen.engine.target.config.num_layers} layers), drafter {c.drafter}, "
-          f"gamma {config.gamma}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
+          f"gamma {_describe(config.gamma)}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
           f"loaded in {load_s:.1f}s", file=sys.stderr)
     print(f"\n>>> {c.prompt}\n", flush=True)
     decoder = tok.incremental_decoder(skip_special_tokens=True)
@@ -67,13 +72,15 @@ def generate_main(c) -> dict:
     m = jax.device_get(out.metrics)
     rounds = int(np.asarray(m.rounds_B)[0])
     stats = {
-        "target": c.target, "drafter": c.drafter, "gamma": str(config.gamma), "temperature": c.temperature,
+        "target": c.target, "drafter": c.drafter, "gamma": str(config.gamma), "tree": c.get("tree", ""), "temperature": c.temperature,
         "new_tokens": len(tokens), "tokens_per_s": spec_tps, "ttft_s_incl_compile": spec_first_s,
         "inter_token_s": timing["inter_token_s"],
         "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
         "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
         "degenerate_residuals": int(m.degenerate_residual_B[0]),
         "status": out.statuses()[0],
+        "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
+        "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
     }
     if c.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp)

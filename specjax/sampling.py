@@ -19,7 +19,16 @@ Build configs with :meth:`SamplingConfig.make`, which takes Python numbers and d
 static flags from them. Shapes are static as usual.
 
 Order of operations (same as the common HF convention): temperature, then top-k, then top-p,
-then softmax. Ties: top-k keeps every token whose scaled logit is ``>=`` the k-th largest one,
+then softmax.
+
+Temperature scaling is computed as ``(logits - max(logits)) / temperature``, which is the same
+distribution as ``logits / temperature`` (softmax is shift-invariant) but cannot overflow: the
+largest entry is exactly 0 and every other one is ``<= 0`` (at worst ``-inf``, an exact zero
+probability), so any positive normal float32 temperature gives a finite, normalised
+distribution; a tiny one tends to the greedy one-hot (ties shared), as it should. The only
+temperatures rejected are those that are not a finite float32 at least ``MIN_TEMPERATURE``
+(the smallest normal float32, ~1.18e-38): below it the value is subnormal or rounds to 0 in
+float32, and XLA flushes subnormals to zero on CPU and GPU, so the division would be by 0. Ties: top-k keeps every token whose scaled logit is ``>=`` the k-th largest one,
 and top-p keeps every token whose probability is ``>=`` the smallest kept one; so with ties at
 the threshold more than k (or more than the minimal nucleus) tokens may survive. This rule is
 deterministic and identical on both sides, which is what exactness needs.
@@ -29,14 +38,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "SamplingConfig",
     "probabilities",
     "log_probabilities",
     "sample",
 ]
+
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+"""Smallest accepted positive temperature: the smallest normal float32 (~1.18e-38).
+
+Smaller positive values are subnormal (or 0) in float32; XLA flushes subnormals to zero on
+CPU/GPU, so ``x / T`` would divide by zero and give NaN. Every temperature from here up (and
+finite) is safe because the scaling subtracts the max logit first (see the module docstring).
+Use ``temperature = 0`` for greedy decoding."""
 
 
 @struct.dataclass
@@ -57,10 +76,16 @@ class SamplingConfig:
         ``greedy`` iff ``temperature == 0``; ``use_top_k`` iff ``top_k > 0`` (and not greedy);
         ``use_top_p`` iff ``top_p < 1`` (and not greedy). Greedy ignores top-k/top-p (the argmax
         survives both filters), so their flags are cleared to keep one canonical greedy config.
+
+        ``ValueError`` unless ``temperature`` is 0 or a finite value ``>= MIN_TEMPERATURE`` (the
+        smallest normal float32; see there), ``top_k >= 0`` and ``0 < top_p <= 1``.
         """
         temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= float(np.finfo(np.float32).max)):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite float32 >= {MIN_TEMPERATURE:.6g} (the smallest "
+                f"normal float32: smaller values are flushed to 0 and the scaling would divide by zero), "
+                f"got {temperature!r}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
         if not 0.0 < top_p <= 1.0:
@@ -85,9 +110,16 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Temperature-scaled logits with top-k / top-p exclusions set to -inf (non-greedy only).
 
     At most one descending sort is traced, and only if a filter flag is on. ``temperature``
-    must be > 0 here (guaranteed by :meth:`SamplingConfig.make` when ``greedy`` is False).
+    must be a normal positive float32 here (guaranteed by :meth:`SamplingConfig.make` when
+    ``greedy`` is False). The max logit is subtracted before dividing, so the scaled values are
+    ``<= 0`` with the max at exactly 0: no temperature overflows them to +inf (a very negative
+    one may become -inf, an exact zero probability). NaN or +inf logits still give NaN rows,
+    which the engine's guard catches (`specjax.decoding`).
     """
-    scaled = logits_V.astype(jnp.float32) / cfg.temperature
+    x = logits_V.astype(jnp.float32)
+    # The shift is a constant for softmax/log_softmax (no gradient needed through it).
+    top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    scaled = (x - top) / cfg.temperature
     if not (cfg.use_top_k or cfg.use_top_p):
         return scaled
     vocab = scaled.shape[-1]

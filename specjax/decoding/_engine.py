@@ -22,8 +22,9 @@ One round, in named stages (all on device, no host round trip):
 
 Target-only decoding is the same round with gamma = 0 (no draft; the verifier samples the one
 committed token from p), so both paths share prefill, logits processing, stopping and
-bookkeeping. A row whose target logits hold a NaN at a verified position stops with status
-NAN_LOGITS and keeps what it had committed; other rows go on.
+bookkeeping. A row whose target logits hold a NaN (or +inf), or whose target probabilities are
+not a usable distribution, at a verified position stops with status NAN_LOGITS and keeps what it
+had committed; other rows go on.
 
 Randomness: every row carries its own key (normally `fold_in(key, request_id)`, see
 `specjax.decoding.request_keys`), so with a fixed gamma a row's sample does not depend on its
@@ -57,6 +58,19 @@ PAD_ID = 0  # what unwritten slots of the token buffer hold (a valid id: models 
 
 
 TREE_VERIFIERS = {"traversal": "TraversalVerifier", "recursive": "RecursiveRejectionVerifier"}
+
+P_SUM_TOL = 1e-3
+"""How far from 1 a target row's total probability may be before the engine treats the
+position like NaN logits. A softmax row sums to 1 within a few float32 ulps per 1e4 tokens;
+only broken arithmetic (NaN, overflow, all entries -inf) lands outside this."""
+
+
+def _bad_probabilities(p_XV):
+    """True where a distribution row cannot be verified against: a NaN/inf or negative entry,
+    or a total probability off 1 by more than `P_SUM_TOL` (0 included: non-normalisable)."""
+    total_X = jnp.sum(p_XV, axis=-1)
+    return (~jnp.isfinite(p_XV).all(axis=-1) | (p_XV < 0).any(axis=-1)
+            | ~(jnp.abs(total_X - 1.0) <= P_SUM_TOL))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,14 +331,17 @@ class Engine:
         return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
     def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
-        """Non-finite inputs. (a) A draft q that is not finite cannot be verified: the row's
-        proposals are discarded and the round commits one token sampled from p_0, exactly a
-        gamma = 0 round for that row. (b) NaN or +inf target logits: positions from the first
-        such one are replaced by a uniform p before verifying (keeps the verifier's arithmetic
-        finite; nothing from those positions is committed, see `_truncate`)."""
+        """Non-finite inputs. (a) A draft q that is not finite (NaN included) cannot be
+        verified: the row's proposals are discarded and the round commits one token sampled
+        from p_0, exactly a gamma = 0 round for that row. (b) A bad target position -- NaN or
+        +inf logits, or a p the verifier could not use (`_bad_probabilities`: a non-finite or
+        negative entry, or a row that does not sum to 1, e.g. NaN from a temperature that
+        bypassed `SamplingConfig.make`) -- and every later position are replaced by a uniform
+        p before verifying (keeps the verifier's arithmetic finite; nothing from those
+        positions is committed and the row stops with NAN_LOGITS there, see `_truncate`)."""
         V = self.target.vocab_size
         bad_p_BG1 = (jnp.isnan(logits_BG1V) | jnp.isposinf(logits_BG1V)).any(axis=-1)   # -inf is a legal mask
-        bad_p_BG1 = jnp.cumsum(bad_p_BG1, axis=1) > 0
+        bad_p_BG1 = jnp.cumsum(bad_p_BG1 | _bad_probabilities(p_BG1V), axis=1) > 0
         p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
         bad_q_B = ~jnp.isfinite(q_BGV).all(axis=(1, 2))     # all True-free for gamma = 0
         q_safe_BGV = jnp.where(bad_q_B[:, None, None], jax.nn.one_hot(draft_BG, V, dtype=q_BGV.dtype), q_BGV)
@@ -477,9 +494,10 @@ class Engine:
         logits_BTV, target_cache = self.target.apply(params.target, block_BT, state.target_cache,
                                                      tree=models.TreeBlock(rel_BT, visible_BTT))
         p_BTV = sampling_lib.probabilities(logits_BTV, sampling)
-        # _sanitize's rules per node: non-finite target logits -> uniform stand-in (never
-        # committed from, see below); a non-finite q -> the row's round becomes gamma = 0.
-        bad_p_BT = (jnp.isnan(logits_BTV) | jnp.isposinf(logits_BTV)).any(axis=-1)
+        # _sanitize's rules per node: non-finite target logits or an unusable p -> uniform
+        # stand-in (never committed from, see below); a non-finite (or NaN) q -> the row's
+        # round becomes gamma = 0.
+        bad_p_BT = (jnp.isnan(logits_BTV) | jnp.isposinf(logits_BTV)).any(axis=-1) | _bad_probabilities(p_BTV)
         p_BTV = jnp.where(bad_p_BT[..., None], 1.0 / V, p_BTV)
         bad_q_B = ~jnp.isfinite(q_BN1V).all(axis=(1, 2))
         q_BN1V = jnp.where(bad_q_B[:, None, None], 1.0 / V, q_BN1V)

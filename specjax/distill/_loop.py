@@ -125,6 +125,11 @@ def _tokenizer(c):
 
 def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: int | None = None) -> dict:
     """Run (or resume) a distillation. Returns the final summary (also in final.json)."""
+    # Optimizer settings first: a bad one (e.g. clip_norm < 0) fails before anything is loaded.
+    _train.check_optimizer_settings(
+        learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
+        end_lr_fraction=c.optim.end_lr_fraction, clip_norm=c.optim.clip_norm,
+        weight_decay=c.optim.weight_decay, accumulate=c.optim.accumulate)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))

@@ -53,15 +53,49 @@ class LossSpec:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
+def check_optimizer_settings(*, learning_rate, warmup_steps, end_lr_fraction=0.1, clip_norm=1.0,
+                             weight_decay=0.0, accumulate=1) -> None:
+    """``ValueError`` naming the setting and value unless: ``learning_rate`` finite and > 0;
+    ``warmup_steps`` an integer >= 0; ``end_lr_fraction`` in [0, 1]; ``clip_norm`` finite and
+    >= 0 (0 = no clipping); ``weight_decay`` finite and >= 0; ``accumulate`` an integer >= 1.
+    Cheap: the training loop calls it before loading anything."""
+    def number(name, value, ok, expected):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(value) or not ok(value):
+            raise ValueError(f"optim.{name}={value!r}: expected {expected}")
+
+    def integer(name, value, minimum):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise ValueError(f"optim.{name}={value!r}: expected an integer >= {minimum}")
+
+    number("learning_rate", learning_rate, lambda v: v > 0,
+           "a finite number > 0 (0 would leave the draft unchanged)")
+    integer("warmup_steps", warmup_steps, 0)
+    number("end_lr_fraction", end_lr_fraction, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    number("clip_norm", clip_norm, lambda v: v >= 0,
+           "a finite number >= 0: the largest global gradient norm, or 0 for no clipping")
+    number("weight_decay", weight_decay, lambda v: v >= 0, "a finite number >= 0")
+    integer("accumulate", accumulate, 1)
+
+
 def make_optimizer(*, learning_rate: float, warmup_steps: int, total_updates: int, end_lr_fraction: float = 0.1,
                    clip_norm: float = 1.0, weight_decay: float = 0.0, accumulate: int = 1):
     """AdamW with linear warm-up and cosine decay, global-norm clipping, optional accumulation
-    (`optax.MultiSteps`: one update per `accumulate` micro-batches)."""
+    (`optax.MultiSteps`: one update per `accumulate` micro-batches).
+
+    ``clip_norm``: gradients whose global norm exceeds it are scaled down to it; ``0`` means NO
+    clipping (``optax.clip_by_global_norm(0)`` would instead scale every update to zero, so
+    training would run and change nothing). Negative or non-finite values, and the other bad
+    settings of `check_optimizer_settings`, raise ``ValueError``."""
+    check_optimizer_settings(learning_rate=learning_rate, warmup_steps=warmup_steps,
+                             end_lr_fraction=end_lr_fraction, clip_norm=clip_norm,
+                             weight_decay=weight_decay, accumulate=accumulate)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=max(total_updates, warmup_steps + 1), end_value=learning_rate * end_lr_fraction)
-    opt = optax.chain(optax.clip_by_global_norm(clip_norm),
-                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay))
+    # identity() for 0 keeps the optimizer state's structure the same for every clip_norm.
+    clip = optax.identity() if clip_norm == 0 else optax.clip_by_global_norm(clip_norm)
+    opt = optax.chain(clip, optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay))
     if accumulate > 1:
         opt = optax.MultiSteps(opt, every_k_schedule=accumulate)
     return opt, schedule

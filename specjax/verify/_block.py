@@ -23,13 +23,19 @@ from specjax.verify._result import (
 def _block_weights(px_BG: jax.Array, qx_BG: jax.Array) -> jax.Array:
     """``w_0 = 1``, ``w_i = min(1, w_{i-1} * p(X_i) / q(X_i))`` for ``i = 1..G`` -> ``[B, G+1]``.
 
-    Computed as ``w * p < q ? w * p / q : 1`` (so ``q(X_i) = 0`` yields 1 if ``p(X_i) > 0``,
-    matching the token-level rule, and a draft token outside p's support yields 0 forever).
+    Computed as ``w * p <= 0 ? 0 : (w * p < q ? w * p / q : 1)``, the same rule as
+    `TraversalVerifier`'s weights: a draft token outside p's support (``p(X_i) = 0``) yields 0,
+    and 0 stays 0 for the rest of the block, whatever q is -- also when ``q(X_i)`` is 0 or
+    subnormal (XLA flushes subnormals to 0 on CPU/GPU), where ``w * p < q`` alone is False and
+    would have given 1, accepting a token the target cannot emit. ``q(X_i) = 0`` with
+    ``p(X_i) > 0`` yields 1 (the ``q -> 0`` limit of ``min(1, w p / q)``), as the token-level
+    rule accepts such a token surely.
     """
     def step(w_B, pq):
         px_B, qx_B = pq
         wp_B = w_B * px_B
-        w_next = jnp.where(wp_B < qx_B, wp_B / jnp.where(qx_B > 0, qx_B, 1.0), 1.0)
+        w_next = jnp.where(wp_B <= 0, 0.0,
+                           jnp.where(wp_B < qx_B, wp_B / jnp.where(qx_B > 0, qx_B, 1.0), 1.0))
         return w_next, w_next
 
     w0_B = jnp.ones(px_BG.shape[:1], jnp.float32)

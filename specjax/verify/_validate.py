@@ -7,6 +7,14 @@ variant: the checks need full-vocabulary reductions every round, and a checkifie
 function changes the jitted signature (it returns an error value the caller must throw);
 the verifiers themselves are written to stay NaN-free and in-support on valid inputs, and
 the property tests cover that.
+
+Subnormal probabilities. The verifiers compute in float32, and XLA flushes subnormal float32
+values (below ``np.finfo(np.float32).tiny`` ~ 1.18e-38) to zero on CPU and GPU. A drafted token
+whose ``q(x)`` is subnormal is therefore, to the verifier, a token q says could not have been
+drawn -- and `specjax.sampling.sample` never draws one (its log-probability is ``-inf`` after the
+flush). So it is an INPUT ERROR here, the same as ``q(x) = 0``. The verifiers still never commit
+a token outside p's support on such input (they treat it as ``q(x) = 0``: ratio 1 if
+``p(x) > 0``, else 0), but that ratio is not the ``p(x) / q(x)`` the caller meant.
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ def validate_verify_inputs(draft_tokens_BG, q_BGV, p_BG1V, *, atol: float = 1e-4
     with ``q_BGV`` (G positions) and ``p_BG1V`` (G+1 positions, so G >= 0); vocab sizes of p
     and q agree; draft tokens are integers in ``[0, V)``; p and q have no NaN/inf/negative
     entries and every row sums to 1 within ``atol``; and (``check_draft_support``) every
-    draft token has ``q(x) > 0`` -- otherwise q is not the distribution it was sampled from.
+    draft token has ``q(x) >= np.finfo(np.float32).tiny`` (a normal float32; 0 or a subnormal
+    value, flushed to 0 in the verifiers' float32 arithmetic, means q is not the distribution
+    the token was sampled from: see the module docstring).
 
     Runs on the host (numpy), outside jit. Returns None.
     """
@@ -83,8 +93,10 @@ def validate_verify_inputs(draft_tokens_BG, q_BGV, p_BG1V, *, atol: float = 1e-4
     _check_distribution("p_BG1V", p, atol)
     if check_draft_support and draft.size:
         qx = np.take_along_axis(q, draft[..., None].astype(np.int64), axis=-1)[..., 0]
-        if (qx <= 0).any():
-            bad = tuple(int(i) for i in np.argwhere(qx <= 0)[0])
-            raise ValueError(f"draft token {int(draft[bad])} at index {bad} has zero "
+        tiny = float(np.finfo(np.float32).tiny)
+        if (qx < tiny).any():
+            bad = tuple(int(i) for i in np.argwhere(qx < tiny)[0])
+            kind = "zero" if qx[bad] == 0 else f"subnormal ({float(qx[bad])!r} < {tiny:.6g}, flushed to 0 in float32)"
+            raise ValueError(f"draft token {int(draft[bad])} at index {bad} has {kind} "
                              f"probability under q_BGV: q must be the distribution the draft "
                              f"actually sampled from")
