@@ -33,6 +33,9 @@ def get_config():
     c.temperature = 0.0
     c.top_k = 0
     c.top_p = 1.0
+    # max_new_tokens: checked before the model loads (at most build.MAX_NEW_TOKENS_LIMIT, and
+    # below a local target's context length read from its header), then per prompt by the
+    # engine: prompt tokens + max_new_tokens <= the target's context length (max_position).
     c.max_new_tokens = 128
     c.seed = 0
     c.system = ""

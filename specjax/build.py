@@ -11,6 +11,9 @@ from specjax import decoding, drafters, models, sampling, trees
 
 # Distilled drafts shipped with the package, by target registry name (see experiments/distill).
 ARTIFACTS = pathlib.Path(__file__).with_name("artifacts")
+# The most new tokens a config may ask for before any model is read: above every released
+# model's context; the target's own context length is checked once its header is read.
+MAX_NEW_TOKENS_LIMIT = 1 << 22
 SHIPPED_DRAFTS = {"smollm2-135m-instruct": ARTIFACTS / "smollm2-135m-instruct-draft"}
 
 
@@ -154,6 +157,12 @@ def check_generation_settings(c) -> None:
     ``tree_children``, ``temperature``, ``top_k``, ``top_p``. Raises one ``ValueError`` that
     starts with ``setting=value``."""
     _int_setting("max_new_tokens", c.max_new_tokens, 1)
+    if c.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
+        # From the config alone: no checkpoint has a context this long, and the cache for it
+        # would not fit in memory (the model's own context length is checked once its header
+        # is read, `check_target_context`, and per batch by the engine).
+        raise ValueError(f"max_new_tokens={c.max_new_tokens!r}: expected at most {MAX_NEW_TOKENS_LIMIT:,} "
+                         f"(no model's context is longer; the target's own limit applies too)")
     _int_setting("gamma", c.gamma, 0)
     raw_gammas = c.adaptive_gammas
     if isinstance(raw_gammas, (str, bytes)) or not hasattr(raw_gammas, "__iter__"):
@@ -219,16 +228,53 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
                                      tree_children=c.get("tree_children", "iid"))
 
 
+def check_target_context(c):
+    """Check ``max_new_tokens`` against the target's context length from its header only
+    (``config.json`` of a Hugging Face directory, the metadata of a GGUF file), before any
+    weights load: a prompt has at least one token, so ``max_new_tokens + 1`` positions must fit.
+    A registry name is not looked at here (resolving it may fetch and hash the file; the engine
+    checks each batch against the loaded config). Returns the target's `ModelConfig` or None.
+    Raises ValueError (numbers in the message), FileNotFoundError / ModelFetchError for a path
+    that does not exist, CheckpointError for a header that does not parse."""
+    import json
+    from specjax.models import gguf_loader, hf_loader, registry
+    if c.target in registry.KNOWN:
+        return None
+    path = registry.resolve(c.target)           # an existing path, else ModelFetchError
+    if path.is_dir() or path.name == "config.json":
+        cfg_file = path / "config.json" if path.is_dir() else path
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"target={c.target!r}: no config.json in {cfg_file.parent}")
+        try:
+            config = hf_loader.config_from_hf(json.loads(cfg_file.read_text()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise models.CorruptCheckpointError(f"{cfg_file}: unreadable config ({type(e).__name__}: {e})") from e
+    elif path.suffix == ".gguf":
+        config = gguf_loader.config_from_gguf(gguf_loader.open_gguf(path), path=path)
+    else:
+        return None                              # other layouts: the loader decides
+    if c.max_new_tokens + 1 > config.max_position:
+        raise ValueError(f"max_new_tokens={c.max_new_tokens}: with a prompt of at least 1 token this exceeds "
+                         f"the target's context length {config.max_position} ({c.target}); "
+                         f"use max_new_tokens <= {config.max_position - 1} minus the prompt's tokens")
+    return config
+
+
 def check_config(c) -> None:
     """Validate a generation config's settings before anything heavy is loaded (ValueError
     naming the setting and its value). Every decoding setting is checked whichever mode reads
-    it (`check_generation_settings`)."""
+    it (`check_generation_settings`); a local target's header is read for its context length
+    (`check_target_context`)."""
     if c.drafter not in DRAFTER_KINDS:
         raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
     if c.drafter == "model" and not c.draft_model:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    from specjax.models.config import SUPPORTED_DTYPES
+    if c.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
     check_generation_settings(c)
     generation_config(c, ())
+    check_target_context(c)                     # reads a local target's header, no weights
 
 
 def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:

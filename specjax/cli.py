@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import traceback
 
 from absl import app
 from ml_collections import config_flags
@@ -102,9 +103,11 @@ def generate_main(c) -> dict:
 
 
 def main(c) -> dict:
-    """The main command on a config: XLA options, optional multi-host start, caches, generation."""
+    """The main command on a config: XLA options, the settings checked (before anything heavy),
+    optional multi-host start, caches, generation."""
     from specjax import build
     build.tune_xla_cpu()                  # before any backend starts
+    build.check_config(c)                 # settings, and a local target's context length
     if c.get("distributed", False):
         import jax
         jax.distributed.initialize()
@@ -113,17 +116,46 @@ def main(c) -> dict:
     return generate_main(c)
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that are a user's mistake (a bad setting, a missing or broken file, a
+    prompt too long for the cache): shown as one line, not a traceback."""
+    from specjax import models
+    from specjax.models.registry import ModelFetchError
+    return (ValueError, FileNotFoundError, models.CheckpointError, models.CacheCapacityError, ModelFetchError)
+
+
+def _quiet_backend_probe() -> None:
+    """JAX logs at INFO that it could not start a TPU backend on a machine without one; absl's
+    handler shows INFO, so on CPU every run starts with that line. Raise only that logger's
+    level (one module's logger, nothing else changes)."""
+    import logging
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def run():
-    """Console entry point. The --config flag is defined here, not at import, so the CLI module
-    can be imported next to other absl programs (experiments, tests)."""
+    """Console entry point. The --config and --verbose flags are defined here, not at import,
+    so the CLI module can be imported next to other absl programs (experiments, tests). A user
+    error prints one line (``specjax: error: ...``) and exits with status 2; --verbose adds
+    the traceback."""
+    from absl import flags
     flag = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
+    verbose = flags.DEFINE_boolean("verbose", False, "print the full traceback of an error")
 
     def _main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         if flag.value is None:
             raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
-        main(flag.value)
+        _quiet_backend_probe()
+        try:
+            main(flag.value)
+        except user_errors() as e:
+            if verbose.value:
+                traceback.print_exc()
+            text = " ".join(str(e).split()) or type(e).__name__
+            hint = "" if verbose.value else " (--verbose for the traceback)"
+            print(f"specjax: error: {text}{hint}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     app.run(_main)
 

@@ -638,7 +638,19 @@ class Engine:
             row = prompt_BP[b, :lengths_B[b]]
             raise ValueError(f"prompt {b} has token ids outside [0, {V}) (the target's vocabulary): "
                              f"min {row.min()}, max {row.max()}")
-        need = self.config.slots_needed(int(lengths_B.max()))
+        # The target's context length: every committed token's position must be one the model
+        # is defined for, prompt + max_new_tokens <= max_position. Drafted tokens scored past
+        # the end (up to a verification block) are scratch whose outputs are discarded.
+        context = getattr(getattr(self.target, "config", None), "max_position", None)
+        longest = int(lengths_B.max())
+        if context is not None and longest + self.config.max_new_tokens > context:
+            b = int(lengths_B.argmax())
+            raise ValueError(
+                f"prompt {b} has {longest} tokens and max_new_tokens={self.config.max_new_tokens}: "
+                f"{longest + self.config.max_new_tokens} positions exceed the target's context length "
+                f"{context} (verification block of {self.config.max_block + 1} not counted; it is scratch). "
+                f"Shorten the prompt or use max_new_tokens <= {max(context - longest, 0)}.")
+        need = self.config.slots_needed(longest)
         if need > batch.capacity:
             raise models.CacheCapacityError(
                 f"cache capacity {batch.capacity} is too small: the longest prompt has {int(lengths_B.max())} "
