@@ -64,6 +64,9 @@ def get_config():
     c.optim.clip_norm = 1.0             # max global gradient norm; 0 = no clipping (< 0 is an error)
     c.optim.weight_decay = 0.0
     c.optim.accumulate = 1              # micro-batches per optimizer update
+    c.optim.on_nonfinite = "stop"       # a step with a non-finite loss, gradient norm or parameters: 'stop'
+                                        # (error naming the step; nothing non-finite is saved or exported)
+                                        # or 'skip' (keep the previous parameters, count it in skipped_steps)
 
     c.budget_tokens = 1_000_000         # loss tokens to train on
     c.checkpoint_every = 50             # steps

@@ -297,6 +297,19 @@ class BatchPlan:
     def __post_init__(self):
         self.widths = tuple(sorted(self.widths))
         self._epochs: list[list[tuple[int, list[int]]]] = []
+        # An empty plan would make `locate` look for batch i in ever later (empty) epochs:
+        # fail here, where the data arrives, with what it is and why nothing is usable.
+        seqs = self.data.seqs
+        src = seqs.source or "unnamed data"
+        if len(seqs) == 0:
+            raise ValueError(f"no training data from {src}: the set holds no sequences")
+        if not (self.data.counts > 0).any():
+            raise ValueError(f"no training data from {src}: none of its {len(seqs)} sequences has a token after "
+                             f"its prompt (generated 0 tokens? e.g. a draft with non-finite parameters)")
+        if not any(self._used(i) for i in range(len(seqs))):
+            raise ValueError(f"no training data from {src}: all {len(seqs)} sequences with loss tokens have prompts "
+                             f"longer than max_prompt_tokens={self.max_prompt} (shortest such prompt: "
+                             f"{int(seqs.prompt_lengths[self.data.counts > 0].min())} tokens)")
 
     def _used(self, i) -> bool:
         return self.data.counts[i] > 0 and not (self.max_prompt and self.data.seqs.prompt_lengths[i] > self.max_prompt)
@@ -327,6 +340,10 @@ class BatchPlan:
         return self._epochs[e]
 
     def locate(self, i: int) -> tuple[int, int]:
+        if i < 0:
+            raise ValueError(f"batch index {i} < 0")
+        if not self.epoch(0):      # every epoch has the same (non-empty) set of sequences
+            raise ValueError(f"no batches in the plan over {self.data.seqs.source or 'unnamed data'}")
         e = 0
         while i >= len(self.epoch(e)):
             i -= len(self.epoch(e))

@@ -112,6 +112,49 @@ class Mixture:
         return self._prefix[step][c] - self._prefix[start][c]
 
 
+# Config keys that fix the shapes / structure of the checkpointed train state (the draft's
+# parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
+STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resume_config(c, workdir) -> None:
+    """``ValueError`` naming each differing key (old and new value) when `workdir` already holds
+    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key. Reads only:
+    called before anything in the workdir is written."""
+    workdir = pathlib.Path(workdir)
+    stored_path, ckpt_dir = workdir / "config.json", workdir / "checkpoints"
+    if not stored_path.is_file() or not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
+        return
+    try:
+        old = _flatten(json.loads(stored_path.read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{stored_path}: unreadable ({e}); cannot check that the checkpoints in {ckpt_dir} "
+                         f"match this config. Use a new workdir.") from e
+    new = _flatten(json.loads(c.to_json_best_effort()))
+    missing = object()
+    diff = []
+    for k in sorted(set(old) | set(new)):
+        if not any(k == s or k.startswith(s + ".") for s in STATE_KEYS):
+            continue
+        a, b = old.get(k, missing), new.get(k, missing)
+        if a != b:
+            diff.append(f"{k}: {'(absent)' if a is missing else json.dumps(a)} -> "
+                        f"{'(absent)' if b is missing else json.dumps(b)}")
+    if diff:
+        raise ValueError(f"{workdir} holds checkpoints of a different draft/optimizer state; the config differs "
+                         f"on {'; '.join(diff)} (stored -> new). Use a new workdir, or restore the old values.")
+
+
 def _load_target(c):
     from specjax import build
     target, params = build.load_target(c.target, c.dtype, True)
@@ -130,7 +173,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
         end_lr_fraction=c.optim.end_lr_fraction, clip_norm=c.optim.clip_norm,
         weight_decay=c.optim.weight_decay, accumulate=c.optim.accumulate)
+    on_nonfinite = _train.check_on_nonfinite(c.optim.get("on_nonfinite", "stop"))
     workdir = pathlib.Path(workdir)
+    # Before anything in the workdir is written: its checkpoints must fit this config.
+    check_resume_config(c, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
     t_start = time.perf_counter()
@@ -195,7 +241,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     state, frozen = _train.init_state(params, choice.trainable, optimizer, _sources.key_for(c.seed, "train"))
     head_SD = _train.teacher_head(target, target_params, head_ids)
     full_head = _train.teacher_head(target, target_params, None)
-    step_fn = _train.make_train_step(draft, spec, optimizer)
+    step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip")
 
     # ---- resume --------------------------------------------------------------------------
     writer = MetricsWriter(workdir)
@@ -264,6 +310,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                 key=jax.random.fold_in(_train.rng(state), r), temperature=c.data.temperature, samples_per_prompt=1,
                 max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
                 eos_ids=_prepare.eos_ids(target, tok), widths=widths, source=f"draft-r{r}", log=log)
+            if data.num_loss_tokens == 0:
+                raise ValueError(f"on-policy refresh {r} at step {step}: the draft generated no tokens for "
+                                 f"{len(pick)} prompts (source {data.seqs.source}; non-finite draft "
+                                 f"parameters?), so there is no on-policy data to train on")
             onpolicy[r] = _data.BatchPlan(data, c.seed * 1000 + r, c.data.tokens_per_batch, widths)
             writer.write({"kind": "event", "event": "onpolicy_refresh", "step": step, "refresh": r,
                           "loss_tokens": data.num_loss_tokens, "seconds": time.perf_counter() - t0})
@@ -282,6 +332,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     elapsed0 = float(meta.get("elapsed_s", 0.0))
     # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
     last_eval = _last_eval_at(writer.path, start)
+    skipped = 0
     while tokens_done < c.budget_tokens:
         if stop_after_steps is not None and step >= stop_after_steps:
             break
@@ -294,11 +345,29 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         state, aux = step_fn(state, frozen, head_SD, batch)
         aux = {k: float(v) for k, v in jax.device_get(aux).items()}
         step += 1
+        # Checked every step: the metrics come to the host every step anyway (logging), so the
+        # check costs one comparison, and no non-finite state can reach a checkpoint or export.
+        if aux.pop("nonfinite"):
+            what = f"non-finite loss ({aux['loss']}), gradient norm ({aux['grad_norm']}) or parameters"
+            writer.write({"kind": "event", "event": "nonfinite", "step": step, "source": name,
+                          "action": on_nonfinite, "loss": aux["loss"], "grad_norm": aux["grad_norm"]})
+            if on_nonfinite == "stop":
+                ckpt.wait()
+                writer.close()
+                ckpt.close()
+                if bar is not None:
+                    bar.close()
+                raise FloatingPointError(
+                    f"step {step} (source {name}): {what}; stopped (optim.on_nonfinite='stop'). The last "
+                    f"checkpoint is from before this step; lower optim.learning_rate, or set "
+                    f"optim.on_nonfinite='skip' to skip such steps")
+            skipped += 1
+            log(f"step {step} (source {name}): {what}; step skipped ({skipped} so far)")
         n = int(aux["loss_tokens"])
         tokens_done += n
         tok_loop += n
         rate = tok_loop / max(time.perf_counter() - t_loop, 1e-9)
-        rec = {"kind": "train", "step": step, "tokens": tokens_done, "source": name,
+        rec = {"kind": "train", "step": step, "tokens": tokens_done, "source": name, "skipped_steps": skipped,
                "lr": float(schedule(max(0, (step - 1) // accumulate))), "tokens_per_s": rate, **aux}
         writer.write(rec)
         if bar is not None:
@@ -315,11 +384,14 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         bar.close()
     summary = {"steps": step, "tokens": tokens_done, "train_tokens_per_s": tok_loop / max(time.perf_counter() - t_loop, 1e-9),
                "wall_s": time.perf_counter() - t_start, **timings, "divergence": spec.divergence,
+               "skipped_steps": skipped,
                "draft": {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")},
                "eval": last_eval}
     if tokens_done >= c.budget_tokens and c.export_dir:
         from specjax.models.draft_artifact import save_draft
         full = _train.merge_params(state.params, frozen)
+        if not bool(_train.all_finite(full)):      # the loop's check makes this unreachable; never export NaN
+            raise FloatingPointError(f"not exporting to {c.export_dir}: the draft's parameters are not finite")
         desc = save_draft(c.export_dir, draft, full, shared=choice.shared, dtype=c.export_dtype, info={
             "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
             "tokens": tokens_done, "steps": step, "eval": last_eval})

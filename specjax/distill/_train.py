@@ -162,14 +162,40 @@ def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec):
     return loss, aux
 
 
-def make_train_step(draft, spec: LossSpec, optimizer):
-    """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated."""
+ON_NONFINITE = ("stop", "skip")
+
+
+def check_on_nonfinite(mode) -> str:
+    if mode not in ON_NONFINITE:
+        raise ValueError(f"optim.on_nonfinite={mode!r}: expected one of {ON_NONFINITE}")
+    return mode
+
+
+def all_finite(tree) -> jax.Array:
+    """One bool: every floating-point leaf of `tree` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False):
+    """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated.
+
+    ``metrics["nonfinite"]`` is 1.0 when the loss, the gradient norm or the updated parameters
+    are not all finite (else 0.0). With ``skip_nonfinite`` such a step leaves the parameters and
+    optimizer state as they were (only the step counter advances); without it the caller must
+    stop (the returned state then holds the non-finite values)."""
     def step(state: TrainState, frozen, head_SD, batch):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec)
+        (loss, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         aux["grad_norm"] = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(aux["grad_norm"]) & all_finite(params)
+        aux["nonfinite"] = 1.0 - ok.astype(jnp.float32)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), aux
 
     return jax.jit(step, donate_argnums=(0,))
