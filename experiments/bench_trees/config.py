@@ -16,14 +16,14 @@ def get_config(variant: str = ""):
     c.workload = ""                         # "" = the generate config's target; preset:<size> = random weights
     c.num_prompts = 13                      # held-out questions, one per category
     c.prompt_len = 0
-    c.max_new_tokens = 128
+    c.max_new_tokens = 64
     c.temperatures = (0.0, 1.0)
     c.drafters = ("ngram", "early_exit", "distilled")
     c.early_exit_layers = 0                 # 0 = the generate config's
     c.chains = (1, 2, 4)                    # gamma of the linear drafts
     # Static trees per drafter kind (`specjax.trees.parse_tree`); the n-gram drafter drafts k chains.
-    c.ngram_trees = ("branching:2,1,1,1", "branching:3,1,1,1,1")
-    c.model_trees = ("branching:2,1,1", "branching:2,2,1,1", "dynamic:4,3,12", "dynamic:5,4,24")
+    c.ngram_trees = ("branching:3,1,1,1",)
+    c.model_trees = ("branching:2,2,1", "dynamic:4,3,12", "dynamic:5,4,20")
     c.tree_verifier = "traversal"           # sampled trees (T > 0); greedy uses the greedy tree verifier
     c.tree_children = "iid"
     c.node_counts = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)   # tokens scored in one pass
