@@ -20,6 +20,13 @@ One round, in named stages (all on device, no host round trip):
     _truncate    EOS, max_new_tokens, NaN positions -> tokens committed, status, done
     _bookkeep    write tokens, roll caches back (lengths only), metrics
 
+Token trees (`gamma` a `specjax.trees.TreeShape` or `DynamicTree`) run `_tree_round`, the same
+stages over a tree: the drafter's `propose_tree` drafts one tree per row, the target scores the
+root and every node in one pass (`models.TreeBlock`: positions by depth, an ancestor mask),
+the tree verifier picks a path, `_truncate` cuts it as a linear block, and the accepted path's
+K/V move to the committed slots (`KVCache.commit_path`; the drafter's own cache through
+`commit(..., accepted)`), so both caches again hold exactly the committed prefix.
+
 Target-only decoding is the same round with gamma = 0 (no draft; the verifier samples the one
 committed token from p), so both paths share prefill, logits processing, stopping and
 bookkeeping. A row whose target logits hold a NaN (or +inf), or whose target probabilities are
