@@ -14,7 +14,7 @@ def get_config(variant: str = ""):
     c = ml_collections.ConfigDict()
     c.generate_config = "configs/generate.py"
     c.workload = ""                         # "" = the generate config's target; preset:<size> = random weights
-    c.num_prompts = 13                      # held-out questions, one per category
+    c.num_prompts = 120                     # held-out questions read (all); the shortest of each category runs
     c.prompt_len = 0
     c.max_new_tokens = 64
     c.temperatures = (0.0, 1.0)
@@ -28,7 +28,7 @@ def get_config(variant: str = ""):
     c.tree_children = "iid"
     c.node_counts = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)   # tokens scored in one pass
     c.cost_iters = 20
-    c.pad_multiple = 128
+    c.pad_multiple = 64
     c.init_std = 0.2
     c.seed = 0
     c.out = "experiments/bench_trees/results/results.jsonl"

@@ -5,9 +5,11 @@ the JSONL by `report` (here at the end, or on its own: ``python -m experiments.b
     python -m experiments.bench_trees.run --config=experiments/bench_trees/config.py
     python -m experiments.bench_trees.run --config=experiments/bench_trees/config.py:tiny
 
-Timing: each configuration runs every prompt once with `Engine.run` (the whole generation,
-prefill included, one jitted call); a call that compiled is run again and only the second
-call is timed. Target-only decoding runs on the same prompts, batches and cache capacity in the
+Prompts: the shortest held-out Spec-Bench question of each category (13, chat-templated), all
+padded to one width, so every configuration compiles once. Timing: each configuration runs
+every prompt once with `Engine.run` (the whole generation, one jitted call; a call that
+compiled is run again and only the second call is timed); the prefill alone (`Engine.init`,
+timed per prompt) is subtracted, so tokens/s is decoding speed. Target-only decoding runs on the same prompts, batches and cache capacity in the
 same process, per temperature, so the ratios are measured in one run. Under greedy decoding the
 outputs are compared with target-only decoding's (recorded, not asserted: float near-ties, see
 `specjax.decoding.greedy_check`).
@@ -57,12 +59,15 @@ def node_costs(target, params, counts, *, ctx: int, capacity: int, iters: int, l
 
 
 def _generate(engine, params, samp, batch, log):
-    """(seconds, output, compile seconds) of one `Engine.run`; rerun once if it compiled."""
+    """(decode seconds, output, compile seconds) of one `Engine.run` less its prefill; each
+    call is rerun once if it compiled."""
     with log.section() as box:
         t, out = toolkit.timed(engine.run, params, samp, batch)
+        pre, _ = toolkit.timed(engine.init, params, batch)
     if box["compiles"]:
         t, out = toolkit.timed(engine.run, params, samp, batch)
-    return t, out, box["compile_s"]
+        pre, _ = toolkit.timed(engine.init, params, batch)
+    return t - pre, out, box["compile_s"]
 
 
 def main(c):
@@ -80,6 +85,11 @@ def main(c):
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
     _log(f"loading {wc.workload}")
     w = workload.load(wc, out.parent / "_work")
+    shortest = {}
+    for p in w.prompts:
+        if p.category not in shortest or len(p.ids) < len(shortest[p.category].ids):
+            shortest[p.category] = p
+    w.prompts = [shortest[cat] for cat in sorted(shortest)]
     jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
                              "model_notes": w.notes, "layers": layers})
     prompts = [list(p.ids) for p in w.prompts]

@@ -1,0 +1,85 @@
+"""Time to first token and peak memory on long prompts (issue 18 item 10); see config.py.
+
+    python -m experiments.long_prompt.run --config=experiments/long_prompt/config.py
+
+Each (prompt length, chunk) runs in a child process: load the target, build the prompt, then
+time `Engine.init` (the prefill; its compile measured apart by a first call on the same shapes
+in the same process) and the first round, and read the process's peak RSS (`ru_maxrss`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+from experiments import toolkit
+
+
+def child(target: str, n_tokens: int, chunk: int, max_new_tokens: int) -> dict:
+    import jax
+
+    from specjax import build, decoding, models, sampling, specbench
+
+    build.tune_xla_cpu()
+    if target.startswith("preset:"):
+        from experiments.bench_speed import workload
+        model = models.Llama(workload.preset_config(target.split(":", 1)[1], scan_layers=False).replace(
+            max_position=max(8192, n_tokens + 64)))
+        params = model.init_params(jax.random.key(0))
+        ids = [(7 * i + 3) % model.vocab_size for i in range(n_tokens)]
+    else:
+        model, params, tok = models.load_with_tokenizer(target, scan_layers=False, fuse_projections=True)
+        text, ids = "", []
+        for q in specbench.load():
+            text += q.prompt + "\n\n"
+            ids = decoding.encode_prompt(tok, "Answer the last question.\n\n" + text)
+            if len(ids) >= n_tokens:
+                break
+        ids = ids[-n_tokens:]
+    config = decoding.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, prefill_chunk=chunk or None)
+    engine = decoding.Engine(model, None, config)
+    ep = decoding.EngineParams(target=params)
+    batch = decoding.make_batch([ids], config, jax.random.key(0), pad_multiple=64)
+    t0 = time.perf_counter()
+    jax.block_until_ready(engine.init(ep, batch))           # compile + first prefill
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(engine.init(ep, batch))
+    prefill_s = time.perf_counter() - t0
+    greedy = sampling.SamplingConfig.greedy_config()
+    jax.block_until_ready(engine.step(ep, greedy, engine.init(ep, batch)))     # compile the round
+    t0 = time.perf_counter()
+    state, commit = engine.step(ep, greedy, state)
+    jax.block_until_ready(commit)
+    round_s = time.perf_counter() - t0
+    return {"prompt_tokens": len(ids), "chunk": chunk, "capacity": batch.capacity,
+            "prefill_s": prefill_s, "first_round_s": round_s, "ttft_s": prefill_s + round_s,
+            "compile_and_first_prefill_s": first_s,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+
+
+def main(c):
+    out = pathlib.Path(c.out)
+    prov = toolkit.provenance("experiments.long_prompt.run", exclude=[out], with_backend=False, config=c.to_dict())
+    jl = toolkit.Jsonl(out, prov)
+    runs = [(n, ch) for n in c.prompt_tokens for ch in c.chunks] + \
+           [(n, 0) for n in c.prompt_tokens if n <= c.unchunked_up_to]
+    for n, ch in runs:
+        code = (f"import json; from experiments.long_prompt.run import child; "
+                f"print(json.dumps(child({c.target!r}, {n}, {ch}, {c.max_new_tokens})))")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=toolkit.REPO)
+        if p.returncode != 0:
+            rec = jl.write("measurement", prompt_tokens=n, chunk=ch, error=p.stderr.strip().splitlines()[-1:])
+        else:
+            rec = jl.write("measurement", **json.loads(p.stdout.strip().splitlines()[-1]))
+        print({k: v for k, v in rec.items() if k != "provenance"}, flush=True)
+    jl.close()
+
+
+if __name__ == "__main__":
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
+                             "experiments/long_prompt/config.py[:tiny]")
