@@ -1,7 +1,7 @@
 """Greedy exactness on the real default target (SmolLM2-135M-Instruct), as CI runs it.
 
-13 held-out Spec-Bench prompts (the shortest held-out question of each category), 32 new tokens, batch 1 and batch 4, each
-drafter. Float near-ties are handled by the rule of `specjax.decoding.greedy_check`
+13 held-out Spec-Bench prompts (the shortest held-out question of each category), 32 new tokens: linear
+drafts at batch 1 and 4, token trees (n-gram, early exit, the distilled draft's dynamic tree) once each. Float near-ties are handled by the rule of `specjax.decoding.greedy_check`
 (allowed only where the target-only top-2 logit gap < NEAR_TIE_EPS; reported, then the
 reference token is teacher-forced). The test also asserts that rejections and fully
 accepted rounds both occurred, so it exercises every rollback path.
@@ -30,17 +30,19 @@ def real():
     return target, params, prompts, refs
 
 
-# (drafter, gamma or tree): prompt lookup with a long block; the untrained 4-layer early exit agrees
-# rarely, so gamma = 1 makes fully accepted rounds (and the two-token draft catch-up) occur.
-# Token trees: the n-gram drafter's k-branch tree, a shallow static tree for the early exit and
+# Prompt lookup with a long block; the untrained 4-layer early exit agrees rarely, so gamma = 1
+# makes fully accepted rounds (and the two-token draft catch-up) occur. Token trees: the n-gram drafter's k-branch tree, a shallow static tree for the early exit and
 # an EAGLE-2 dynamic tree for the shipped distilled draft (its own cache, path compaction).
-DRAFTERS = [("ngram", 4), ("early_exit", 1), ("ngram", trees.TreeShape.from_branching((3, 1, 1, 1))),
-            ("early_exit", trees.TreeShape.from_branching((3, 2))),
-            ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8))]
+_TREES = [("ngram", trees.TreeShape.from_branching((3, 1, 1, 1)), 1),
+          ("early_exit", trees.TreeShape.from_branching((3, 2)), 1),
+          ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8), 4)]
+# (drafter, gamma or tree, batch): linear drafts at batch 1 and 4; trees once each (the dynamic
+# tree, with the draft's own cache compacted every round, on rows of different lengths).
+CASES = [(k, g, b) for k, g in [("ngram", 4), ("early_exit", 1)] for b in (1, 4)] + _TREES
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("kind,gamma", DRAFTERS, ids=lambda x: x if isinstance(x, (str, int)) else x.describe())
+@pytest.mark.parametrize("kind,gamma,batch", CASES,
+                         ids=lambda x: x if isinstance(x, (str, int)) else x.describe())
 def test_greedy_matches_target_only(real, kind, gamma, batch):
     target, params, prompts, refs = real
     drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4, target_name="smollm2-135m-instruct")

@@ -244,9 +244,11 @@ def _fresh_kv(model, params, tokens):
             for l in range(model.config.num_layers)]
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
-@pytest.mark.parametrize("kind,tree", [("early_exit", BRANCHING), ("model", UNEVEN), ("model", DYNAMIC)],
-                         ids=["early_exit-branching", "model-uneven", "model-dynamic"])
+@pytest.mark.parametrize("scan_layers,kind,tree", [
+    (False, "early_exit", BRANCHING), (False, "model", UNEVEN), (False, "model", DYNAMIC),
+    (True, "early_exit", BRANCHING), (True, "model", DYNAMIC)],
+    ids=["unrolled-early_exit-branching", "unrolled-model-uneven", "unrolled-model-dynamic",
+         "scan-early_exit-branching", "scan-model-dynamic"])
 def test_caches_hold_exactly_the_committed_prefix_after_every_round(scan_layers, kind, tree):
     """Greedy tree rounds on a random tiny Llama, rows of different lengths: after every round the
     target's cache (and a model draft's) holds exactly the committed prefix minus its last token,

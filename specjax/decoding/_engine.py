@@ -103,6 +103,7 @@ class GenerationConfig:
     max_rounds: int | None = None   # safety bound; default max_new_tokens (every round commits >= 1)
     tree_verifier: str = "traversal"
     tree_children: str = "iid"
+    prefill_chunk: int | None = models.PREFILL_CHUNK   # prompt tokens per prefill call (None: one call)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -591,7 +592,8 @@ class Engine:
         # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
         # otherwise spends tens of seconds of compile time folding attention over constants).
         cache = jax.lax.optimization_barrier(self.target.init_cache(B, capacity))
-        _, cache = self.target.apply(params.target, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
+        cache = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
+                               self.config.prefill_chunk)
         draft_state = (self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
                        if self.config.max_gamma > 0 else None)
         policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None

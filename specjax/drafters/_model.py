@@ -13,7 +13,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees as trees_lib
 from specjax.drafters import _tree
 from specjax.drafters._protocol import DraftContext
-from specjax.models import DecoderModel, Llama, truncate_layers
+from specjax.models import DecoderModel, Llama, prefill, truncate_layers
 
 
 @struct.dataclass
@@ -79,7 +79,7 @@ class ModelDrafter:
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         # Barrier: see the target's prefill in the engine (no constant folding over zeros).
         cache = jax.lax.optimization_barrier(self.model.init_cache(prompt_BP.shape[0], capacity))
-        _, cache = self.model.apply(params, prompt_BP, cache, num_valid_B=prompt_lengths_B - 1)
+        cache = prefill(self.model, params, prompt_BP, cache, prompt_lengths_B - 1)
         return ModelDraftState(cache=cache)
 
     def _ingest(self, params, cache, tokens_BL, num_B):

@@ -16,6 +16,7 @@ from specjax.models.kv_cache import KVCache, TreeBlock
 from specjax.models.llama import (Llama, canonical_params, param_logical_axes, param_shapes,
                                   stack_layers, truncate_layers)
 from specjax.models.loading import load, load_with_tokenizer
+from specjax.models.prefill import PREFILL_CHUNK, prefill
 from specjax.models.registry import DEFAULT_MODEL, resolve
 from specjax.models.tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
 
@@ -26,7 +27,7 @@ __all__ = [
     "KVCache", "TreeBlock", "export_hf",
     "Llama", "canonical_params", "param_logical_axes", "param_shapes",
     "stack_layers", "truncate_layers",
-    "load", "load_with_tokenizer",
+    "load", "load_with_tokenizer", "PREFILL_CHUNK", "prefill",
     "DEFAULT_MODEL", "resolve",
     "IncrementalDecoder", "Tokenizer", "load_tokenizer",
 ]

@@ -1,0 +1,106 @@
+"""The cached GGUF of a named model is rehashed when it may have changed (issue 18 item 8).
+
+A fake registry entry points at a small file in a temporary cache. The size+mtime stamp used to
+be trusted, so bytes changed in place with the mtime put back loaded silently; now the stamp also
+holds the inode change time (which every write moves and no user tool can put back), a changed
+file is rehashed, and a mismatch raises naming the file and both hashes. `verify=True` (or
+SPECJAX_VERIFY_MODELS=1) rehashes on every call.
+"""
+import hashlib
+import os
+import time
+
+import pytest
+
+from specjax.models import registry
+
+CONTENT = bytes(range(256)) * 64          # 16 KiB stands in for the GGUF
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECJAX_VERIFY_MODELS", raising=False)
+    spec = registry.PipGGUF(name="fake-tiny", requirement="specjax-no-such-package==0",
+                            module="specjax_no_such_module", member="pkg/fake-tiny.gguf",
+                            sha256=hashlib.sha256(CONTENT).hexdigest())
+    monkeypatch.setitem(registry.KNOWN, spec.name, spec)
+    path = tmp_path / "cache" / spec.name / "fake-tiny.gguf"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(CONTENT)
+
+    def no_download(*a, **k):
+        raise AssertionError("resolve tried to download")
+    monkeypatch.setattr(registry.subprocess, "run", no_download)
+    hashes = []
+    real = registry.file_sha256
+    monkeypatch.setattr(registry, "file_sha256", lambda p: hashes.append(str(p)) or real(p))
+    return spec, path, hashes
+
+
+def _flip_in_place_keeping_mtime(path):
+    st = os.stat(path)
+    time.sleep(0.05)                      # past the kernel's coarse timestamp granularity
+    with open(path, "r+b") as f:          # same inode, same size
+        f.seek(1000)
+        b = f.read(16)
+        f.seek(1000)
+        f.write(bytes(x ^ 0xFF for x in b))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+    assert after.st_ctime_ns != st.st_ctime_ns
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_stamp_avoids_rehashing_an_unchanged_file(fake):
+    spec, path, hashes = fake
+    assert registry.resolve(spec.name) == path and len(hashes) == 1
+    assert registry.resolve(spec.name) == path and len(hashes) == 1       # trusted: nothing changed
+    os.chmod(path, 0o644 if (os.stat(path).st_mode & 0o777) != 0o644 else 0o640)   # ctime moves
+    assert registry.resolve(spec.name) == path and len(hashes) == 2       # rehashed, still good
+    assert registry.resolve(spec.name) == path and len(hashes) == 2
+
+
+def test_bytes_changed_in_place_with_mtime_preserved_are_detected(fake):
+    spec, path, hashes = fake
+    assert registry.resolve(spec.name) == path                           # verified and stamped
+    actual = _flip_in_place_keeping_mtime(path)
+    with pytest.raises(registry.ModelFetchError) as e:      # (ModelIntegrityError is one)
+        registry.resolve(spec.name)
+    assert type(e.value).__name__ == "ModelIntegrityError"
+    msg = str(e.value)
+    assert str(path) in msg and spec.sha256 in msg and actual in msg
+    assert path.read_bytes() != CONTENT and path.exists()                # not replaced behind our back
+    with pytest.raises(registry.ModelIntegrityError):                    # and not trusted afterwards
+        registry.resolve(spec.name)
+
+
+def test_verify_rehashes_every_time(fake, monkeypatch):
+    spec, path, hashes = fake
+    registry.resolve(spec.name)
+    n = len(hashes)
+    assert registry.resolve(spec.name, verify=True) == path and len(hashes) == n + 1
+    assert registry.resolve(spec.name, verify=True) == path and len(hashes) == n + 2
+    monkeypatch.setenv("SPECJAX_VERIFY_MODELS", "1")
+    assert registry.resolve(spec.name) == path and len(hashes) == n + 3
+    monkeypatch.delenv("SPECJAX_VERIFY_MODELS")
+    # Damage the stamp cannot see (as if the medium changed the bytes under an unchanged inode):
+    # rewrite the stamp to the file's current state. Only verify=True catches it.
+    actual = _flip_in_place_keeping_mtime(path)
+    stamp = path.with_suffix(".gguf.sha256")
+    stamp.write_text(registry._stamp_key(spec.sha256, os.stat(path)) + "\n")
+    assert registry.resolve(spec.name) == path                           # (the documented limit)
+    with pytest.raises(registry.ModelIntegrityError, match=actual):
+        registry.resolve(spec.name, verify=True)
+
+
+def test_hashing_cost_of_the_smollm2_gguf_if_cached():
+    """Not a check: records what verify=True costs for the real 98 MB file on this machine."""
+    spec = registry.KNOWN[registry.DEFAULT_MODEL]
+    path = registry.cache_dir() / spec.name / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip("SmolLM2 GGUF not cached here")
+    t = time.perf_counter()
+    assert registry.file_sha256(path) == spec.sha256
+    print(f"sha256 of {path.stat().st_size / 1e6:.0f} MB: {time.perf_counter() - t:.3f} s")
