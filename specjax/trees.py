@@ -145,7 +145,8 @@ class TreeShape:
     def expected_tokens(self, alpha: float) -> float:
         """Tokens committed per round if every tried child is accepted with probability alpha
         independently: 1 + sum_n prod over n's path of alpha (1 - alpha)^rank. For a chain
-        this is (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023, Eq. 1)."""
+        this is (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023, Eq. 1). alpha may be a
+        traced scalar (the adaptive policy prices static trees with it inside the loop)."""
         reach = []
         for p, r in zip(self.parents, self.ranks):
             reach.append((1.0 if p < 0 else reach[p]) * alpha * (1.0 - alpha) ** r)

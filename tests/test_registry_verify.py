@@ -93,14 +93,3 @@ def test_verify_rehashes_every_time(fake, monkeypatch):
     assert registry.resolve(spec.name) == path                           # (the documented limit)
     with pytest.raises(registry.ModelIntegrityError, match=actual):
         registry.resolve(spec.name, verify=True)
-
-
-def test_hashing_cost_of_the_smollm2_gguf_if_cached():
-    """Not a check: records what verify=True costs for the real 98 MB file on this machine."""
-    spec = registry.KNOWN[registry.DEFAULT_MODEL]
-    path = registry.cache_dir() / spec.name / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip("SmolLM2 GGUF not cached here")
-    t = time.perf_counter()
-    assert registry.file_sha256(path) == spec.sha256
-    print(f"sha256 of {path.stat().st_size / 1e6:.0f} MB: {time.perf_counter() - t:.3f} s")

@@ -75,17 +75,8 @@ def expected_tokens(alpha, gamma_G):
     return jnp.where(near_one, gamma_G + 1.0, val)
 
 
-def tree_expected_tokens(alpha, shape: trees_lib.TreeShape):
-    """`TreeShape.expected_tokens` for a traced alpha."""
-    alpha = jnp.clip(alpha, 0.0, 1.0)
-    reach = []
-    for p, r in zip(shape.parents, shape.ranks):
-        reach.append((1.0 if p < 0 else reach[p]) * alpha * (1.0 - alpha) ** r)
-    return 1.0 + sum(reach)
-
-
 def expected_per_candidate(alpha, candidates):
-    return jnp.stack([expected_tokens(alpha, jnp.float32(g)) if isinstance(g, int) else tree_expected_tokens(alpha, g)
+    return jnp.stack([expected_tokens(alpha, jnp.float32(g)) if isinstance(g, int) else g.expected_tokens(jnp.clip(alpha, 0.0, 1.0))
                       for g in candidates])
 
 
