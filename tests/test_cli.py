@@ -9,11 +9,24 @@ from configs import generate
 from specjax import cli
 
 
-def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys):
+def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys, monkeypatch):
+    import jax
+
+    from specjax import models
+
+    # The target's prefill is traced into one program and run once per request (issue 18
+    # item 10): calibration, the speculative run and the target-only run share it.
+    traced = []
+    real_prefill = models.prefill
+    monkeypatch.setattr(models, "prefill", lambda *a, **k: traced.append(a[2].shape) or real_prefill(*a, **k))
+    jax.clear_caches()
     c = generate.get_config()
     c.max_new_tokens = 12
     c.metrics_jsonl = str(tmp_path / "stats.jsonl")
+    assert c.adaptive_gamma and c.compare_target_only    # the three runs that used to prefill
     stats = cli.generate_main(c)
+    assert len(traced) == 1, traced
+    assert stats["prefill_s_incl_compile"] > 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "speedup" in out and "mean accepted tokens" in out
     assert stats["new_tokens"] == 12 and stats["status"] == "max_new_tokens"

@@ -8,6 +8,8 @@ The bound is read from XLA's own memory analysis of the compiled prefill program
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +89,102 @@ def test_chunked_prefill_temporaries_are_bounded_by_one_chunk():
     assert chunked <= 1.25 * chunked_half, (chunked, chunked_half)
     assert chunked <= 8 * scores_per_chunk, (chunked, scores_per_chunk)
     assert whole > 8 * chunked, (whole, chunked)
+
+
+def _ragged(lengths, seed=0):
+    prompts = _prompts(lengths, seed)
+    P = max(map(len, prompts))
+    tokens = jnp.asarray([p + [0] * (P - len(p)) for p in prompts], jnp.int32)
+    return tokens, jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def test_prefill_of_a_fresh_cache_reads_only_earlier_slots_and_fills_the_same_cache():
+    """``start_bound=0`` (a fresh cache): each chunk attends to the slots before it instead of
+    the whole capacity. Same entries as the full-capacity prefill (masked slots weigh exactly 0,
+    so only summation order differs), in both cache layouts, ragged rows, a chunk that does not
+    divide the prompt; the attend limit is cleared on return."""
+    tokens, valid = _ragged([1100, 700])
+    for scan in (False, True):
+        model = models.Llama(dataclasses.replace(CONFIG, scan_layers=scan))
+        params = model.init_params(jax.random.key(0))
+        for chunk in (None, 300):
+            full, limited = (jax.jit(lambda pr, t, c, v, chunk=chunk, b=b: models.prefill(
+                model, pr, t, c, v, chunk, start_bound=b))(params, tokens, model.init_cache(2, 1280), valid)
+                for b in (None, 0))
+            assert limited.attend_limit is None
+            np.testing.assert_array_equal(np.asarray(limited.lengths_B), np.asarray(valid))
+            for l in range(CONFIG.num_layers):
+                for got, want in zip(limited.layer(l), full.layer(l)):
+                    for b, n in enumerate(np.asarray(valid)):
+                        g, w = np.asarray(got[b]), np.asarray(want[b])
+                        g, w = (g[:, :n], w[:, :n]) if g.shape[1] == 1280 else (g[..., :n], w[..., :n])
+                        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"scan {scan} chunk {chunk} layer {l}")
+
+
+def _prefill_flops(capacity, start_bound, P=1024, chunk=128):
+    model, params = _model()
+    tokens = jnp.zeros((1, P), jnp.int32)
+    valid = jnp.full((1,), P, jnp.int32)
+    fn = jax.jit(lambda pr, t, c, v: models.prefill(model, pr, t, c, v, chunk, start_bound=start_bound))
+    cost = fn.lower(params, tokens, model.init_cache(1, capacity), valid).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return cost["flops"]
+
+
+def test_prefill_work_grows_with_the_prompt_not_the_capacity():
+    """XLA's cost analysis of the compiled prefill (1,024 tokens in chunks of 128): with a fresh
+    cache's bound the work is the same for a cache of 1,088 or 4,096 slots (it attends only to
+    the prompt's own causal triangle); without it the work grows with the capacity."""
+    small, big = _prefill_flops(1088, 0), _prefill_flops(4096, 0)
+    small_full, big_full = _prefill_flops(1088, None), _prefill_flops(4096, None)
+    assert big == small, (small, big)
+    assert big_full > 1.5 * small_full, (small_full, big_full)
+    assert small < small_full, (small, small_full)
+
+
+def test_attend_limit_is_checked():
+    model, params = _model()
+    cache = model.init_cache(1, 64)
+    for bad in (-1, 65):
+        try:
+            cache.limit_attention(bad)
+        except ValueError as e:
+            assert "attend limit" in str(e)
+        else:
+            raise AssertionError(f"limit {bad} accepted")
+    try:
+        models.prefill(model, params, jnp.zeros((1, 4), jnp.int32), cache, jnp.array([4]), start_bound=-1)
+    except ValueError as e:
+        assert "start_bound" in str(e)
+    else:
+        raise AssertionError("negative start_bound accepted")
+
+
+def test_one_prefill_serves_every_run_on_the_batch():
+    """`Engine.prefill` once, then the speculative run, the target-only engine's run and the
+    round-time calibration all start from it: the outputs equal those of runs that prefill
+    themselves, and a prefill made for another batch is refused."""
+    model, params = _model()
+    from specjax import drafters
+    drafter = drafters.ModelDrafter(model)
+    config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
+    spec = decoding.Engine(model, drafter, config)
+    only = decoding.Engine(model, None, dataclasses.replace(config, gamma=0))
+    ep = decoding.EngineParams(target=params, draft=params)
+    batch = decoding.make_batch(_prompts([700, 90], seed=3), config, jax.random.key(1))
+    samp = sampling.SamplingConfig.make(temperature=1.0)
+    pre = spec.prefill(ep, batch)
+    for engine in (spec, only):
+        want = engine.run(ep, samp, batch)
+        got = engine.run(ep, samp, batch, prefill=pre)
+        np.testing.assert_array_equal(np.asarray(got.tokens_BL), np.asarray(want.tokens_BL))
+        again = engine.run(ep, samp, batch, prefill=pre)      # not donated: reusable
+        np.testing.assert_array_equal(np.asarray(again.tokens_BL), np.asarray(want.tokens_BL))
+    assert len(spec.round_times(ep, samp, batch, repeats=1, prefill=pre)) == 1
+    other = decoding.make_batch(_prompts([700, 91], seed=3), config, jax.random.key(1))
+    try:
+        spec.run(ep, samp, other, prefill=pre)
+    except ValueError as e:
+        assert "different batch" in str(e)
+    else:
+        raise AssertionError("a prefill for another batch was accepted")

@@ -15,9 +15,11 @@ def get_config(variant: str = ""):
     c.chunks = (512,)                      # prefill_chunk settings (0 = one call)
     c.unchunked_up_to = 2048               # also run chunk 0 for prompts up to this length
     c.max_new_tokens = 16
+    c.main_command_tokens = (7000,)        # also run the whole main command (configs/generate.py) on these
     c.out = "experiments/long_prompt/results.jsonl"
     if variant == "tiny":
         c.update(target="preset:tiny", prompt_tokens=(256,), chunks=(64,), unchunked_up_to=256, max_new_tokens=4,
+                 main_command_tokens=(),
                  out="/tmp/long_prompt/results.jsonl")
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")

@@ -5,6 +5,8 @@
 Each (prompt length, chunk) runs in a child process: load the target, build the prompt, then
 time `Engine.init` (the prefill; its compile measured apart by a first call on the same shapes
 in the same process) and the first round, and read the process's peak RSS (`ru_maxrss`).
+Then the main command itself (`specjax.cli`, default config) on prompts of
+``main_command_tokens``: one prefill serves calibration, the speculative and the target-only run.
 """
 
 from __future__ import annotations
@@ -62,15 +64,50 @@ def child(target: str, n_tokens: int, chunk: int, max_new_tokens: int) -> dict:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
+def child_main_command(n_tokens: int, max_new_tokens: int) -> dict:
+    """The README's main command (configs/generate.py: shipped draft, adaptive gamma with its
+    calibration, the target-only comparison) on a chat prompt of about ``n_tokens`` tokens: the
+    prompt is prefilled once and every run starts from it. Wall time of the whole command after
+    the model load, and the process's peak RSS."""
+    import io
+    import contextlib
+
+    from configs import generate
+    from specjax import build, cli, specbench
+
+    build.tune_xla_cpu()
+    c = generate.get_config()
+    text = "Answer the last question.\n\n"
+    from specjax import models
+    _, _, tok = models.load_with_tokenizer(c.target, scan_layers=False)
+    for q in specbench.load():
+        text += q.prompt + "\n\n"
+        if len(tok.encode(text)) >= n_tokens:
+            break
+    c.prompt, c.max_new_tokens = text, max_new_tokens
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        stats = cli.generate_main(c)
+    wall_s = time.perf_counter() - t0
+    keep = ("new_tokens", "prefill_s_incl_compile", "ttft_s_incl_compile", "tokens_per_s",
+            "target_only_tokens_per_s", "speedup", "gamma", "drafter")
+    return {"main_command": True, "prompt_chars": len(text), "wall_s_incl_load_and_compile": wall_s,
+            **{k: stats.get(k) for k in keep},
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+
+
 def main(c):
     out = pathlib.Path(c.out)
     prov = toolkit.provenance("experiments.long_prompt.run", exclude=[out], with_backend=False, config=c.to_dict())
     jl = toolkit.Jsonl(out, prov)
     runs = [(n, ch) for n in c.prompt_tokens for ch in c.chunks] + \
            [(n, 0) for n in c.prompt_tokens if n <= c.unchunked_up_to]
+    runs += [(n, "main") for n in c.main_command_tokens]
     for n, ch in runs:
-        code = (f"import json; from experiments.long_prompt.run import child; "
-                f"print(json.dumps(child({c.target!r}, {n}, {ch}, {c.max_new_tokens})))")
+        call = (f"child_main_command({n}, {c.max_new_tokens})" if ch == "main"
+                else f"child({c.target!r}, {n}, {ch}, {c.max_new_tokens})")
+        code = (f"import json; from experiments.long_prompt.run import child, child_main_command; "
+                f"print(json.dumps({call}))")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=toolkit.REPO)
         if p.returncode != 0:
             rec = jl.write("measurement", prompt_tokens=n, chunk=ch, error=p.stderr.strip().splitlines()[-1:])

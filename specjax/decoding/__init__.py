@@ -4,7 +4,7 @@ and the one request path from prompts to completions."""
 from specjax.decoding._adaptive import AdaptiveGamma
 from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
                                       Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
-                                      StreamEvent)
+                                      Prefill, StreamEvent)
 from specjax.decoding._greedy_check import NEAR_TIE_EPS, RowReport, greedy_check, reference_greedy
 from specjax.decoding._request import (Completion, Generator, encode_prompt, make_batch, request_keys,
                                        timing_summary)
@@ -12,6 +12,6 @@ from specjax.decoding._request import (Completion, Generator, encode_prompt, mak
 __all__ = [
     "AdaptiveGamma", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
     "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
-    "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
+    "Prefill", "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
     "Completion", "Generator", "encode_prompt", "make_batch", "request_keys", "timing_summary",
 ]

@@ -4,7 +4,8 @@
 is hashable, so its methods are jitted with ``self`` static; weights travel as arguments
 (`EngineParams`), never as closure constants. Every entry point runs the same `_round`:
 
-    init(params, batch)                 prefill target (and draft) -> LoopState      jitted
+    prefill(params, batch)              target cache (and drafter state) -> Prefill   jitted
+    init(params, batch, prefill=)       prefill (or take one) -> LoopState          jitted
     step(params, sampling, state)       one round, state donated -> (state, Commit)  jitted
     run(params, sampling, batch)        init + lax.while_loop over step -> GenerateOutput
     stream(params, sampling, batch)     init + step per host call, yields StreamEvents
@@ -287,6 +288,22 @@ class Batch:
     prompt_lengths_B: jax.Array
     key_B: jax.Array
     capacity: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """A batch's prompts already in the caches, made once by `Engine.prefill` and reused by every
+    run on that batch (calibration, the speculative run, the target-only run of the main
+    command): a long prompt is prefilled once per request, not once per run.
+
+    Any engine with the same target takes ``target_cache``; ``draft_state`` (the drafter's state
+    after its own prefill, or None) is used only by an engine with the same drafter, others
+    make their own. Engines never donate it: it stays valid for the next run."""
+    batch: Batch
+    target: Any                     # the target model it was made with (static, hashable)
+    drafter: Any                    # the drafter whose state it holds, or None
+    target_cache: Any
+    draft_state: Any = None
 
 
 @dataclasses.dataclass
@@ -586,16 +603,32 @@ class Engine:
         return state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean,
                                                      any_tested)), commit
 
-    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity):
-        B, P = prompt_BP.shape
-        tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
+    def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
+        """(target cache, drafter state or None) after the prompts: every prompt token but the
+        last enters the caches (the last is the first round's input)."""
+        B = prompt_BP.shape[0]
         # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
         # otherwise spends tens of seconds of compile time folding attention over constants).
         cache = jax.lax.optimization_barrier(self.target.init_cache(B, capacity))
         cache = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
-                               self.config.prefill_chunk)
+                               self.config.prefill_chunk, start_bound=0)
         draft_state = (self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
-                       if self.config.max_gamma > 0 else None)
+                       if with_draft and self.config.max_gamma > 0 else None)
+        return cache, draft_state
+
+    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
+        """The loop state after prefill; ``pre`` = (target cache, drafter state or None) from
+        `prefill` skips the target's prefill (and the drafter's, when its state is given)."""
+        B, P = prompt_BP.shape
+        tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
+        if pre is None:
+            cache, draft_state = self._prefill(params, prompt_BP, prompt_lengths_B, capacity)
+        else:
+            cache, draft_state = pre
+            if self.config.max_gamma == 0:
+                draft_state = None
+            elif draft_state is None:
+                draft_state = self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
         policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None
         return LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
@@ -603,8 +636,8 @@ class Engine:
                          metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
                          policy=policy, round=jnp.int32(0))
 
-    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity):
-        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity)
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
+        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity, pre=pre)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
 
         def cond(s):
@@ -615,6 +648,7 @@ class Engine:
 
     # ------------------------------------------------------------------ compiled entry points
 
+    _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
     _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
     _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
     _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
@@ -668,27 +702,61 @@ class Engine:
         if P > batch.capacity:
             raise models.CacheCapacityError(f"padded prompt width {P} exceeds the cache capacity {batch.capacity}")
 
-    def init(self, params: EngineParams, batch: Batch, round_time_s=None) -> LoopState:
-        """Prefill the target (and the drafter) on the batch: the state `step` advances."""
+    def prefill(self, params: EngineParams, batch: Batch) -> Prefill:
+        """The batch's prompts in the target's cache (and the drafter's state): pass it as
+        ``prefill=`` to `init` / `run` / `stream` / `round_times` of this engine or of another
+        with the same target (e.g. `Generator.target_only`), so a prompt is prefilled once."""
+        self._check(batch)
+        cache, draft_state = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
+                                               capacity=batch.capacity, with_draft=True)
+        return Prefill(batch=batch, target=self.target,
+                       drafter=self.drafter if draft_state is not None else None,
+                       target_cache=cache, draft_state=draft_state)
+
+    def _pre(self, batch: Batch, prefill: Prefill | None):
+        """(target cache, drafter state or None) of a `Prefill` checked against this engine and
+        batch, or None (prefill inside the run)."""
+        if prefill is None:
+            return None
+        if prefill.target != self.target:
+            raise ValueError("this prefill was made with a different target model than the engine's")
+        b = prefill.batch
+        if b is not batch and (b.capacity != batch.capacity
+                               or np.shape(b.prompt_BP) != np.shape(batch.prompt_BP)
+                               or not np.array_equal(np.asarray(b.prompt_BP), np.asarray(batch.prompt_BP))
+                               or not np.array_equal(np.asarray(b.prompt_lengths_B), np.asarray(batch.prompt_lengths_B))):
+            raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
+                             "make one with engine.prefill(params, batch) for this batch")
+        same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter
+        return prefill.target_cache, (prefill.draft_state if same_drafter else None)
+
+    def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:
+        """Prefill the target (and the drafter) on the batch, or take ``prefill``: the state
+        `step` advances."""
         self._check(batch)
         return self._init_jit(params, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                              self._round_time_K(round_time_s), capacity=batch.capacity)
+                              self._round_time_K(round_time_s), capacity=batch.capacity,
+                              pre=self._pre(batch, prefill))
 
     def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
         """One round; ``state`` is donated (its buffers are updated in place, do not reuse it)."""
         return self._step_jit(params, sampling, state)
 
-    def run(self, params: EngineParams, sampling, batch: Batch, round_time_s=None) -> GenerateOutput:
+    def run(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
+            prefill: Prefill | None = None) -> GenerateOutput:
         """The whole generation in one jitted `lax.while_loop`, fully on device."""
         self._check(batch)
         return self._run_jit(params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                             self._round_time_K(round_time_s), capacity=batch.capacity)
+                             self._round_time_K(round_time_s), capacity=batch.capacity,
+                             pre=self._pre(batch, prefill))
 
-    def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None) -> Iterator[StreamEvent]:
+    def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
+               prefill: Prefill | None = None) -> Iterator[StreamEvent]:
         """Yields each round's committed tokens per row with host timestamps; only the round's
-        `Commit` is copied to the host. The last event carries the `GenerateOutput`."""
+        `Commit` is copied to the host. The last event carries the `GenerateOutput`. Times
+        count from the call (prefill included, unless ``prefill`` was made beforehand)."""
         t0 = time.perf_counter()
-        state = self.init(params, batch, round_time_s)
+        state = self.init(params, batch, round_time_s, prefill=prefill)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
         for r in range(1, max_rounds + 1):
             state, commit = self.step(params, sampling, state)
@@ -701,7 +769,8 @@ class Engine:
             if last:
                 return
 
-    def round_times(self, params: EngineParams, sampling, batch: Batch, repeats: int = 5) -> list[float]:
+    def round_times(self, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
+                    prefill: Prefill | None = None) -> list[float]:
         """Median wall time of one round for each gamma in `config.gammas`, on this batch.
 
         Feeds adaptive gamma (``round_time_s=``); run once per model pair and machine. Each
@@ -709,7 +778,7 @@ class Engine:
         (caches updated in place) and each round continues from the previous one's state, so a
         timed round does exactly the work of a round of `run` (rows that finish keep running
         masked, at the same cost; the capacity check of `init` covers every round's writes)."""
-        state = self.init(params, batch)
+        state = self.init(params, batch, prefill=prefill)
         out = []
         for g in self.config.gammas:
             state = jax.block_until_ready(self._round_jit(params, sampling, g, state)[0])

@@ -19,7 +19,7 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.decoding._engine import (PAD_ID, STATUS_NAMES, Batch, Engine, EngineParams, GenerateOutput,
-                                      GenerationConfig, StreamEvent)
+                                      GenerationConfig, Prefill, StreamEvent)
 
 
 def request_keys(key: jax.Array, request_ids) -> jax.Array:
@@ -136,15 +136,23 @@ class Generator:
         return make_batch([self.encode(p, chat=chat) for p in prompts], self.config, key,
                           request_ids=request_ids, pad_multiple=self.pad_multiple, capacity=capacity)
 
-    def run(self, batch: Batch, sampling: sampling_lib.SamplingConfig) -> GenerateOutput:
-        return self.engine.run(self.params, sampling, batch, self.round_time_s)
+    def prefill(self, batch: Batch) -> Prefill:
+        """The batch's prompts in the caches, once: pass it as ``prefill=`` to `run`, `stream`
+        and `calibrate` of this generator and of its `target_only` twin."""
+        return self.engine.prefill(self.params, batch)
 
-    def stream(self, batch: Batch, sampling: sampling_lib.SamplingConfig) -> Iterator[StreamEvent]:
-        return self.engine.stream(self.params, sampling, batch, self.round_time_s)
+    def run(self, batch: Batch, sampling: sampling_lib.SamplingConfig,
+            prefill: Prefill | None = None) -> GenerateOutput:
+        return self.engine.run(self.params, sampling, batch, self.round_time_s, prefill=prefill)
 
-    def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3) -> tuple[float, ...]:
+    def stream(self, batch: Batch, sampling: sampling_lib.SamplingConfig,
+               prefill: Prefill | None = None) -> Iterator[StreamEvent]:
+        return self.engine.stream(self.params, sampling, batch, self.round_time_s, prefill=prefill)
+
+    def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3,
+                  prefill: Prefill | None = None) -> tuple[float, ...]:
         """Measure one round per gamma on `batch` (adaptive gamma's costs) and keep them."""
-        self.round_time_s = tuple(self.engine.round_times(self.params, sampling, batch, repeats))
+        self.round_time_s = tuple(self.engine.round_times(self.params, sampling, batch, repeats, prefill=prefill))
         return self.round_time_s
 
     def detokenize(self, ids: Sequence[int]) -> str | None:

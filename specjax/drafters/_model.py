@@ -79,7 +79,7 @@ class ModelDrafter:
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         # Barrier: see the target's prefill in the engine (no constant folding over zeros).
         cache = jax.lax.optimization_barrier(self.model.init_cache(prompt_BP.shape[0], capacity))
-        cache = prefill(self.model, params, prompt_BP, cache, prompt_lengths_B - 1)
+        cache = prefill(self.model, params, prompt_BP, cache, prompt_lengths_B - 1, start_bound=0)
         return ModelDraftState(cache=cache)
 
     def _ingest(self, params, cache, tokens_BL, num_B):

@@ -76,6 +76,11 @@ class KVCache:
     k: Buffers
     v: Buffers
     lengths_B: jax.Array  # int32 [B]
+    # Static: a bound the caller guarantees, ``lengths_B <= attend_limit`` in every row, so
+    # attention reads only the first ``attend_limit`` slots (None: all). Chunked prefill sets
+    # it per chunk (`specjax.models.prefill`) so chunk j scores the slots before it, not the
+    # whole capacity, and clears it afterwards. Tree calls do not take it.
+    attend_limit: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def zeros(cls, num_layers: int, batch_size: int, num_kv_heads: int, capacity: int,
@@ -117,6 +122,13 @@ class KVCache:
     def first_layers(self, n: int) -> "KVCache":
         """The cache of layers [0, n) with the same lengths (free for the per-layer layout)."""
         return self.replace(k=self.k[:n], v=self.v[:n])
+
+    def limit_attention(self, limit: int | None) -> "KVCache":
+        """The same cache with attention reading only slots ``< limit`` (None: all). The
+        caller guarantees every row's committed length is at most ``limit``."""
+        if limit is not None and not 0 <= limit <= self.capacity:
+            raise ValueError(f"attend limit {limit} outside [0, {self.capacity}] (the cache capacity)")
+        return self.replace(attend_limit=None if limit is None else int(limit))
 
     def rollback(self, lengths_B) -> "KVCache":
         """Forget everything past ``lengths_B`` (per row). Never copies the buffers."""

@@ -548,6 +548,11 @@ class Llama:
                 t_T[None, :] if tree is None else jnp.asarray(tree.rel_positions_BT, jnp.int32))
         # write_at: the slot of the block's first token; tree_mask: None (causal) or the tree's.
         write_at, tree_mask = lengths, None
+        # limit: attention reads cache slots [0, limit) only (chunked prefill's bound on the
+        # committed lengths); None reads the whole capacity.
+        limit = None if cache is None else getattr(cache, "attend_limit", None)
+        if limit is not None and tree is not None:
+            raise ValueError("a cache with an attend limit (a prefill chunk) cannot take a tree block")
         if tree is not None:
             tree_mask = tree_attention_mask(tree, lengths, cache.capacity)
             write_at = lengths + tree.offset
@@ -555,7 +560,12 @@ class Llama:
         layers = params["layers"]
 
         def run_layer(lp, h, k_BKSH, v_BKHS):
-            past = None if cache is None else (k_BKSH, v_BKHS, lengths)
+            if cache is None or limit == 0:       # nothing committed to attend to
+                past = None
+            elif limit is not None:
+                past = (k_BKSH[:, :, :limit], v_BKHS[..., :limit], lengths)
+            else:
+                past = (k_BKSH, v_BKHS, lengths)
             return _layer(c, lp, h, cos, sin, past, tree_mask)
 
         if c.scan_layers:
