@@ -96,7 +96,7 @@ def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = T
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
 
 
-DRAFTER_KINDS = ("distilled", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
+DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
 
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
@@ -112,6 +112,11 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
         directory = draft_model or shipped_draft(target_name)
         model, params = load_draft(directory, target, target_params)
         return drafters.ModelDrafter(model), params
+    if kind == "head":            # a feature-level draft head (EAGLE / EAGLE-3 / Medusa), see specjax.drafters
+        if not draft_model:
+            raise ValueError("drafter='head' needs draft_model: a head directory written by specjax.distill "
+                             "with draft.kind in ('eagle3', 'eagle', 'medusa')")
+        return drafters.load_head(draft_model, target, target_params)
     if kind == "ngram":
         return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
     if kind == "early_exit":   # shares the target's KV cache for its layers

@@ -167,6 +167,8 @@ def drafter(w: Workload, kind: str, c):
     if kind not in w.drafters:
         if kind == "oracle":
             w.drafters[kind] = (OracleDrafter(w.target.vocab_size), None)
+        elif kind.startswith("head:"):       # head:<directory>: a feature-level draft head
+            w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=kind.split(":", 1)[1])
         else:
             w.drafters[kind] = build.make_drafter(kind, w.target, w.params, early_exit_layers=early_exit_layers(w, c),
                                                   max_ngram=c.max_ngram, draft_model=c.draft_model, target_name=w.name)

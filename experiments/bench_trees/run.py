@@ -39,6 +39,8 @@ def _log(msg: str):
 
 def proposals(c, kind: str) -> list[tuple[str, object]]:
     """(label, gamma or tree) of one drafter kind: the chains, then its trees."""
+    if kind.startswith("head:"):                   # feature heads draft chains (trees: not yet)
+        return [(f"chain:{g}", int(g)) for g in c.get("head_chains", c.chains)]
     tree_texts = c.ngram_trees if kind == "ngram" else c.model_trees
     return [(f"chain:{g}", int(g)) for g in c.chains] + [(t, trees.parse_tree(t)) for t in tree_texts]
 

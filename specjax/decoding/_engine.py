@@ -245,6 +245,10 @@ class LoopState:
     metrics: Metrics
     policy: Any                  # adaptive gamma's PolicyState, or None
     round: jax.Array
+    # The target's hidden features per committed position [B, capacity, F] for a feature-level
+    # draft head (None otherwise): positions < lengths_B - 1 are valid, later ones garbage
+    # (rolled back with the caches by the lengths alone).
+    features_BLF: Any = None
 
 
 @struct.dataclass
@@ -304,6 +308,7 @@ class Prefill:
     drafter: Any                    # the drafter whose state it holds, or None
     target_cache: Any
     draft_state: Any = None
+    features_BLF: Any = None        # the target's prompt features, when the drafter reads them
 
 
 @dataclasses.dataclass
@@ -313,6 +318,12 @@ class StreamEvent:
     done: list[bool]
     elapsed_s: float                # since the call started (prefill included)
     output: GenerateOutput | None = None   # set on the last event only
+
+
+def _write_block(buf_BLF, block_BTF, start_B):
+    """buf[b, start_b + t] = block[b, t] for every t (the caller guarantees the room)."""
+    return jax.vmap(lambda row, blk, s: jax.lax.dynamic_update_slice(row, blk.astype(row.dtype), (s, 0)))(
+        buf_BLF, block_BTF, start_B)
 
 
 def _write_rows(buf_BL, block_BK, start_B, n_B):
@@ -343,6 +354,23 @@ class Engine:
         for g in self.config.gammas:
             if not isinstance(g, int):
                 self.drafter.check_tree(g)
+        if self.feature_layers and not hasattr(self.target, "apply_with_features"):
+            raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
+                             f"but the target model {type(self.target).__name__} cannot return them")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose features the drafter reads (empty: none kept)."""
+        if self.drafter is None or self.config.max_gamma == 0:
+            return ()
+        return tuple(getattr(self.drafter, "feature_layers", ()) or ())
+
+    def _target_forward(self, params, block_BT, cache, tree=None):
+        """(logits, features or None, cache) of one target pass over a block."""
+        if not self.feature_layers:
+            logits, cache = self.target.apply(params.target, block_BT, cache, tree=tree)
+            return logits, None, cache
+        return self.target.apply_with_features(params.target, block_BT, cache, tree=tree, layers=self.feature_layers)
 
     # ------------------------------------------------------------------ stages of one round
 
@@ -352,7 +380,7 @@ class Engine:
             return (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, self.target.vocab_size), jnp.float32),
                     state.draft_state)
         context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
-                               target_cache=state.target_cache)
+                               target_cache=state.target_cache, features=state.features_BLF)
         return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
     def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
@@ -472,7 +500,7 @@ class Engine:
 
         draft_BG, q_BGV, draft_state = self._propose(params, state, draft_key_B, gamma, sampling)
         block_BG1 = jnp.concatenate([last_B[:, None], draft_BG], axis=1)
-        logits_BG1V, target_cache = self.target.apply(params.target, block_BG1, state.target_cache)
+        logits_BG1V, f_BG1F, target_cache = self._target_forward(params, block_BG1, state.target_cache)
         p_BG1V = sampling_lib.probabilities(logits_BG1V, sampling)
         p_BG1V, q_BGV, bad_p_BG1, bad_q_B = self._sanitize(logits_BG1V, p_BG1V, draft_BG, q_BGV)
         res = self._verify(sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B)
@@ -489,7 +517,11 @@ class Engine:
             # Caches see the committed prefix minus its last token (rollback = lengths only).
             target_cache=target_cache.truncate(new_L_B - 1),
             draft_state=self.drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state,
-            key_B=next_key_B, metrics=metrics, round=state.round + 1)
+            key_B=next_key_B, metrics=metrics, round=state.round + 1,
+            # The block's features land at its positions L-1 ..; those past the new committed
+            # length are garbage until overwritten (never read: see LoopState.features_BLF).
+            features_BLF=(None if f_BG1F is None
+                          else _write_block(state.features_BLF, f_BG1F, L_B - 1)))
         commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
         return new_state, commit, tested_mean, any_tested
@@ -508,7 +540,8 @@ class Engine:
         V = self.target.vocab_size
         D = tree.max_depth
         last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
-        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=L_B, target_cache=state.target_cache)
+        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=L_B, target_cache=state.target_cache,
+                               features=state.features_BLF)
         draft, q_BN1V, draft_state = self.drafter.propose_tree(
             params.draft, state.draft_state, context, draft_key_B, tree, sampling, self.config.tree_children)
         N = draft.num_nodes
@@ -610,11 +643,20 @@ class Engine:
         # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
         # otherwise spends tens of seconds of compile time folding attention over constants).
         cache = jax.lax.optimization_barrier(self.target.init_cache(B, capacity))
-        cache = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
-                               self.config.prefill_chunk, start_bound=0)
-        draft_state = (self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
+        layers = self.feature_layers or None
+        out = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
+                             self.config.prefill_chunk, start_bound=0, feature_layers=layers)
+        cache, f_BPF = out if layers else (out, None)
+        features_BLF = (None if f_BPF is None else
+                        jnp.zeros((B, capacity, f_BPF.shape[-1]), f_BPF.dtype).at[:, :prompt_BP.shape[1]].set(f_BPF))
+        draft_state = (self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
                        if with_draft and self.config.max_gamma > 0 else None)
-        return cache, draft_state
+        return cache, draft_state, features_BLF
+
+    def _drafter_init(self, params, prompt_BP, prompt_lengths_B, capacity, f_BPF):
+        if self.feature_layers:
+            return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity, features_BPF=f_BPF)
+        return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
 
     def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
         """The loop state after prefill; ``pre`` = (target cache, drafter state or None) from
@@ -622,19 +664,22 @@ class Engine:
         B, P = prompt_BP.shape
         tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
         if pre is None:
-            cache, draft_state = self._prefill(params, prompt_BP, prompt_lengths_B, capacity)
+            cache, draft_state, features_BLF = self._prefill(params, prompt_BP, prompt_lengths_B, capacity)
         else:
-            cache, draft_state = pre
+            cache, draft_state, features_BLF = pre
             if self.config.max_gamma == 0:
                 draft_state = None
             elif draft_state is None:
-                draft_state = self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
+                f_BPF = None if features_BLF is None else features_BLF[:, :P]
+                draft_state = self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
+            if not self.feature_layers:
+                features_BLF = None
         policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None
         return LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
                          draft_state=draft_state, key_B=key_B,
                          metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
-                         policy=policy, round=jnp.int32(0))
+                         policy=policy, round=jnp.int32(0), features_BLF=features_BLF)
 
     def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
         state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity, pre=pre)
@@ -707,11 +752,11 @@ class Engine:
         ``prefill=`` to `init` / `run` / `stream` / `round_times` of this engine or of another
         with the same target (e.g. `Generator.target_only`), so a prompt is prefilled once."""
         self._check(batch)
-        cache, draft_state = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
-                                               capacity=batch.capacity, with_draft=True)
+        cache, draft_state, features_BLF = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
+                                                             capacity=batch.capacity, with_draft=True)
         return Prefill(batch=batch, target=self.target,
                        drafter=self.drafter if draft_state is not None else None,
-                       target_cache=cache, draft_state=draft_state)
+                       target_cache=cache, draft_state=draft_state, features_BLF=features_BLF)
 
     def _pre(self, batch: Batch, prefill: Prefill | None):
         """(target cache, drafter state or None) of a `Prefill` checked against this engine and
@@ -728,7 +773,10 @@ class Engine:
             raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
                              "make one with engine.prefill(params, batch) for this batch")
         same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter
-        return prefill.target_cache, (prefill.draft_state if same_drafter else None)
+        if self.feature_layers and (prefill.features_BLF is None or not same_drafter):
+            raise ValueError("this prefill holds no target features for this engine's feature head: make it "
+                             "with this engine's prefill (or let the run prefill)")
+        return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BLF
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:
         """Prefill the target (and the drafter) on the batch, or take ``prefill``: the state

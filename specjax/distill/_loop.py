@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint as ckpt_lib
-from specjax.distill import _data, _drafts, _prepare, _sources, _train
+from specjax import drafters
+from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _train
 
 MIX_STREAM = 7     # a fixed stream id for the per-step source choice
 
@@ -217,6 +218,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     mixture = Mixture(list(weights), list(weights.values()), c.seed)
 
     # ---- draft ---------------------------------------------------------------------------
+    is_head = c.draft.kind in drafters.HEAD_KINDS
+    if is_head and "draft" in weights:
+        raise ValueError(f"draft.kind={c.draft.kind!r} (a feature head) trains on target or fixed data only: "
+                         f"set data.draft_weight = 0 (on-policy data for heads is not built yet)")
     choice = _drafts.DraftChoice.from_config(c.draft)
     head_ids = None
     if choice.head_vocab:
@@ -227,8 +232,16 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         head_ids = _prepare.head_vocabulary(datas, target.vocab_size, choice.head_vocab, always=eos)
         cover = _head_coverage(datas, head_ids)
         log(f"reduced head: {len(head_ids)} tokens cover {cover:.4f} of the training continuations")
-    draft, params = _drafts.build_draft(choice, target, target_params, key=_sources.key_for(c.seed, "draft-init"),
-                                        head_ids=head_ids)
+    if is_head:
+        # The "draft" of the step is the head's static objective; its trainable params are the
+        # head's own, and the target's params ride along in `frozen` (outside the gradient).
+        draft = _heads.objective_from_config(c, target, head_ids)
+        params = drafters.init_head_params(draft.config, _sources.key_for(c.seed, "draft-init"), head_ids=head_ids)
+        trainable = draft.trainable
+    else:
+        draft, params = _drafts.build_draft(choice, target, target_params,
+                                            key=_sources.key_for(c.seed, "draft-init"), head_ids=head_ids)
+        trainable = choice.trainable
     spec = _train.LossSpec(c.loss.divergence, float(c.loss.beta), float(c.loss.temperature))
     mean_tokens = np.mean([p.mean_tokens_per_batch() for p in sources.values()]) if sources else \
         c.data.tokens_per_batch / 2
@@ -238,10 +251,13 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
         total_updates=max(1, total_steps // accumulate), end_lr_fraction=c.optim.end_lr_fraction,
         clip_norm=c.optim.clip_norm, weight_decay=c.optim.weight_decay, accumulate=accumulate)
-    state, frozen = _train.init_state(params, choice.trainable, optimizer, _sources.key_for(c.seed, "train"))
+    state, frozen = _train.init_state(params, trainable, optimizer, _sources.key_for(c.seed, "train"))
     head_SD = _train.teacher_head(target, target_params, head_ids)
     full_head = _train.teacher_head(target, target_params, None)
-    step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip")
+    if is_head:
+        frozen = {**frozen, "target": target_params}
+    step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip",
+                                     loss=_heads.head_loss if is_head else _train.loss_fn)
 
     # ---- resume --------------------------------------------------------------------------
     writer = MetricsWriter(workdir)
@@ -266,8 +282,13 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         if eval_plan is None:
             return None
         t0 = time.perf_counter()
-        full = _train.merge_params(state.params, frozen)
-        res = _train.evaluate(draft, full, full_head, eval_plan, tuple(range(1, int(c.eval.gamma) + 1)))
+        gammas = tuple(range(1, int(c.eval.gamma) + 1))
+        if is_head:
+            own = {**state.params, **{k: v for k, v in frozen.items() if k != "target"}}
+            res = _heads.evaluate_head(draft, own, target_params, eval_plan, gammas)
+        else:
+            full = _train.merge_params(state.params, frozen)
+            res = _train.evaluate(draft, full, full_head, eval_plan, gammas)
         res.update({"kind": "eval", "step": int(step), "tokens": tokens_done, "eval_s": time.perf_counter() - t0})
         writer.write(res)
         log(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
@@ -385,9 +406,21 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     summary = {"steps": step, "tokens": tokens_done, "train_tokens_per_s": tok_loop / max(time.perf_counter() - t_loop, 1e-9),
                "wall_s": time.perf_counter() - t_start, **timings, "divergence": spec.divergence,
                "skipped_steps": skipped,
-               "draft": {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")},
+               "draft": ({"kind": c.draft.kind, **draft.config.to_dict(), "ttt_steps": draft.ttt_steps,
+                          "feature_weight": draft.feature_weight} if is_head else
+                         {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")}),
                "eval": last_eval}
-    if tokens_done >= c.budget_tokens and c.export_dir:
+    if tokens_done >= c.budget_tokens and c.export_dir and is_head:
+        own = {**state.params, **{k: v for k, v in frozen.items() if k != "target"}}
+        if not bool(_train.all_finite(state.params)):
+            raise FloatingPointError(f"not exporting to {c.export_dir}: the head's parameters are not finite")
+        desc = drafters.save_head(c.export_dir, draft.config, own, dtype=c.export_dtype, info={
+            "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
+            "ttt_steps": draft.ttt_steps, "feature_weight": draft.feature_weight,
+            "tokens": tokens_done, "steps": step, "eval": last_eval})
+        summary["export"] = {"dir": str(c.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
+        log(f"exported the head to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
+    elif tokens_done >= c.budget_tokens and c.export_dir:
         from specjax.models.draft_artifact import save_draft
         full = _train.merge_params(state.params, frozen)
         if not bool(_train.all_finite(full)):      # the loop's check makes this unreachable; never export NaN

@@ -178,15 +178,18 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False):
+def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False, loss=None):
     """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated.
 
     ``metrics["nonfinite"]`` is 1.0 when the loss, the gradient norm or the updated parameters
     are not all finite (else 0.0). With ``skip_nonfinite`` such a step leaves the parameters and
     optimizer state as they were (only the step counter advances); without it the caller must
-    stop (the returned state then holds the non-finite values)."""
+    stop (the returned state then holds the non-finite values). ``loss``: the loss function
+    (default `loss_fn`; feature heads pass `specjax.distill._heads.head_loss`), called as
+    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec) -> (loss, aux)``."""
+    objective = loss_fn if loss is None else loss
     def step(state: TrainState, frozen, head_SD, batch):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
         (loss, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -1,8 +1,14 @@
 """Drafters: who proposes the tokens the target verifies (one protocol, several kinds)."""
 
+from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadCache, HeadConfig,
+                                     MedusaDrafter, eagle_train_forward, head_logits, head_params,
+                                     init_head_params, medusa_features, medusa_logits)
+from specjax.drafters._head_artifact import is_head_dir, load_head, save_head
 from specjax.drafters._model import EarlyExitDrafter, ModelDrafter, ModelDraftState, draw, rollout
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext, Drafter
 
-__all__ = ["DraftContext", "Drafter", "EarlyExitDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
+__all__ = ["is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter",
+           "eagle_train_forward", "head_logits", "medusa_features", "head_params", "init_head_params", "medusa_logits",
+           "DraftContext", "Drafter", "EarlyExitDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "rollout"]

@@ -440,6 +440,17 @@ class Llama:
         h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree)
         return self.logits_from_hidden(params, h), cache
 
+    def apply_with_features(self, params, tokens_BT, cache, num_valid_B=None, tree=None,
+                            layers: tuple[int, ...] = (-1,)):
+        """`apply` plus the hidden features a draft head reads: (logits [B, T, V], features
+        [B, T, len(layers) * D], cache). Features are the residual stream after each listed
+        layer (0-based; -1 = the last layer's output before the final norm), concatenated in
+        the order given, in the model's dtype. One forward: the same program as `apply` with
+        the chosen layers' outputs kept."""
+        h, feats, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree, collect=layers)
+        h = rms_norm(h, params["final_norm"], self.config.rms_eps)
+        return self.logits_from_hidden(params, h), jnp.concatenate(feats, axis=-1), cache
+
     # -- parameters -----------------------------------------------------------------------
     def init_params(self, key) -> dict:
         """Random parameters (normal(0.02) weights, unit norms) in this config's layout."""
@@ -500,7 +511,17 @@ class Llama:
 
     # -- pieces ---------------------------------------------------------------------------
     def hidden_states(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
-        """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache.
+        """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache; see
+        `trunk`."""
+        h, _, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree)
+        return rms_norm(h, params["final_norm"], self.config.rms_eps), cache
+
+    def trunk(self, params, tokens_BT, cache, num_valid_B=None, tree=None, collect: tuple[int, ...] = (),
+              inputs_BTD=None):
+        """The decoder layers: (last layer's output [B, T, D] before the final norm, the outputs
+        of the layers in ``collect`` (0-based, -1 = last; a tuple of [B, T, D]), updated cache).
+        ``inputs_BTD`` replaces the token embedding as the first layer's input (a draft head's
+        own layer; ``tokens_BT`` is then ignored and may be None).
 
         Without ``tree``: token t of row b at slot and position ``lengths_B[b] + t``, causal,
         ``lengths_B`` advanced by ``num_valid_B`` (default T). With a `TreeBlock` (needs a
@@ -511,10 +532,19 @@ class Llama:
         """
         c = self.config
         self.check_params(params)
-        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
-        if tokens_BT.ndim != 2:
-            raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
-        B, T = tokens_BT.shape
+        if inputs_BTD is None:
+            tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+            if tokens_BT.ndim != 2:
+                raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
+            B, T = tokens_BT.shape
+        else:
+            if jnp.ndim(inputs_BTD) != 3 or jnp.shape(inputs_BTD)[2] != c.hidden_size:
+                raise ValueError(f"inputs_BTD must be [batch, time, {c.hidden_size}], got {jnp.shape(inputs_BTD)}")
+            B, T = jnp.shape(inputs_BTD)[:2]
+        collect = tuple(int(i) % c.num_layers if -c.num_layers <= int(i) < c.num_layers else None
+                        for i in collect)
+        if None in collect:
+            raise ValueError(f"feature layers must be in [-{c.num_layers}, {c.num_layers}), the model's layers")
         if tree is not None:
             if cache is None:
                 raise ValueError("tree= needs a cache: tree entries are written past its committed "
@@ -529,7 +559,10 @@ class Llama:
                 raise ValueError(f"a tree block for tokens [{B}, {T}] needs rel_positions_BT "
                                  f"[{B}, {T}] and visible_BTW [{B}, {T}, offset + {T}], got "
                                  f"{pos_shape} and {vis_shape}")
-        h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+        if inputs_BTD is None:
+            h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+        else:
+            h = jnp.asarray(inputs_BTD).astype(c.jnp_dtype)
         t_T = jnp.arange(T, dtype=jnp.int32)
         if cache is None:
             positions = jnp.broadcast_to(t_T[None, :], (B, T))
@@ -568,14 +601,18 @@ class Llama:
                 past = (k_BKSH, v_BKHS, lengths)
             return _layer(c, lp, h, cos, sin, past, tree_mask)
 
+        collected = {}
         if c.scan_layers:
             def body(h, xs):
                 lp, k_BKSH, v_BKHS = xs
                 h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS)
-                return h, new_kv
+                return h, (new_kv, h) if collect else new_kv
 
             xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
-            h, (k_new, v_new) = jax.lax.scan(body, h, xs)      # [L, B, T, K, H]
+            h, ys = jax.lax.scan(body, h, xs)      # kv: [L, B, T, K, H]
+            (k_new, v_new), h_L = ys if collect else (ys, None)
+            for i in collect:
+                collected[i] = h_L[i]
             if cache is not None:
                 k_buf, v_buf = write_kv(cache.k, cache.v, k_new, v_new, write_at)
         else:
@@ -583,23 +620,25 @@ class Llama:
             for i, lp in enumerate(layers):
                 if cache is None:
                     h, _ = run_layer(lp, h, None, None)
-                    continue
-                k_i, v_i = cache.layer(i)
-                h, (k, v) = run_layer(lp, h, k_i, v_i)
-                # Each layer writes its own buffer after reading it: in place when donated.
-                k_i, v_i = write_kv(k_i, v_i, k, v, write_at)
-                ks.append(k_i)
-                vs.append(v_i)
+                else:
+                    k_i, v_i = cache.layer(i)
+                    h, (k, v) = run_layer(lp, h, k_i, v_i)
+                    # Each layer writes its own buffer after reading it: in place when donated.
+                    k_i, v_i = write_kv(k_i, v_i, k, v, write_at)
+                    ks.append(k_i)
+                    vs.append(v_i)
+                if i in collect:
+                    collected[i] = h
             k_buf, v_buf = tuple(ks), tuple(vs)
 
-        h = rms_norm(h, params["final_norm"], c.rms_eps)
+        feats = tuple(collected[i] for i in collect)
         if tree is not None:          # tentative entries: the committed length stays
             cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths)
         elif cache is not None:
             n = T if num_valid_B is None else num_valid_B
             n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
             cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths + n)
-        return h, cache
+        return h, feats, cache
 
     def logits_from_hidden(self, params, h_BTD):
         """The LM head: float32 logits [B, T, V] from final hidden states."""

@@ -23,7 +23,7 @@ PREFILL_CHUNK = 512
 
 
 def prefill(model, params, prompt_BP, cache, num_valid_B, chunk: int | None = PREFILL_CHUNK,
-            start_bound: int | None = None):
+            start_bound: int | None = None, feature_layers: tuple[int, ...] | None = None):
     """The cache after feeding ``prompt_BP`` (right-padded; ``num_valid_B`` tokens of each row
     enter the cache) in chunks of at most ``chunk`` tokens (None: one call). Returns the cache.
 
@@ -32,7 +32,11 @@ def prefill(model, params, prompt_BP, cache, num_valid_B, chunk: int | None = PR
     offset ``start`` attends only to the first ``start_bound + start`` slots (all a row can have
     committed before it) instead of the whole capacity: prefill time then grows with the
     prompt, not prompt x capacity, and the first chunk is a plain causal forward. None: every
-    chunk reads the whole capacity (any entry state)."""
+    chunk reads the whole capacity (any entry state).
+
+    ``feature_layers`` (a model with ``apply_with_features``): also return the hidden features
+    of every prompt position, ``(cache, features_BPF)`` (positions past a row's valid count
+    hold garbage)."""
     P = prompt_BP.shape[1]
     if chunk is not None and chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1 (or None), got {chunk}")
@@ -41,10 +45,19 @@ def prefill(model, params, prompt_BP, cache, num_valid_B, chunk: int | None = PR
     limited = start_bound is not None and hasattr(cache, "limit_attention")
     step = max(P, 1) if chunk is None else chunk
     num_valid_B = jnp.asarray(num_valid_B, jnp.int32)
+    feats = []
     for start in range(0, max(P, 1), step):
         block_BC = prompt_BP[:, start:start + step]
         n_B = jnp.clip(num_valid_B - start, 0, block_BC.shape[1]) if P > step else num_valid_B
         if limited:
             cache = cache.limit_attention(min(start_bound + start, cache.capacity))
-        _, cache = model.apply(params, block_BC, cache, num_valid_B=n_B)
-    return cache.limit_attention(None) if limited else cache
+        if feature_layers is None:
+            _, cache = model.apply(params, block_BC, cache, num_valid_B=n_B)
+        else:
+            _, f_BCF, cache = model.apply_with_features(params, block_BC, cache, num_valid_B=n_B,
+                                                        layers=tuple(feature_layers))
+            feats.append(f_BCF)
+    cache = cache.limit_attention(None) if limited else cache
+    if feature_layers is None:
+        return cache
+    return cache, jnp.concatenate(feats, axis=1)

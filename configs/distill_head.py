@@ -1,0 +1,40 @@
+"""Train a feature-level draft head for SmolLM2-135M-Instruct (issue 14): configs/distill.py
+with ``draft.kind`` a head kind ('eagle3' here; 'eagle' or 'medusa' by override).
+
+Run: python -m specjax.distill --config=configs/distill_head.py --workdir=/tmp/head
+     (--config.draft.kind=eagle | medusa for the other heads)
+
+Data: the target's greedy and temperature-1 continuations of the Spec-Bench *train* prompts
+(one of each per prompt); the held-out split is only evaluated on. The head reads the target's
+features (EAGLE-3: three layers fused; EAGLE / Medusa: the last layer's output), drafts through
+the target's embedding and a reduced head over the 8,192 most frequent continuation tokens
+(the target's own rows: nothing but the head's layer is stored), and trains with forward KL to
+the target's distribution over those tokens, unrolling ``head.ttt_steps`` drafting steps.
+"""
+
+import ml_collections
+
+from configs import distill
+
+
+def get_config():
+    c = distill.get_config()
+    c.draft.kind = "eagle3"             # 'eagle3' | 'eagle' | 'medusa'
+    c.draft.head_vocab = 8192
+    c.data.target_weight = 1.0
+    c.data.draft_weight = 0.0           # on-policy data is for standalone drafts only
+    c.data.sampled_samples = 1          # plus one temperature-1 continuation per train prompt
+    c.data.tokens_per_batch = 2048      # each step also runs the target forward (features, teacher p)
+    c.loss.divergence = "fkl"
+    c.head = ml_collections.ConfigDict()
+    c.head.ttt_steps = 3                # EAGLE-3 training-time test: drafting steps unrolled (1 for eagle/medusa)
+    c.head.feature_weight = 0.0         # EAGLE: weight of the smooth-L1 feature regression (1.0 in the paper)
+    c.head.num_heads = 4                # Medusa heads
+    c.head.feature_layers = ()          # () = the kind's default (EAGLE-3: low, middle, high; else the last)
+    c.optim.learning_rate = 1e-3
+    c.optim.warmup_steps = 30
+    c.budget_tokens = 300_000
+    c.checkpoint_every = 100
+    c.eval.every = 150
+    c.eval.gamma = 5
+    return c

@@ -1,0 +1,233 @@
+"""Training feature-level draft heads (Medusa-1, EAGLE, EAGLE-3 style) with the distillation loop.
+
+The head's loss needs the target's features at every position of a training sequence (an
+EAGLE head reads ``f_{s-1}`` at every slot, prompt included) and the target's distribution at
+the loss positions. Both come from one cache-free target forward inside the jitted step,
+outside the gradient (``stop_gradient``): the step is a pure function of (head state, target
+params, batch). Cost: one target forward per batch, about as much as the head's forward and
+backward with a reduced head; caching features on disk (F floats per token, 3x for EAGLE-3)
+would save that forward on later epochs and is left for when data sets outgrow one epoch.
+
+Losses per position (``mask`` marks the positions whose next token is a continuation token):
+* divergence (`LossSpec`: FKL / RKL / JSD / TVD) between the target's distribution and the
+  head's, over the head's tokens (p restricted to a reduced head and renormalized, as for the
+  standalone draft, see `_train`);
+* EAGLE: plus ``feature_weight`` x smooth L1 between the head's output and the target's feature
+  (Li et al. 2024 use regression + 0.1 x classification);
+* EAGLE-3: ``ttt_steps`` drafting steps unrolled (training-time test, Li et al. 2025): step j's
+  output at origin o is scored against the target's distribution of ``x_{o+j}``; steps weigh
+  equally;
+* Medusa: head k on ``f_s`` against the target's distribution of ``x_{s+k+1}``.
+
+Evaluation (held-out target-greedy continuations): temperature-1 acceptance sum_x min(p, q) of
+the first draft step, greedy agreement per draft step, and the greedy chain's accepted tokens
+per target pass, simulated exactly along each sequence with the head's multi-step outputs (a
+round at origin o accepts the run of steps j whose argmax equals the target's, then commits one
+more token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import drafters
+from specjax.distill import _divergence
+from specjax.distill._train import teacher_logits
+from specjax.models import Llama
+from specjax.models import llama as llama_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadObjective:
+    """Static description of a head's training (hashable: the jitted step's static argument)."""
+    config: drafters.HeadConfig
+    target: Llama
+    ttt_steps: int = 1
+    feature_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.ttt_steps < 1:
+            raise ValueError(f"head.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.config.kind == "medusa" and self.ttt_steps != 1:
+            raise ValueError("Medusa heads are not autoregressive: head.ttt_steps must be 1")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"head.feature_weight must be >= 0, got {self.feature_weight}")
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        return tuple(n for n in self.config.own_param_names if n != "head_ids")
+
+
+def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
+    """The objective of a distillation config whose ``draft.kind`` is a head kind."""
+    h = c.get("head", {})
+    layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
+    hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
+                                  head_size=int(c.draft.head_vocab) or None, feature_layers=layers)
+    kind = c.draft.kind
+    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 1 if kind != "eagle3" else 3)),
+                         feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)))
+
+
+def _shift(x, k: int):
+    """x[:, t + k] at t (zeros past the end)."""
+    if k == 0:
+        return x
+    pad = jnp.zeros((x.shape[0], k) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+def _target_pass(obj: HeadObjective, tp, tokens_BT):
+    """(final normed hidden [B, T, D], features [B, T, F]) of the target, outside the gradient."""
+    hc = obj.config
+    h, feats, _ = obj.target.trunk(tp, tokens_BT, None, collect=hc.feature_layers)
+    h = llama_lib.rms_norm(h, tp["final_norm"], obj.target.config.rms_eps)
+    return jax.lax.stop_gradient(h), jax.lax.stop_gradient(jnp.concatenate(feats, axis=-1))
+
+
+def _student_logits(obj: HeadObjective, params, head_SD, h_BTD):
+    x = llama_lib.rms_norm(h_BTD, params["final_norm"], obj.target.config.rms_eps)
+    return jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _smooth_l1(x):
+    a = jnp.abs(x)
+    return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
+
+
+def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
+    """The head's loss on one batch (see the module doc); ``frozen`` = {"target": target params,
+    plus the head's non-trainable own params (``head_ids``)}; ``head_SD``: the rows of the
+    target's output layer over the head's tokens."""
+    obj, hc = draft, draft.config
+    tp = frozen["target"]
+    own = {**trainable, **{k: v for k, v in frozen.items() if k != "target"}}
+    params = drafters.head_params(hc, own, tp)
+    tokens, mask = batch["tokens"], batch["mask"]
+    h_BTD, f_BTF = _target_pass(obj, tp, tokens)
+    p_logits = teacher_logits(head_SD, h_BTD)
+    terms, first = [], None
+    if hc.kind == "medusa":
+        h_BTKD = drafters.medusa_features(hc, params, f_BTF)
+        outs = [h_BTKD[:, :, k] for k in range(hc.num_heads)]
+        shifts = [k + 1 for k in range(hc.num_heads)]
+    else:
+        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens, f_BTF, obj.ttt_steps,
+                                                          with_logits=False)]
+        shifts = list(range(len(outs)))
+    for out, k in zip(outs, shifts):
+        q_logits = _student_logits(obj, params, head_SD, out)
+        div = _divergence.divergence(spec.divergence, _shift(p_logits, k), q_logits, spec.temperature, spec.beta)
+        terms.append(_divergence.masked_mean(div, _shift(mask, k)))
+        if first is None:
+            first = (_shift(p_logits, k), q_logits, _shift(mask, k))
+    loss = sum(terms) / len(terms)
+    aux = {}
+    if hc.kind == "eagle" and obj.feature_weight > 0:
+        reg = _divergence.masked_mean(jnp.mean(_smooth_l1(outs[0].astype(jnp.float32) - f_BTF.astype(jnp.float32)),
+                                               axis=-1), mask)
+        loss = loss + obj.feature_weight * reg
+        aux["feature_loss"] = reg
+    p_l, q_l, m = first
+    p, q = jax.nn.softmax(p_l, -1), jax.nn.softmax(q_l, -1)
+    aux.update({"loss": loss,
+                "alpha_on_head": _divergence.masked_mean(jnp.sum(jnp.minimum(p, q), -1), m),
+                "agreement_on_head": _divergence.masked_mean(
+                    (jnp.argmax(p_l, -1) == jnp.argmax(q_l, -1)).astype(jnp.float32), m),
+                "loss_tokens": jnp.sum(mask)})
+    for j, t in enumerate(terms):
+        aux[f"divergence_step{j + 1}"] = t
+    return loss, aux
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+def _eval_batch(obj: HeadObjective, params, tp, tokens_BT, steps: int):
+    """Per origin o: acceptance of step 1 at temperature 1 [B, T], and per step j the head's
+    argmax and the target's argmax of token x_{o+j} ([B, T, J] each)."""
+    hc = obj.config
+    h_BTD, f_BTF = _target_pass(obj, tp, tokens_BT)
+    p_logits = obj.target.logits_from_hidden(tp, h_BTD)                 # [B, T, V]: p_t scores x_{t+1}
+    if hc.kind == "medusa":
+        # Origin o reads f_{o-1}: head k scores x_{o+k}.
+        f_prev = jnp.concatenate([jnp.zeros_like(f_BTF[:, :1]), f_BTF[:, :-1]], axis=1)
+        q_all = drafters.medusa_logits(hc, params, f_prev, steps)      # [B, T, J, V]
+        qs = [q_all[:, :, j] for j in range(q_all.shape[2])]
+    else:
+        qs = [lg for _, lg in drafters.eagle_train_forward(hc, params, tokens_BT, f_BTF, steps)]
+    p_targets = [_shift(p_logits, j) for j in range(len(qs))]
+    alpha = jnp.sum(jnp.minimum(jax.nn.softmax(p_targets[0], -1), jax.nn.softmax(qs[0], -1)), -1)
+    q_arg = jnp.stack([jnp.argmax(q, -1) for q in qs], axis=-1)
+    p_arg = jnp.stack([jnp.argmax(p, -1) for p in p_targets], axis=-1)
+    return alpha, q_arg, p_arg
+
+
+_eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0, 4))
+
+
+def chain_tokens_per_pass(agree_OJ: np.ndarray, valid_O: np.ndarray, gamma: int) -> tuple[int, int]:
+    """(committed tokens, target passes) of greedy chain drafting along one target-greedy
+    sequence: ``agree_OJ[o, j]`` says whether draft step j+1 from origin o (o = the position of
+    the last committed token) proposes the target's token; ``valid_O`` marks the origins whose
+    next token is a continuation token (consecutive)."""
+    origins = np.flatnonzero(valid_O)
+    if origins.size == 0:
+        return 0, 0
+    o, end = int(origins[0]), int(origins[-1]) + 1
+    committed = passes = 0
+    while o < end:
+        n = 0
+        while n < gamma and o + n < end and agree_OJ[o, n]:
+            n += 1
+        c = min(n + 1, end - o)
+        committed += c
+        passes += 1
+        o += c
+    return committed, passes
+
+
+def evaluate_head(obj: HeadObjective, own: dict, tp, plan, gammas) -> dict:
+    """alpha_t1 (step 1), greedy agreement per step, greedy chain tokens per target pass per
+    gamma, over one pass of `plan` (held-out target-greedy continuations)."""
+    gammas = tuple(int(g) for g in (gammas if np.ndim(gammas) else (gammas,)))
+    J = max(gammas)
+    if obj.config.kind == "medusa":
+        J = min(J, obj.config.num_heads)
+    params = drafters.head_params(obj.config, own, tp)
+    alpha_sum = count = 0.0
+    agree_sum = np.zeros(J)
+    agree_cnt = np.zeros(J)
+    committed, passes = dict.fromkeys(gammas, 0), dict.fromkeys(gammas, 0)
+    for i in range(plan.batches_per_epoch):
+        b = plan.batch(i)
+        alpha, q_arg, p_arg = _eval_batch_jit(obj, params, tp, jnp.asarray(b["tokens"]), J)
+        alpha, agree = np.asarray(alpha), np.asarray(q_arg) == np.asarray(p_arg)
+        m = b["mask"] > 0
+        alpha_sum += float(alpha[m].sum())
+        count += float(m.sum())
+        for j in range(J):
+            mj = np.asarray(_shift(jnp.asarray(b["mask"]), j)) > 0
+            ok = m & mj
+            agree_sum[j] += float(agree[..., j][ok].sum())
+            agree_cnt[j] += float(ok.sum())
+        for r in range(m.shape[0]):
+            if not m[r].any():
+                continue
+            # Step j from origin o is only meaningful while o + j stays inside the continuation.
+            last = int(np.flatnonzero(m[r])[-1])
+            inside = np.arange(m.shape[1])[:, None] + np.arange(J)[None, :] <= last
+            for g in gammas:
+                c, p = chain_tokens_per_pass(agree[r] & inside, m[r], min(g, J))
+                committed[g] += c
+                passes[g] += p
+    out = {"alpha_t1": alpha_sum / max(count, 1.0), "greedy_agreement": float(agree_sum[0] / max(agree_cnt[0], 1.0)),
+           "eval_tokens": int(count)}
+    for j in range(J):
+        out[f"greedy_agreement_step{j + 1}"] = float(agree_sum[j] / max(agree_cnt[j], 1.0))
+    for g in gammas:
+        out[f"greedy_tokens_per_pass_g{g}"] = committed[g] / max(passes[g], 1)
+    return out

@@ -1,0 +1,437 @@
+"""Feature-level draft heads: Medusa-1, EAGLE (1/2) and EAGLE-3 style, on the target's features.
+
+A head reads the target's hidden features of the committed positions (`DraftContext.features`,
+kept by the engine for every committed position and rolled back with the caches) and drafts
+with the target's own embedding, final norm and LM head; only the head's own weights are
+trained and exported (`HeadConfig.own_param_names`).
+
+Indexing. ``f_t`` is the target's feature at position t (the residual stream after the chosen
+layers, before the final norm); the target's LM head on ``norm(f_t)`` gives the distribution
+of token ``x_{t+1}``. At a round with L committed tokens the engine knows ``f_0 .. f_{L-2}``
+(the last committed token is the first input of the next verification pass).
+
+* **Medusa-1** (Cai et al. 2024): K residual blocks ``h_k = f + SiLU(W_k f + b_k)`` on
+  ``f_{L-2}``; head k (1-based) gives the distribution of ``x_{L-1+k}`` through the target's
+  head. Each proposal is drawn from its own head independently of the others, so q_k is
+  exactly the distribution it was drawn from; no autoregression, one pass per round.
+* **EAGLE** (Li et al. 2024): the entry at slot s is the pair (token ``x_s``, feature of
+  position s-1): ``fc([embed(x_s) ; g_{s-1}])`` (2D -> D), one decoder layer with its own KV
+  cache, output ``h_s`` = the head's prediction of ``f_s``, logits of ``x_{s+1}`` from the
+  target's final norm and head. ``g_{s-1}`` is the target's ``f_{s-1}`` where known, else the
+  head's own ``h_{s-1}`` (drafting continues in feature space). Trained with a feature
+  regression (smooth L1 to ``f_s``) plus a divergence to the target's distribution.
+* **EAGLE-3 style** (Li et al. 2025): the target features are a low, a middle and a high
+  layer, fused by ``fuse`` (3D -> D) before ``fc``; beyond the known prefix the head's own
+  output stands in for the fused feature. No feature regression; training-time test unrolls
+  several drafting steps so the head learns from its own predictions (`eagle_train_forward`).
+
+A reduced-vocabulary head (``head_size``: the target's head rows of the ``head_ids`` tokens,
+-inf logit elsewhere) keeps sampling exact: q is zero off the subset, and the verifier only
+needs q to be what was sampled.
+
+The EAGLE head is a model of the `apply` protocol over its own `HeadCache`, so
+`ModelDrafter`'s catch-up, rollout and commit drive it unchanged (`FeatureHeadDrafter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import sampling as sampling_lib
+from specjax.drafters._model import ModelDrafter, ModelDraftState, draw
+from specjax.drafters._protocol import DraftContext
+from specjax.models import Llama, ModelConfig, prefill
+from specjax.models import llama as llama_lib
+from specjax.models.kv_cache import KVCache
+
+HEAD_KINDS = ("medusa", "eagle", "eagle3")
+INIT_STD = 0.02
+
+
+def default_feature_layers(kind: str, num_layers: int) -> tuple[int, ...]:
+    """Medusa and EAGLE read the last layer; EAGLE-3 a low, a middle and a high layer
+    (layers 2, L/2 and L-3 in 1-based terms, as in Li et al. 2025)."""
+    if kind == "eagle3":
+        return tuple(sorted({min(1, num_layers - 1), num_layers // 2 - 1 if num_layers > 1 else 0,
+                             max(num_layers - 4, 0)}))
+    return (-1,)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """Static description of a draft head over a given target (hashable)."""
+    kind: str
+    target: ModelConfig
+    feature_layers: tuple[int, ...]
+    num_heads: int = 4                  # Medusa: heads (the longest chain it drafts)
+    head_size: int | None = None        # reduced-vocabulary head (None: the target's full head)
+
+    def __post_init__(self):
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"head kind must be one of {HEAD_KINDS}, got {self.kind!r}")
+        L = self.target.num_layers
+        if not self.feature_layers or any(not -L <= int(i) < L for i in self.feature_layers):
+            raise ValueError(f"feature layers {self.feature_layers} must be non-empty, in [-{L}, {L}) "
+                             f"(the target has {L} layers)")
+        if self.kind != "eagle3" and len(self.feature_layers) != 1:
+            raise ValueError(f"a {self.kind} head reads one feature layer, got {self.feature_layers}")
+        if self.kind == "medusa" and self.num_heads < 1:
+            raise ValueError(f"a Medusa head needs num_heads >= 1, got {self.num_heads}")
+        if self.head_size is not None and not 0 < self.head_size <= self.target.vocab_size:
+            raise ValueError(f"head_size must be in [1, {self.target.vocab_size}], got {self.head_size}")
+
+    @classmethod
+    def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
+             feature_layers: tuple[int, ...] | None = None) -> "HeadConfig":
+        layers = default_feature_layers(kind, target.num_layers) if feature_layers is None else feature_layers
+        return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
+                   head_size=head_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.feature_layers) * self.target.hidden_size
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        """The head's own decoder layer: the target's dimensions, one layer, stacked layout."""
+        return self.target.replace(num_layers=1, scan_layers=True, fuse_projections=False)
+
+    @property
+    def own_param_names(self) -> tuple[str, ...]:
+        """The head's own parameters (what is trained and exported); the rest are the target's."""
+        if self.kind == "medusa":
+            names = ("medusa_w", "medusa_b")
+        else:
+            names = ("fc", "layers") + (("fuse",) if self.kind == "eagle3" else ())
+        return names + (("head_ids",) if self.head_size is not None else ())
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "feature_layers": list(self.feature_layers), "num_heads": self.num_heads,
+                "head_size": self.head_size}
+
+
+def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
+    """Random own parameters of a head (normal(0.02) weights, unit norms; Medusa's W_k start
+    at zero so each head starts as the target's own next-token head on the shifted feature).
+    ``head_ids``: the reduced head's tokens (required iff ``hc.head_size``)."""
+    D, F = hc.hidden_size, hc.feature_size
+    dtype = hc.target.jnp_dtype
+    k1, k2, k3 = jax.random.split(key, 3)
+    if hc.kind == "medusa":
+        own = {"medusa_w": jnp.zeros((hc.num_heads, D, D), dtype), "medusa_b": jnp.zeros((hc.num_heads, D), dtype)}
+    else:
+        lc = hc.layer_config
+        own = {"fc": (INIT_STD * jax.random.normal(k1, (2 * D, D), jnp.float32)).astype(dtype),
+               "layers": Llama(lc).init_params(k2)["layers"]}
+        if hc.kind == "eagle3":
+            own["fuse"] = (INIT_STD * jax.random.normal(k3, (F, D), jnp.float32)).astype(dtype)
+    if (hc.head_size is None) != (head_ids is None):
+        raise ValueError("head_ids must be given exactly when the head config has a head_size")
+    if head_ids is not None:
+        ids = np.unique(np.asarray(head_ids, np.int64))
+        if ids.size != hc.head_size or ids[0] < 0 or ids[-1] >= hc.target.vocab_size:
+            raise ValueError(f"head_ids must be {hc.head_size} distinct ids in [0, {hc.target.vocab_size})")
+        own["head_ids"] = jnp.asarray(ids, jnp.int32)
+    return own
+
+
+def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
+    """The parameters a head runs with: its own plus the target's embedding, final norm and LM
+    head (shared arrays, not copies; a reduced head gathers its rows once, here)."""
+    missing = [n for n in hc.own_param_names if n not in own]
+    if missing:
+        raise ValueError(f"{hc.kind} head parameters lack {missing}")
+    p = {n: own[n] for n in hc.own_param_names}
+    p["embed"] = target_params["embed"]
+    p["final_norm"] = target_params["final_norm"]
+    if hc.head_size is not None:
+        ids = p["head_ids"]
+        p["head"] = (jnp.take(target_params["embed"], ids, axis=0) if hc.target.tie_embeddings
+                     else jnp.take(target_params["lm_head"], ids, axis=1).T)
+    elif not hc.target.tie_embeddings:
+        p["lm_head"] = target_params["lm_head"]
+    return p
+
+
+def head_logits(hc: HeadConfig, params: dict, h_BTD) -> jax.Array:
+    """float32 logits [B, T, V] of a feature through the target's final norm and LM head (a
+    reduced head: its tokens' logits, -inf elsewhere)."""
+    x = llama_lib.rms_norm(h_BTD, params["final_norm"], hc.target.rms_eps)
+    if hc.head_size is not None:
+        s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
+        full = jnp.full(s.shape[:2] + (hc.target.vocab_size,), -jnp.inf, jnp.float32)
+        return full.at[:, :, params["head_ids"]].set(s)
+    return Llama(hc.target).logits_from_hidden(params, x)
+
+
+# ------------------------------------------------------------------------------ Medusa
+
+def medusa_features(hc: HeadConfig, params: dict, f_BTD) -> jax.Array:
+    """[B, T, K, D]: head k's residual block on each feature."""
+    w, b = params["medusa_w"].astype(f_BTD.dtype), params["medusa_b"].astype(f_BTD.dtype)
+    z = jnp.einsum("btd,kde->btke", f_BTD, w, preferred_element_type=jnp.float32) + b
+    return (f_BTD[:, :, None, :].astype(jnp.float32) + jax.nn.silu(z)).astype(f_BTD.dtype)
+
+
+def medusa_logits(hc: HeadConfig, params: dict, f_BTD, num: int | None = None) -> jax.Array:
+    """[B, T, K, V] logits: head k on ``f_t`` scores token ``x_{t+1+k}`` (k = 1..K; the
+    target's own head on ``f_t`` scores ``x_{t+1}``)."""
+    h = medusa_features(hc, params, f_BTD)
+    if num is not None:
+        h = h[:, :, :num]
+    B, T, K, D = h.shape
+    return head_logits(hc, params, h.reshape(B, T * K, D)).reshape(B, T, K, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+    """Medusa-1 heads as a drafter: gamma <= K proposals from the K heads on ``f_{L-2}``."""
+    config: HeadConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.target.vocab_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.feature_layers
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
+        return None
+
+    def forward_passes(self, gamma: int) -> int:
+        return 1
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        if gamma > self.config.num_heads:
+            raise ValueError(f"a Medusa head with {self.config.num_heads} heads drafts at most that many "
+                             f"tokens per round, asked for gamma={gamma}")
+        L_B = context.lengths_B
+        idx_B = jnp.maximum(L_B - 2, 0)
+        f_BD = jnp.take_along_axis(context.features, idx_B[:, None, None], axis=1)[:, 0]
+        f_BD = jnp.where((L_B >= 2)[:, None], f_BD, 0)
+        logits_BGV = medusa_logits(self.config, params, f_BD[:, None], gamma)[:, 0]
+        q_BGV = sampling_lib.probabilities(logits_BGV, cfg)
+        keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
+        tokens_BG = jax.vmap(lambda k, q: draw(k, q, cfg), in_axes=1, out_axes=1)(keys_BG, q_BGV)
+        return tokens_BG, q_BGV, state
+
+    def commit(self, state, new_lengths_B, accepted=None):
+        return state
+
+    def propose_tree(self, *args, **kwargs):
+        raise NotImplementedError("Medusa heads draft chains here; see check_tree")
+
+    def tree_forward_passes(self, tree) -> int:
+        return 1
+
+    def check_tree(self, tree) -> None:
+        raise ValueError("Medusa heads draft chains only in specjax so far: use an integer gamma")
+
+
+# ------------------------------------------------------------------------------ EAGLE
+
+@struct.dataclass
+class HeadCache:
+    """An EAGLE head's state: its layer's K/V, its output feature per slot, and (during a call
+    only) the target's features with how many positions have them."""
+    kv: KVCache
+    pred_BSD: jax.Array            # the head's output at each slot (its prediction of f_s)
+    true_len_B: jax.Array          # positions < true_len_B have target features
+    true_BSF: Any = None           # the target's features [B, S, F] (None in stored state)
+
+    @property
+    def lengths_B(self):
+        return self.kv.lengths_B
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    def limit_attention(self, limit):
+        return self.replace(kv=self.kv.limit_attention(limit))
+
+    def rollback(self, lengths_B) -> "HeadCache":
+        return self.replace(kv=self.kv.rollback(lengths_B))
+
+    def truncate(self, max_lengths_B) -> "HeadCache":
+        return self.replace(kv=self.kv.truncate(max_lengths_B))
+
+
+def _write_slots(buf_BSD, new_BTD, start_B):
+    return jax.vmap(lambda row, new, s: jax.lax.dynamic_update_slice(row, new.astype(row.dtype), (s, 0)))(
+        buf_BSD, new_BTD, start_B)
+
+
+def eagle_input(hc: HeadConfig, params: dict, tokens_BT, g_BTD) -> jax.Array:
+    """``fc([embed(x) ; g])``: the head layer's input [B, T, D]."""
+    e = jnp.take(params["embed"], tokens_BT, axis=0).astype(g_BTD.dtype)
+    return jnp.einsum("bte,ed->btd", jnp.concatenate([e, g_BTD], axis=-1), params["fc"].astype(g_BTD.dtype),
+                      preferred_element_type=jnp.float32).astype(g_BTD.dtype)
+
+
+def fuse_features(hc: HeadConfig, params: dict, f_BTF) -> jax.Array:
+    """The target features as the head's D-wide input: EAGLE-3 fuses its layers (F -> D)."""
+    if hc.kind == "eagle3":
+        return jnp.einsum("btf,fd->btd", f_BTF, params["fuse"].astype(f_BTF.dtype),
+                          preferred_element_type=jnp.float32).astype(f_BTF.dtype)
+    return f_BTF
+
+
+def _layer_params(hc: HeadConfig, params: dict) -> dict:
+    return {"embed": params["embed"], "final_norm": params["final_norm"], "layers": params["layers"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead:
+    """The EAGLE / EAGLE-3 head as a protocol model over a `HeadCache` (chains; no tree calls)."""
+    config: HeadConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.target.vocab_size
+
+    @property
+    def layer(self) -> Llama:
+        return Llama(self.config.layer_config)
+
+    def init_cache(self, batch_size: int, capacity: int) -> HeadCache:
+        c = self.config
+        return HeadCache(kv=self.layer.init_cache(batch_size, capacity),
+                         pred_BSD=jnp.zeros((batch_size, capacity, c.hidden_size), c.target.jnp_dtype),
+                         true_len_B=jnp.zeros((batch_size,), jnp.int32))
+
+    def apply(self, params, tokens_BT, cache: HeadCache, num_valid_B=None, tree=None):
+        """Entries for tokens at slots ``lengths_B + t``; the feature before each is the
+        target's where known (``< true_len_B``), else the head's own output there (which, for
+        t > 0, must already be in the cache: a call never needs its own outputs)."""
+        if tree is not None:
+            raise ValueError("EAGLE heads draft chains in specjax so far (no tree calls)")
+        if cache.true_BSF is None:
+            raise ValueError("the head needs the target's features in its cache for this call")
+        hc = self.config
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        B, T = tokens_BT.shape
+        start_B = cache.lengths_B
+        prev_BT = start_B[:, None] + jnp.arange(T)[None, :] - 1
+        idx_BT1 = jnp.clip(prev_BT, 0, cache.capacity - 1)[..., None]
+        true_BTF = jnp.take_along_axis(cache.true_BSF, idx_BT1, axis=1)
+        pred_BTD = jnp.take_along_axis(cache.pred_BSD, idx_BT1, axis=1)
+        g_BTD = jnp.where((prev_BT < cache.true_len_B[:, None])[..., None],
+                          fuse_features(hc, params, true_BTF.astype(pred_BTD.dtype)), pred_BTD)
+        g_BTD = jnp.where((prev_BT >= 0)[..., None], g_BTD, 0)
+        x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
+        h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, num_valid_B, inputs_BTD=x_BTD)
+        cache = cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B))
+        return head_logits(hc, params, h_BTD), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureHeadDrafter(ModelDrafter):
+    """An EAGLE / EAGLE-3 head driven by `ModelDrafter` (catch-up, `lax.scan` rollout, commit),
+    reading the target's features from the context. Its cache keeps only entries made from
+    the target's own features: after a round it is cut back to the last slot whose input
+    feature was the target's, and the accepted tokens are re-ingested with their true features
+    next round (as EAGLE does)."""
+    model: EagleHead
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.model.config.feature_layers
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
+        if features_BPF is None:
+            raise ValueError("a feature head's init needs the target's prompt features (features_BPF)")
+        B, P = prompt_BP.shape
+        cache = jax.lax.optimization_barrier(self.model.init_cache(B, capacity))
+        true_BSF = jnp.zeros((B, capacity, features_BPF.shape[-1]), features_BPF.dtype).at[:, :P].set(features_BPF)
+        cache = cache.replace(true_BSF=true_BSF, true_len_B=prompt_lengths_B - 1)
+        cache = prefill(self.model, params, prompt_BP, cache, prompt_lengths_B - 1, start_bound=0)
+        return ModelDraftState(cache=cache.replace(true_BSF=None))
+
+    def _with_features(self, state, context: DraftContext):
+        if context.features is None:
+            raise ValueError("the engine gave no target features to a feature head (its feature_layers are unset?)")
+        return state.cache.replace(true_BSF=context.features, true_len_B=context.lengths_B - 1)
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        cache = self._with_features(state, context)
+        tokens_BG, q_BGV, st = super().propose(params, ModelDraftState(cache=cache), context, key_B, gamma, cfg)
+        return tokens_BG, q_BGV, ModelDraftState(cache=st.cache.replace(true_BSF=None))
+
+    def propose_tree(self, *args, **kwargs):
+        raise NotImplementedError("EAGLE heads draft chains here; see check_tree")
+
+    def check_tree(self, tree) -> None:
+        raise ValueError("EAGLE heads draft chains only in specjax so far: use an integer gamma")
+
+    def commit(self, state, new_lengths_B, accepted=None):
+        # Slots <= true_len (the last committed token at the round's start) were made from
+        # the target's features; later ones from the head's own predictions: drop those.
+        cache = state.cache
+        keep_B = jnp.minimum(new_lengths_B - 1, cache.true_len_B + 1)
+        return ModelDraftState(cache=cache.truncate(keep_B))
+
+
+# ------------------------------------------------------------------------------ training forwards
+
+def _one_layer(hc: HeadConfig, params: dict) -> dict:
+    """The head layer's parameters as one per-layer dict (stacked layout, leading dim 1)."""
+    return jax.tree.map(lambda x: x[0], params["layers"])
+
+
+def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, steps: int = 1,
+                        with_logits: bool = True):
+    """Teacher-forced head outputs on whole sequences, cache-free: a list over drafting steps
+    j = 1..steps of (h_BTD, logits_BTV), row o of step j being the draft that starts at
+    position o (its first step reads the target's ``f_{o-1}``).
+
+    Step 1 at position s: input (``x_s``, target feature ``f_{s-1}``; zeros at s = 0), causal
+    attention over step-1 entries: ``h_s`` predicts ``f_s`` and its logits score ``x_{s+1}``.
+    Step j > 1 (training-time test, EAGLE-3): the draft from origin o continues at position
+    ``o + j - 1`` with input (``x_{o+j-1}``, the head's own step-(j-1) output of origin o),
+    attending to the step-1 entries at positions <= o (the committed prefix a real draft sees)
+    and to its own origin's entries of steps 2..j, exactly the visibility of drafting step j
+    at inference. Its logits score ``x_{o+j}``; positions past the sequence read token 0 and
+    their outputs are the caller's to mask. ``with_logits=False``: logits are None (a trainer
+    scores the outputs itself, e.g. over a reduced vocabulary)."""
+    B, T = tokens_BT.shape
+    lc = hc.layer_config
+    lp = _one_layer(hc, params)
+    dtype = lc.jnp_dtype
+    f_BTD = fuse_features(hc, params, feats_BTF.astype(dtype))
+    g_BTD = jnp.concatenate([jnp.zeros((B, 1, f_BTD.shape[-1]), dtype), f_BTD[:, :-1]], axis=1)
+    pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    out = []
+    past_k, past_v = [], []               # per step: k [B, K, T, H], v [B, K, H, T]
+    h_BTD = None
+    for j in range(1, steps + 1):
+        tok_BT = jnp.concatenate([tokens_BT[:, j - 1:], jnp.zeros((B, j - 1), tokens_BT.dtype)], axis=1)
+        x = eagle_input(hc, params, tok_BT, g_BTD)
+        cos, sin = llama_lib.rope_cos_sin(lc, pos_BT + (j - 1))
+        if j == 1:
+            h_new, (k, v) = llama_lib._layer(lc, lp, x, cos, sin, None)
+        else:
+            eye_TT = jnp.eye(T, dtype=bool)
+            causal_TT = jnp.tril(jnp.ones((T, T), bool))
+            vis_past = jnp.concatenate([causal_TT] + [eye_TT] * (j - 2), axis=1)       # [T, (j-1) T]
+            vis_past_BTS = jnp.broadcast_to(vis_past[None], (B, T, (j - 1) * T))
+            vis_new_BTT = jnp.broadcast_to(eye_TT[None], (B, T, T))
+            past = (jnp.concatenate(past_k, axis=2), jnp.concatenate(past_v, axis=3), None)
+            h_new, (k, v) = llama_lib._layer(lc, lp, x, cos, sin, past, (vis_past_BTS, vis_new_BTT))
+        past_k.append(jnp.transpose(k, (0, 2, 1, 3)))        # [B, T, K, H] -> [B, K, T, H]
+        past_v.append(jnp.transpose(v, (0, 2, 3, 1)))        # -> [B, K, H, T]
+        h_BTD = h_new
+        out.append((h_BTD, head_logits(hc, params, h_BTD) if with_logits else None))
+        g_BTD = h_BTD
+    return out
