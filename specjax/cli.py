@@ -15,6 +15,8 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 from absl import app
 from ml_collections import config_flags
 
@@ -35,9 +37,24 @@ def _describe(gamma) -> str:
     return gamma.describe() if hasattr(gamma, "describe") else str(gamma)
 
 
+def _why(config, stats, m, round_time_s) -> str:
+    """Which proposal lengths (or trees) the run used, and, under adaptive gamma, why: the
+    calibrated round times priced at the acceptance the run measured (first proposals)."""
+    used = ", ".join(f"{g} in {n} rounds" for g, n in stats["proposal_rounds"].items() if n)
+    if not config.adaptive or round_time_s is None:
+        return f"gamma {_describe(config.gamma)} ({used})"
+    from specjax.decoding import _adaptive
+    tested, accepted = int(m.tested_at_BG[0][0]), int(m.accepted_at_BG[0][0])
+    alpha = accepted / tested if tested else config.gamma.initial_alpha
+    per = [1e3 * t / float(e) for t, e in zip(round_time_s, _adaptive.expected_per_candidate(alpha, config.gammas))]
+    best = _describe(config.gammas[int(np.argmin(per))])
+    return (f"adaptive gamma used {used}; at the measured first-proposal acceptance {alpha:.2f} the calibrated "
+            f"expected ms per token are " + ", ".join(f"{_describe(g)}: {p:.1f}" for g, p in zip(config.gammas, per))
+            + f" (cheapest: {best})")
+
+
 def generate_main(c) -> dict:
     import jax
-    import numpy as np
 
     from specjax import build
 
@@ -90,6 +107,9 @@ def generate_main(c) -> dict:
         "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
         "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
     }
+    stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
+    print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
+          + ": " + _why(config, stats, m, gen.round_time_s), file=sys.stderr, flush=True)
     if c.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp, prefill=pre)
         base_tps = base_timing["tokens_per_s"]

@@ -26,6 +26,8 @@ from specjax import distill
 KINDS = flags.DEFINE_list("kinds", list(heads_config.HEADS), "head kinds to train")
 BUDGET = flags.DEFINE_integer("budget", 0, "loss tokens per head (0 = the config's)")
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax-heads", "training workdirs (resumable)")
+SAMPLED = flags.DEFINE_integer("sampled_samples", -1, "target temperature-1 continuations per train prompt "
+                               "(-1 = the config's)")
 
 OVERRIDES = {
     "eagle3": {},
@@ -44,6 +46,8 @@ def main(argv):
         distill.with_overrides(c, OVERRIDES[kind])
         if BUDGET.value:
             c.budget_tokens = BUDGET.value
+        if SAMPLED.value >= 0:
+            c.data.sampled_samples = SAMPLED.value
         c.export_dir = heads_config.head_dir(kind)
         c.progress = False
         workdir = pathlib.Path(WORKDIR.value) / kind

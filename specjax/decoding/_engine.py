@@ -755,7 +755,7 @@ class Engine:
         cache, draft_state, features_BLF = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
                                                              capacity=batch.capacity, with_draft=True)
         return Prefill(batch=batch, target=self.target,
-                       drafter=self.drafter if draft_state is not None else None,
+                       drafter=self.drafter if self.config.max_gamma > 0 else None,
                        target_cache=cache, draft_state=draft_state, features_BLF=features_BLF)
 
     def _pre(self, batch: Batch, prefill: Prefill | None):
@@ -774,8 +774,9 @@ class Engine:
                              "make one with engine.prefill(params, batch) for this batch")
         same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter
         if self.feature_layers and (prefill.features_BLF is None or not same_drafter):
-            raise ValueError("this prefill holds no target features for this engine's feature head: make it "
-                             "with this engine's prefill (or let the run prefill)")
+            raise ValueError("this prefill was not made for this engine's feature head (it holds no target "
+                             "features, or features for another drafter): make it with this engine's prefill "
+                             "(or let the run prefill)")
         return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BLF
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:

@@ -1,0 +1,941 @@
+"""Feature-level draft heads (Medusa-1, EAGLE, EAGLE-3 style) on tiny random Llamas.
+
+What is checked (every check has a way to fail; broken variants below show some do):
+
+0. Head weights and scoring: the hand-made weights have `init_head_params`' structure; heads
+   score through the target's final norm and LM head (tied or not; reduced heads: -inf off
+   their tokens).
+1. `Llama.apply_with_features`: logits bit-identical to `apply`'s, features equal to the
+   residual stream after the listed layers recomputed layer by layer with `llama._layer`
+   (independent of `trunk`'s collection), both parameter layouts, with and without a cache;
+   bad layer indices raise.
+2. `prefill(..., feature_layers=)` in chunks (3, 5) equals one call on the valid positions.
+3. Greedy exactness against a cache-free target-only reference, ragged batch (prompt lengths
+   1, 2, 5, 9; chunked prefill): Medusa and EAGLE at gamma 3 round by round, and Medusa and a
+   reduced-vocabulary EAGLE-3 head (stacked target layout) under `AdaptiveGamma` (0, 1, 3),
+   mixed and pinned to gamma 1 or 3 through the round-time table (the same compiled program).
+   A zero-initialised Medusa head drafts the target's own greedy choice at ``L - 2``: its
+   rounds and accepted counts are predicted exactly.
+4. Feature rollback: after every round the features a head can read (positions < L - 1)
+   equal a fresh cache-free forward over the committed tokens; the EAGLE head's cache after
+   every commit equals a fresh head prefill over the committed tokens with their true
+   features; a head whose commit keeps slots made from its own predictions fails that check.
+5. Distribution exactness at T = 1 (Medusa with top-k + top-p; a reduced EAGLE head) by
+   chi-square against the exact target law, with a negative control that must fail.
+6. `eagle_train_forward` (training-time test) equals what the inference head computes.
+7. Errors; 8. `Engine.prefill` reuse (test_prefill_reuse_with_medusa_head fails: a Medusa
+   engine cannot reuse its own prefill, see its docstring).
+
+Compile budget (the file must stay near 90 s on 2 CPU cores): weights are made in numpy,
+every helper that runs a model is jitted (eager dispatch of the tiny ops costs more than
+compiling), engine programs are shared between weights / round-time tables / keys (all
+arguments), and runs are memoised per module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from specjax import decoding, drafters, models, sampling, trees
+from specjax.models import llama as llama_lib
+from specjax.models.reduced_head import ReducedHeadLlama
+
+V = 97
+CFG = models.ModelConfig(vocab_size=V, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                         ffn_size=48, max_position=512, scan_layers=False)
+D = CFG.hidden_size
+# Layer weights are scaled up from the init's 0.02 so that the random target's greedy sequence
+# depends on its context (with the raw init, a tied-embedding model mostly repeats its input).
+LAYER_SCALE = 10.0
+GREEDY = sampling.SamplingConfig.make(0.0)
+PROMPTS = [[5], [3, 4], [7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+MAX_NEW = 16
+EXTRA = 4                      # the target-only reference runs MAX_NEW + EXTRA tokens
+CHUNK = 3                      # prefill chunk: the 5- and 9-token prompts are chunked
+ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 3), probe_every=2)
+# round times per gamma (0, 1, 3): MIXED makes a low-acceptance head fall back to gamma 0 and
+# probe; the others pin the policy to one gamma (the largest-index start switches at round 1)
+MIXED, PIN_G1, PIN_G3 = (1.0, 1.4, 2.0), (100.0, 1.0, 100.0), (100.0, 100.0, 1.0)
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- models and heads
+
+def _np_params(specs: dict, rng, layer_scale: float = 1.0, std: float = 0.02) -> dict:
+    """Random canonical params in numpy (normal(std) weights, unit norms), layer projections
+    times ``layer_scale``; numpy, not jax.random: nothing to compile."""
+    out = {}
+    for name, spec in specs.items():
+        if isinstance(spec, dict):
+            out[name] = _np_params(spec, rng, layer_scale, std)
+            continue
+        shape, _, kind = spec
+        scale = layer_scale if name.startswith("w") else 1.0
+        out[name] = (np.ones(shape) if kind == "ones" else std * scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def _to_device(tree):
+    return jax.tree.map(jnp.asarray, tree)
+
+
+@functools.cache
+def _target(scan: bool = False):
+    """(model, params) of the random target in the given layout (the same weights in both).
+    Layer weights are scaled up from the init's 0.02 so that the greedy sequence depends on
+    its context (with the raw init, a tied-embedding model mostly repeats its input)."""
+    model = models.Llama(CFG.replace(scan_layers=scan))
+    canonical = _np_params(llama_lib.param_specs(CFG), np.random.default_rng(0), LAYER_SCALE)
+    return model, _to_device(model.prepare_params(canonical))
+
+
+@functools.cache
+def _jit_apply(model):
+    return jax.jit(model.apply)
+
+
+@functools.cache
+def _jit_features(model):
+    return jax.jit(model.apply_with_features, static_argnames="layers")
+
+
+def _head_config(kind: str, cfg=CFG) -> drafters.HeadConfig:
+    if kind == "medusa":
+        return drafters.HeadConfig.make("medusa", cfg, num_heads=3)
+    if kind == "eagle_reduced":
+        return drafters.HeadConfig.make("eagle", cfg, head_size=40)
+    if kind == "eagle3":
+        return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1))
+    if kind == "eagle3_reduced":
+        return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1), head_size=40)
+    return drafters.HeadConfig.make(kind, cfg)
+
+
+def _drafter(hc: drafters.HeadConfig):
+    return drafters.MedusaDrafter(hc) if hc.kind == "medusa" else drafters.FeatureHeadDrafter(drafters.EagleHead(hc))
+
+
+def _head_ids(hc: drafters.HeadConfig, seed: int):
+    """A reduced head's tokens: the 12 the prompts use, and random others."""
+    rest = np.random.default_rng(seed).permutation(np.arange(12, hc.target.vocab_size))[:hc.head_size - 12]
+    return np.sort(np.concatenate([np.arange(12), rest])).astype(np.int32)
+
+
+@functools.cache
+def _own_params(hc: drafters.HeadConfig, mode: str, seed: int = 1, layer_scale: float = LAYER_SCALE) -> dict:
+    """The head's own weights (the structure of `init_head_params`, checked in
+    test_init_head_params_structure). 'zero': Medusa's init (W = 0, b = 0). 'random': random
+    everywhere (the EAGLE layer's projections scaled like the target's). 'good' (EAGLE kinds):
+    random, but fc (and fuse) pass the previous feature through and the layer's output
+    projections are damped, so h_s is close to ``f_{s-1}`` and the head drafts like the
+    target's own head one position late (accepted wherever the target repeats a token), still
+    depending on every weight."""
+    rng = np.random.default_rng(seed)
+    Dh, F = hc.hidden_size, hc.feature_size
+    if hc.kind == "medusa":
+        own = {"medusa_w": np.zeros((hc.num_heads, Dh, Dh), np.float32),
+               "medusa_b": np.zeros((hc.num_heads, Dh), np.float32)}
+        if mode == "random":
+            own = {k: (0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in own.items()}
+    else:
+        own = {"fc": (0.02 * rng.standard_normal((2 * Dh, Dh))).astype(np.float32),
+               "layers": _np_params(llama_lib.param_specs(hc.layer_config)["layers"], rng, layer_scale)}
+        if hc.kind == "eagle3":
+            own["fuse"] = (0.02 * rng.standard_normal((F, Dh))).astype(np.float32)
+        if mode == "good":
+            eye = np.eye(Dh, dtype=np.float32)
+            own["fc"][Dh:] += eye
+            own["layers"]["wo"] *= 0.05
+            own["layers"]["w_down"] *= 0.05
+            if hc.kind == "eagle3":            # fuse picks the last listed layer's block
+                own["fuse"][F - Dh:] += eye
+    if hc.head_size is not None:
+        own["head_ids"] = _head_ids(hc, seed)
+    return _to_device(own)
+
+
+def _head(kind: str, mode: str = "random", scan: bool = False):
+    """(drafter, head params) on the target."""
+    _, tp = _target(scan)
+    hc = _head_config(kind, CFG.replace(scan_layers=scan))
+    return _drafter(hc), drafters.head_params(hc, _own_params(hc, mode), tp)
+
+
+def _manual_layers(model, params, tokens_BT):
+    """Outputs of every layer of a cache-free forward, run by hand with `llama._layer`."""
+    c = model.config.replace(scan_layers=True)
+    canon = models.canonical_params(params, model.config)
+    B, T = tokens_BT.shape
+    h = jnp.take(canon["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+    cos, sin = llama_lib.rope_cos_sin(c, jnp.broadcast_to(jnp.arange(T)[None], (B, T)))
+    outs = []
+    for i in range(c.num_layers):
+        h, _ = llama_lib._layer(c, jax.tree.map(lambda x: x[i], canon["layers"]), h, cos, sin, None)
+        outs.append(h)
+    return outs
+
+
+def _want(manual, layers):
+    return np.concatenate([np.asarray(manual[i % CFG.num_layers]) for i in layers], axis=-1)
+
+
+def test_init_head_params_structure():
+    """The hand-made head weights used here have exactly `init_head_params`' structure, shapes
+    and dtypes; Medusa's init is W = 0, b = 0 (what test_zero_medusa_* relies on)."""
+    for kind in ("medusa", "eagle", "eagle_reduced", "eagle3", "eagle3_reduced"):
+        hc = _head_config(kind)
+        ids = _head_ids(hc, 1) if hc.head_size else None
+        want = jax.eval_shape(lambda k: drafters.init_head_params(hc, k, head_ids=ids), jax.random.key(0))
+        got = _own_params(hc, "random")
+        assert jax.tree.structure(got) == jax.tree.structure(want), kind
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), kind
+        assert set(got) == set(hc.own_param_names)
+    own = drafters.init_head_params(_head_config("medusa"), jax.random.key(0))
+    assert not np.asarray(own["medusa_w"]).any() and not np.asarray(own["medusa_b"]).any()
+    hc = _head_config("eagle_reduced")
+    ids = jax.jit(lambda k: drafters.init_head_params(hc, k, head_ids=_head_ids(hc, 1)[::-1])["head_ids"])
+    np.testing.assert_array_equal(np.asarray(ids(jax.random.key(0))), _head_ids(hc, 1))      # sorted
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_head_logits_are_the_target_head(tie):
+    """Heads score through the target's final norm and LM head (tied or not); a reduced head
+    gives the target's logits on its tokens and -inf elsewhere; a zero Medusa block is the
+    identity, so every Medusa head is the target's head on the feature."""
+    cfg = CFG.replace(tie_embeddings=tie)
+    model = models.Llama(cfg)
+    tp = _to_device(model.prepare_params(_np_params(llama_lib.param_specs(cfg), np.random.default_rng(2))))
+    h = np.random.default_rng(3).standard_normal((2, 3, D)).astype(np.float32)
+    hcs = [drafters.HeadConfig.make(kind, cfg, num_heads=2, head_size=hs) for kind in ("eagle", "medusa")
+           for hs in (None, 40)]
+    ids = _head_ids(hcs[1], 1)
+    owns = []
+    for hc in hcs:
+        own = dict(_own_params(dataclasses.replace(hc, head_size=None), "zero" if hc.kind == "medusa" else "random"))
+        owns.append(own if hc.head_size is None else dict(own, head_ids=jnp.asarray(ids)))
+
+    @jax.jit
+    def run(tp, owns, h):
+        want = model.logits_from_hidden(tp, llama_lib.rms_norm(h, tp["final_norm"], cfg.rms_eps))
+        got = []
+        for hc, own in zip(hcs, owns):
+            hp = drafters.head_params(hc, own, tp)
+            got.append(drafters.head_logits(hc, hp, h) if hc.kind != "medusa" else drafters.medusa_logits(hc, hp, h))
+        return want, got
+
+    want, got = jax.device_get(run(tp, owns, h))
+    reduced = np.full_like(want, -np.inf)
+    reduced[..., ids] = want[..., ids]
+    for hc, g in zip(hcs, got):
+        w = want if hc.head_size is None else reduced
+        if hc.kind == "medusa":
+            assert g.shape == (2, 3, 2, V)
+            for k in range(2):
+                np.testing.assert_allclose(g[:, :, k], w, **TOL)
+        else:
+            np.testing.assert_allclose(g, w, **TOL)
+
+
+# ----------------------------------------------------------------------------- 1. apply_with_features
+
+LAYER_SETS = ((-1,), (0, 2, -1), (3, 1))
+CACHED_LAYERS = (0, 2, -1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _feature_forwards(model, params, tok, tok2, nv, seqs):
+    """Everything test 1 compares, in one program (one compile per layout)."""
+    out = {"manual": _manual_layers(model, params, tok), "manual_seqs": _manual_layers(model, params, seqs),
+           "apply": model.apply(params, tok, None)[0]}
+    for layers in LAYER_SETS:
+        logits, f, none = model.apply_with_features(params, tok, None, layers=layers)
+        assert none is None
+        out[str(layers)] = (logits, f)
+    f_last = out[str((-1,))][1]
+    out["head_on_last"] = model.logits_from_hidden(params, llama_lib.rms_norm(f_last, params["final_norm"],
+                                                                              CFG.rms_eps))
+    # with a cache: a ragged first call (num_valid), then a second block
+    c_f, c_a = model.init_cache(3, 16), model.init_cache(3, 16)
+    lf1, f1, c_f = model.apply_with_features(params, tok[:, :4], c_f, num_valid_B=nv, layers=CACHED_LAYERS)
+    la1, c_a = model.apply(params, tok[:, :4], c_a, num_valid_B=nv)
+    lf2, f2, c_f = model.apply_with_features(params, tok2, c_f, layers=CACHED_LAYERS)
+    la2, c_a = model.apply(params, tok2, c_a)
+    out["cached"] = dict(lf=(lf1, lf2), la=(la1, la2), f=(f1, f2), cf=c_f, ca=c_a)
+    return out
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_apply_with_features_matches_apply_and_layer_outputs(scan):
+    model, params = _target(scan)
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, V, (3, 9)).astype(np.int32)
+    tok2 = rng.integers(0, V, (3, 5)).astype(np.int32)
+    nv = np.array([4, 2, 3], np.int32)
+    # each row's actual sequence in the cached calls: its nv first tokens, then tok2 (padded)
+    seqs = np.stack([np.concatenate([tok[b, :nv[b]], tok2[b], np.zeros(4 - nv[b], np.int32)]) for b in range(3)])
+    out = jax.device_get(_feature_forwards(model, params, tok, tok2, nv, seqs))
+    manual = out["manual"]
+    assert not np.allclose(manual[0], manual[3], atol=1e-2), "layers must differ for the check to mean anything"
+    for layers in LAYER_SETS:
+        logits, f = out[str(layers)]
+        np.testing.assert_array_equal(logits, out["apply"])
+        assert f.shape == (3, 9, len(layers) * D) and f.dtype == np.float32
+        np.testing.assert_allclose(f, _want(manual, layers), **TOL)
+    # -1 is the last layer's output BEFORE the final norm: final norm + LM head of it = logits
+    np.testing.assert_allclose(out["head_on_last"], out["apply"], **TOL)
+    assert not np.allclose(out["head_on_last"], model.logits_from_hidden(params, out[str((-1,))][1]), atol=1e-2)
+
+    # cached: logits, cache entries and lengths equal `apply`'s exactly; the features equal the
+    # cache-free ones of each row's actual sequence
+    c = out["cached"]
+    for x, y in list(zip(c["lf"], c["la"])) + [(c["cf"].lengths_B, c["ca"].lengths_B)] + list(zip(
+            jax.tree.leaves((c["cf"].k, c["cf"].v)), jax.tree.leaves((c["ca"].k, c["ca"].v)))):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(c["cf"].lengths_B, nv + 5)
+    want = _want(out["manual_seqs"], CACHED_LAYERS)
+    f1, f2 = c["f"]
+    for b in range(3):
+        n = nv[b]
+        np.testing.assert_allclose(f1[b, :n], want[b, :n], **TOL)
+        np.testing.assert_allclose(f2[b], want[b, n:n + 5], **TOL)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_apply_with_features_rejects_bad_layers(scan):
+    model, params = _target(scan)
+    tok = jnp.zeros((1, 3), jnp.int32)
+    for layers in [(4,), (-5,), (0, 9)]:
+        with pytest.raises(ValueError, match="feature layers"):
+            model.apply_with_features(params, tok, None, layers=layers)
+        with pytest.raises(ValueError, match="feature layers"):
+            model.apply_with_features(params, tok, model.init_cache(1, 8), layers=layers)
+
+
+# ----------------------------------------------------------------------------- 2. prefill with features
+
+PREFILL_VARIANTS = ((None, 0), (3, 0), (5, None))     # (chunk, start_bound); the first: one call
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_variants(model, params, prompt, nv):
+    return [models.prefill(model, params, prompt, model.init_cache(4, 20), nv, chunk, start_bound=sb,
+                           feature_layers=(1, -1)) for chunk, sb in PREFILL_VARIANTS]
+
+
+def test_prefill_features_chunked_equals_one_call():
+    """Chunks of 3 (bounded attention, start_bound=0) and 5 (whole-capacity attention) give the
+    one-call features, lengths and K/V on every row's valid positions (ragged num_valid, one
+    row of a single token); one call is `apply_with_features` itself (test 1, both layouts;
+    prefill only calls it, so one layout here)."""
+    model, params = _target(True)
+    prompt = np.random.default_rng(1).integers(0, V, (4, 11)).astype(np.int32)
+    nv = np.array([11, 4, 1, 7], np.int32)
+    variants = jax.device_get(_prefill_variants(model, params, prompt, nv))
+    (ref_cache, ref_f), rest = variants[0], variants[1:]
+    assert ref_f.shape == (4, 11, 2 * D)
+    k_ref, v_ref = ref_cache.layer(CFG.num_layers - 1)
+    for cache, f in rest:
+        assert f.shape == ref_f.shape
+        np.testing.assert_array_equal(cache.lengths_B, nv)
+        k, v = cache.layer(CFG.num_layers - 1)
+        for b in range(4):
+            n = nv[b]
+            np.testing.assert_allclose(f[b, :n], ref_f[b, :n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(k[b, :, :n], k_ref[b, :, :n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(v[b, ..., :n], v_ref[b, ..., :n], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(ref_f[0, 1:], ref_f[0, :-1], atol=1e-3)        # positions differ
+
+
+# ----------------------------------------------------------------------------- 3. greedy exactness
+
+def _gen(gamma, max_new=MAX_NEW, chunk=CHUNK):
+    return decoding.GenerationConfig(max_new_tokens=max_new, gamma=gamma, prefill_chunk=chunk)
+
+
+@functools.cache
+def _target_only():
+    """The target's greedy continuations of PROMPTS, MAX_NEW + EXTRA tokens, computed cache-free
+    (a full forward per token, independent of the engine and of any cache): (first MAX_NEW,
+    all). Every chosen token beats the runner-up by > 1e-5 (the logits are ~0.1 in size; rounding
+    differences between cached and cache-free forwards are ~1e-7), so the engine cannot pick
+    another token by rounding."""
+    model, tp = _target()
+    n = MAX_NEW + EXTRA
+    lens = np.array([len(p) for p in PROMPTS])
+    toks = np.zeros((len(PROMPTS), lens.max() + n), np.int32)
+    for b, p in enumerate(PROMPTS):
+        toks[b, :len(p)] = p
+    rows = np.arange(len(PROMPTS))
+    for _ in range(n):
+        last = np.asarray(_jit_apply(model)(tp, toks, None)[0])[rows, lens - 1]
+        top2 = np.sort(last, axis=-1)[:, -2:]
+        assert (top2[:, 1] - top2[:, 0] > 1e-5).all(), "near-tie in the reference: pick other weights"
+        toks[rows, lens] = last.argmax(-1)
+        lens += 1
+    full = [toks[b, len(p):len(p) + n].tolist() for b, p in enumerate(PROMPTS)]
+    return [g[:MAX_NEW] for g in full], full
+
+
+def _assert_target_tokens(out):
+    assert out.generated() == _target_only()[0]
+    assert out.statuses() == ["max_new_tokens"] * len(PROMPTS)
+    m = out.metrics
+    np.testing.assert_array_equal(np.asarray(m.committed_B), MAX_NEW)
+    assert (np.asarray(m.accepted_B) <= np.asarray(m.proposed_B)).all()
+
+
+@functools.cache
+def _run_head(kind, mode, gamma, scan=False, round_times=None):
+    """Greedy `Engine.run` of a head drafter on PROMPTS (memoised)."""
+    model, tp = _target(scan)
+    dr, hp = _head(kind, mode, scan)
+    eng = decoding.Engine(model, dr, _gen(ADAPTIVE if gamma == "adaptive" else gamma))
+    batch = decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+    return eng.run(decoding.EngineParams(target=tp, draft=hp), GREEDY, batch, round_time_s=round_times)
+
+
+def test_target_sequences_are_not_trivial():
+    """Guards the greedy tests: the target's continuations vary (not one repeated token) but
+    repeat sometimes (so a head drafting the last token is accepted now and then)."""
+    gen = _target_only()[0]
+    for g in gen:
+        assert len(set(g)) >= 4, gen
+    repeats = sum(a == b for g in gen for a, b in zip(g, g[1:]))
+    assert 3 <= repeats <= 0.6 * sum(len(g) - 1 for g in gen), gen
+
+
+# (kind, target layout scan?, gamma, head params, adaptive round times)
+GREEDY_CASES = [
+    ("medusa", False, "adaptive", "random", MIXED),
+    ("medusa", False, "adaptive", "random", PIN_G1),
+    ("eagle3_reduced", True, "adaptive", "random", MIXED),
+    ("eagle3_reduced", True, "adaptive", "random", PIN_G1),
+    ("eagle3_reduced", True, "adaptive", "good", PIN_G1),
+    ("eagle3_reduced", True, "adaptive", "good", PIN_G3),
+]
+
+
+@pytest.mark.parametrize("kind,scan,gamma,mode,round_times", GREEDY_CASES,
+                         ids=[f"{k}-{'scan' if s else 'unrolled'}-g{g}-{m}" + ("" if r is None else f"-rt{r}")
+                              for k, s, g, m, r in GREEDY_CASES])
+def test_greedy_head_matches_target_only(kind, scan, gamma, mode, round_times):
+    """(Medusa and the plain EAGLE head at gamma 3 are checked round by round in
+    test_medusa_greedy_and_features_after_every_round and
+    test_eagle_greedy_and_head_cache_after_every_commit.) Gamma 1 runs as the adaptive policy
+    pinned to it (PIN_G1): the gamma-1 branch of the same compiled loop. The EAGLE-3 head here
+    has a 40-token reduced vocabulary and runs on the stacked (lax.scan) target layout, whose
+    feature collection is a separate code path; the reference is the cache-free greedy of the
+    unrolled target (same weights)."""
+    out = _run_head(kind, mode, gamma, scan, round_times)
+    _assert_target_tokens(out)
+    m = out.metrics
+    rounds = np.asarray(m.rounds_B)
+    if gamma == "adaptive":
+        k = np.asarray(m.gamma_rounds_K)
+        assert k.sum() == rounds.max()
+        if round_times == MIXED:
+            assert k[0] > 0 and k[1:].sum() > 0, f"the adaptive run must mix gamma 0 and drafting rounds: {k}"
+        else:
+            assert k[ADAPTIVE.gammas.index(1 if round_times == PIN_G1 else 3)] == k.sum(), k
+    else:
+        np.testing.assert_array_equal(np.asarray(m.proposed_B), gamma * rounds)
+    if mode == "good":
+        assert int(np.asarray(m.accepted_B).sum()) > 0, "a 'good' head must get drafts accepted"
+
+
+def test_zero_medusa_acceptance_is_exactly_predicted():
+    """Medusa with W = 0, b = 0: every head is the target's own head on ``f_{L-2}``, so each
+    round drafts the target's greedy choice at position L - 2, gamma times: the last committed
+    token once it was generated, the target's argmax there while it is a prompt token, and
+    token 0 when L = 1 (the zero feature gives all-equal logits). Simulating the rounds on the
+    target's greedy sequence predicts every row's rounds and accepted counts exactly (accepted
+    counts drafts the max_new_tokens limit then cuts: hence the EXTRA reference tokens). A
+    head reading any other position than L - 2 fails this."""
+    gamma = 3
+    _, final = _medusa_stepped("zero")
+    out = decoding.GenerateOutput.from_state(final)
+    _assert_target_tokens(out)
+    model, tp = _target()
+    seqs = [list(p) + g for p, g in zip(PROMPTS, _target_only()[1])]
+    width = max(map(len, seqs))
+    padded = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
+    argmax_BT = np.asarray(_jit_apply(model)(tp, padded, None)[0]).argmax(-1)
+    rounds, accepted = [], []
+    for prompt, seq, argmax in zip(PROMPTS, seqs, argmax_BT):
+        np.testing.assert_array_equal(argmax[len(prompt) - 1:len(seq) - 1], seq[len(prompt):])   # greedy
+        L, r, a = len(prompt), 0, 0
+        while L - len(prompt) < MAX_NEW:
+            draft = argmax[L - 2] if L >= 2 else 0
+            n = 0
+            while n < gamma and seq[L + n] == draft:
+                n += 1
+            r, a, L = r + 1, a + n, L + n + 1
+        rounds.append(r)
+        accepted.append(a)
+    m = out.metrics
+    np.testing.assert_array_equal(np.asarray(m.rounds_B), rounds)
+    np.testing.assert_array_equal(np.asarray(m.accepted_B), accepted)
+    assert 0 < sum(accepted) < gamma * sum(rounds)
+
+
+# ----------------------------------------------------------------------------- 4. feature rollback
+
+@dataclasses.dataclass(frozen=True)
+class NaiveCommitHead(drafters.FeatureHeadDrafter):
+    """BROKEN on purpose: commits like a plain draft model (keeps every committed slot,
+    including those whose input feature was the head's own prediction)."""
+
+    def commit(self, state, new_lengths_B, accepted=None):
+        return drafters.ModelDraftState(cache=state.cache.truncate(new_lengths_B - 1))
+
+
+def _step_through(engine, ep, batch, sampling_cfg, state=None):
+    """Round by round: [(lengths before, state after as host arrays)], final state."""
+    state = engine.init(ep, batch) if state is None else state
+    rounds = []
+    for _ in range(MAX_NEW):
+        before = np.asarray(state.lengths_B)
+        state, _ = engine.step(ep, sampling_cfg, state)
+        rounds.append((before, jax.device_get(state)))
+        if np.asarray(state.done_B).all():
+            break
+    return rounds, state
+
+
+def _true_features(tokens_BL, layers):
+    """The target's features over whole token rows, cache-free (fresh)."""
+    model, tp = _target()
+    return np.asarray(_jit_features(model)(tp, jnp.asarray(tokens_BL), None, layers=layers)[1])
+
+
+@functools.cache
+def _medusa_stepped(mode):
+    """Medusa (3 heads, gamma 3, greedy) round by round on PROMPTS (memoised)."""
+    model, tp = _target()
+    dr, hp = _head("medusa", mode)
+    eng = decoding.Engine(model, dr, _gen(3))
+    batch = decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+    return _step_through(eng, decoding.EngineParams(target=tp, draft=hp), batch, GREEDY)
+
+
+def _assert_committed_features(rounds, final, layers):
+    """After every round the engine's feature buffer -- the next round's
+    `DraftContext.features` -- holds at every position < L - 1 exactly what a fresh cache-free
+    forward over the committed tokens gives: the features computed for rejected draft
+    positions were overwritten or lie past L - 1."""
+    ref = _true_features(final.tokens_BL, layers)
+    for _, st in rounds:
+        L, feats = st.lengths_B, st.features_BLF
+        for b in range(len(L)):
+            np.testing.assert_allclose(feats[b, :L[b] - 1], ref[b, :L[b] - 1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["random", "zero"])
+def test_medusa_greedy_and_features_after_every_round(mode):
+    """Medusa, gamma 3, greedy, round by round (`Engine.step`): the target-only tokens, and the
+    features a head can read are the committed ones (see _assert_committed_features; with
+    W = 0 drafts are both accepted and rejected)."""
+    rounds, final = _medusa_stepped(mode)
+    _assert_target_tokens(decoding.GenerateOutput.from_state(final))
+    m = final.metrics
+    np.testing.assert_array_equal(np.asarray(m.proposed_B), 3 * np.asarray(m.rounds_B))
+    if mode == "zero":
+        acc, prop = int(np.asarray(m.accepted_B).sum()), int(np.asarray(m.proposed_B).sum())
+        assert 0 < acc < prop, f"need both accepted and rejected drafts ({acc} of {prop})"
+    _assert_committed_features(rounds, final, _head_config("medusa").feature_layers)
+
+
+@functools.cache
+def _eagle_setup(mode):
+    model, tp = _target()
+    dr, hp = _head("eagle", mode)
+    eng = decoding.Engine(model, dr, _gen(3))
+    ep = decoding.EngineParams(target=tp, draft=hp)
+    return eng, ep, decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+
+
+@functools.cache
+def _eagle_stepped(mode, naive=False):
+    """The EAGLE head (gamma 3, greedy) round by round; naive: the same init, then the
+    broken commit."""
+    eng, ep, batch = _eagle_setup(mode)
+    state = None
+    if naive:
+        state = eng.init(ep, batch)
+        eng = dataclasses.replace(eng, drafter=NaiveCommitHead(eng.drafter.model))
+    return _step_through(eng, ep, batch, GREEDY, state)
+
+
+@functools.cache
+def _fresh_head_init(hc, capacity):
+    head = drafters.FeatureHeadDrafter(drafters.EagleHead(hc))
+    return jax.jit(lambda hp, tok, lens, f: head.init(hp, tok, lens, capacity, features_BPF=f).cache)
+
+
+def _head_cache_mismatch(mode, naive=False):
+    """After every commit compare the head's cache (K/V and output features of the slots it
+    keeps) with a fresh head prefill over the committed tokens and their true features.
+    Returns the largest absolute difference."""
+    eng, ep, batch = _eagle_setup(mode)
+    hc = eng.drafter.model.config
+    rounds, _ = _eagle_stepped(mode, naive)
+    worst = 0.0
+    for before, st in rounds:
+        L, cache = st.lengths_B, st.draft_state.cache
+        fresh = _fresh_head_init(hc, batch.capacity)(ep.draft, st.tokens_BL, L,
+                                                     _true_features(st.tokens_BL, hc.feature_layers))
+        kept = np.asarray(cache.kv.lengths_B)
+        if not naive:
+            # cut back to the slots made from target features: those before the round's start
+            np.testing.assert_array_equal(kept, np.minimum(L - 1, before))
+        k, v = (np.asarray(x) for x in cache.kv.layer(0))
+        fk, fv = (np.asarray(x) for x in fresh.kv.layer(0))
+        pred, fpred = np.asarray(cache.pred_BSD), np.asarray(fresh.pred_BSD)
+        for b in range(len(L)):
+            n = kept[b]
+            worst = max(worst, np.abs(k[b, :, :n] - fk[b, :, :n]).max(initial=0),
+                        np.abs(v[b, ..., :n] - fv[b, ..., :n]).max(initial=0),
+                        np.abs(pred[b, :n] - fpred[b, :n]).max(initial=0))
+    return worst
+
+
+@pytest.mark.parametrize("mode", ["random", "good"])
+def test_eagle_greedy_and_head_cache_after_every_commit(mode):
+    """EAGLE head, gamma 3, greedy, round by round (`Engine.step`): the tokens are the
+    target-only ones, and after every commit the head's cache equals a fresh head prefill
+    over the committed tokens with the target's true features (only slots whose input feature
+    was the target's survive a commit)."""
+    rounds, final = _eagle_stepped(mode)
+    _assert_target_tokens(decoding.GenerateOutput.from_state(final))
+    m = final.metrics
+    acc, prop = int(np.asarray(m.accepted_B).sum()), int(np.asarray(m.proposed_B).sum())
+    if mode == "good":     # slots made from predictions existed and had to be dropped
+        assert 0 < acc < prop and (np.asarray(m.accepted_at_BG)[:, 1] > 0).any(), (acc, prop)
+    _assert_committed_features(rounds, final, _head_config("eagle").feature_layers)
+    worst = _head_cache_mismatch(mode)
+    assert worst < 1e-4, f"head cache differs from a fresh true-feature prefill by {worst}"
+
+
+def test_naive_head_commit_is_detected():
+    """Negative control for the check above: keeping the slots computed from the head's own
+    predicted features (a plain draft model's commit) makes the cache differ."""
+    worst = _head_cache_mismatch("good", naive=True)
+    assert worst > 1e-2, f"the naive commit was not detected (max difference {worst})"
+
+
+# ----------------------------------------------------------------------------- 5. distribution exactness
+
+DV = 5
+D_CFG = models.ModelConfig(vocab_size=DV, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                           ffn_size=32, max_position=64, scan_layers=True)
+D_PROMPT = (1, 4, 2)
+D_NEW = 4
+D_GAMMA = 2
+D_BATCH = 30_000
+D_SEED = 2025
+FAMILY_WISE_ALPHA = 1e-4
+T1 = dict(temperature=1.0)
+T1_FILTERED = dict(temperature=1.0, top_k=3, top_p=0.9)
+D_EXACT = {"medusa_T1_topk3_topp0.9": (T1_FILTERED, "medusa"), "eagle_reduced_head_T1": (T1, "eagle_reduced")}
+D_NEGATIVE = {"medusa_samples_at_T/2_reports_T": (T1, "misreport")}
+PER_TEST_ALPHA = FAMILY_WISE_ALPHA / len(D_EXACT)
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportingMedusa(drafters.MedusaDrafter):
+    """BROKEN: samples each head at temperature T/2, reports the temperature-T q (without
+    filters softmax(l/T) is proportional to softmax(l/(T/2))^(1/2))."""
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        toks, q_half, st = super().propose(params, state, context, key_B, gamma,
+                                           cfg.replace(temperature=cfg.temperature / 2))
+        q = jnp.sqrt(q_half)
+        return toks, q / q.sum(-1, keepdims=True), st
+
+
+D_HEAD_IDS = (0, 2, 4)          # the reduced EAGLE head drafts only these: q = 0 on 1 and 3
+
+
+@functools.cache
+def _dist_setup():
+    """(model, target params, {kind: (head config, head params)})."""
+    model = models.Llama(D_CFG)
+    canonical = _np_params(llama_lib.param_specs(D_CFG), np.random.default_rng(30), layer_scale=10.0)
+    canonical["embed"] *= 20.0          # tied head: peaked logits (mean max p ~0.7)
+    tp = _to_device(canonical)
+    heads = {}
+    for kind in ("medusa", "eagle_reduced"):
+        hc = drafters.HeadConfig.make("medusa" if kind == "medusa" else "eagle", D_CFG, num_heads=D_GAMMA)
+        own = dict(_own_params(hc, "random", 31, 10.0))
+        if kind == "eagle_reduced":
+            hc = dataclasses.replace(hc, head_size=len(D_HEAD_IDS))
+            own["head_ids"] = jnp.asarray(D_HEAD_IDS, jnp.int32)
+        heads[kind] = (hc, drafters.head_params(hc, own, tp))
+    return model, tp, heads
+
+
+@functools.cache
+def _dist_run(name):
+    """(generated [B, D_NEW], rejection rate) of one configuration (memoised)."""
+    samp_kw, kind = {**D_EXACT, **D_NEGATIVE}[name]
+    model, tp, heads = _dist_setup()
+    hc, hp = heads["medusa" if kind == "misreport" else kind]
+    dr = MisreportingMedusa(hc) if kind == "misreport" else _drafter(hc)
+    eng = decoding.Engine(model, dr, decoding.GenerationConfig(max_new_tokens=D_NEW, gamma=D_GAMMA))
+    batch = decoding.make_batch([list(D_PROMPT)] * D_BATCH, eng.config, jax.random.key(D_SEED))
+    out = eng.run(decoding.EngineParams(target=tp, draft=hp), sampling.SamplingConfig.make(**samp_kw), batch)
+    np.testing.assert_array_equal(np.asarray(out.lengths_B), len(D_PROMPT) + D_NEW)
+    m = out.metrics
+    rejection = 1.0 - int(np.asarray(m.accepted_B).sum()) / int(np.asarray(m.proposed_B).sum())
+    return np.asarray(out.tokens_BL)[:, len(D_PROMPT):len(D_PROMPT) + D_NEW], rejection
+
+
+@functools.cache
+def _exact_law(samp_items):
+    """Exact target-only probability of every D_NEW-token continuation (itertools.product order)."""
+    model, tp, _ = _dist_setup()
+    cfg = sampling.SamplingConfig.make(**dict(samp_items))
+    cells = np.array(list(itertools.product(range(DV), repeat=D_NEW)))
+    toks = np.concatenate([np.tile(D_PROMPT, (len(cells), 1)), cells], axis=1)
+    probs = jax.jit(lambda p, t, c: sampling.probabilities(model.apply(p, t, None)[0], c))
+    p = np.asarray(probs(tp, jnp.asarray(toks, jnp.int32), cfg), np.float64)
+    P = len(D_PROMPT)
+    law = np.ones(len(cells))
+    for j in range(D_NEW):
+        law *= p[np.arange(len(cells)), P - 1 + j, cells[:, j]]
+    return law / law.sum()
+
+
+def _law(samp_kw):
+    return _exact_law(tuple(sorted(samp_kw.items())))
+
+
+def _pvalue(gen_BN, law):
+    """Pooled chi-square p-value (cells with expected count < 5 pooled; see
+    test_engine_distribution.py), the number of samples in cells of exact probability 0, and
+    the number of cells tested."""
+    index = gen_BN @ (DV ** np.arange(D_NEW - 1, -1, -1))
+    observed = np.bincount(index, minlength=len(law)).astype(np.float64)
+    n = observed.sum()
+    impossible = int(observed[law == 0].sum())
+    expected = n * law
+    support = law > 0
+    big = support & (expected >= 5)
+    small = support & ~big
+    obs, exp = list(observed[big]), list(expected[big])
+    if small.any():
+        obs.append(observed[small].sum())
+        exp.append(expected[small].sum())
+        if exp[-1] < 5:
+            i = int(np.argmin(exp[:-1]))
+            obs[i] += obs.pop()
+            exp[i] += exp.pop()
+    obs, exp = np.array(obs), np.array(exp)
+    exp *= obs.sum() / exp.sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(scipy.stats.chi2.sf(stat, len(obs) - 1)), impossible, len(obs)
+
+
+@pytest.mark.parametrize("name", list(D_EXACT))
+def test_head_sampling_matches_target_law(name):
+    """Distribution exactness of head drafters at T = 1: a Medusa head with top-k 3 + top-p 0.9,
+    and an EAGLE head with a reduced vocabulary (3 of the 5 tokens: its q is 0 on the others,
+    which the target may still emit) without filters.
+
+    A tiny Llama target (V = 5, 2 layers, weights scaled so that its distributions are peaked
+    and prefix dependent); every row generates N = 4 tokens after the prompt (1, 4, 2) with
+    gamma = 2 (several rounds per row, including the catch-up after a fully accepted round).
+    Sample size: B = 30 000 rows per configuration in one batched `Engine.run`, one key per
+    row (`make_batch` folds the request ids 0..B-1 into key 2025; all seeds are fixed, so the
+    outcome is deterministic). The empirical law of the N-token continuation (5^4 = 625 cells)
+    is compared with the exact target-only law (enumerated with `apply` and
+    `sampling.probabilities` under the same `SamplingConfig`) by a pooled chi-square test
+    (cells with expected count < 5 pooled; cells of exact probability 0 must stay empty).
+    Family: the 2 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
+    uses alpha = 5e-5 (Bonferroni). The negative control below must fail the same test."""
+    samp_kw, _ = D_EXACT[name]
+    gen, rejection = _dist_run(name)
+    p, impossible, n_cells = _pvalue(gen, _law(samp_kw))
+    print(f"\n[{name}] p={p:.3g} rejection={rejection:.3f} cells={n_cells} (alpha per test {PER_TEST_ALPHA:.2g})")
+    assert impossible == 0, f"{impossible} samples have target probability 0"
+    assert 0.1 < rejection < 0.9, f"rejection rate {rejection:.3f}: drafts should be both accepted and rejected"
+    assert n_cells > 20
+    assert p > PER_TEST_ALPHA, f"{name}: chi-square p={p:.3g} rejects exactness"
+
+
+def test_head_sampling_negative_control_is_detected():
+    """A Medusa drafter that samples at T/2 but reports the T = 1 q must fail the same test
+    (p < the per-test alpha): the test has power against a misreported q."""
+    (name, (samp_kw, _)), = D_NEGATIVE.items()
+    gen, rejection = _dist_run(name)
+    p, _, n_cells = _pvalue(gen, _law(samp_kw))
+    print(f"\n[{name}] p={p:.3g} rejection={rejection:.3f} cells={n_cells} (must be below alpha)")
+    assert p < PER_TEST_ALPHA, f"negative control not detected (p={p:.3g})"
+
+
+def test_distribution_target_is_peaked_and_prefix_dependent():
+    """Guards the distribution tests: the target law is far from uniform, the filters cut
+    many cells, and the next-token distribution depends on more than the current token (so a
+    rollback that kept wrong history would change the law)."""
+    law = _law(T1)
+    assert law.max() > 20 / DV ** D_NEW
+    filtered = _law(T1_FILTERED)
+    assert (filtered == 0).sum() > 0.3 * len(filtered)
+    model, tp, _ = _dist_setup()
+    toks = np.random.default_rng(0).integers(0, DV, (64, 6)).astype(np.int32)
+    toks[:, -1] = 2                                           # same current token, other prefixes
+    p = np.asarray(jax.nn.softmax(_jit_apply(model)(tp, toks, None)[0][:, -1]))
+    assert np.abs(p[:32] - p[32:]).sum(-1).mean() > 0.3
+
+
+# ----------------------------------------------------------------------------- 6. training forward
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_train_forward_matches_inference(kind):
+    """Step 1 at position s == the inference head with the true features (one call over all
+    slots); step j at origin o == the inference rollout's (j-1)-th draft step after a prefix
+    of o + 1 committed tokens (teacher tokens fed instead of drafts): the training-time-test
+    attention mask sees exactly what drafting sees."""
+    model, tp = _target()
+    hc = _head_config(kind)
+    hp = drafters.head_params(hc, _own_params(hc, "random"), tp)
+    T, steps, cap = 9, 3, 16
+    tokens = np.random.default_rng(5).integers(0, V, (1, T)).astype(np.int32)
+    origins = np.arange(T - steps + 1)            # steps 2..: one row per origin o
+    R = len(origins)
+    head = drafters.EagleHead(hc)
+
+    @jax.jit
+    def both(tp, hp, tokens):
+        feats = model.apply_with_features(tp, tokens, None, layers=hc.feature_layers)[1]
+        train = drafters.eagle_train_forward(hc, hp, tokens, feats, steps=steps)
+
+        def cache_with(rows, true_len):
+            f = jnp.zeros((rows, cap, hc.feature_size)).at[:, :T].set(jnp.tile(feats, (rows, 1, 1)))
+            return head.init_cache(rows, cap).replace(true_BSF=f, true_len_B=jnp.asarray(true_len, jnp.int32))
+
+        # step 1: one call over all T tokens, every previous feature the target's
+        logits1, c1 = head.apply(hp, tokens, cache_with(1, [T]))
+        inference = [(c1.pred_BSD[:, :T], logits1)]
+        # o + 1 committed tokens (target features f_0..f_{o-1}), then teacher tokens one by one
+        rows = jnp.tile(tokens, (R, 1))
+        _, cache = head.apply(hp, rows, cache_with(R, origins), num_valid_B=jnp.asarray(origins + 1, jnp.int32))
+        for j in range(2, steps + 1):
+            logits_j, cache = head.apply(hp, rows[jnp.arange(R), origins + j - 1][:, None], cache)
+            inference.append((cache.pred_BSD[jnp.arange(R), origins + j - 1], logits_j[:, 0]))
+        return train, inference
+
+    out, inference = jax.device_get(both(tp, hp, tokens))
+    assert len(out) == steps and out[0][1].shape == (1, T, V)
+    np.testing.assert_allclose(out[0][1], inference[0][1], **TOL)
+    np.testing.assert_allclose(out[0][0], inference[0][0], **TOL)
+    for j in range(2, steps + 1):
+        np.testing.assert_allclose(inference[j - 1][1], out[j - 1][1][0, origins], **TOL)
+        np.testing.assert_allclose(inference[j - 1][0], out[j - 1][0][0, origins], **TOL)
+    # the steps really differ (a mask or input mix-up could otherwise go unseen)
+    assert not np.allclose(out[0][1][0, 1:T - 1], out[1][1][0, :T - 2], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- 7. errors
+
+def test_head_config_errors():
+    with pytest.raises(ValueError, match="kind"):
+        drafters.HeadConfig.make("hydra", CFG)
+    for layers in [(4,), (-5,), ()]:
+        with pytest.raises(ValueError, match="feature layers"):
+            drafters.HeadConfig.make("eagle3", CFG, feature_layers=layers)
+    with pytest.raises(ValueError, match="one feature layer"):
+        drafters.HeadConfig.make("eagle", CFG, feature_layers=(0, -1))
+    with pytest.raises(ValueError, match="num_heads"):
+        drafters.HeadConfig.make("medusa", CFG, num_heads=0)
+    with pytest.raises(ValueError, match="head_size"):
+        drafters.HeadConfig.make("eagle", CFG, head_size=V + 1)
+    hc = drafters.HeadConfig.make("eagle", CFG, head_size=10)
+    with pytest.raises(ValueError, match="head_ids"):          # (traced only: nothing to compile)
+        jax.eval_shape(lambda k: drafters.init_head_params(hc, k), jax.random.key(0))
+    with pytest.raises(ValueError, match="head_ids"):
+        jax.eval_shape(lambda k: drafters.init_head_params(hc, k, head_ids=[1] * 10), jax.random.key(0))
+    with pytest.raises(ValueError, match="lack"):
+        drafters.head_params(drafters.HeadConfig.make("eagle3", CFG), {"fc": None}, _target()[1])
+
+
+def test_engine_rejects_bad_head_setups():
+    model, tp = _target()
+    med, hp = _head("medusa", "random")            # 3 heads
+    # gamma > num_heads: raised when the round is traced
+    eng = decoding.Engine(model, med, _gen(4))
+    with pytest.raises(ValueError, match="at most"):
+        eng.run(decoding.EngineParams(target=tp, draft=hp), GREEDY,
+                decoding.make_batch(PROMPTS, eng.config, jax.random.key(0)))
+    # token trees: refused when the engine is built
+    for dr in (med, _head("eagle")[0]):
+        for tree in (trees.TreeShape.chain(2), trees.TreeShape.from_branching((2, 1))):
+            with pytest.raises(ValueError, match="chains"):
+                decoding.Engine(model, dr, _gen(tree))
+        with pytest.raises(ValueError, match="chains"):
+            decoding.Engine(model, dr, _gen(decoding.AdaptiveGamma(gammas=(0, 2, trees.TreeShape.chain(2)))))
+    # a target that cannot return features
+    reduced = ReducedHeadLlama(CFG, head_size=10)
+    with pytest.raises(ValueError, match="cannot return them"):
+        decoding.Engine(reduced, med, _gen(2))
+    decoding.Engine(reduced, med, _gen(0))         # fine without drafting (no features read)
+    # a feature head called without features
+    eagle, ehp = _head("eagle")
+    with pytest.raises(ValueError, match="features"):
+        eagle.init(ehp, jnp.zeros((1, 3), jnp.int32), jnp.asarray([3]), 8)
+    head = eagle.model
+    with pytest.raises(ValueError, match="features"):
+        head.apply(ehp, jnp.zeros((1, 1), jnp.int32), head.init_cache(1, 8))
+
+
+# ----------------------------------------------------------------------------- 8. prefill reuse
+
+def test_prefill_reuse_with_eagle_head():
+    """`Engine.prefill` once, then `run(..., prefill=pre)` (twice: the prefill is not donated)
+    gives exactly the tokens and metrics of the same engine without it (its round-by-round
+    run from `init`, the same rounds as `run`); the target-only engine takes the same prefill."""
+    eng, ep, batch = _eagle_setup("good")
+    pre = eng.prefill(ep, batch)
+    assert pre.features_BLF is not None and pre.features_BLF.shape == (len(PROMPTS), batch.capacity, D)
+    _, final = _eagle_stepped("good")
+    ref = decoding.GenerateOutput.from_state(final)
+    for _ in range(2):
+        out = eng.run(ep, GREEDY, batch, prefill=pre)
+        assert out.generated() == ref.generated() == _target_only()[0]
+        for x, y in zip(jax.tree.leaves(out.metrics), jax.tree.leaves(ref.metrics)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(np.asarray(out.metrics.accepted_B).sum()) > 0
+    only = decoding.Engine(eng.target, None, _gen(0))       # target-only: the cache-free reference
+    assert only.run(decoding.EngineParams(target=ep.target), GREEDY, batch, prefill=pre).generated() \
+        == _target_only()[0]
+    # a prefill without the target features cannot feed a feature head
+    with pytest.raises(ValueError, match="features"):
+        eng.run(ep, GREEDY, batch, prefill=dataclasses.replace(pre, features_BLF=None))
+
+
+def test_prefill_reuse_with_medusa_head():
+    """The same for a Medusa engine (whose drafter keeps no state): its own prefill must be
+    reusable and give the tokens and metrics of the run without it. (It was refused once:
+    `Engine.prefill` recorded no drafter when the drafter's state was None, as Medusa's is,
+    and the CLI's main path, gen.prefill then stream with prefill=, failed for Medusa.)"""
+    model, tp = _target()
+    dr, hp = _head("medusa", "random")
+    eng = decoding.Engine(model, dr, _gen(3))
+    ep = decoding.EngineParams(target=tp, draft=hp)
+    batch = decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+    pre = eng.prefill(ep, batch)
+    assert pre.features_BLF is not None
+    out = eng.run(ep, GREEDY, batch, prefill=pre)
+    ref = decoding.GenerateOutput.from_state(_medusa_stepped("random")[1])
+    assert out.generated() == ref.generated()
+    for x, y in zip(jax.tree.leaves(out.metrics), jax.tree.leaves(ref.metrics)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
