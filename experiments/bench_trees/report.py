@@ -62,9 +62,11 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(path) -> str:
+def write(path, render_fn=None) -> str:
+    """Render a results JSONL (with `render`, or another renderer of the same records) and write
+    the text beside it as README.md."""
     path = pathlib.Path(path)
-    text = render(toolkit.read_jsonl(path))
+    text = (render_fn or render)(toolkit.read_jsonl(path))
     (path.parent / "README.md").write_text(text + "\n")
     return text
 

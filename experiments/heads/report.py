@@ -12,10 +12,10 @@ pass costs, with alpha = the measured first-proposal acceptance, i.i.d. over pos
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 from experiments import toolkit
+from experiments.bench_trees import report as trees_report
 from specjax import analysis
 
 
@@ -60,12 +60,5 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(path) -> str:
-    path = pathlib.Path(path)
-    text = render(toolkit.read_jsonl(path))
-    (path.parent / "README.md").write_text(text + "\n")
-    return text
-
-
 if __name__ == "__main__":
-    print(write(sys.argv[1] if len(sys.argv) > 1 else "experiments/heads/results/results.jsonl"))
+    print(trees_report.write(sys.argv[1] if len(sys.argv) > 1 else "experiments/heads/results/results.jsonl", render))

@@ -36,7 +36,7 @@ import numpy as np
 
 from specjax import drafters
 from specjax.distill import _divergence
-from specjax.distill._train import teacher_logits
+from specjax.distill._train import chain_tokens_per_pass, teacher_logits
 from specjax.models import Llama
 from specjax.models import llama as llama_lib
 
@@ -167,27 +167,6 @@ def _eval_batch(obj: HeadObjective, params, tp, tokens_BT, steps: int):
 
 
 _eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0, 4))
-
-
-def chain_tokens_per_pass(agree_OJ: np.ndarray, valid_O: np.ndarray, gamma: int) -> tuple[int, int]:
-    """(committed tokens, target passes) of greedy chain drafting along one target-greedy
-    sequence: ``agree_OJ[o, j]`` says whether draft step j+1 from origin o (o = the position of
-    the last committed token) proposes the target's token; ``valid_O`` marks the origins whose
-    next token is a continuation token (consecutive)."""
-    origins = np.flatnonzero(valid_O)
-    if origins.size == 0:
-        return 0, 0
-    o, end = int(origins[0]), int(origins[-1]) + 1
-    committed = passes = 0
-    while o < end:
-        n = 0
-        while n < gamma and o + n < end and agree_OJ[o, n]:
-            n += 1
-        c = min(n + 1, end - o)
-        committed += c
-        passes += 1
-        o += c
-    return committed, passes
 
 
 def evaluate_head(obj: HeadObjective, own: dict, tp, plan, gammas) -> dict:

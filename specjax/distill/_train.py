@@ -236,15 +236,35 @@ def greedy_accepted_per_pass(agree: np.ndarray, gamma: int) -> tuple[int, int]:
     So this is exact, up to float near-ties between a batched and an incremental forward.
     """
     m = len(agree)
-    i = committed = passes = 0
-    while i < m:
+    agree = np.asarray(agree, bool)
+    steps = max(int(gamma), 1)
+    # A draft that does not depend on the round's origin: step j from origin i agrees iff a_{i+j}.
+    agree_OJ = np.zeros((m, steps), bool)
+    for j in range(min(steps, m)):
+        agree_OJ[:m - j, j] = agree[j:]
+    return chain_tokens_per_pass(agree_OJ, np.ones(m, bool), gamma)
+
+
+def chain_tokens_per_pass(agree_OJ: np.ndarray, valid_O: np.ndarray, gamma: int) -> tuple[int, int]:
+    """(committed tokens, target passes) of greedy chain drafting along one target-greedy
+    sequence: ``agree_OJ[o, j]`` says whether draft step j+1 of a round whose last committed
+    token sits at position o proposes the target's token (a draft head's steps depend on the
+    origin; a standalone draft's do not, see `greedy_accepted_per_pass`); ``valid_O`` marks the
+    origins whose next token is a continuation token (consecutive). A round accepts the run of
+    agreeing steps (at most gamma) and commits one more token."""
+    origins = np.flatnonzero(valid_O)
+    if origins.size == 0:
+        return 0, 0
+    o, end = int(origins[0]), int(origins[-1]) + 1
+    committed = passes = 0
+    while o < end:
         n = 0
-        while n < gamma and i + n < m and agree[i + n]:
+        while n < gamma and o + n < end and agree_OJ[o, n]:
             n += 1
-        c = min(n + 1, m - i)
+        c = min(n + 1, end - o)
         committed += c
         passes += 1
-        i += c
+        o += c
     return committed, passes
 
 

@@ -11,59 +11,22 @@ The embedding, final norm and LM head are the target's, taken at load time (`hea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.drafters._heads import EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params
-from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
+from specjax.models.config import CheckpointError, MissingTensorError
+from specjax.models.draft_artifact import read_tensors, write_tensors
 
 FORMAT = "specjax-head-1"
 
 
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _unflat(flat):
-    out: dict = {}
-    for name, v in flat.items():
-        d = out
-        *parents, leaf = name.split(".")
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return out
-
-
 def save_head(directory, hc: HeadConfig, own: dict, *, dtype: str = "bfloat16", info: dict | None = None) -> dict:
     """Write a head's own parameters and config; returns the description written to head.json."""
-    from safetensors.numpy import save_file
-    import ml_dtypes
-
     d = pathlib.Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    flat = {}
-    for name, v in _flat({k: own[k] for k in hc.own_param_names}).items():
-        a = np.asarray(jax.device_get(v))
-        if np.issubdtype(a.dtype, np.floating):
-            a = a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
-        flat[name] = np.ascontiguousarray(a)
-    tmp = d / "head.safetensors.tmp"
-    save_file(flat, str(tmp))
-    sha = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    tmp.chmod(0o644)
-    tmp.replace(d / "head.safetensors")
+    sha = write_tensors(d / "head.safetensors", {k: own[k] for k in hc.own_param_names}, dtype)
     t = hc.target
     desc = {"format": FORMAT, "head": hc.to_dict(), "dtype": dtype, "sha256": sha,
             "bytes": (d / "head.safetensors").stat().st_size,
@@ -80,8 +43,6 @@ def is_head_dir(directory) -> bool:
 def load_head(directory, target, target_params, *, dtype: str | None = None):
     """(drafter, params) of a head saved by `save_head` for this target (checked: format,
     sha256, the target's vocabulary, width and depth)."""
-    from safetensors.numpy import load_file
-
     d = pathlib.Path(directory)
     if not is_head_dir(d):
         raise CheckpointError(f"{d} holds no head.json (not a draft-head directory)")
@@ -91,8 +52,6 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     blob_path = d / "head.safetensors"
     if not blob_path.is_file():
         raise MissingTensorError(f"{d} has head.json but no head.safetensors")
-    if hashlib.sha256(blob_path.read_bytes()).hexdigest() != desc["sha256"]:
-        raise CorruptCheckpointError(f"{blob_path} does not match its recorded sha256 {desc['sha256']}")
     tc = target.config
     want = {"vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size, "num_layers": tc.num_layers}
     if desc["target_dims"] != want:
@@ -100,9 +59,7 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     h = desc["head"]
     hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
                          feature_layers=tuple(h["feature_layers"]))
-    compute = jnp.dtype(dtype or tc.dtype)
-    flat = load_file(str(blob_path))
-    own = _unflat({k: (jnp.asarray(v) if v.dtype.kind in "iu" else jnp.asarray(v, compute)) for k, v in flat.items()})
+    own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))
     missing = [n for n in hc.own_param_names if n not in own]
     if missing:
         raise MissingTensorError(f"{blob_path} lacks the head tensors {missing}")

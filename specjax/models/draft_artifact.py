@@ -52,6 +52,42 @@ def _unflatten(flat):
     return out
 
 
+def write_tensors(path, tree: dict, dtype: str = "bfloat16") -> str:
+    """Write a nested dict of arrays as one safetensors file (dotted names; floats cast to
+    `dtype`, integers kept), atomically (a temporary file renamed into place) and
+    world-readable (shipped as package data). Returns the file's sha256."""
+    from safetensors.numpy import save_file
+    import ml_dtypes
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {}
+    for name, v in _flatten(tree).items():
+        a = np.asarray(jax.device_get(v))
+        if np.issubdtype(a.dtype, np.floating):
+            a = a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+        flat[name] = np.ascontiguousarray(a)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(flat, str(tmp))
+    sha = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    tmp.chmod(0o644)
+    tmp.replace(path)
+    return sha
+
+
+def read_tensors(path, expected_sha256: str, compute_dtype) -> dict:
+    """The nested dict of a file written by `write_tensors`, checked against its sha256
+    (`CorruptCheckpointError` naming the file otherwise); floats in `compute_dtype`."""
+    from safetensors.numpy import load_file
+
+    path = pathlib.Path(path)
+    if hashlib.sha256(path.read_bytes()).hexdigest() != expected_sha256:
+        raise CorruptCheckpointError(f"{path} does not match its recorded sha256 {expected_sha256}")
+    flat = load_file(str(path))
+    return _unflatten({k: (jnp.asarray(v) if v.dtype.kind in "iu" else jnp.asarray(v, compute_dtype))
+                       for k, v in flat.items()})
+
+
 def save_draft(directory, model, params, *, shared: tuple[str, ...], dtype: str = "bfloat16",
                info: dict | None = None) -> dict:
     """Write the draft's non-shared tensors (cast to `dtype`; int tensors kept) and its config.
@@ -60,27 +96,12 @@ def save_draft(directory, model, params, *, shared: tuple[str, ...], dtype: str 
     'head_from_embed' when a reduced head is the target's embedding rows (then 'head' is not
     stored either). Returns the written description.
     """
-    from safetensors.numpy import save_file
-    import ml_dtypes
-
     d = pathlib.Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     p = canonical_params(params, model.config)
     drop = set(shared) - {"head_from_embed"}
     if "head_from_embed" in shared:
         drop.add("head")
-    stored = {k: v for k, v in p.items() if k not in drop}
-    flat = {}
-    for name, v in _flatten(stored).items():
-        a = np.asarray(jax.device_get(v))
-        if np.issubdtype(a.dtype, np.floating):
-            a = a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
-        flat[name] = np.ascontiguousarray(a)
-    tmp = d / "draft.safetensors.tmp"
-    save_file(flat, str(tmp))
-    sha = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    tmp.chmod(0o644)            # shipped as package data: world-readable
-    tmp.replace(d / "draft.safetensors")
+    sha = write_tensors(d / "draft.safetensors", {k: v for k, v in p.items() if k not in drop}, dtype)
     desc = {
         "format": FORMAT,
         "config": dataclasses.asdict(model.config),
@@ -103,17 +124,12 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     fused projections and a per-layer cache): on XLA CPU a scan slices every layer's weights
     out of the stacked arrays each step.
     """
-    from safetensors.numpy import load_file
-
     d = pathlib.Path(directory)
     if not (d / "draft.json").is_file():
         raise CheckpointError(f"{d} holds no draft.json (not a draft directory)")
     desc = json.loads((d / "draft.json").read_text())
     if desc.get("format") != FORMAT:
         raise CheckpointError(f"{d}/draft.json: unknown format {desc.get('format')!r}, expected {FORMAT}")
-    blob = (d / "draft.safetensors").read_bytes()
-    if hashlib.sha256(blob).hexdigest() != desc["sha256"]:
-        raise CorruptCheckpointError(f"{d}/draft.safetensors does not match its recorded sha256 {desc['sha256']}")
     cfg_d = dict(desc["config"])
     cfg = ModelConfig(**cfg_d)
     compute_dtype = dtype or target.config.dtype
@@ -121,9 +137,7 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.config.hidden_size:
         raise ValueError(f"draft {d} was made for vocab {cfg.vocab_size} / width {cfg.hidden_size}, the target has "
                          f"{target.vocab_size} / {target.config.hidden_size}")
-    flat = load_file(str(d / "draft.safetensors"))
-    params = _unflatten({k: (jnp.asarray(v) if v.dtype.kind in "iu" else jnp.asarray(v, compute_dtype))
-                         for k, v in flat.items()})
+    params = read_tensors(d / "draft.safetensors", desc["sha256"], compute_dtype)
     shared = set(desc["shared"])
     if "embed" in shared:
         params["embed"] = target_params["embed"]
