@@ -21,7 +21,7 @@ def get_config(variant: str = ""):
     c = trees_config.get_config()
     c.drafters = ("distilled",) + tuple(f"head:{head_dir(k)}" for k in HEADS)
     c.chains = (1, 2)                       # the distilled draft's chains (its best gamma is <= 2)
-    c.head_chains = (1, 2, 3, 4)
+    c.head_chains = (1, 2, 3)
     c.model_trees = ()
     c.node_counts = (1, 2, 3, 4, 5, 6, 8)
     c.out = "experiments/heads/results/results.jsonl"
