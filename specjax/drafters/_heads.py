@@ -44,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.drafters._model import ModelDrafter, ModelDraftState, draw
+from specjax.drafters._model import ModelDrafter, ModelDraftState, draw, rollout
 from specjax.drafters._protocol import DraftContext
 from specjax.models import Llama, ModelConfig, prefill
 from specjax.models import llama as llama_lib
@@ -317,18 +317,23 @@ class EagleHead:
         t > 0, must already be in the cache: a call never needs its own outputs)."""
         if tree is not None:
             raise ValueError("EAGLE heads draft chains in specjax so far (no tree calls)")
-        if cache.true_BSF is None:
-            raise ValueError("the head needs the target's features in its cache for this call")
         hc = self.config
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         B, T = tokens_BT.shape
         start_B = cache.lengths_B
         prev_BT = start_B[:, None] + jnp.arange(T)[None, :] - 1
         idx_BT1 = jnp.clip(prev_BT, 0, cache.capacity - 1)[..., None]
-        true_BTF = jnp.take_along_axis(cache.true_BSF, idx_BT1, axis=1)
         pred_BTD = jnp.take_along_axis(cache.pred_BSD, idx_BT1, axis=1)
-        g_BTD = jnp.where((prev_BT < cache.true_len_B[:, None])[..., None],
-                          fuse_features(hc, params, true_BTF.astype(pred_BTD.dtype)), pred_BTD)
+        if cache.true_BSF is None:
+            # Drafting steps past the committed prefix read only the head's own outputs; a
+            # call that needs a target feature without them is an error, checked where traced.
+            if T != 1:
+                raise ValueError("the head needs the target's features in its cache for this call")
+            g_BTD = pred_BTD
+        else:
+            true_BTF = jnp.take_along_axis(cache.true_BSF, idx_BT1, axis=1)
+            g_BTD = jnp.where((prev_BT < cache.true_len_B[:, None])[..., None],
+                              fuse_features(hc, params, true_BTF.astype(pred_BTD.dtype)), pred_BTD)
         g_BTD = jnp.where((prev_BT >= 0)[..., None], g_BTD, 0)
         x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
         h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, num_valid_B, inputs_BTD=x_BTD)
@@ -365,9 +370,12 @@ class FeatureHeadDrafter(ModelDrafter):
         return state.cache.replace(true_BSF=context.features, true_len_B=context.lengths_B - 1)
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        cache = self._with_features(state, context)
-        tokens_BG, q_BGV, st = super().propose(params, ModelDraftState(cache=cache), context, key_B, gamma, cfg)
-        return tokens_BG, q_BGV, ModelDraftState(cache=st.cache.replace(true_BSF=None))
+        # The target's features are needed only to catch up on the committed tokens; the
+        # rollout's steps read the head's own outputs, so its scan does not carry them.
+        logits_BV, cache = self._catch_up(params, self._with_features(state, context), context)
+        tokens_BG, q_BGV, cache = rollout(self.model, params, cache.replace(true_BSF=None), logits_BV, key_B,
+                                          gamma, cfg)
+        return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
     def propose_tree(self, *args, **kwargs):
         raise NotImplementedError("EAGLE heads draft chains here; see check_tree")
