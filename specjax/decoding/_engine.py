@@ -368,8 +368,10 @@ class Engine:
     def _target_forward(self, params, block_BT, cache, tree=None):
         """(logits, features or None, cache) of one target pass over a block."""
         if not self.feature_layers:
-            logits, cache = self.target.apply(params.target, block_BT, cache, tree=tree)
-            return logits, None, cache
+            # A model without tree support takes no ``tree`` argument (chains only).
+            out = (self.target.apply(params.target, block_BT, cache) if tree is None
+                   else self.target.apply(params.target, block_BT, cache, tree=tree))
+            return out[0], None, out[1]
         return self.target.apply_with_features(params.target, block_BT, cache, tree=tree, layers=self.feature_layers)
 
     # ------------------------------------------------------------------ stages of one round

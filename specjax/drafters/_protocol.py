@@ -25,6 +25,12 @@ engine never asks a drafter what kind it is.
 * ``forward_passes(gamma) -> int``: draft forward passes a round of ``gamma`` proposals
   costs (0 for model-free drafters); feeds the metrics.
 
+Feature-level draft heads (`specjax.drafters.MedusaDrafter`, `FeatureHeadDrafter`) also have
+``feature_layers`` (the target layers they read, -1 = the last before the final norm): the
+engine then runs the target with ``apply_with_features``, keeps the features of the committed
+positions and passes them as ``context.features`` [B, capacity, F] (positions
+``< lengths_B - 1`` valid), and calls ``init(..., features_BPF=)`` with the prompt's features.
+
 Token trees (`specjax.trees`): ``propose_tree(params, state, context, key_B, tree, sampling,
 children) -> (DraftTree, q_BN1V, state)`` drafts a whole tree for a static ``tree`` setting
 (`TreeShape` or `DynamicTree`); ``children`` is how each node's children are drawn
@@ -54,8 +60,9 @@ class DraftContext:
 
     tokens_BL: committed tokens, ``PAD_ID`` after ``lengths_B``; lengths_B: committed lengths;
     target_cache: the target's KV cache (its rows hold ``lengths_B - 1`` tokens);
-    features: the target's hidden features of the committed positions, for feature-level
-      draft heads (``None`` while no drafter asks for them).
+    features: the target's hidden features [B, capacity, F] of the committed positions (those
+      ``< lengths_B - 1``), for feature-level draft heads (``None`` unless the drafter names
+      ``feature_layers``).
     """
     tokens_BL: jax.Array
     lengths_B: jax.Array
