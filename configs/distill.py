@@ -78,6 +78,7 @@ def get_config():
     c.eval.per_category = 4             # held-out prompts per Spec-Bench category
     c.eval.max_new_tokens = 128
     c.eval.gamma = 4
+    c.eval.data_jsonl = ""              # "" = held-out Spec-Bench greedy continuations; else a fixed JSONL set
     c.eval.at_start = True
 
     c.export_dir = ""                   # write the draft artifact here at the end ("" = skip)

@@ -43,10 +43,12 @@ def _why(config, stats, m, round_time_s) -> str:
     used = ", ".join(f"{g} in {n} rounds" for g, n in stats["proposal_rounds"].items() if n)
     if not config.adaptive or round_time_s is None:
         return f"gamma {_describe(config.gamma)} ({used})"
-    from specjax.decoding import _adaptive
+    from specjax import analysis
     tested, accepted = int(m.tested_at_BG[0][0]), int(m.accepted_at_BG[0][0])
-    alpha = accepted / tested if tested else config.gamma.initial_alpha
-    per = [1e3 * t / float(e) for t, e in zip(round_time_s, _adaptive.expected_per_candidate(alpha, config.gammas))]
+    alpha = min(accepted / tested if tested else config.gamma.initial_alpha, 1 - 1e-6)
+    expected = [analysis.expected_tokens_per_round(alpha, g) if isinstance(g, int) else float(g.expected_tokens(alpha))
+                for g in config.gammas]
+    per = [1e3 * t / e for t, e in zip(round_time_s, expected)]
     best = _describe(config.gammas[int(np.argmin(per))])
     return (f"adaptive gamma used {used}; at the measured first-proposal acceptance {alpha:.2f} the calibrated "
             f"expected ms per token are " + ", ".join(f"{_describe(g)}: {p:.1f}" for g, p in zip(config.gammas, per))

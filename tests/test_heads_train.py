@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from specjax import decoding, distill, drafters, sampling
-from specjax.distill import _heads
 
 import _distill_toy as toy
 
@@ -33,7 +32,7 @@ def toy_pair(tmp_path_factory):
 def _objective(target, kind, head_size=None, ttt=None):
     hc = drafters.HeadConfig.make(kind, target.config, num_heads=3, head_size=head_size)
     steps = ttt if ttt is not None else (2 if kind == "eagle3" else 1)
-    return _heads.HeadObjective(hc, target, ttt_steps=steps, feature_weight=1.0 if kind == "eagle" else 0.0)
+    return distill.HeadObjective(hc, target, ttt_steps=steps, feature_weight=1.0 if kind == "eagle" else 0.0)
 
 
 @pytest.mark.parametrize("kind,head_size", [("eagle3", None), ("eagle", 40), ("medusa", None)])
@@ -48,7 +47,7 @@ def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size):
     frozen = {**frozen, "target": tp}
     before = jax.tree.map(np.asarray, tp)
     head_SD = distill.teacher_head(target, tp, head_ids)
-    step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=_heads.head_loss)
+    step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
     batch = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
     divs, feats = [], []
     for _ in range(25):
@@ -86,7 +85,7 @@ def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
     opt, _ = distill.make_optimizer(learning_rate=3e-3, warmup_steps=0, total_updates=30)
     state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
     frozen = {**frozen, "target": tp}
-    step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=_heads.head_loss)
+    step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
     head_SD = distill.teacher_head(target, tp, None)
     for i in range(30):
         state, _ = step(state, frozen, head_SD, {k: jnp.asarray(v) for k, v in plan.batch(i % 3).items()})
@@ -102,12 +101,12 @@ def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
     total_accepted = 0
     for b, (p, gen) in enumerate(zip(prompts, ref.generated())):
         seq = np.asarray(p + gen, np.int32)
-        alpha, q_arg, p_arg = _heads._eval_batch_jit(obj, hp, tp, jnp.asarray(seq)[None], gamma)
+        alpha, q_arg, p_arg = distill.head_eval_batch(obj, hp, tp, jnp.asarray(seq)[None], gamma)
         agree = (np.asarray(q_arg) == np.asarray(p_arg))[0]
         valid = np.zeros(len(seq), bool)
         valid[len(p) - 1:len(seq) - 1] = True
         inside = np.arange(len(seq))[:, None] + np.arange(gamma)[None, :] <= len(seq) - 2
-        committed, passes = _heads.chain_tokens_per_pass(agree & inside, valid, gamma)
+        committed, passes = distill.chain_tokens_per_pass(agree & inside, valid, gamma)
         assert committed == N == int(m.committed_B[b])
         assert passes == int(m.rounds_B[b]), (b, passes, int(m.rounds_B[b]))
         total_accepted += int(m.accepted_B[b])
@@ -140,10 +139,8 @@ def test_export_and_reload_draft_identically(toy_pair, tmp_path):
         drafters.load_head(tmp_path / "h", target, tp)
 
 
-def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path, monkeypatch):
+def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path):
     import ml_collections
-
-    from specjax.distill import _loop, _prepare
     c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache",
                    budget=3000, export_dir=tmp_path / "export")
     c.draft.kind = "eagle3"
@@ -151,9 +148,8 @@ def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path,
     c.head = ml_collections.ConfigDict({"ttt_steps": 2, "feature_weight": 0.0, "num_heads": 3, "feature_layers": ()})
     c.eval.every = 5
     c.eval.gamma = 2
-    # Evaluation data: the fixed set stands in (the toy target has no tokenizer for Spec-Bench).
-    monkeypatch.setattr(_loop, "_tokenizer", lambda c_: None)
-    monkeypatch.setattr(_prepare, "eval_plan", lambda c_, t, tp, tok, log=None: toy_pair["plan"])
+    # Evaluation on a fixed token set (the toy target has no tokenizer for Spec-Bench prompts).
+    c.eval.data_jsonl = str(toy.write_data(tmp_path / "eval.jsonl", n=8, seed=1))
     s = distill.train(c, tmp_path / "wd", log=lambda m: None, stop_after_steps=6)   # checkpoint at step 5
     assert s["steps"] == 6 and "export" not in s
     s = distill.train(c, tmp_path / "wd", log=lambda m: None)

@@ -4,6 +4,7 @@
     make_train_step / LossSpec    the pure jitted step and its loss
     divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
+    HeadObjective / head_loss / evaluate_head   feature-level draft heads (EAGLE-3, EAGLE, Medusa)
     SequenceSet / TeacherData / BatchPlan / generate / teacher_states / from_jsonl   data
     eval_plan                     a training config's held-out evaluation set
 """
@@ -12,16 +13,19 @@ from specjax.distill._data import BatchPlan, SequenceSet, TeacherData, from_json
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
+from specjax.distill._heads import HeadObjective, evaluate_head, head_eval_batch, head_loss, objective_from_config
 from specjax.distill._loop import train, with_overrides
 from specjax.distill._prepare import eval_plan
-from specjax.distill._train import (LossSpec, TrainState, evaluate, greedy_accepted_per_pass, init_state,
+from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
+                                    init_state,
                                     loss_fn, make_optimizer, make_train_step, merge_params, split_params,
                                     teacher_head)
 
 __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
-    "DraftChoice", "build_draft", "select_layers", "train", "with_overrides", "eval_plan",
+    "DraftChoice", "build_draft", "select_layers",
+    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "eval_plan",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",
 ]

@@ -167,6 +167,7 @@ def _eval_batch(obj: HeadObjective, params, tp, tokens_BT, steps: int):
 
 
 _eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0, 4))
+head_eval_batch = _eval_batch_jit     # public: (objective, head params, target params, tokens_BT, steps)
 
 
 def evaluate_head(obj: HeadObjective, own: dict, tp, plan, gammas) -> dict:

@@ -276,7 +276,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     # ---- evaluation ----------------------------------------------------------------------
     eval_plan = None
     if c.eval.every > 0:
-        eval_plan = _prepare.eval_plan(c, target, target_params, tokenizer(), log)
+        fixed_eval = c.eval.get("data_jsonl", "")
+        needs_tok = not fixed_eval or any("tokens" not in json.loads(l) for l in
+                                          pathlib.Path(fixed_eval).read_text().splitlines()[:1] if l.strip())
+        eval_plan = _prepare.eval_plan(c, target, target_params, tokenizer() if needs_tok else None, log)
 
     def run_eval(step, state):
         if eval_plan is None:

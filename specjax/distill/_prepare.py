@@ -62,13 +62,19 @@ def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherDat
 
 
 def eval_plan(c, target, target_params, tokenizer, log=None) -> _data.BatchPlan:
-    """The held-out evaluation set of a training config (`eval_data`, cached), in one fixed order."""
-    data = eval_data(c, target, target_params, tokenizer, log)
+    """The held-out evaluation set of a training config in one fixed order: the target's greedy
+    continuations of held-out Spec-Bench prompts (`eval_data`, cached), or, with
+    ``eval.data_jsonl`` set, that fixed JSONL set (no tokenizer needed when it holds tokens)."""
+    if c.eval.get("data_jsonl", ""):
+        data = fixed_data(c, target, target_params, tokenizer, log, path=c.eval.data_jsonl)
+    else:
+        data = eval_data(c, target, target_params, tokenizer, log)
     return _data.BatchPlan(data, 0, c.data.tokens_per_batch, tuple(c.data.widths))
 
 
-def fixed_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
-    path = pathlib.Path(c.data.fixed_jsonl)
+def fixed_data(c, target, target_params, tokenizer, log=None, path=None) -> _data.TeacherData:
+    """Teacher states of a fixed JSONL set (``data.fixed_jsonl``, or `path`), cached."""
+    path = pathlib.Path(c.data.fixed_jsonl if path is None else path)
     spec = dict(target=c.target, dtype=c.dtype, path=str(path.resolve()), size=path.stat().st_size,
                 mtime=path.stat().st_mtime, widths=tuple(c.data.widths))
     directory = _sources.data_dir(data_root(c), "fixed", **spec)

@@ -249,6 +249,9 @@ class HeadCache:
     pred_BSD: jax.Array            # the head's output at each slot (its prediction of f_s)
     true_len_B: jax.Array          # positions < true_len_B have target features
     true_BSF: Any = None           # the target's features [B, S, F] (None in stored state)
+    # Static: inside a rollout, where every step reads the head's own previous output and no
+    # target feature, so the features need not be carried (one-token calls only).
+    drafting: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def lengths_B(self):
@@ -325,10 +328,10 @@ class EagleHead:
         idx_BT1 = jnp.clip(prev_BT, 0, cache.capacity - 1)[..., None]
         pred_BTD = jnp.take_along_axis(cache.pred_BSD, idx_BT1, axis=1)
         if cache.true_BSF is None:
-            # Drafting steps past the committed prefix read only the head's own outputs; a
-            # call that needs a target feature without them is an error, checked where traced.
-            if T != 1:
-                raise ValueError("the head needs the target's features in its cache for this call")
+            # Drafting steps past the committed prefix read only the head's own outputs.
+            if not cache.drafting or T != 1:
+                raise ValueError("the head needs the target's features in its cache for this call "
+                                 "(only one-token drafting steps run without them)")
             g_BTD = pred_BTD
         else:
             true_BTF = jnp.take_along_axis(cache.true_BSF, idx_BT1, axis=1)
@@ -373,9 +376,9 @@ class FeatureHeadDrafter(ModelDrafter):
         # The target's features are needed only to catch up on the committed tokens; the
         # rollout's steps read the head's own outputs, so its scan does not carry them.
         logits_BV, cache = self._catch_up(params, self._with_features(state, context), context)
-        tokens_BG, q_BGV, cache = rollout(self.model, params, cache.replace(true_BSF=None), logits_BV, key_B,
-                                          gamma, cfg)
-        return tokens_BG, q_BGV, ModelDraftState(cache=cache)
+        tokens_BG, q_BGV, cache = rollout(self.model, params, cache.replace(true_BSF=None, drafting=True),
+                                          logits_BV, key_B, gamma, cfg)
+        return tokens_BG, q_BGV, ModelDraftState(cache=cache.replace(drafting=False))
 
     def propose_tree(self, *args, **kwargs):
         raise NotImplementedError("EAGLE heads draft chains here; see check_tree")
