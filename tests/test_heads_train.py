@@ -139,6 +139,37 @@ def test_export_and_reload_draft_identically(toy_pair, tmp_path):
         drafters.load_head(tmp_path / "h", target, tp)
 
 
+def test_broken_head_directories_are_refused_with_the_file_named(toy_pair, tmp_path):
+    """A head.json that is not JSON or lacks keys, and tensors of the wrong shape (a head saved
+    with another head size than its description says), each give a CheckpointError naming the
+    file instead of a traceback from inside the first jitted round."""
+    from specjax.models import CheckpointError
+    target, tp = toy_pair["target"], toy_pair["params"]
+    hc = drafters.HeadConfig.make("eagle3", target.config, head_size=40)
+    own = drafters.init_head_params(hc, jax.random.key(3), head_ids=np.arange(10, 50))
+    d = tmp_path / "h"
+    drafters.save_head(d, hc, own, dtype="float32")
+    good = (d / "head.json").read_text()
+    (d / "head.json").write_text(good[:-20])
+    with pytest.raises(CheckpointError, match="head.json is not valid JSON"):
+        drafters.load_head(d, target, tp)
+    desc = json.loads(good)
+    del desc["target_dims"]
+    (d / "head.json").write_text(json.dumps(desc))
+    with pytest.raises(CheckpointError, match="lacks"):
+        drafters.load_head(d, target, tp)
+    # Tensors of a 30-token head under a description that says 40.
+    small = drafters.HeadConfig.make("eagle3", target.config, head_size=30)
+    drafters.save_head(tmp_path / "small", small, drafters.init_head_params(small, jax.random.key(4),
+                                                                            head_ids=np.arange(30)), dtype="float32")
+    desc = json.loads(good)
+    desc["sha256"] = json.loads((tmp_path / "small" / "head.json").read_text())["sha256"]
+    (d / "head.safetensors").write_bytes((tmp_path / "small" / "head.safetensors").read_bytes())
+    (d / "head.json").write_text(json.dumps(desc))
+    with pytest.raises(CheckpointError, match=r"head_ids.*shape \(30,\).*needs \(40,\)"):
+        drafters.load_head(d, target, tp)
+
+
 def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path):
     import ml_collections
     c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache",

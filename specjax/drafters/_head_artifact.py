@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from specjax.drafters._heads import EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params
-from specjax.models.config import CheckpointError, MissingTensorError
-from specjax.models.draft_artifact import read_tensors, write_tensors
+from specjax.drafters._heads import (EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params,
+                                     init_head_params)
+from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
+from specjax.models.draft_artifact import read_description, read_tensors, write_tensors
 
 FORMAT = "specjax-head-1"
 
@@ -46,9 +49,7 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     d = pathlib.Path(directory)
     if not is_head_dir(d):
         raise CheckpointError(f"{d} holds no head.json (not a draft-head directory)")
-    desc = json.loads((d / "head.json").read_text())
-    if desc.get("format") != FORMAT:
-        raise CheckpointError(f"{d}/head.json: unknown format {desc.get('format')!r}, expected {FORMAT}")
+    desc = read_description(d / "head.json", FORMAT, ("head", "sha256", "target_dims"))
     blob_path = d / "head.safetensors"
     if not blob_path.is_file():
         raise MissingTensorError(f"{d} has head.json but no head.safetensors")
@@ -57,12 +58,27 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     if desc["target_dims"] != want:
         raise ValueError(f"head {d} was made for a target with {desc['target_dims']}, this target has {want}")
     h = desc["head"]
-    hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
-                         feature_layers=tuple(h["feature_layers"]))
+    try:
+        hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
+                             feature_layers=tuple(h["feature_layers"]))
+    except (KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None
     own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))
     missing = [n for n in hc.own_param_names if n not in own]
     if missing:
         raise MissingTensorError(f"{blob_path} lacks the head tensors {missing}")
+    # Shapes against a fresh head of this config: a mismatch would otherwise surface as a shape
+    # error deep inside the first jitted round.
+    ids = None if hc.head_size is None else np.arange(hc.head_size)
+    want = jax.eval_shape(lambda: init_head_params(hc, jax.random.key(0), head_ids=ids))
+    got = {k: own[k] for k in want}
+    if jax.tree.structure(got) != jax.tree.structure(want):
+        names = lambda t: sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t))  # noqa: E731
+        raise MissingTensorError(f"{blob_path}: head tensors {names(got)}, a {hc.kind} head needs {names(want)}")
+    for (path, w), (_, g) in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)):
+        if tuple(w.shape) != tuple(np.shape(g)):
+            raise CorruptCheckpointError(f"{blob_path}: tensor {jax.tree_util.keystr(path)} has shape "
+                                         f"{tuple(np.shape(g))}, a {hc.kind} head for this target needs {tuple(w.shape)}")
     params = head_params(hc, own, target_params)
     drafter = MedusaDrafter(hc) if hc.kind == "medusa" else FeatureHeadDrafter(EagleHead(hc))
     return drafter, params

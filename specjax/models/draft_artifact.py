@@ -88,6 +88,23 @@ def read_tensors(path, expected_sha256: str, compute_dtype) -> dict:
                        for k, v in flat.items()})
 
 
+def read_description(path, fmt: str, keys: tuple[str, ...]) -> dict:
+    """The JSON description of a stored draft or head, checked: valid JSON, the expected format
+    and the given keys present; `CheckpointError` naming the file otherwise."""
+    path = pathlib.Path(path)
+    try:
+        desc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(desc, dict) or desc.get("format") != fmt:
+        got = desc.get("format") if isinstance(desc, dict) else type(desc).__name__
+        raise CheckpointError(f"{path}: unknown format {got!r}, expected {fmt}")
+    missing = [k for k in keys if k not in desc]
+    if missing:
+        raise CorruptCheckpointError(f"{path} lacks {missing}")
+    return desc
+
+
 def save_draft(directory, model, params, *, shared: tuple[str, ...], dtype: str = "bfloat16",
                info: dict | None = None) -> dict:
     """Write the draft's non-shared tensors (cast to `dtype`; int tensors kept) and its config.
@@ -127,9 +144,7 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     d = pathlib.Path(directory)
     if not (d / "draft.json").is_file():
         raise CheckpointError(f"{d} holds no draft.json (not a draft directory)")
-    desc = json.loads((d / "draft.json").read_text())
-    if desc.get("format") != FORMAT:
-        raise CheckpointError(f"{d}/draft.json: unknown format {desc.get('format')!r}, expected {FORMAT}")
+    desc = read_description(d / "draft.json", FORMAT, ("config", "sha256", "shared", "head_size"))
     cfg_d = dict(desc["config"])
     cfg = ModelConfig(**cfg_d)
     compute_dtype = dtype or target.config.dtype
