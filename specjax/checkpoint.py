@@ -38,7 +38,6 @@ survives however many newer, unverified or corrupt, steps follow it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -48,6 +47,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from specjax.files import file_sha256
 
 MANIFEST = "specjax_checksums.json"
 
@@ -69,13 +70,8 @@ class _Transient(Exception):
     """Reading the step failed with an I/O error; the step may well be intact."""
 
 
-def _file_digest(path: pathlib.Path) -> str:
-    """sha256 of a file (module level so fault-injection tests can wrap the reader)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+# The manifest's digest (a module-level name so fault-injection tests can wrap the reader).
+_file_digest = file_sha256
 
 
 def _files(step_dir: pathlib.Path) -> list[str]:

@@ -14,7 +14,6 @@ parameters at load time, so a draft stores its own layers, not the target's embe
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import pathlib
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.files import file_sha256
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig
 from specjax.models.llama import Llama, canonical_params
 from specjax.models.reduced_head import ReducedHeadLlama
@@ -69,7 +69,7 @@ def write_tensors(path, tree: dict, dtype: str = "bfloat16") -> str:
         flat[name] = np.ascontiguousarray(a)
     tmp = path.with_name(path.name + ".tmp")
     save_file(flat, str(tmp))
-    sha = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    sha = file_sha256(tmp)
     tmp.chmod(0o644)
     tmp.replace(path)
     return sha
@@ -81,7 +81,7 @@ def read_tensors(path, expected_sha256: str, compute_dtype) -> dict:
     from safetensors.numpy import load_file
 
     path = pathlib.Path(path)
-    if hashlib.sha256(path.read_bytes()).hexdigest() != expected_sha256:
+    if file_sha256(path) != expected_sha256:
         raise CorruptCheckpointError(f"{path} does not match its recorded sha256 {expected_sha256}")
     flat = load_file(str(path))
     return _unflatten({k: (jnp.asarray(v) if v.dtype.kind in "iu" else jnp.asarray(v, compute_dtype))

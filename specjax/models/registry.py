@@ -12,7 +12,6 @@ when it was last hashed (see `resolve`), or always with ``verify=True``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import os
 import pathlib
@@ -20,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+from specjax.files import file_sha256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +56,6 @@ class ModelIntegrityError(ModelFetchError):
 def cache_dir() -> pathlib.Path:
     root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
     return pathlib.Path(root)
-
-
-def file_sha256(path: os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _stamp_key(sha256: str, st: os.stat_result) -> str:
