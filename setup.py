@@ -1,5 +1,51 @@
 """specjax: lossless speculative decoding in JAX/Flax."""
 import setuptools
+from setuptools.command.build_ext import build_ext
+
+
+def _ffi_include_dir():
+    """XLA's FFI headers ship inside jaxlib (pyproject.toml puts jaxlib in the build environment)."""
+    try:
+        import jaxlib
+    except ImportError:
+        return None
+    import pathlib
+    include = pathlib.Path(jaxlib.__file__).parent / "include"
+    return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").is_file() else None
+
+
+class OptionalBuildExt(build_ext):
+    """The CPU kernel is optional: without a C++ compiler or jaxlib's FFI headers the package
+    installs without it and `specjax.kernels.matmul` computes the same product as an einsum."""
+
+    def run(self):
+        include = _ffi_include_dir()
+        if include is None:
+            print("specjax: jaxlib's FFI headers not found; building without the CPU kernel")
+            self.extensions = []
+        for ext in self.extensions:
+            ext.include_dirs.append(include)
+        try:
+            super().run()
+        except Exception as e:          # compiler missing or failing: install without the kernel
+            print(f"specjax: the CPU kernel did not build ({e}); specjax.kernels falls back to einsum")
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:
+            print(f"specjax: the CPU kernel did not build ({e}); specjax.kernels falls back to einsum")
+
+
+# XLA FFI custom call (specjax/kernels/panel_matmul.cc): a plain shared library that
+# specjax.kernels opens with ctypes; built with the extension suffix so pip places it in the package.
+KERNEL = setuptools.Extension(
+    "specjax.kernels._panel_matmul",
+    sources=["specjax/kernels/panel_matmul.cc"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+    optional=True,
+)
 
 RUNTIME = [
     "jax>=0.10",
@@ -32,7 +78,9 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["specjax", "specjax.*"]),
-    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*/*"]},
+    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*/*", "kernels/*.cc"]},
+    ext_modules=[KERNEL],
+    cmdclass={"build_ext": OptionalBuildExt},
     python_requires=">=3.10",
     install_requires=RUNTIME,
     extras_require={

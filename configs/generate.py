@@ -12,6 +12,10 @@ def get_config():
     c.dtype = "float32"
     c.scan_layers = False                   # unrolled layers + per-layer cache: ~2x faster at batch 1 on CPU
     c.fuse_projections = True               # q|k|v and gate|up as one matmul each
+    # specjax's CPU matmul (specjax.kernels): a k-token verification block streams the weights
+    # once, as a one-token step does. 'auto': on the CPU backend when the kernel was built for
+    # this CPU (unrolled layers, float32); 'on': required; 'off': XLA's matmuls.
+    c.cpu_kernel = "auto"
     # Drafter: 'distilled' (the draft shipped for the target, see experiments/distill), 'ngram'
     # (prompt lookup), 'early_exit' (target's first layers), 'model' (draft_model=), 'none'.
     c.drafter = "distilled"

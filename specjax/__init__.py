@@ -7,6 +7,7 @@ Floors (a module imports only from floors below it):
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
     models/                             Llama-family decoder, KV cache, loaders, tokenizer
     sampling.py  analysis.py  sharding.py  specbench.py  trees.py     primitives
+    kernels/                            CPU custom calls through XLA's FFI (panel matmul)
 """
 
 from specjax import analysis, decoding, drafters, models, sampling, specbench, trees, verify

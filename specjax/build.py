@@ -98,8 +98,49 @@ def tune_xla_cpu(flags: tuple[str, ...] = XLA_CPU_FLAGS) -> bool:
 
 
 def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
-                fuse_projections: bool = False):
-    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
+                fuse_projections: bool = False, packed_projections: bool = False):
+    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
+                       packed_projections=packed_projections)
+
+
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def use_cpu_kernel(c, backend: str | None = None) -> bool:
+    """Whether a generation config's target runs on `specjax.kernels`' CPU matmul (the packed
+    layout, ``ModelConfig.packed_projections``), from ``cpu_kernel``:
+
+    * ``'off'``: never (XLA's own matmuls);
+    * ``'on'``: always; an error unless the kernel was built, the layers are unrolled
+      (``scan_layers=False``) and the dtype is float32;
+    * ``'auto'`` (default): on the CPU backend when the kernel was built with a vector body for
+      this CPU, the layers are unrolled and the dtype is float32.
+
+    ``backend`` (default: JAX's default backend, which this starts) is only read for 'auto'. A
+    bad value is a ValueError naming the setting; `check_config` calls this with ``backend=''``
+    (validation only, no backend started)."""
+    from specjax import kernels
+    value = c.get("cpu_kernel", "auto")
+    if value not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernel={value!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    fits = not c.scan_layers and c.dtype == "float32"
+    if value == "off" or backend == "":
+        if value == "on" and not fits:
+            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
+                             f"{c.scan_layers}, dtype={c.dtype!r})")
+        return False if value != "on" else fits
+    if value == "on":
+        if not fits:
+            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
+                             f"{c.scan_layers}, dtype={c.dtype!r})")
+        if not kernels.built():
+            raise ValueError("cpu_kernel='on': specjax's CPU kernel was not built at install time (a C++ "
+                             "compiler and jaxlib are needed; reinstall with `pip install -e .`), or use 'auto'")
+        return True
+    if backend is None:
+        import jax
+        backend = jax.default_backend()
+    return fits and backend == "cpu" and kernels.fast_on_this_cpu()
 
 
 DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
@@ -283,6 +324,7 @@ def check_config(c) -> None:
     from specjax.models.config import SUPPORTED_DTYPES
     if c.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
+    use_cpu_kernel(c, backend="")               # the value only; no backend started
     check_generation_settings(c)
     generation_config(c, ())
     check_target_context(c)                     # reads a local target's header, no weights
@@ -294,7 +336,8 @@ def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
     settings are checked before anything is loaded (`check_config`)."""
     check_config(c)
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
-                                                           fuse_projections=c.get("fuse_projections", False))
+                                                           fuse_projections=c.get("fuse_projections", False),
+                                                           packed_projections=use_cpu_kernel(c))
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)

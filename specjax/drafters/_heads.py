@@ -104,7 +104,8 @@ class HeadConfig:
     @property
     def layer_config(self) -> ModelConfig:
         """The head's own decoder layer: the target's dimensions, one layer, stacked layout."""
-        return self.target.replace(num_layers=1, scan_layers=True, fuse_projections=False)
+        return self.target.replace(num_layers=1, scan_layers=True, fuse_projections=False,
+                                   packed_projections=False)
 
     @property
     def own_param_names(self) -> tuple[str, ...]:
@@ -160,6 +161,8 @@ def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
                      else jnp.take(target_params["lm_head"], ids, axis=1).T)
     elif not hc.target.tie_embeddings:
         p["lm_head"] = target_params["lm_head"]
+    if hc.head_size is None and "head_panels" in target_params:   # a packed target's head
+        p["head_panels"] = target_params["head_panels"]
     return p
 
 

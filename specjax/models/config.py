@@ -47,6 +47,9 @@ class ModelConfig:
     dtype: str = "float32"                # params and KV cache
     scan_layers: bool = True              # lax.scan over stacked layers, else unrolled loop
     fuse_projections: bool = False        # prepared params hold wqkv = [wq|wk|wv], w_gate_up = [w_gate|w_up]
+    # projections (and a copy of the head) stored as 32-column panels for specjax.kernels'
+    # CPU matmul; needs scan_layers=False (see specjax.models.llama, "Layout")
+    packed_projections: bool = False
     max_position: int = 8192
     arch: str = "llama"                   # "llama" | "qwen2" (what the exporter writes)
     bos_token_id: int | None = None
@@ -66,6 +69,9 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.packed_projections and self.scan_layers:
+            raise ValueError("packed_projections=True needs scan_layers=False (per-layer params): a scan "
+                             "would slice every layer's panels out of stacked arrays inside the step")
         _ = self.rope_type  # validates rope_scaling
 
     # ---- derived -------------------------------------------------------------------------

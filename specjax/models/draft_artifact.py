@@ -148,7 +148,8 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     cfg_d = dict(desc["config"])
     cfg = ModelConfig(**cfg_d)
     compute_dtype = dtype or target.config.dtype
-    cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers, fuse_projections=not scan_layers)
+    cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers, fuse_projections=not scan_layers,
+                      packed_projections=False)
     if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.config.hidden_size:
         raise ValueError(f"draft {d} was made for vocab {cfg.vocab_size} / width {cfg.hidden_size}, the target has "
                          f"{target.vocab_size} / {target.config.hidden_size}")

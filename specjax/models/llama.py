@@ -26,6 +26,12 @@ layout it reads:
 * ``fuse_projections=True``: every layer holds ``wqkv = [wq | wk | wv]`` (and ``bqkv``) and
   ``w_gate_up = [w_gate | w_up]``, concatenated along the output axis: two matmuls per layer
   instead of five read the same bytes in longer streams.
+* ``packed_projections=True`` (with ``scan_layers=False``): every projection [in, out] is held
+  as 32-column panels [ceil(out / 32), in, 32] (`specjax.kernels.pack`) and multiplied by
+  `specjax.kernels.matmul`, a CPU custom call that streams each weight once for up to 8 rows,
+  so a k-token verification block costs about one token's step; the params gain
+  ``head_panels``, the panels of the LM head (the embedding or ``lm_head`` stays for lookups,
+  drafters and export). Off the CPU backend the same panels go through an einsum.
 
 The layout is decided once, outside the jitted step: `Llama.prepare_params` turns params of any
 layout into the config's (`specjax.models.load`, `Llama.init_params`, `truncate_layers` and the
@@ -60,12 +66,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, TreeBlock, write_kv
 
 INIT_STD = 0.02
 # fused projection -> its parts, concatenated in this order along the output axis
 _FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+# the projections (2-D per layer, [in, out]); packed_projections stores these as panels
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up")
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,6 +134,13 @@ def _layout_specs(config: ModelConfig) -> dict:
                 layer[fused] = (shape[:-1] + (width,), axes, init)
     if not config.scan_layers:
         layer = {k: (shape[1:], axes[1:], init) for k, (shape, axes, init) in layer.items()}
+        if config.packed_projections:
+            for name in _PROJECTIONS:
+                if name in layer:
+                    (d_in, d_out), (a_in, a_out), init = layer[name]
+                    layer[name] = ((kernels.num_panels(d_out), d_in, kernels.PANEL), (a_out, a_in, None), init)
+            specs["head_panels"] = ((kernels.num_panels(config.vocab_size), config.hidden_size, kernels.PANEL),
+                                    ("vocab", "embed", None), "normal")
         specs["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
     return specs
 
@@ -190,6 +206,35 @@ def _unfuse(lp: dict, config: ModelConfig) -> dict:
     return lp
 
 
+def _proj_width(name: str, config: ModelConfig) -> int:
+    """The output width of projection `name` (what a panel array holds)."""
+    c = config
+    return {"wq": c.q_size, "wk": c.kv_size, "wv": c.kv_size, "wo": c.hidden_size, "w_gate": c.ffn_size,
+            "w_up": c.ffn_size, "w_down": c.hidden_size, "wqkv": c.q_size + 2 * c.kv_size,
+            "w_gate_up": 2 * c.ffn_size}[name]
+
+
+def _unpack(lp: dict, config: ModelConfig) -> dict:
+    """One layer's dict with every panel array back as an [in, out] matrix (no-op if unpacked)."""
+    for name in _PROJECTIONS:
+        if name in lp and jnp.ndim(lp[name]) == 3:
+            lp[name] = kernels.unpack(lp[name], _proj_width(name, config))
+    return lp
+
+
+def _pack(lp: dict) -> dict:
+    for name in _PROJECTIONS:
+        if name in lp and jnp.ndim(lp[name]) == 2:
+            lp[name] = kernels.pack(lp[name])
+    return lp
+
+
+def _head_panels(params: dict, config: ModelConfig):
+    if config.tie_embeddings:
+        return kernels.pack_rows(params["embed"])
+    return kernels.pack(params["lm_head"])
+
+
 def stack_layers(layers):
     """Per-layer dicts (a list/tuple) -> one dict of arrays with a leading layer axis."""
     if not isinstance(layers, (list, tuple)):
@@ -208,9 +253,14 @@ def _relayout(params: dict, config: ModelConfig) -> dict:
     layers = params.pop("layers")
     out = dict(params)
     params.clear()
-    convert = _fuse if config.fuse_projections else (lambda lp: _unfuse(lp, config))
-    if config.scan_layers:
-        out["layers"] = convert(layers if isinstance(layers, dict) else stack_layers(layers))
+    out.pop("head_panels", None)
+    fuse = _fuse if config.fuse_projections else (lambda lp: _unfuse(lp, config))
+    pack = _pack if config.packed_projections else (lambda lp: lp)
+    convert = lambda lp: pack(fuse(_unpack(lp, config)))       # noqa: E731  (one per-layer dict)
+    if config.scan_layers:      # panels exist only in per-layer dicts: unpack those before stacking
+        if isinstance(layers, (list, tuple)):
+            layers = stack_layers([_unpack(lp, config) for lp in layers])
+        out["layers"] = fuse(layers)
         return out
     if isinstance(layers, (list, tuple)):
         per_layer = list(layers)
@@ -224,6 +274,8 @@ def _relayout(params: dict, config: ModelConfig) -> dict:
     for i in range(len(per_layer)):
         per_layer[i] = convert(per_layer[i])
     out["layers"] = tuple(per_layer)
+    if config.packed_projections:
+        out["head_panels"] = _head_panels(out, config)
     return out
 
 
@@ -236,8 +288,8 @@ def _copy_dicts(params: dict) -> dict:
 
 
 def canonical_params(params, config: ModelConfig) -> dict:
-    """Stacked layers, unfused projections: the form of `param_specs` (export, storage)."""
-    canonical = config.replace(scan_layers=True, fuse_projections=False)
+    """Stacked layers, unfused and unpacked projections: the form of `param_specs` (export, storage)."""
+    canonical = config.replace(scan_layers=True, fuse_projections=False, packed_projections=False)
     return _relayout(_copy_dicts(params), canonical)
 
 
@@ -359,8 +411,12 @@ def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
     return past_BTS, visible_BTW[:, :, offset:]
 
 
-def _linear(x, w, b=None):
-    y = jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
+def _linear(x, w, b=None, width: int | None = None):
+    """x @ w (+ b); ``w`` a matrix [in, out], or `specjax.kernels` panels of ``width`` columns."""
+    if jnp.ndim(w) == 3:
+        y = kernels.matmul(x, w, width)
+    else:
+        y = jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -376,11 +432,12 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     B, T, _ = h_BTD.shape
     kv_dtype = c.jnp_dtype
     x = rms_norm(h_BTD, p["attn_norm"], c.rms_eps)
+    width = lambda name: _proj_width(name, c)     # noqa: E731  (the panels' column count)
     if c.fuse_projections:
-        qkv = _linear(x, p["wqkv"], p["bqkv"] if c.attention_bias else None)
+        qkv = _linear(x, p["wqkv"], p["bqkv"] if c.attention_bias else None, width("wqkv"))
         q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
     else:
-        q, k, v = (_linear(x, p["w" + n], p["b" + n] if c.attention_bias else None) for n in "qkv")
+        q, k, v = (_linear(x, p["w" + n], p["b" + n] if c.attention_bias else None, width("w" + n)) for n in "qkv")
     q = q.reshape(B, T, c.num_heads, c.head_dim)
     k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
     v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -388,14 +445,14 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
     attn = attention(q, k, v, past, tree_mask)
-    h_BTD = h_BTD + _linear(attn, p["wo"])
+    h_BTD = h_BTD + _linear(attn, p["wo"], width=width("wo"))
     x = rms_norm(h_BTD, p["mlp_norm"], c.rms_eps)
     if c.fuse_projections:
-        gate_up = _linear(x, p["w_gate_up"])
+        gate_up = _linear(x, p["w_gate_up"], width=width("w_gate_up"))
         gate, up = gate_up[..., :c.ffn_size], gate_up[..., c.ffn_size:]
     else:
-        gate, up = _linear(x, p["w_gate"]), _linear(x, p["w_up"])
-    h_BTD = h_BTD + _linear(jax.nn.silu(gate) * up, p["w_down"])
+        gate, up = _linear(x, p["w_gate"], width=width("w_gate")), _linear(x, p["w_up"], width=width("w_up"))
+    h_BTD = h_BTD + _linear(jax.nn.silu(gate) * up, p["w_down"], width=width("w_down"))
     return h_BTD, (k, v)
 
 
@@ -409,7 +466,8 @@ def _describe(layers) -> str:
         kind = f"a dict of arrays stacked over {n} layers"
     else:
         return f"a {type(layers).__name__}"
-    return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}"
+    packed = any(jnp.ndim(first.get(n)) == 3 for n in _PROJECTIONS if n in first) if isinstance(layers, (list, tuple)) else False
+    return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}{', packed' if packed else ''}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -478,6 +536,11 @@ class Llama:
                 (c.scan_layers and jnp.shape(layers["attn_norm"])[:1] != (c.num_layers,)):
             raise ValueError(self._layout_error(layers, want["layers"]))
         got = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
+        if c.packed_projections:
+            if "head_panels" not in params:
+                raise ValueError("params lack 'head_panels' (the LM head's panels of the packed layout); "
+                                 "convert the params once: params = model.prepare_params(params)")
+            got["head_panels"] = params["head_panels"]
         for (path, x), (_, shape) in zip(jax.tree_util.tree_leaves_with_path(got),
                                          jax.tree_util.tree_leaves_with_path(
                                              {k: want[k] for k in got}, is_leaf=_is_shape)):
@@ -497,13 +560,15 @@ class Llama:
             first = next((lp for lp in dicts if set(lp) != set(first_want)), dicts[0] if dicts else None)
         want += ", projections fused (wqkv, w_gate_up)" if c.fuse_projections else \
             ", projections unfused (wq, wk, wv, w_gate, w_up)"
+        want += ", packed as panels [P, in, 32]" if c.packed_projections else ""
         keys = ""   # the right kind of container with the wrong tensors in it: name them
         if isinstance(first, dict) and ("wqkv" in first) == c.fuse_projections:
             missing, extra = sorted(set(first_want) - set(first)), sorted(set(first) - set(first_want))
             if missing or extra:
                 keys = f" (tensors missing: {missing}, unexpected: {extra})"
         return (f"params['layers'] is {_describe(layers)}{keys}; this model (scan_layers="
-                f"{c.scan_layers}, fuse_projections={c.fuse_projections}) reads {want}. Convert the "
+                f"{c.scan_layers}, fuse_projections={c.fuse_projections}, packed_projections="
+                f"{c.packed_projections}) reads {want}. Convert the "
                 f"params once, outside the jitted step: params = model.prepare_params(params)")
 
     def param_logical_axes(self) -> dict:
@@ -642,6 +707,10 @@ class Llama:
 
     def logits_from_hidden(self, params, h_BTD):
         """The LM head: float32 logits [B, T, V] from final hidden states."""
+        if self.config.packed_projections:
+            if "head_panels" not in params:
+                raise ValueError("a packed model's head needs params['head_panels'] (model.prepare_params)")
+            return kernels.matmul(h_BTD, params["head_panels"], self.config.vocab_size)
         if self.config.tie_embeddings:
             return jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype),
                               preferred_element_type=jnp.float32)

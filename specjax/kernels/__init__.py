@@ -1,0 +1,132 @@
+"""CPU kernels through XLA's FFI: the panel matrix product of the target's projections.
+
+``matmul(x, panels, n)`` computes ``x @ W`` for ``W = unpack(panels, n)`` of shape [D, n],
+stored as 32-column panels ``[ceil(n / 32), D, 32]`` (`pack`). On the CPU backend, with the
+kernel built (``pip install`` compiles ``panel_matmul.cc``; it is optional) and float32
+operands, it is one XLA custom call that streams every weight once for up to 8 rows and
+splits the panels over XLA's own intra-op threads; a verification block of k <= 8 tokens then
+costs about what one token does (experiments/bench_speed/PROFILE.md, "Verification nearly
+free"). Anywhere else (another backend, another dtype, no kernel) it is the same product as
+an einsum over the panels, so a packed model runs on any platform.
+
+Each output row of the kernel is bitwise independent of the other rows of the call (see the
+.cc file's header); the einsum path is not guaranteed to be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PANEL = 32
+TARGET = "specjax_panel_matmul"
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
+
+
+@functools.cache
+def _library():
+    """The built kernel library (ctypes), or None when it was not built."""
+    here = pathlib.Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_panel_matmul{suffix}"
+        if path.is_file():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:
+                return None
+            lib.SpecjaxKernelIsa.restype = ctypes.c_int
+            return lib
+    return None
+
+
+@functools.cache
+def _registered() -> bool:
+    lib = _library()
+    if lib is None:
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
+    return True
+
+
+def built() -> bool:
+    """Whether the kernel library was built at install time."""
+    return _library() is not None
+
+
+def isa() -> str:
+    """The kernel's instruction-set body on this CPU: 'avx512', 'avx2', 'portable' (correct but
+    not fast: the kernel is not used by default there) or 'none' (not built)."""
+    lib = _library()
+    return "none" if lib is None else ISA_NAMES[int(lib.SpecjaxKernelIsa())]
+
+
+def fast_on_this_cpu() -> bool:
+    """The kernel is built and has a vector body for this CPU (what ``cpu_kernel='auto'`` asks)."""
+    return isa() in ("avx512", "avx2")
+
+
+def num_panels(n: int) -> int:
+    return -(-int(n) // PANEL)
+
+
+def pack(w_DN):
+    """[D, N] -> panels [ceil(N / 32), D, 32]; columns past N are zero."""
+    w = jnp.asarray(w_DN)
+    if w.ndim != 2:
+        raise ValueError(f"pack expects a [D, N] matrix, got shape {w.shape}")
+    D, N = w.shape
+    P = num_panels(N)
+    if P * PANEL != N:
+        w = jnp.pad(w, ((0, 0), (0, P * PANEL - N)))
+    return jnp.transpose(w.reshape(D, P, PANEL), (1, 0, 2))
+
+
+def pack_rows(e_ND):
+    """The panels of ``e_ND.T`` (a tied head from the embedding [V, D]) without forming it."""
+    e = jnp.asarray(e_ND)
+    if e.ndim != 2:
+        raise ValueError(f"pack_rows expects an [N, D] matrix, got shape {e.shape}")
+    N, D = e.shape
+    P = num_panels(N)
+    if P * PANEL != N:
+        e = jnp.pad(e, ((0, P * PANEL - N), (0, 0)))
+    return jnp.transpose(e.reshape(P, PANEL, D), (0, 2, 1))
+
+
+def unpack(panels_PDC, n: int):
+    """Panels [P, D, 32] -> the [D, n] matrix they hold (exact inverse of `pack`)."""
+    p = jnp.asarray(panels_PDC)
+    if p.ndim != 3 or p.shape[2] != PANEL or num_panels(n) != p.shape[0]:
+        raise ValueError(f"panels of shape {p.shape} do not hold a matrix with {n} columns")
+    P, D, _ = p.shape
+    return jnp.transpose(p, (1, 0, 2)).reshape(D, P * PANEL)[:, :n]
+
+
+def _einsum(x, panels_PDC, n: int):
+    y = jnp.einsum("...d,pdc->...pc", x, panels_PDC.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.reshape(*y.shape[:-2], -1)[..., :n]
+
+
+def _custom_call(x, panels_PDC, n: int):
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
+                            vmap_method="sequential")(x, panels_PDC)
+
+
+def matmul(x, panels_PDC, n: int, use_kernel: bool = True):
+    """``x [..., D] @ W [D, n]`` in float32 for W held as `pack` panels [P, D, 32] (see module).
+
+    ``use_kernel=False`` forces the einsum path (the reference in the tests)."""
+    if x.shape[-1] != panels_PDC.shape[1] or panels_PDC.ndim != 3 or panels_PDC.shape[2] != PANEL \
+            or num_panels(n) != panels_PDC.shape[0]:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and panels {tuple(panels_PDC.shape)} do not fit a "
+                         f"[{x.shape[-1]}, {n}] weight (panels must be [ceil(n/32), D, 32])")
+    if not (use_kernel and x.dtype == jnp.float32 and panels_PDC.dtype == jnp.float32 and _registered()):
+        return _einsum(x, panels_PDC, n)
+    return jax.lax.platform_dependent(
+        x, panels_PDC, cpu=functools.partial(_custom_call, n=n), default=functools.partial(_einsum, n=n))
