@@ -26,6 +26,10 @@ def get_config():
     c.gamma = 4                             # >= 0; adaptive_gamma overrides
     c.adaptive_gamma = True                 # gamma per round from acceptance and calibrated round times
     c.adaptive_gammas = (0, 1, 2, 3, 4)
+    # Adaptive gamma's round times per machine and setting (specjax.calibration): measured once,
+    # then reused by later runs; "" = measure every run, nothing stored.
+    c.calibration_cache = "~/.cache/specjax/calibration.json"
+    c.recalibrate = False                   # measure even when the cache has the setting, then store
     c.verifier = "token"                    # 'token' or 'block'; greedy uses the greedy verifier
     # Token trees (specjax.trees): "" = linear drafts; 'branching:2,2,1', 'paths:0;1;0.0',
     # 'dynamic:depth,topk,budget' (EAGLE-2). A tree replaces gamma (and adaptive_gamma, unless

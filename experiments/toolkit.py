@@ -119,6 +119,19 @@ def forward_costs(model, params, ks, *, ctx: int, capacity: int, iters: int, log
             for k in ks}
 
 
+def prefill_costs(model, params, ks, *, iters: int, log: CompileLog) -> dict:
+    """{k: median seconds of `specjax.models.prefill` of a k-token prompt (one chunk, batch 1)
+    into a fresh cache of k slots}: what a prompt chunk costs, the head's logits not computed."""
+    from specjax import models
+    out = {}
+    for k in ks:
+        fn = jax.jit(lambda p, t, c: models.prefill(model, p, t, c, jnp.full((1,), t.shape[1], jnp.int32),
+                                                    chunk=None, start_bound=0))
+        out[int(k)] = time_calls(fn, params, probe_tokens(1, k, model.vocab_size), model.init_cache(1, k),
+                                 iters=iters, log=log)
+    return out
+
+
 def propose_cost(target, drafter, draft_params, gamma: int, sampling, *, ctx: int, capacity: int, iters: int,
                  log: CompileLog, batch: int = 1, seed: int = 0) -> dict:
     """Seconds of one jitted `drafter.propose` of `gamma` tokens per row at context `ctx`: the

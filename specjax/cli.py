@@ -55,6 +55,44 @@ def _why(config, stats, m, round_time_s) -> str:
             + f" (cheapest: {best})")
 
 
+def calibration_fields(c, batch, config) -> dict:
+    """The settings of a run that change adaptive gamma's round times: with the machine, the key
+    of its calibration in the cache (`specjax.calibration.setting_key`)."""
+    import os
+
+    import specjax
+    from specjax import build
+    return {"specjax": specjax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "target": c.target, "dtype": c.dtype, "scan_layers": bool(c.scan_layers),
+            "fuse_projections": bool(c.get("fuse_projections", False)), "cpu_kernel": build.use_cpu_kernel(c),
+            "drafter": c.drafter, "draft_model": c.draft_model, "early_exit_layers": int(c.early_exit_layers),
+            "max_ngram": int(c.max_ngram), "gammas": [str(g) for g in config.gammas],
+            "prompt_shape": list(batch.prompt_BP.shape), "capacity": int(batch.capacity),
+            "greedy": c.temperature == 0, "top_k": int(c.top_k), "top_p": float(c.top_p),
+            "verifier": c.verifier, "tree": c.get("tree", ""), "adaptive_trees": list(c.get("adaptive_trees", ())),
+            "tree_verifier": c.get("tree_verifier", "traversal"), "tree_children": c.get("tree_children", "iid")}
+
+
+def _round_times(c, gen, batch, samp, pre) -> str:
+    """Set adaptive gamma's round times on `gen`: from the calibration cache
+    (``calibration_cache``) when it holds this machine and setting and ``recalibrate`` is off,
+    else measured (`Generator.calibrate`) and stored. Returns 'cached' or 'measured'."""
+    from specjax import calibration
+    config = gen.config
+    cache = calibration.CalibrationCache(c.get("calibration_cache", ""))
+    fields = calibration_fields(c, batch, config)
+    key = calibration.setting_key(**fields)
+    cached = None if c.get("recalibrate", False) else cache.get(key)
+    if cached is not None and len(cached) == len(config.gammas):
+        gen.round_time_s = cached               # what `calibrate` would have set
+        source, head = "cached", f"round times (ms) per gamma from the calibration cache {cache.path}:"
+    else:
+        cache.put(key, fields, gen.calibrate(batch, samp, repeats=3, prefill=pre))
+        source, head = "measured", "calibrated round times (ms) per gamma"
+    print(f"[specjax] {head} " + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, gen.round_time_s)),
+          file=sys.stderr)
+    return source
+
+
 def generate_main(c) -> dict:
     import jax
 
@@ -88,10 +126,7 @@ def generate_main(c) -> dict:
     pre = gen.prefill(batch)
     jax.block_until_ready((pre.target_cache, pre.draft_state))
     prefill_s = time.perf_counter() - t1
-    if config.adaptive:
-        round_time_s = gen.calibrate(batch, samp, repeats=3, prefill=pre)
-        print("[specjax] calibrated round times (ms) per gamma "
-              + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, round_time_s)), file=sys.stderr)
+    calibration = _round_times(c, gen, batch, samp, pre) if config.adaptive else "none"
     tokens, timing, out = stream_tokens(gen, batch, samp, show, prefill=pre)
     spec_tps, spec_first_s = timing["tokens_per_s"], prefill_s + timing["ttft_s"]
     print(decoder.finish(), flush=True)
@@ -108,6 +143,7 @@ def generate_main(c) -> dict:
         "status": out.statuses()[0],
         "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
         "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
+        "calibration": calibration,
     }
     stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
     print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")

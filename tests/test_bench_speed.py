@@ -29,7 +29,7 @@ def _kind(records, kind):
 
 def test_jsonl_kinds_and_provenance(bench):
     _, records, _ = bench
-    assert {"setup", "memory", "bandwidth", "forward_cost", "draft_cost", "calibration", "generation", "map_count",
+    assert {"setup", "memory", "bandwidth", "forward_cost", "prefill_cost", "draft_cost", "calibration", "generation", "map_count",
             "run"} == {r["kind"] for r in records}
     prov = records[0]["provenance"]
     assert all(r["provenance"] == prov for r in records)
@@ -89,7 +89,13 @@ def test_costs_bandwidth_memory(bench):
     _, records, _ = bench
     fc = _kind(records, "forward_cost")
     assert sorted(r["k"] for r in fc if r["model"] == "target") == [1, 2, 3]
-    assert [r["model"] for r in fc if r["model"] != "target"] == ["early_exit_3_layers"]
+    # the same k-token curve of the target in the comparison layout (cost_layers), in the same run
+    assert sorted(r["k"] for r in fc if r["model"] == "target_fused") == [1, 2, 3]
+    assert {r["layers"] for r in fc if r["model"].startswith("target")} == {"packed", "fused"}
+    assert [r["model"] for r in fc if not r["model"].startswith("target")] == ["early_exit_3_layers"]
+    pc = _kind(records, "prefill_cost")
+    assert sorted((r["layers"], r["k"]) for r in pc) == [("fused", 32), ("packed", 32)]
+    assert all(_positive(r["median_s"]) for r in pc)
     assert all(_positive(r["median_s"]) and _positive(r["compile_s"]) for r in fc)
     assert {(r["drafter"], r["gamma"]) for r in _kind(records, "draft_cost")} == {("ngram", 2), ("early_exit", 2)}
     (bw,) = _kind(records, "bandwidth")
@@ -104,7 +110,8 @@ def test_costs_bandwidth_memory(bench):
     assert mem["ratio"] == pytest.approx(mem["peak_above_import"] / mem["reference_bytes"])
     # no distilled draft for the tiny model: early exit, which reuses the target's arrays and cache
     assert mem["drafter"] == "early_exit" and mem["draft_param_bytes"] == 0 == mem["draft_state_bytes"]
-    assert mem["target_param_bytes"] == setup["weight_bytes"]
+    # resident: the packed layout keeps the head twice (embedding for lookups, panels for the product)
+    assert mem["target_param_bytes"] == setup["resident_param_bytes"] > setup["weight_bytes"]
     assert mem["target_kv_bytes"] == 2 * 4 * 2 * 16 * mem["capacity"] * 4 + 4     # K and V of 4 layers, lengths
     assert [s["stage"] for s in mem["stages"]] == ["import", "backend", "load", "drafter", "target_only", "speculative"]
     assert all(s["new_tokens"] == [24] for s in mem["stages"][-2:])

@@ -23,8 +23,10 @@ def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys, monkeypa
     c = generate.get_config()
     c.max_new_tokens = 12
     c.metrics_jsonl = str(tmp_path / "stats.jsonl")
+    c.calibration_cache = str(tmp_path / "calibration.json")   # measured here, not read from ~/.cache
     assert c.adaptive_gamma and c.compare_target_only    # the three runs that used to prefill
     stats = cli.generate_main(c)
+    assert stats["calibration"] == "measured" and (tmp_path / "calibration.json").is_file()
     assert len(traced) == 1, traced
     assert stats["prefill_s_incl_compile"] > 0
     out = capsys.readouterr().out

@@ -22,7 +22,11 @@ def get_config(variant: str = ""):
     # random prompt ids; see workload.PRESETS).
     c.workload = "smollm2-135m-instruct"
     c.dtype = "float32"                    # float32 | bfloat16 (params and KV cache)
-    c.layers = "fused"                     # fused (unrolled + fused projections) | unrolled | scan
+    # packed (fused + specjax.kernels' CPU matmul, the main command's CPU layout) | fused (unrolled +
+    # fused projections, XLA's matmuls) | unrolled | scan
+    c.layers = "packed"
+    c.cost_layers = ("fused",)             # other layouts whose k-token curve is measured in the same run
+    c.prefill_ks = (128, 512)              # prompt-chunk forwards (empty cache) timed in every layout (batch 1)
     c.num_prompts = 26                     # held-out questions, round-robin over the 13 categories
     c.prompt_len = 0                       # presets: prompt ids per row (0: 12..47 at random)
     c.batch_sizes = (1,)                   # rows per generate call (consecutive prompts)
@@ -52,11 +56,11 @@ def get_config(variant: str = ""):
     c.seed = 0
     if variant == "tiny":
         c.update(workload="preset:tiny", num_prompts=2, prompt_len=16, max_new_tokens=24, repeats=2,
-                 temperatures=(0.0,), max_k=3, cost_iters=3, bandwidth_gib=0.03, torch_threads=1, memory_prompts=1,
+                 temperatures=(0.0,), max_k=3, cost_iters=3, prefill_ks=(32,), bandwidth_gib=0.03, torch_threads=1, memory_prompts=1,
                  adaptive_gammas=(0, 2), pad_multiple=64, init_std=0.2)
         c.gamma.update(ngram=2, early_exit=2, oracle=2)
     elif variant == "gpu":
-        c.update(workload="preset:8b", dtype="bfloat16", layers="scan", num_prompts=8, prompt_len=128,
+        c.update(workload="preset:8b", dtype="bfloat16", layers="scan", cost_layers=(), prefill_ks=(), num_prompts=8, prompt_len=128,
                  batch_sizes=(1, 8), temperatures=(0.0,), methods=("early_exit", "oracle"), early_exit_layers=0,
                  transformers=False, memory=False, bandwidth_gib=2.0, cost_iters=20, alphas=(0.6, 0.7, 0.8, 0.9))
         c.gamma.update(early_exit=4, oracle=4)
@@ -78,7 +82,10 @@ def check(c) -> None:
         if name not in METHODS:
             bad("methods", name, list(METHODS))
     workload.check_workload(c.workload)
-    for key, allowed in (("layers", ("fused", "unrolled", "scan")), ("dtype", SUPPORTED_DTYPES),
+    for name in c.cost_layers:
+        if name not in workload.LAYOUTS:
+            bad("cost_layers", name, list(workload.LAYOUTS))
+    for key, allowed in (("layers", workload.LAYOUTS), ("dtype", SUPPORTED_DTYPES),
                          ("verifier", ("token", "block")), ("memory_drafter", ("auto",) + DRAFTERS[:3])):
         if c[key] not in allowed:
             bad(key, c[key], list(allowed))

@@ -204,6 +204,17 @@ def target_rows(spec: dict, sums, verify, rfs, memory, temps) -> list[list]:
     return out
 
 
+def forward_curves(forward_cost_records: list[dict], layers: str) -> dict:
+    """{model: (layout name, {(batch, k): median s})} of the target's k-token forwards: "target"
+    (the run's layout) first, then the same target in each of ``cost_layers``."""
+    curves = {}
+    for r in sorted(forward_cost_records, key=lambda r: r["model"] != "target"):
+        if r["model"].startswith("target"):
+            name = r.get("layers", layers) if r["model"] != "target" else layers
+            curves.setdefault(r["model"], (name, {}))[1][r["batch"], r["k"]] = r["median_s"]
+    return curves
+
+
 def render(records: list[dict], targets: dict | None) -> tuple[str, dict]:
     by = collections.defaultdict(list)
     for r in records:
@@ -260,21 +271,32 @@ def render(records: list[dict], targets: dict | None) -> tuple[str, dict]:
              for B, r in sorted(rfs.items())]), ""]
 
     fc = [r for r in by["forward_cost"] if r["model"] == "target"]
+    curves = forward_curves(by["forward_cost"], c["layers"])
     if fc:
         ks = sorted({r["k"] for r in fc})
         out += ["## 3. Cost of a k-token forward", "",
                 f"Jitted `apply` of k tokens per row against a cache of {fc[0]['capacity']} slots holding "
                 f"{fc[0]['context']} tokens, logits only; median of {c['cost_iters']} calls after a warm-up. "
                 "ms (÷ k = 1).", "",
-                table(["batch"] + [f"k={k}" for k in ks], [[B] + [
-                    f"{fmt(1e3 * verify[B, k])} ({fmt(verify[B, k] / verify[B, 1])})" for k in ks] for B in Bs]), ""]
+                table(["batch", "layers"] + [f"k={k}" for k in ks], [[B, f"`{name}`" + (" (this run's)" if m == "target" else "")] + [
+                    f"{fmt(1e3 * curve[B, k])} ({fmt(curve[B, k] / curve[B, 1])})" if (B, k) in curve else "–"
+                    for k in ks] for B in Bs for m, (name, curve) in curves.items()]), ""]
         drows = [[f"`{r['model']}` 1-token forward", "–", r["batch"], fmt(1e3 * r["median_s"]),
-                  fmt(r["median_s"] / verify[r["batch"], 1], 3)] for r in by["forward_cost"] if r["model"] != "target"]
+                  fmt(r["median_s"] / verify[r["batch"], 1], 3)] for r in by["forward_cost"]
+                 if not r["model"].startswith("target")]
         drows += [[f"`{r['drafter']}.propose`, gamma {r['gamma']}", fmt(r["temperature"], 1), r["batch"],
                    fmt(1e3 * r["median_s"]), fmt(r["median_s"] / r["gamma"] / verify[r["batch"], 1], 3)]
                   for r in by["draft_cost"]]
         if drows:
             out += [table(["draft cost", "T", "batch", "ms", "per draft token ÷ target 1-token forward"], drows), ""]
+    if by["prefill_cost"]:
+        pre = {(r["layers"], r["k"]): r["median_s"] for r in by["prefill_cost"]}
+        names, pks = list(dict.fromkeys(r["layers"] for r in by["prefill_cost"])), sorted({k for _, k in pre})
+        out += ["Prompt chunks: `specjax.models.prefill` of a k-token prompt into a fresh cache (one chunk, batch 1, "
+                "no logits), ms (tokens/s).", "",
+                table(["layers"] + [f"k={k}" for k in pks],
+                      [[f"`{n}`"] + [f"{fmt(1e3 * pre[n, k])} ({fmt(k / pre[n, k], 0)})" if (n, k) in pre else "–"
+                                     for k in pks] for n in names]), ""]
 
     out += ["## 4. Speculative decoding, all prompts", "",
             "Speedup over specjax target-only decoding of the same prompts, temperature and batch size. *pred.*: "
@@ -366,11 +388,14 @@ def render(records: list[dict], targets: dict | None) -> tuple[str, dict]:
         notes.append(f"wall time {r['wall_s']:.0f} s; load average at the end {r['loadavg_at_end']}" + (
             f"; peak device memory {r['peak_device_bytes'] / 2 ** 30:.2f} GiB" if r.get("peak_device_bytes") else ""))
     out += ["## Notes", ""] + [f"- {n}" for n in notes]
-    return "\n".join(out) + "\n", {"sums": sums, "verify": verify, "rooflines": rfs}
+    return "\n".join(out) + "\n", {"sums": sums, "verify": verify, "rooflines": rfs, "curves": curves,
+                                    "title": f"{setup.get('layers', c['layers'])} | {prov['machine'].get('cpu_model', '')}"
+                                             f" | {(prov.get('git_commit') or '')[:7]}"}
 
 
-def plot(path, sums, verify) -> bool:
-    """plots.png: the k-token forward curve per batch size; tokens/s per method (batch 1, all prompts)."""
+def plot(path, sums, curves, title: str = "") -> bool:
+    """plots.png: the k-token forward curves (ms) per layout and batch size; tokens/s per method
+    (batch 1, all prompts)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -378,15 +403,18 @@ def plot(path, sums, verify) -> bool:
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for B in sorted({b for b, _ in verify}):
-        ks = sorted(k for bb, k in verify if bb == B)
-        a.plot(ks, [verify[B, k] / verify[B, 1] for k in ks], "o-", label=f"batch {B}")
-    a.set(xlabel="k tokens", ylabel="forward cost ÷ k = 1", title="k-token forward")
+    for name, curve in curves.values():
+        for B in sorted({b for b, _ in curve}):
+            ks = sorted(k for bb, k in curve if bb == B)
+            a.plot(ks, [1e3 * curve[B, k] for k in ks], "o-", label=f"{name}, batch {B}")
+    a.set(xlabel="k tokens", ylabel="ms per forward", title="k-token forward", ylim=(0, None))
     a.legend()
     bars = [(f"{k[0]} {k[1]} T={k[2]:g}", s["tokens_per_s"]) for k, s in sorted(sums.items())
             if k[3] == 1 and k[4] == ALL]
     b.barh([n for n, _ in bars], [v for _, v in bars])
     b.set(xlabel="tokens/s", title="all prompts, batch 1")
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -401,7 +429,7 @@ def write(path, targets=DEFAULT_TARGETS, out=None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     md, res = render(toolkit.read_jsonl(path), json.loads(pathlib.Path(targets).read_text()) if targets else None)
     (out / "README.md").write_text(md, encoding="utf-8")
-    plotted = plot(out / "plots.png", res["sums"], res["verify"])
+    plotted = plot(out / "plots.png", res["sums"], res["curves"], res["title"])
     lines = [f"{k[0]:>12} {k[1]:<20} T={k[2]:g} batch {k[3]}: {s['tokens_per_s']:8.1f} tokens/s"
              + (f", speedup {s['speedup']:.2f}x" if k[1] != "target_only" and "speedup" in s else "")
              for k, s in sorted(res["sums"].items()) if k[4] == ALL]

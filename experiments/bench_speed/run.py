@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import build, decoding, sampling
+from specjax import build, decoding, kernels, sampling
 
 from experiments import toolkit
 from experiments.bench_speed import config, measure, memory, report, workload
@@ -71,9 +71,13 @@ def run(c) -> pathlib.Path:
     jl = toolkit.Jsonl(out / "results.jsonl", prov)
     cfg = w.target.config
     jl.write("setup", num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, param_count=cfg.num_params(),
-             weight_bytes=sum(x.nbytes for x in jax.tree.leaves(w.params)),
+             # bytes a decode step streams (the packed layout's second copy of the head, head_panels,
+             # replaces the embedding's reads, which are one row per token), and what is resident
+             weight_bytes=sum(x.nbytes for k, x in w.params.items() if k != "head_panels" for x in jax.tree.leaves(x)),
+             resident_param_bytes=sum(x.nbytes for x in jax.tree.leaves(w.params)),
              kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize,
-             early_exit_layers=workload.early_exit_layers(w, c), eos_ids=list(w.eos_ids),
+             early_exit_layers=workload.early_exit_layers(w, c), eos_ids=list(w.eos_ids), layers=c.layers,
+             cpu_kernel=kernels.isa(),
              prompt_tokens=[len(p.ids) for p in w.prompts],
              methods=[{"name": m.name, "description": m.describe()} for m in methods])
     if mem is not None:
@@ -99,7 +103,22 @@ def run(c) -> pathlib.Path:
             _log(f"batch {B}: forward costs k = 1..{max(ks)} at context {ctx}, capacity {cap}")
             for k, v in toolkit.forward_costs(w.target, w.params, ks, ctx=ctx, capacity=cap, iters=c.cost_iters,
                                               log=log, batch=B).items():
-                jl.write("forward_cost", model="target", batch=B, k=k, context=ctx, capacity=cap, **v)
+                jl.write("forward_cost", model="target", layers=c.layers, batch=B, k=k, context=ctx, capacity=cap, **v)
+            layouts = [(c.layers, w.target, w.params)] + [(n, *workload.in_layout(w.target, w.params, n))
+                                                          for n in c.cost_layers if n != c.layers]
+            for name, model, params in layouts[1:]:          # the same target in other layouts
+                _log(f"batch {B}: forward costs k = 1..{max(ks)} of the target in layout {name}")
+                for k, v in toolkit.forward_costs(model, params, ks, ctx=ctx, capacity=cap, iters=c.cost_iters,
+                                                  log=log, batch=B).items():
+                    jl.write("forward_cost", model=f"target_{name}", layers=name, batch=B, k=k, context=ctx,
+                             capacity=cap, **v)
+            if B == 1 and c.prefill_ks:                      # a prompt chunk into an empty cache, every layout
+                for name, model, params in layouts:
+                    _log(f"prefill chunks {tuple(c.prefill_ks)} in layout {name}")
+                    for k, v in toolkit.prefill_costs(model, params, list(c.prefill_ks),
+                                                      iters=max(3, c.cost_iters // 6), log=log).items():
+                        jl.write("prefill_cost", layers=name, k=k, **v)
+            del layouts
             if any(m.drafter == "early_exit" for m in methods):
                 ee, ee_params = workload.drafter(w, "early_exit", c)
                 v = toolkit.forward_costs(ee.model, ee_params, [1], ctx=ctx, capacity=cap, iters=c.cost_iters,

@@ -86,10 +86,38 @@ def select_questions(n: int) -> list[specbench.Question]:
     return out
 
 
-def preset_config(size: str, dtype: str = "float32", scan_layers: bool = True, fuse_projections: bool = False):
+# the benchmark's names of the target's parameter layouts (`specjax.models.llama`, "Layout")
+LAYOUTS = ("packed", "fused", "unrolled", "scan")
+
+
+def layout(name: str) -> dict:
+    """The `ModelConfig` layout fields of a layout name (see LAYOUTS)."""
+    if name not in LAYOUTS:
+        raise ValueError(f"layers must be one of {', '.join(LAYOUTS)}, got {name!r}")
+    return dict(scan_layers=name == "scan", fuse_projections=name in ("fused", "packed"),
+                packed_projections=name == "packed")
+
+
+def layers_of(g) -> str:
+    """The layout name of the target that a generation config (`configs/generate.py`) runs, as
+    `specjax.build.load_generator` chooses it (``cpu_kernel`` resolved on this backend)."""
+    if build.use_cpu_kernel(g):
+        return "packed"
+    return "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
+
+
+def in_layout(target, params, name: str):
+    """(model, params) of the same target in another layout (shared arrays where they match)."""
+    model = models.Llama(target.config.replace(**layout(name)))
+    return model, model.prepare_params(params)
+
+
+def preset_config(size: str, dtype: str = "float32", scan_layers: bool = True, fuse_projections: bool = False,
+                  packed_projections: bool = False):
     if size not in PRESETS:
         raise ValueError(f"unknown preset {size!r}; choose from {sorted(PRESETS)}")
-    return models.ModelConfig(**PRESETS[size], dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections)
+    return models.ModelConfig(**PRESETS[size], dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
+                              packed_projections=packed_projections)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))
@@ -120,13 +148,11 @@ def _random_prompts(questions, prompt_len: int, vocab: int, seed: int) -> list[P
 
 def load(c, workdir, with_transformers: bool = False) -> Workload:
     """The workload of config `c` (see config.py); `workdir` holds exported checkpoints."""
-    layout = dict(scan_layers=c.layers == "scan", fuse_projections=c.layers == "fused")
-    if c.layers not in ("fused", "unrolled", "scan"):
-        raise ValueError(f"layers must be fused, unrolled or scan, got {c.layers!r}")
+    fields = layout(c.layers)
     questions = select_questions(c.num_prompts)
     if c.workload.startswith("preset:"):
         size = c.workload.split(":", 1)[1]
-        target = models.Llama(preset_config(size, c.dtype, **layout))
+        target = models.Llama(preset_config(size, c.dtype, **fields))
         canonical = random_params(target.config, jax.random.key(c.seed), c.init_std)
         params = jax.block_until_ready(target.prepare_params(canonical))
         w = Workload(c.workload, target, params, _random_prompts(questions, c.prompt_len, target.vocab_size, c.seed),
@@ -138,7 +164,7 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
             w.model_file, w.hf_source = str(ckpt / "model.safetensors"), {"pretrained_model_name_or_path": str(ckpt)}
             w.model_sha256 = toolkit.sha256(w.model_file)
         return w
-    target, params, tok = models.load_with_tokenizer(c.workload, dtype=c.dtype, **layout)
+    target, params, tok = models.load_with_tokenizer(c.workload, dtype=c.dtype, **fields)
     prompts = [Prompt(q.question_id, q.category, tuple(decoding.encode_prompt(tok, q.prompt))) for q in questions]
     path = models.resolve(c.workload)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]

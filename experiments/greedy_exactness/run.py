@@ -38,7 +38,7 @@ def main(c):
     # the provenance of the start; the run's own files (not its code) do not make the tree dirty
     prov = toolkit.provenance("experiments.greedy_exactness.run", exclude=[out, out.parent / "_work"],
                               config=c.to_dict(), generate_config=g.to_dict())
-    layers = "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
+    layers = workload.layers_of(g)             # the main command's layout (cpu_kernel resolved)
     c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
     wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
