@@ -122,7 +122,7 @@ def matmul(x, panels_PDC, n: int, use_kernel: bool = True):
     """``x [..., D] @ W [D, n]`` in float32 for W held as `pack` panels [P, D, 32] (see module).
 
     ``use_kernel=False`` forces the einsum path (the reference in the tests)."""
-    if x.shape[-1] != panels_PDC.shape[1] or panels_PDC.ndim != 3 or panels_PDC.shape[2] != PANEL \
+    if panels_PDC.ndim != 3 or x.shape[-1] != panels_PDC.shape[1] or panels_PDC.shape[2] != PANEL \
             or num_panels(n) != panels_PDC.shape[0]:
         raise ValueError(f"matmul: x {tuple(x.shape)} and panels {tuple(panels_PDC.shape)} do not fit a "
                          f"[{x.shape[-1]}, {n}] weight (panels must be [ceil(n/32), D, 32])")

@@ -545,9 +545,13 @@ class Llama:
                                          jax.tree_util.tree_leaves_with_path(
                                              {k: want[k] for k in got}, is_leaf=_is_shape)):
             if tuple(jnp.shape(x)) != shape:
+                # a matrix where panels are expected, or panels where a matrix is: another layout
+                layout = (" (another layout: packed_projections differs; convert the params once, "
+                          "outside the jitted step: params = model.prepare_params(params))"
+                          if {len(shape), jnp.ndim(x)} == {2, 3} and not c.scan_layers else "")
                 raise ValueError(
                     f"params{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}; this "
-                    f"model's config expects {shape}")
+                    f"model's config expects {shape}{layout}")
 
     def _layout_error(self, layers, want_layers) -> str:
         c = self.config
