@@ -16,9 +16,12 @@ def get_config():
     # once, as a one-token step does. 'auto': on the CPU backend when the kernel was built for
     # this CPU (unrolled layers, float32); 'on': required; 'off': XLA's matmuls.
     c.cpu_kernel = "auto"
-    # Drafter: 'distilled' (the draft shipped for the target, see experiments/distill), 'ngram'
-    # (prompt lookup), 'early_exit' (target's first layers), 'model' (draft_model=), 'none'.
-    c.drafter = "distilled"
+    # Drafter: 'ngram' (prompt lookup), 'distilled' (the draft shipped for the target, see
+    # experiments/distill), 'head', 'early_exit' (target's first layers), 'model' (draft_model=),
+    # 'none'. Default 'ngram': with the CPU kernel, adaptive prompt lookup is 1.28x target-only
+    # on the held-out prompts at greedy, adaptive distilled 0.89x (experiments/bench_speed/
+    # results/2026-12-01-kernel-amd-epyc).
+    c.drafter = "ngram"
     c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4
     c.max_ngram = 3
