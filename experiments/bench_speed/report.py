@@ -51,7 +51,8 @@ def _vsum(vectors) -> list[int]:
 
 
 def aggregate(recs: list[dict]) -> dict:
-    tok, dec, tot = (sum(r[k] for r in recs) for k in ("new_tokens", "decode_s", "total_s"))
+    # a decode time lost in timing noise is stored as null (NaN): the sum is then NaN, and noted
+    tok, dec, tot = (sum(math.nan if r[k] is None else r[k] for r in recs) for k in ("new_tokens", "decode_s", "total_s"))
     s = {"n_prompts": sum(r["batch"] for r in recs), "new_tokens": tok, "decode_s": dec,
          "prefill_s_mean": float(np.mean([r["prefill_s"] for r in recs])),
          "tokens_per_s": tok / dec if dec > 0 else math.nan, "e2e_tokens_per_s": tok / tot if tot > 0 else math.nan,
