@@ -11,12 +11,13 @@ Static vs traced
 
 * the *strategy* is static (``pytree_node=False``, part of the tree structure, so changing it
   recompiles): ``greedy`` (temperature 0), ``use_top_k``, ``use_top_p``. A static flag that is
-  off means the corresponding sort is not even traced (vocab is ~49k in the real model);
+  off means the corresponding filter is not even traced (vocab is ~49k in the real model);
 * the *numbers* are traced leaves: ``temperature`` (float32), ``top_k`` (int32, 0 = off),
   ``top_p`` (float32, 1.0 = off). Changing their values does NOT recompile.
 
 Build configs with :meth:`SamplingConfig.make`, which takes Python numbers and derives the
-static flags from them. Shapes are static as usual.
+static flags from them. Shapes are static as usual. The filters sort nothing: their thresholds
+come from a binary search (see `_filtered_logits`).
 
 Order of operations (same as the common HF convention): temperature, then top-k, then top-p,
 then softmax.
@@ -106,15 +107,41 @@ class SamplingConfig:
         return cls.make(temperature=0.0)
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """int32 keys that order float32 values as the floats do (for non-NaN values; -0.0 sorts
+    just below +0.0): non-negative floats keep their bits, negative ones flip their magnitude bits."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(i >= 0, i, i ^ jnp.int32(0x7FFFFFFF))
+
+
+def _midpoint(a: jax.Array, b: jax.Array) -> jax.Array:
+    """floor((a + b) / 2) of int32 arrays without overflow."""
+    return (a & b) + ((a ^ b) >> 1)
+
+
+_SEARCH_STEPS = 32          # halvings of the int32 key range: the search ends on an exact key
+
+
 def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Temperature-scaled logits with top-k / top-p exclusions set to -inf (non-greedy only).
 
-    At most one descending sort is traced, and only if a filter flag is on. ``temperature``
-    must be a normal positive float32 here (guaranteed by :meth:`SamplingConfig.make` when
-    ``greedy`` is False). The max logit is subtracted before dividing, so the scaled values are
-    ``<= 0`` with the max at exactly 0: no temperature overflows them to +inf (a very negative
-    one may become -inf, an exact zero probability). NaN or +inf logits still give NaN rows,
-    which the engine's guard catches (`specjax.decoding`).
+    ``temperature`` must be a normal positive float32 here (guaranteed by
+    :meth:`SamplingConfig.make` when ``greedy`` is False). The max logit is subtracted before
+    dividing, so the scaled values are ``<= 0`` with the max at exactly 0: no temperature
+    overflows them to +inf (a very negative one may become -inf, an exact zero probability).
+    NaN or +inf logits give NaN rows, which the engine's guard catches (`specjax.decoding`).
+
+    The thresholds are found without sorting the vocabulary (XLA's CPU sort of 49k values took
+    ~10 ms per row, more than a SmolLM2 forward): a binary search over the values' order keys
+    (`_order_keys`), 32 halvings, each one masked count or sum over the row.
+
+    * top-k: the k-th largest value ``v_k = max {v : #{x : s(x) >= v} >= k}``; keep ``s >= v_k``.
+    * top-p: with ``p`` the softmax over the tokens top-k kept, the smallest value
+      ``v_p = min {v : sum_{x : s(x) > v} p(x) < top_p}``; keep ``s >= v_p``. This is the
+      nucleus of the sorted definition (keep the most probable tokens while the mass before
+      each is below ``top_p``; the top token always), ties at the threshold included; the mass
+      is summed in vocabulary order rather than sorted order, so only a mass within float
+      rounding of ``top_p`` can decide differently (identically on both sides).
     """
     x = logits_V.astype(jnp.float32)
     # The shift is a constant for softmax/log_softmax (no gradient needed through it).
@@ -123,28 +150,34 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     if not (cfg.use_top_k or cfg.use_top_p):
         return scaled
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    threshold = jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    key = jax.lax.stop_gradient(_order_keys(scaled))
+    row = scaled.shape[:-1] + (1,)
+    lowest = jnp.min(key, axis=-1, keepdims=True)
+    keep = jnp.ones(scaled.shape, bool)
     if cfg.use_top_k:
         # top_k <= 0 at run time means "off": keep everything.
         k = jnp.where(cfg.top_k <= 0, vocab, jnp.clip(cfg.top_k, 1, vocab))
-        kth = jnp.take_along_axis(
-            sorted_desc, jnp.broadcast_to(k - 1, scaled.shape[:-1] + (1,)).astype(jnp.int32),
-            axis=-1)
-        threshold = jnp.maximum(threshold, kth)
-        sorted_desc = jnp.where(sorted_desc >= threshold, sorted_desc, -jnp.inf)
+
+        def kth(_, bounds):          # invariant: count(key >= lo) >= k > count(key >= hi)
+            lo, hi = bounds
+            mid = _midpoint(lo, hi)
+            ok = jnp.sum(key >= mid, axis=-1, keepdims=True) >= k
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        v_k, _ = jax.lax.fori_loop(0, _SEARCH_STEPS, kth, (lowest, jnp.ones(row, jnp.int32)))
+        keep = key >= v_k
     if cfg.use_top_p:
-        sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        # Smallest prefix whose mass reaches top_p: keep i while the mass before it < top_p.
-        # The top token is always kept (index 0 forced), even for a tiny top_p.
-        # top_p >= 1 at run time means "off" (guards float32 cumsum rounding in the tail).
-        keep_sorted = ((mass_before < cfg.top_p) | (cfg.top_p >= 1.0)).at[..., 0].set(True)
-        keep_sorted &= sorted_desc > -jnp.inf
-        n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
-        pth = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
-        threshold = jnp.maximum(threshold, pth)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        p = jax.lax.stop_gradient(jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1))
+
+        def nucleus(_, bounds):      # invariant: mass(key > lo) >= top_p > mass(key > hi)
+            lo, hi = bounds
+            mid = _midpoint(lo, hi)
+            ok = jnp.sum(jnp.where(key > mid, p, 0.0), axis=-1, keepdims=True) < cfg.top_p
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+        _, v_p = jax.lax.fori_loop(0, _SEARCH_STEPS, nucleus, (lowest - 1, jnp.zeros(row, jnp.int32)))
+        # top_p >= 1 at run time means "off" (guards float32 rounding of the total mass).
+        keep &= key >= jnp.where(cfg.top_p >= 1.0, lowest, v_p)
+    out = jnp.where(keep, scaled, -jnp.inf)
+    return jnp.where(jnp.isnan(scaled).any(axis=-1, keepdims=True), jnp.nan, out)
 
 
 def probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
