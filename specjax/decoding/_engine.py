@@ -310,6 +310,44 @@ class Prefill:
     draft_state: Any = None
     features_BLF: Any = None        # the target's prompt features, when the drafter reads them
 
+    def repeat(self, batch: Batch) -> "Prefill":
+        """This one-row prefill as the prefill of `batch`, whose every row is that one prompt
+        (n samples of one prompt, each row with its own key): the prompt enters the caches once,
+        its cache rows are copied. ValueError if this prefill has more than one row or `batch`
+        holds another prompt, length or capacity."""
+        one = self.batch
+        if np.shape(one.prompt_BP)[0] != 1:
+            raise ValueError(f"repeat needs a one-row prefill, this one has {np.shape(one.prompt_BP)[0]} rows")
+        n = np.shape(batch.prompt_BP)[0]
+        if (batch.capacity != one.capacity or np.shape(batch.prompt_BP)[1] != np.shape(one.prompt_BP)[1]
+                or not (np.asarray(batch.prompt_BP) == np.asarray(one.prompt_BP)).all()
+                or not (np.asarray(batch.prompt_lengths_B) == np.asarray(one.prompt_lengths_B)[0]).all()):
+            raise ValueError("repeat: every row of the batch must be this prefill's prompt (same tokens, length and "
+                             "capacity)")
+        return dataclasses.replace(self, batch=batch, target_cache=_repeat_rows(self.target_cache, n),
+                                   draft_state=_repeat_rows(self.draft_state, n),
+                                   features_BLF=_repeat_rows(self.features_BLF, n))
+
+
+def _repeat_rows(tree, n: int):
+    """Copy the single batch row of every cache / array in `tree` n times: a `KVCache`'s
+    buffers on their batch axis (1 for stacked layers, 0 per layer), any other array on axis 0
+    (it must have one row there)."""
+    def cache(c):
+        axis = 0 if c.per_layer else 1
+        rep = lambda x: jnp.repeat(x, n, axis=axis)          # noqa: E731
+        k = tuple(map(rep, c.k)) if c.per_layer else rep(c.k)
+        v = tuple(map(rep, c.v)) if c.per_layer else rep(c.v)
+        return c.replace(k=k, v=v, lengths_B=jnp.repeat(c.lengths_B, n, axis=0))
+
+    def leaf(x):
+        if isinstance(x, models.KVCache):
+            return cache(x)
+        if np.ndim(x) == 0 or np.shape(x)[0] != 1:
+            raise ValueError(f"repeat: a state array of shape {np.shape(x)} has no single batch row on axis 0")
+        return jnp.repeat(x, n, axis=0)
+    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, models.KVCache))
+
 
 @dataclasses.dataclass
 class StreamEvent:
