@@ -1,6 +1,6 @@
 """Speculative generation with the default target (SmolLM2-135M-Instruct) on one chat prompt.
 
-Run: python -m specjax.cli --config=configs/generate.py [--config.prompt="..."]
+Run: specjax generate --config=configs/generate.py [--config.prompt="..."]
 """
 
 import ml_collections

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node GPU run under SLURM: one process per node, all GPUs of a node per process.
 #
-#   sbatch --nodes=2 --gpus-per-node=8 launch/gpu_slurm.sh python -m specjax.cli \
+#   sbatch --nodes=2 --gpus-per-node=8 launch/gpu_slurm.sh specjax generate \
 #       --config=configs/generate.py --config.distributed=True
 #
 # `jax.distributed.initialize()` (called by `--config.distributed=True`) reads the SLURM

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a specjax command on every worker of a Cloud TPU VM pod slice.
 #
-#   launch/tpu_pod.sh TPU_NAME ZONE -- python -m specjax.cli --config=configs/generate.py --config.distributed=True
+#   launch/tpu_pod.sh TPU_NAME ZONE -- specjax generate --config=configs/generate.py --config.distributed=True
 #
 # Every host runs the same program; `--config.distributed=True` makes it call
 # `jax.distributed.initialize()`, which on Cloud TPU discovers the coordinator and the process

@@ -330,17 +330,29 @@ def check_config(c) -> None:
     check_target_context(c)                     # reads a local target's header, no weights
 
 
-def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
-    """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
-    engine of a generation config (`configs/generate.py`), as a `decoding.Generator`. The
-    settings are checked before anything is loaded (`check_config`)."""
+def load_target_with_tokenizer(c):
+    """(target, params, tokenizer) of a generation config, from one read of the checkpoint, in
+    the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``)."""
+    return models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
+                                      fuse_projections=c.get("fuse_projections", False),
+                                      packed_projections=use_cpu_kernel(c))
+
+
+def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decoding.Generator:
+    """The drafter and engine of a generation config around an already loaded target (one
+    target, several drafters: `specjax bench`). The settings are checked first."""
     check_config(c)
-    target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
-                                                           fuse_projections=c.get("fuse_projections", False),
-                                                           packed_projections=use_cpu_kernel(c))
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)
     engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids))
     return decoding.Generator(engine, decoding.EngineParams(target=params, draft=dparams), tokenizer,
                               pad_multiple=pad_multiple)
+
+
+def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
+    """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
+    engine of a generation config (`configs/generate.py`), as a `decoding.Generator`. The
+    settings are checked before anything is loaded (`check_config`)."""
+    check_config(c)
+    return generator_for(c, *load_target_with_tokenizer(c), pad_multiple=pad_multiple)

@@ -1,15 +1,22 @@
-"""specjax's main command: speculative generation on a chat prompt, streamed, with stats.
+"""The `specjax` command: ``specjax <command> --config=FILE [--config.KEY=VALUE ...]``.
 
-    python -m specjax.cli --config=configs/generate.py --config.prompt="..."
+    specjax generate --config=configs/generate.py --config.prompt="..."
+    specjax bench    --config=configs/bench.py                 # drafters x Spec-Bench categories
+    specjax distill  --config=configs/distill.py --workdir=DIR  # run or resume a distillation
+    specjax eval     --config=configs/eval.py                  # teacher-forced alpha of a draft
+    specjax export   --config=configs/export.py --config.out=DIR
 
-Streams the text as rounds commit, then prints one line of stats: tokens/s, speedup over
-target-only decoding of the same prompt (timed in the same run), mean accepted tokens per
-target pass. Compilation is excluded from tokens/s (the first round of each run is the
-warm-up) and reported separately.
+``python -m specjax.cli`` is the same program. `generate` streams the text as rounds commit,
+then prints one line of stats: tokens/s, speedup over target-only decoding of the same prompt
+(timed in the same run), mean accepted tokens per target pass; compilation is excluded from
+tokens/s (the first round of each run is the warm-up) and reported separately. Every flag and
+config key is checked before anything loads: an unknown one is an error that lists the allowed
+ones; a bad value is an error naming the key and what it accepts (`specjax.build.check_config`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -17,7 +24,6 @@ import traceback
 
 import numpy as np
 
-from absl import app
 from ml_collections import config_flags
 
 def stream_tokens(gen, batch, samp, on_tokens=None, prefill=None):
@@ -197,32 +203,300 @@ def _quiet_backend_probe() -> None:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
-def run():
-    """Console entry point. The --config and --verbose flags are defined here, not at import,
-    so the CLI module can be imported next to other absl programs (experiments, tests). A user
-    error prints one line (``specjax: error: ...``) and exits with status 2; --verbose adds
-    the traceback."""
+# ----------------------------------------------------------------------------- subcommands
+
+def bench_main(c, command: str = "specjax bench") -> list[dict]:
+    """`specjax bench`: drafters against target-only decoding per category (`specjax.bench`)."""
+    from specjax import bench, build
+    build.enable_compilation_cache(c.get("compilation_cache_dir", ""))
+    build.limit_heap_retention()
+    summary = bench.run(c, command=command)
+    for r in summary:
+        if r["category"] == "all":
+            print(f"[specjax] {r['method']}: {r['tokens_per_s'] or float('nan'):.1f} tokens/s, speedup "
+                  f"{r['speedup'] or float('nan'):.2f}x over target-only, mean accepted tokens "
+                  f"{r['mean_accepted_tokens']:.2f} per target pass", flush=True)
+    print(f"[specjax] table: {c.out}/results.md, records: {c.out}/results.jsonl", flush=True)
+    return summary
+
+
+def distill_main(c, workdir: str) -> dict:
+    """`specjax distill`: run or resume (same command) a distillation in `workdir`."""
+    from specjax.distill import train
+    return train(c, workdir)
+
+
+EVAL_DRAFTERS = ("distilled", "model", "early_exit")
+
+
+def eval_main(c) -> dict:
+    """`specjax eval`: teacher-forced alpha, greedy agreement and greedy tokens per target pass
+    of a draft against its target (`specjax.distill.evaluate`; no wall-clock). Prints one JSON
+    line; appends it to ``out`` when set."""
+    from specjax import build, distill, models
+    if c.drafter not in EVAL_DRAFTERS:
+        raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(EVAL_DRAFTERS)} (prompt lookup has no "
+                         "draft distribution to score; heads are evaluated by their training, metrics.jsonl)")
+    gammas = tuple(c.gammas)
+    for g in gammas:
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"gammas={gammas!r}: expected integers >= 1")
+    if c.drafter == "model" and not c.draft_model:
+        raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    target, params = build.load_target(c.target, c.dtype, True)
+    tokenizer = None if c.eval.get("data_jsonl", "") else models.load_tokenizer(c.target)
+    if c.drafter == "distilled":
+        from specjax.models.draft_artifact import load_draft
+        draft, dparams = load_draft(c.draft_model or build.shipped_draft(c.target), target, params)
+    elif c.drafter == "model":
+        draft, dparams = models.load(c.draft_model, dtype=c.dtype)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"vocab mismatch: draft model {c.draft_model} has {draft.vocab_size} tokens, "
+                             f"the target {target.vocab_size}")
+    else:
+        layers = int(c.early_exit_layers)
+        if not 1 <= layers <= target.config.num_layers:
+            raise ValueError(f"early_exit_layers={layers}: expected 1..{target.config.num_layers}")
+        dparams, cfg = models.truncate_layers(params, target.config, layers)
+        draft = models.Llama(cfg)
+    plan = distill.eval_plan(c, target, params, tokenizer, log=lambda m: print(f"[specjax] {m}", file=sys.stderr))
+    result = distill.evaluate(draft, dparams, distill.teacher_head(target, params, None), plan, gammas)
+    result = {"target": c.target, "drafter": c.drafter, "draft_model": c.draft_model,
+              "data": c.eval.get("data_jsonl", "") or f"held-out Spec-Bench, {c.eval.per_category} per category",
+              **result}
+    line = json.dumps(result)
+    print(line, flush=True)
+    if c.out:
+        with open(c.out, "a") as f:
+            f.write(line + "\n")
+    return result
+
+
+EXPORT_KINDS = ("model", "draft")
+
+
+def export_main(c):
+    """`specjax export`: a model or a draft as a Hugging Face checkpoint directory."""
+    import pathlib
+
+    from specjax import build, models
+    if c.what not in EXPORT_KINDS:
+        raise ValueError(f"what={c.what!r}: expected one of {', '.join(EXPORT_KINDS)}")
+    if c.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={c.dtype!r}: expected one of float32, bfloat16")
+    if not c.out:
+        raise ValueError("out='': name the directory to write the checkpoint into")
+    out = pathlib.Path(c.out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"out={c.out!r} exists and is not an empty directory; nothing was written")
+    if c.what == "model":
+        if not c.source:
+            raise ValueError("source='': name the model to export (registry name, GGUF file or HF directory)")
+        model, params, tokenizer = models.load_with_tokenizer(c.source, dtype="float32")
+        models.export_hf(model, params, out, dtype=c.dtype)
+        if tokenizer is not None:
+            tokenizer.save(out)
+    else:
+        from specjax.models.draft_artifact import export_draft_hf
+        target, params = build.load_target(c.target, "float32", True)
+        export_draft_hf(c.source or build.shipped_draft(c.target), target, params, out, dtype=c.dtype)
+    print(f"[specjax] wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})", flush=True)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: what it does, the config file that shows its keys, extra flags."""
+    name: str
+    summary: str
+    config: str
+    workdir: bool = False
+
+
+COMMANDS = {c.name: c for c in (
+    Command("generate", "speculative generation on one chat prompt: the text streamed, then one line of stats "
+            "(tokens/s, speedup over target-only, mean accepted tokens)", "configs/generate.py"),
+    Command("bench", "drafters against target-only decoding over a prompt set (default: held-out Spec-Bench), "
+            "per category: speedup, mean accepted tokens, acceptance per position (Markdown + JSONL)",
+            "configs/bench.py"),
+    Command("distill", "train a draft (DistillSpec) or a feature head into --workdir; the same command resumes",
+            "configs/distill.py", workdir=True),
+    Command("eval", "teacher-forced alpha, greedy agreement and tokens per target pass of a draft/target pair "
+            "(no wall-clock)", "configs/eval.py"),
+    Command("export", "a model or a draft as a Hugging Face checkpoint directory", "configs/export.py"),
+)}
+
+
+def usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: specjax <command> --config=FILE [--config.KEY=VALUE ...] [--verbose]", "",
+             "commands:"]
+    lines += [f"  {c.name:<{width}}  {c.summary} (e.g. --config={c.config})" for c in COMMANDS.values()]
+    lines += ["", "specjax <command> --help lists that command's config keys. --config.KEY=VALUE overrides one key "
+              "(nested keys with dots: --config.eval.per_category=2); --verbose prints tracebacks of errors.",
+              "distill also takes --workdir=DIR."]
+    return "\n".join(lines)
+
+
+class UsageError(ValueError):
+    """A bad command line: unknown command, flag or config key, missing --config."""
+
+
+def _load_config_file(path: str):
+    """``get_config()`` of a config file. A file in a ``configs`` package directory may import
+    its siblings (``from configs import generate``): that directory's parent goes on sys.path."""
+    import importlib.util
+    import pathlib
+    p = pathlib.Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"--config={path}: no such file")
+    if p.parent.name == "configs" and (p.parent / "__init__.py").is_file():
+        root = str(p.resolve().parent.parent)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location(f"_specjax_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise UsageError(f"--config={path}: the file defines no get_config()")
+    return module.get_config()
+
+
+def _keys(c, prefix="") -> list[str]:
+    out = []
+    for k, v in c.items():
+        out.append(prefix + k)
+        if hasattr(v, "items"):
+            out += _keys(v, prefix + k + ".")
+    return out
+
+
+def check_command_line(cmd: Command, args: list[str]) -> None:
+    """Every flag and ``--config.KEY`` of a command line is known, before any parsing or loading:
+    a UsageError names the unknown one and lists what is allowed."""
+    import difflib
+    known = {"config", "verbose", "noverbose"} | ({"workdir"} if cmd.workdir else set())
+    config_path, overrides = None, []
+    for i, a in enumerate(args):
+        if not a.startswith("-") or a == "-":
+            continue
+        name = a.lstrip("-").split("=", 1)[0]
+        if name == "config":
+            config_path = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
+        elif name.startswith("config."):
+            overrides.append(name[len("config."):])
+        elif name not in known:
+            allowed = ", ".join(f"--{k}" for k in sorted(known - {"noverbose"})) + ", --config.KEY=VALUE"
+            raise UsageError(f"specjax {cmd.name}: unknown flag --{name}; expected {allowed}")
+    if config_path is None:
+        raise UsageError(f"specjax {cmd.name}: --config is required, e.g. --config={cmd.config}")
+    if cmd.workdir and not any(a.lstrip("-").split("=", 1)[0] == "workdir" for a in args if a.startswith("-")):
+        raise UsageError(f"specjax {cmd.name}: --workdir is required (checkpoints, metrics.jsonl, final.json)")
+    c = _load_config_file(config_path)
+    keys = _keys(c)
+    for key in overrides:
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"specjax {cmd.name}: unknown config key {key!r} in {config_path}{hint}; its keys: "
+                             + ", ".join(keys))
+
+
+def _expected(args: list[str], error: Exception) -> str:
+    """For a ``--config.KEY=VALUE`` that did not parse: the type and default the key has."""
+    import re
+    m = re.search(r"--config\.([\w.]+)=", str(error))
+    path = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None)
+    if m is None or path is None:
+        return ""
+    value = _load_config_file(path)
+    for part in m.group(1).split("."):
+        if not hasattr(value, "items") or part not in value:
+            return ""
+        value = value[part]
+    return f" (expected type {type(value).__name__}, e.g. the default {value!r})"
+
+
+def describe_config(cmd: Command, path: str) -> str:
+    """`specjax <command> --help`: the command, then each key of its config with its default."""
+    c = _load_config_file(path)
+    flat = []
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            if hasattr(v, "items"):
+                walk(v, prefix + k + ".")
+            else:
+                flat.append(f"  --config.{prefix}{k}={v!r}")
+    walk(c)
+    extra = "  --workdir=DIR  (required) checkpoints, metrics.jsonl, final.json\n" if cmd.workdir else ""
+    return (f"usage: specjax {cmd.name} --config={path} [--config.KEY=VALUE ...] [--verbose]\n\n{cmd.summary}.\n\n"
+            f"{extra}config keys (defaults from {path}):\n" + "\n".join(flat))
+
+
+def dispatch(argv: list[str]) -> int:
+    """Run ``specjax <command> ...`` (argv[0] is the program). Returns the exit status: 0, or 2
+    for a bad command line or a user error (one line ``specjax: error: ...`` on stderr;
+    --verbose adds the traceback)."""
     from absl import flags
-    flag = config_flags.DEFINE_config_file("config", None, "path to a configs/*.py file", lock_config=True)
-    verbose = flags.DEFINE_boolean("verbose", False, "print the full traceback of an error")
 
-    def _main(argv):
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        if flag.value is None:
-            raise app.UsageError("--config is required, e.g. --config=configs/generate.py")
-        _quiet_backend_probe()
+    args = list(argv[1:])
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    verbose = any(a in ("--verbose", "--verbose=true", "--verbose=True") for a in rest)
+    try:
+        if name.startswith("-"):
+            raise UsageError(f"name a command before the flags, e.g. specjax generate {' '.join(args)} "
+                             f"(commands: {', '.join(COMMANDS)})")
+        if name not in COMMANDS:
+            raise UsageError(f"unknown command {name!r}: expected one of {', '.join(COMMANDS)} (specjax --help)")
+        cmd = COMMANDS[name]
+        if any(a in ("-h", "--help", "--helpfull", "--helpshort") for a in rest):
+            path = next((a.split("=", 1)[1] for a in rest if a.startswith("--config=")), cmd.config)
+            print(describe_config(cmd, path))
+            return 0
+        check_command_line(cmd, rest)
+        fv = flags.FlagValues()       # this call's own flags: dispatch can run twice in one process
+        argv_ = [f"specjax {name}", *rest]
+        config = config_flags.DEFINE_config_file("config", None, "a configs/*.py file", flag_values=fv,
+                                                 lock_config=True, sys_argv=argv_)
+        flags.DEFINE_boolean("verbose", False, "print the full traceback of an error", flag_values=fv)
+        workdir = flags.DEFINE_string("workdir", None, "run directory", flag_values=fv) if cmd.workdir else None
         try:
-            main(flag.value)
-        except user_errors() as e:
-            if verbose.value:
-                traceback.print_exc()
-            text = " ".join(str(e).split()) or type(e).__name__
-            hint = "" if verbose.value else " (--verbose for the traceback)"
-            print(f"specjax: error: {text}{hint}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            extra = fv(argv_)[1:]
+        except flags.Error as e:
+            raise UsageError(f"specjax {name}: {e}{_expected(rest, e)}") from None
+        if extra:
+            raise UsageError(f"specjax {name}: unexpected arguments {extra}")
+        _quiet_backend_probe()
+        from specjax import build
+        build.tune_xla_cpu()                  # before any backend starts
+        c = config.value
+        if name == "generate":
+            main(c)
+        elif name == "bench":
+            bench_main(c, " ".join(["specjax", name, *rest]))
+        elif name == "distill":
+            distill_main(c, workdir.value)
+        elif name == "eval":
+            eval_main(c)
+        else:
+            export_main(c)
+    except user_errors() as e:
+        if verbose:
+            traceback.print_exc()
+        text = " ".join(str(e).split()) or type(e).__name__
+        hint = "" if verbose or isinstance(e, UsageError) else " (--verbose for the traceback)"
+        print(f"specjax: error: {text}{hint}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
-    app.run(_main)
+
+def run(argv: list[str] | None = None):
+    """Console entry point (``specjax``, ``python -m specjax.cli``): `dispatch`, then exit with its status."""
+    sys.exit(dispatch(sys.argv if argv is None else argv))
 
 
 if __name__ == "__main__":

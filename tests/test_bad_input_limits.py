@@ -53,7 +53,7 @@ def test_max_new_tokens_is_checked_against_the_context_length(tmp_path, monkeypa
 def _cli(args, code=None):
     code = code or "from specjax import cli; cli.run()"
     env = dict(os.environ, JAX_PLATFORMS="")
-    return subprocess.run([sys.executable, "-c", code, "--config=configs/generate.py", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-c", code, "generate", "--config=configs/generate.py", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
 
 

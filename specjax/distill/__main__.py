@@ -1,26 +1,15 @@
 """python -m specjax.distill --config=configs/distill.py --workdir=DIR [--config.budget_tokens=...]
 
-Runs or resumes (same command) a distillation in DIR; see `specjax.distill.train`.
+The same as ``specjax distill ...``: runs or resumes (same command) a distillation in DIR; see
+`specjax.distill.train`.
 """
 
-from absl import app, flags
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "distillation config (configs/distill*.py)")
-_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics.jsonl, final.json")
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv):
-    del argv
-    from specjax import build
-    build.tune_xla_cpu()
-    from specjax.distill import train
-    train(_CONFIG.value, _WORKDIR.value)
+import sys
 
 
 def run():
-    app.run(main)
+    from specjax import cli
+    cli.run(["specjax", "distill", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

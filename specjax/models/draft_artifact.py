@@ -170,13 +170,21 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     return Llama(cfg), params
 
 
-def export_draft_hf(directory, target, target_params, out_dir) -> None:
-    """Write a draft directory as a standalone Hugging Face Llama checkpoint (full vocabulary
-    head, see `reduced_head.full_head`), e.g. for transformers' assisted generation."""
+def export_draft_hf(directory, target, target_params, out_dir, dtype: str | None = None) -> None:
+    """Write a draft directory as a standalone Hugging Face Llama checkpoint, e.g. for
+    transformers' assisted generation. A reduced-vocabulary head becomes a full-vocabulary one
+    (`reduced_head.full_head`: the target's embedding rows), so the exported model drafts over
+    every token; ``head_ids.json`` beside it lists the reduced head's tokens."""
     from specjax.models.export import export_hf
     from specjax.models.reduced_head import full_head
 
     model, params = load_draft(directory, target, target_params)
+    head_ids = None
     if isinstance(model, ReducedHeadLlama):
+        head_ids = [int(i) for i in np.asarray(params["head_ids"])]
         model, params = full_head(model, params)
-    export_hf(model, params, out_dir)
+    out = export_hf(model, params, out_dir, dtype=dtype)
+    if head_ids is not None:
+        (out / "head_ids.json").write_text(json.dumps({"head_ids": head_ids, "note": (
+            "the draft was trained with q = 0 outside these tokens; this checkpoint's head covers the whole "
+            "vocabulary")}) + "\n")

@@ -1,0 +1,298 @@
+"""`specjax bench`: drafters against target-only decoding over a prompt set, per category.
+
+The table follows Spec-Bench (Xia et al. 2024): per category, the speedup of each drafter over
+target-only decoding of the same prompts in the same run, the mean accepted tokens per target
+pass (committed tokens / target forwards) and the acceptance at each draft position. One
+target is loaded; every prompt runs target-only once and once per drafter, batch 1, the
+drafter's settings (gamma, adaptive gamma, trees, temperature, ...) from the same config as
+`specjax generate`.
+
+Timing: a run's *decode rate* is the tokens committed after its first round divided by the
+wall time from the first round's end to the last's (`decode_tokens / decode_s`), so prompt
+prefill and compilation are excluded, as in `specjax generate`'s tokens/s. A category's
+speedup is the drafter's summed decode rate over the target-only one,
+``(sum decode_tokens / sum decode_s)_drafter / (...)_target-only``. Adaptive gamma's round
+times are measured once per drafter on the first prompt and reused for the others.
+
+Output in ``out``: ``results.jsonl`` (one ``setup`` record: config, machine, commit; a ``run``
+record per prompt and method; a ``summary`` record per method and category, ``all`` included)
+and ``results.md``, both written by `run`; `markdown` rebuilds the table from the JSONL alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+TARGET_ONLY = "target_only"
+
+
+def _commit() -> str | None:
+    """The git commit of the checkout specjax runs from (with '+dirty' for local changes), or None."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list[dict]:
+    """The prompts of a bench run as ``{"id", "category", "prompt"}``.
+
+    ``path`` "" is the held-out Spec-Bench split shipped with specjax (`specjax.specbench`);
+    otherwise a JSONL file whose lines are Spec-Bench questions (``question_id``, ``category``,
+    ``turns``: the first turn is sent) or ``{"prompt": ...}`` with optional ``id`` and
+    ``category`` (default ``"all"``). ``per_category`` > 0 keeps the first that many of each
+    category (file order), ``num_prompts`` > 0 the first that many overall, after that.
+    A malformed line is a ValueError naming the file and line."""
+    from specjax import specbench
+    if not path:
+        rows = [{"id": q.question_id, "category": q.category, "prompt": q.prompt}
+                for q in specbench.load(split="held_out")]
+    else:
+        p = pathlib.Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"prompts={path!r}: no such file")
+        rows = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{p}:{n}: expected a JSON object")
+            if "turns" in d and isinstance(d["turns"], list) and d["turns"] and isinstance(d["turns"][0], str):
+                text = d["turns"][0]
+            elif isinstance(d.get("prompt"), str):
+                text = d["prompt"]
+            else:
+                raise ValueError(f"{p}:{n}: expected 'turns' (a list of strings) or 'prompt' (a string)")
+            rows.append({"id": d.get("question_id", d.get("id", n)), "category": str(d.get("category", "all")),
+                         "prompt": text})
+    if per_category > 0:
+        seen: dict[str, int] = {}
+        kept = []
+        for r in rows:
+            if seen.get(r["category"], 0) < per_category:
+                seen[r["category"]] = seen.get(r["category"], 0) + 1
+                kept.append(r)
+        rows = kept
+    if num_prompts > 0:
+        rows = rows[:num_prompts]
+    if not rows:
+        raise ValueError(f"prompts={path!r}: no prompts selected (per_category={per_category}, "
+                         f"num_prompts={num_prompts})")
+    return rows
+
+
+def _decode_time(events) -> tuple[int, float, float]:
+    """(tokens after the first round, their wall time, time to the first token) of row 0."""
+    times, counts = [], []
+    for e in events:
+        if e.new_tokens[0]:
+            times.append(e.elapsed_s)
+            counts.append(len(e.new_tokens[0]))
+    if not times:
+        return 0, 0.0, float("nan")
+    return sum(counts[1:]), times[-1] - times[0], times[0]
+
+
+def _run_one(gen, batch, samp) -> tuple[list[int], dict]:
+    import jax
+    events, tokens = [], []
+    for ev in gen.stream(batch, samp):
+        events.append(ev)
+        tokens.extend(ev.new_tokens[0])
+    m = jax.device_get(events[-1].output.metrics)
+    decode_tokens, decode_s, ttft = _decode_time(events)
+    rec = {"new_tokens": len(tokens), "rounds": int(m.rounds_B[0]), "committed": int(m.committed_B[0]),
+           "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
+           "accepted_at": [int(x) for x in np.asarray(m.accepted_at_BG[0])],
+           "tested_at": [int(x) for x in np.asarray(m.tested_at_BG[0])],
+           "degenerate_residuals": int(m.degenerate_residual_B[0]),
+           "gamma_rounds": [int(x) for x in np.asarray(m.gamma_rounds_K)],
+           "decode_tokens": decode_tokens, "decode_s": decode_s, "ttft_s": ttft,
+           "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+           "status": events[-1].output.statuses()[0]}
+    return tokens, rec
+
+
+def _sum_lists(lists) -> list[int]:
+    width = max((len(x) for x in lists), default=0)
+    out = [0] * width
+    for x in lists:
+        for j, v in enumerate(x):
+            out[j] += v
+    return out
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """``summary`` records per (method, category) and per method over ``all`` prompts from the
+    ``run`` records (see the module docstring for the formulas)."""
+    def rate(rs):
+        s = sum(r["decode_s"] for r in rs)
+        return sum(r["decode_tokens"] for r in rs) / s if s > 0 else float("nan")
+
+    out = []
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    for method in methods:
+        for cat in categories + ["all"]:
+            rs = [r for r in runs if r["method"] == method and (cat == "all" or r["category"] == cat)]
+            base = [r for r in runs if r["method"] == TARGET_ONLY and (cat == "all" or r["category"] == cat)]
+            if not rs:
+                continue
+            acc, tested = _sum_lists([r["accepted_at"] for r in rs]), _sum_lists([r["tested_at"] for r in rs])
+            rec = {"kind": "summary", "method": method, "category": cat, "prompts": len(rs),
+                   "tokens_per_s": rate(rs), "speedup": rate(rs) / rate(base) if base else float("nan"),
+                   "mean_accepted_tokens": sum(r["committed"] for r in rs) / max(sum(r["rounds"] for r in rs), 1),
+                   "acceptance_at": [a / t if t else None for a, t in zip(acc, tested)],
+                   "degenerate_residuals": sum(r["degenerate_residuals"] for r in rs)}
+            same = [r["same_as_target_only"] for r in rs if r.get("same_as_target_only") is not None]
+            if same:
+                rec["same_as_target_only"] = f"{sum(same)}/{len(same)}"
+            out.append(rec)
+    return out
+
+
+def _clean(x):
+    """JSON-safe: NaN / inf to None (JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _fmt(x, digits=2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def _table(header, rows) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def markdown(records: list[dict]) -> str:
+    """The bench table (Markdown) from a ``results.jsonl``'s records alone."""
+    setup = next(r for r in records if r["kind"] == "setup")
+    sums = [r for r in records if r["kind"] == "summary"]
+    methods = list(dict.fromkeys(r["method"] for r in sums))
+    cats = list(dict.fromkeys(r["category"] for r in sums if r["category"] != "all")) + ["all"]
+    by = {(r["method"], r["category"]): r for r in sums}
+    c, machine = setup["config"], setup["machine"]
+    lines = [f"# specjax bench: {c['target']}", "",
+             f"- machine: {machine.get('cpu')} ({machine.get('cores')} cores, {machine.get('backend')}: "
+             f"{machine.get('device')}); jax {machine.get('jax')}; commit {setup.get('commit')}",
+             f"- command: `{setup['command']}`",
+             f"- {setup['prompts']} prompts ({c['prompts'] or 'Spec-Bench held-out split'}), batch 1, "
+             f"{c['max_new_tokens']} new tokens, temperature {c['temperature']}, top-k {c['top_k']}, top-p {c['top_p']}, "
+             f"gamma {'adaptive ' + str(tuple(c['adaptive_gammas'])) if c['adaptive_gamma'] else c['gamma']}"
+             + (f", tree {c['tree']}" if c.get("tree") else "") + f", seed {c['seed']}",
+             "- speedup: summed decode rate (tokens after the first round / their wall time) over target-only's "
+             "on the same prompts in this run; accepted tokens: committed tokens per target forward", "",
+             "## Speedup over target-only", ""]
+    lines += _table(["method"] + cats, [[m] + [_fmt(by[m, k]["speedup"]) + "x" if (m, k) in by else "-" for k in cats]
+                                        for m in methods])
+    lines += ["", "## Mean accepted tokens per target pass", ""]
+    lines += _table(["method"] + cats, [[m] + [_fmt(by[m, k]["mean_accepted_tokens"]) if (m, k) in by else "-"
+                                               for k in cats] for m in methods])
+    width = max((len(by[m, "all"]["acceptance_at"]) for m in methods), default=0)
+    lines += ["", "## Acceptance per draft position (all prompts) and decode rate", ""]
+    lines += _table(["method", "tokens/s"] + [f"pos {j + 1}" for j in range(width)] + ["greedy = target-only",
+                                                                                        "degenerate residuals"],
+                    [[m, _fmt(by[m, "all"]["tokens_per_s"], 1)]
+                     + [_fmt(a) for a in by[m, "all"]["acceptance_at"]]
+                     + ["-"] * (width - len(by[m, "all"]["acceptance_at"]))
+                     + [by[m, "all"].get("same_as_target_only", "-"), by[m, "all"]["degenerate_residuals"]]
+                     for m in methods])
+    return "\n".join(lines) + "\n"
+
+
+def run(c, command: str = "specjax bench") -> list[dict]:
+    """Run the bench of a `configs/bench.py` config; returns the summary records and writes
+    ``results.jsonl`` and ``results.md`` into ``c.out``."""
+    import jax
+    from tqdm import tqdm
+
+    from specjax import build, calibration
+
+    kinds = tuple(c.drafters)
+    if not kinds:
+        raise ValueError("drafters=(): name at least one drafter, e.g. ('ngram',)")
+    configs = {}
+    for kind in kinds:
+        if kind == "none":
+            raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
+        cc = c.copy_and_resolve_references()
+        with cc.unlocked():
+            cc.drafter = kind
+        build.check_config(cc)                   # every drafter's settings before anything loads
+        configs[kind] = cc
+    prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
+    out = pathlib.Path(c.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+
+    base_c = c.copy_and_resolve_references()
+    with base_c.unlocked():
+        base_c.drafter = "none"
+    t0 = time.perf_counter()
+    target, params, tokenizer = build.load_target_with_tokenizer(base_c)
+    gens = {TARGET_ONLY: build.generator_for(base_c, target, params, tokenizer)}
+    for kind, cc in configs.items():
+        gens[kind] = build.generator_for(cc, target, params, tokenizer)
+    load_s = time.perf_counter() - t0
+    samp = build.sampling_config(c)
+    setup = {"kind": "setup", "command": command, "config": c.to_dict(), "commit": _commit(),
+             "machine": calibration.machine_key(), "load_s": load_s, "prompts": len(prompts),
+             "prompt_ids": [p["id"] for p in prompts], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    records, runs = [setup], []
+    jsonl = out / "results.jsonl"
+    with open(jsonl, "w") as f:
+        f.write(json.dumps(_clean(setup), default=str) + "\n")
+        bar = tqdm(total=len(prompts) * len(gens), disable=not c.progress, file=sys.stderr, unit="run",
+                   desc="bench")
+        for i, p in enumerate(prompts):
+            ids = gens[TARGET_ONLY].encode(p["prompt"])
+            reference = None
+            for method, gen in gens.items():
+                batch = gen.batch([ids], jax.random.fold_in(jax.random.key(c.seed), i))
+                if i == 0 and gen.config.adaptive:
+                    gen.calibrate(batch, samp, repeats=3)     # kept on `gen` for the later prompts
+                bar.set_postfix_str(f"{method} on {p['category']} #{p['id']}")
+                tokens, rec = _run_one(gen, batch, samp)
+                if method == TARGET_ONLY:
+                    reference = tokens
+                rec.update(kind="run", method=method, id=p["id"], category=p["category"], prompt_tokens=len(ids),
+                           same_as_target_only=(tokens == reference) if (c.temperature == 0 and method != TARGET_ONLY)
+                           else None)
+                if gen.round_time_s is not None:
+                    rec["round_time_s"] = list(gen.round_time_s)
+                runs.append(rec)
+                f.write(json.dumps(_clean(rec)) + "\n")
+                f.flush()
+                bar.update(1)
+        bar.close()
+        summary = summarize(runs)
+        summary = [_clean(r) for r in summary]
+        for rec in summary:
+            f.write(json.dumps(rec) + "\n")
+    records += runs + summary
+    (out / "results.md").write_text(markdown(records))
+    return summary

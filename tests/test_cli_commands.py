@@ -1,0 +1,218 @@
+"""The `specjax` command: every subcommand end to end on a tiny random target/draft pair (SmolLM2's
+tokenizer, 2-layer target, 1-layer draft), the help texts, and bad command lines."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import _cli_tiny
+import _distill_toy
+from specjax import bench, cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _cli_tiny.write_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _dispatch(*args):
+    return cli.dispatch(["specjax", *args])
+
+
+def _quick(target, draft):
+    """Overrides that keep a generation on the tiny pair to seconds: fixed gamma (one compiled
+    round instead of adaptive gamma's branches), nothing cached on disk."""
+    return [f"--config.target={target}", "--config.drafter=model", f"--config.draft_model={draft}",
+            "--config.adaptive_gamma=False", "--config.gamma=2", "--config.compilation_cache_dir=",
+            "--config.calibration_cache="]
+
+
+# ----------------------------------------------------------------------------- help and bad lines
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "specjax.cli", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = [ln.split()[0] for ln in out.stdout.split("commands:")[1].strip().splitlines()[:len(cli.COMMANDS)]]
+    assert listed == ["generate", "bench", "distill", "eval", "export"]
+    for c in cli.COMMANDS.values():
+        assert f"--config={c.config}" in out.stdout and os.path.isfile(os.path.join(REPO, c.config))
+
+
+def test_command_help_lists_the_config_keys(capsys):
+    assert _dispatch("bench", "--help") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: specjax bench --config=configs/bench.py")
+    assert "--config.drafters=('ngram', 'distilled')" in out and "--config.per_category=1" in out
+    assert "--config.drafter=" not in out          # bench replaces generate's single drafter
+    assert _dispatch("distill", "--help") == 0
+    assert "--workdir=DIR" in capsys.readouterr().out
+    assert _dispatch("eval", "--help") == 0
+    out = capsys.readouterr().out
+    assert "--config.eval.per_category=4" in out and "--config.optim." not in out
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "usage: specjax <command>"),
+    (("gen",), "unknown command 'gen': expected one of generate, bench, distill, eval, export"),
+    (("--config=configs/generate.py",), "name a command before the flags, e.g. specjax generate --config="),
+    (("generate",), "--config is required, e.g. --config=configs/generate.py"),
+    (("generate", "--config=configs/nope.py"), "--config=configs/nope.py: no such file"),
+    (("generate", "--config=configs/generate.py", "--bogus=1"),
+     "unknown flag --bogus; expected --config, --verbose, --config.KEY=VALUE"),
+    (("generate", "--config=configs/generate.py", "--workdir=/tmp/x"), "unknown flag --workdir"),
+    (("bench", "--config=configs/bench.py", "--config.drafter=ngram"),
+     "unknown config key 'drafter' in configs/bench.py (did you mean drafters"),
+    (("eval", "--config=configs/eval.py", "--config.eval.per_categori=2"), "(did you mean eval.per_category?)"),
+    (("generate", "--config=configs/generate.py", "--config.max_new_tokens=many"), "max_new_tokens"),
+    (("generate", "--config=configs/generate.py", "--config.drafter=bogus"),
+     "drafter='bogus': expected one of distilled, head, ngram, early_exit"),
+    (("generate", "--config=configs/generate.py", "--config.cpu_kernel=fast"),
+     "cpu_kernel='fast': expected one of auto, on, off"),
+    (("bench", "--config=configs/bench.py", "--config.drafters=('none',)"), "drafters: 'none' is the target-only"),
+    (("distill", "--config=configs/distill.py"), "--workdir is required"),
+    (("eval", "--config=configs/eval.py", "--config.drafter=ngram"),
+     "drafter='ngram': expected one of distilled, model, early_exit"),
+    (("export", "--config=configs/export.py"), "out='': name the directory"),
+    (("export", "--config=configs/export.py", "--config.what=tokenizer", "--config.out=/tmp/x"),
+     "what='tokenizer': expected one of model, draft"),
+])
+def test_bad_command_lines_exit_2_with_one_line_naming_the_problem(capsys, monkeypatch, args, message):
+    from specjax import models
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded for a bad command line")
+
+    monkeypatch.chdir(REPO)
+    for name in ("load", "load_with_tokenizer"):
+        monkeypatch.setattr(models, name, no_load)
+    assert _dispatch(*args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- the commands
+
+def test_generate_on_a_tiny_pair_matches_target_only_greedy(pair, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    target, draft = pair
+    stats = tmp_path / "stats.jsonl"
+    assert _dispatch("generate", "--config=configs/generate.py", *_quick(target, draft), "--config.max_new_tokens=10",
+                     f"--config.metrics_jsonl={stats}") == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "speedup" in out and "mean accepted tokens" in out
+    rec = json.loads(stats.read_text())
+    assert rec["new_tokens"] == 10 and rec["drafter"] == "model" and rec["same_tokens_as_target_only"] is True
+    assert rec["proposed"] > 0 and rec["target_passes"] <= 10
+
+
+def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    target, draft = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(d) for d in [
+        {"question_id": 7, "category": "alpha", "turns": ["Count from one to ten.", "ignored second turn"]},
+        {"prompt": "Name three colours.", "category": "beta"},
+        {"prompt": "A third prompt, cut by num_prompts."}]) + "\n")
+    out = tmp_path / "out"
+    assert _dispatch("bench", "--config=configs/bench.py", *_quick(target, draft)[:1], *_quick(target, draft)[2:],
+                     "--config.drafters=('model','ngram')", f"--config.prompts={prompts}", "--config.per_category=0",
+                     "--config.num_prompts=2", "--config.max_new_tokens=8", f"--config.out={out}",
+                     "--config.progress=False") == 0
+    assert "model:" in capsys.readouterr().out
+    recs = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in recs].count("setup") == 1 and recs[0]["machine"]["cpu"]
+    runs = [r for r in recs if r["kind"] == "run"]
+    assert sorted((r["method"], r["id"]) for r in runs) == sorted(
+        (m, i) for m in ("target_only", "model", "ngram") for i in (7, 2))
+    assert {r["category"] for r in runs} == {"alpha", "beta"}
+    for r in runs:
+        assert r["new_tokens"] == 8 and r["committed"] == 8 and r["rounds"] >= 1
+        assert r["same_as_target_only"] is (None if r["method"] == "target_only" else True)    # greedy
+    sums = {(r["method"], r["category"]): r for r in recs if r["kind"] == "summary"}
+    assert set(sums) == {(m, c) for m in ("target_only", "model", "ngram") for c in ("alpha", "beta", "all")}
+    model_all = sums["model", "all"]
+    rs = [r for r in runs if r["method"] == "model"]
+    assert model_all["mean_accepted_tokens"] == pytest.approx(sum(r["committed"] for r in rs) / sum(r["rounds"] for r in rs))
+    tested = np.sum([r["tested_at"] for r in rs], axis=0)
+    assert model_all["acceptance_at"][0] == pytest.approx(np.sum([r["accepted_at"] for r in rs], axis=0)[0] / tested[0])
+    base = [r for r in runs if r["method"] == "target_only"]
+    rate = lambda xs: sum(r["decode_tokens"] for r in xs) / sum(r["decode_s"] for r in xs)   # noqa: E731
+    assert model_all["speedup"] == pytest.approx(rate(rs) / rate(base))
+    assert sums["target_only", "all"]["speedup"] == pytest.approx(1.0)
+    assert model_all["same_as_target_only"] == "2/2"
+    md = (out / "results.md").read_text()
+    assert "| method | alpha | beta | all |" in md and "## Mean accepted tokens per target pass" in md
+    assert bench.markdown(recs) == md                       # the table is rebuilt from the JSONL alone
+
+
+def test_bench_prompt_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"turns": []}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: expected 'turns'"):
+        bench.load_prompts(str(bad))
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not JSON"):
+        bench.load_prompts(str(bad))
+    held = bench.load_prompts("", per_category=1)
+    assert len(held) == 13 and all(p["id"] % 4 == 0 for p in held)      # the held-out split, one per category
+
+
+def test_eval_gives_the_same_numbers_for_one_draft_named_two_ways(pair, tmp_path, capsys, monkeypatch):
+    """The target's first layer as `early_exit` and the same layer written as a checkpoint
+    (`model`) are one draft: identical teacher-forced figures."""
+    monkeypatch.chdir(REPO)
+    target, draft = pair
+    data = _distill_toy.write_data(tmp_path / "data.jsonl", n=6)
+    common = ["--config=configs/eval.py", f"--config.target={target}", f"--config.eval.data_jsonl={data}",
+              f"--config.data_root={tmp_path / 'root'}", "--config.gammas=(1,3)", f"--config.out={tmp_path / 'e.jsonl'}"]
+    assert _dispatch("eval", *common, "--config.drafter=early_exit", "--config.early_exit_layers=1") == 0
+    assert _dispatch("eval", *common, "--config.drafter=model", f"--config.draft_model={draft}") == 0
+    a, b = [json.loads(ln) for ln in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert (a["drafter"], b["drafter"]) == ("early_exit", "model")
+    for key in ("alpha_t1", "greedy_agreement", "greedy_tokens_per_pass_g1", "greedy_tokens_per_pass_g3"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert 0 < a["alpha_t1"] <= 1 and a["eval_tokens"] > 0
+    assert 1 <= a["greedy_tokens_per_pass_g1"] <= 2 and 1 <= a["greedy_tokens_per_pass_g3"] <= 4
+    assert _dispatch("eval", *common, "--config.drafter=early_exit", "--config.early_exit_layers=3") == 2
+    assert "early_exit_layers=3: expected 1..2" in capsys.readouterr().err
+
+
+def test_export_a_model_and_a_reduced_draft(pair, tmp_path, capsys, monkeypatch):
+    import jax
+
+    from specjax import models
+    from specjax.models import draft_artifact, reduced_head
+    monkeypatch.chdir(REPO)
+    target, _ = pair
+    out = tmp_path / "model"
+    assert _dispatch("export", "--config=configs/export.py", f"--config.source={target}", f"--config.out={out}") == 0
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    m0, p0, tok0 = models.load_with_tokenizer(str(target))
+    m1, p1, tok1 = models.load_with_tokenizer(str(out))
+    assert m1.config == m0.config and tok1.encode("Hello there") == tok0.encode("Hello there")
+    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # nothing already written is lost: a second export into the same directory is refused
+    assert _dispatch("export", "--config=configs/export.py", f"--config.source={target}", f"--config.out={out}") == 2
+    assert "exists and is not an empty directory; nothing was written" in capsys.readouterr().err
+
+    # a reduced-vocabulary draft becomes a full-vocabulary checkpoint, its tokens listed beside it
+    tm, tp = models.load(str(target))
+    dp, dcfg = models.truncate_layers(models.canonical_params(tp, tm.config), tm.config.replace(scan_layers=True), 1)
+    ids = np.arange(0, 2000, 7)
+    rm, rp = reduced_head.reduce_head(models.Llama(dcfg), dp, ids)
+    draft_artifact.save_draft(tmp_path / "d", rm, rp, shared=("embed", "head_from_embed"), dtype="float32")
+    hf = tmp_path / "hf"
+    assert _dispatch("export", "--config=configs/export.py", "--config.what=draft", f"--config.source={tmp_path / 'd'}",
+                     f"--config.target={target}", f"--config.out={hf}") == 0
+    assert json.loads((hf / "head_ids.json").read_text())["head_ids"] == ids.tolist()
+    em, ep = models.load(str(hf))
+    assert em.config.num_layers == 1 and em.vocab_size == _cli_tiny.VOCAB
