@@ -1,0 +1,39 @@
+"""Sampled-path exactness on the real target (SmolLM2-135M-Instruct), CI size.
+
+The first two committed tokens of speculative sampling (the untrained 4-layer early-exit draft,
+gamma 1, block verifier, temperature 1 with top-p 0.9) against the target's exact two-token
+distribution, Pearson chi-square with rare cells pooled (`experiments.sampled_exactness.run`):
+512 rows, one prompt, seed 0, false-alarm rate 1e-3. The negative control (a draft reporting
+q^2 renormalized instead of the q it sampled from) must be rejected at the same level.
+The full size (every drafter, both verifiers, adaptive gamma, two prompts) is the experiment's
+committed result.
+"""
+
+import numpy as np
+import pytest
+
+from experiments.sampled_exactness import config, run
+
+
+def test_chi_square_of_exact_counts_is_zero_and_of_wrong_counts_large():
+    probs = np.array([0.5, 0.3, 0.2])
+    assert run.chi_square(np.array([50, 30, 20]), probs)[2] == pytest.approx(1.0)
+    assert run.chi_square(np.array([80, 10, 10]), probs)[2] < 1e-6
+    stat, df, p = run.chi_square(np.array([50, 30, 19, 1]), np.array([0.5, 0.3, 0.2, 0.0]))
+    assert p == 0.0 and stat == float("inf")          # a count where the target has no mass
+
+
+def test_speculative_sampling_matches_the_target_and_the_control_fails(tmp_path):
+    c = config.get_config("ci")
+    c.out = str(tmp_path / "results.jsonl")
+    tests = run.run(c)
+    exact, control = tests
+    assert not exact["negative_control"] and control["negative_control"]
+    assert exact["level"] == pytest.approx(1e-3)        # one exact test in the family
+    assert exact["cells"] >= 15 and exact["samples"] == 512
+    assert exact["p_value"] >= exact["level"], exact
+    assert control["p_value"] < control["level"], control
+    for t in tests:                                      # both paths ran: rejections and acceptances
+        assert 0 < t["accepted"] < t["proposed"] and t["degenerate_residuals"] == 0
+    report = run.report(c.out)
+    assert "| early_exit:1:block |" in report and "All as expected: yes." in report
