@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from specjax import decoding, models, sampling
 
@@ -188,3 +189,30 @@ def test_one_prefill_serves_every_run_on_the_batch():
         assert "different batch" in str(e)
     else:
         raise AssertionError("a prefill for another batch was accepted")
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "per_layer"])
+def test_a_repeated_one_row_prefill_equals_prefilling_every_row(per_layer):
+    """`Prefill.repeat`: n samples of one prompt from one prefill give exactly the tokens of a
+    run that prefills all n rows (T = 1, every row its own key), target and draft caches both;
+    a multi-row prefill or a batch of another prompt is refused."""
+    from specjax import drafters
+    model = models.Llama(CONFIG.replace(scan_layers=not per_layer))
+    params = model.init_params(jax.random.key(0))
+    config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
+    engine = decoding.Engine(model, drafters.ModelDrafter(model), config)
+    ep = decoding.EngineParams(target=params, draft=params)
+    prompt = _prompts([37], seed=5)[0]
+    key = jax.random.key(4)
+    one = engine.prefill(ep, decoding.make_batch([prompt], config, key, request_ids=[0]))
+    rows = decoding.make_batch([prompt] * 5, config, key, request_ids=list(range(5)))
+    samp = sampling.SamplingConfig.make(temperature=1.0)
+    want = engine.run(ep, samp, rows)
+    got = engine.run(ep, samp, rows, prefill=one.repeat(rows))
+    np.testing.assert_array_equal(np.asarray(got.tokens_BL), np.asarray(want.tokens_BL))
+    assert len({tuple(r) for r in want.generated()}) > 1            # the rows did sample differently
+    with pytest.raises(ValueError, match="one-row prefill"):
+        engine.prefill(ep, rows).repeat(rows)
+    other = decoding.make_batch([prompt[:-1]] * 5, config, key, request_ids=list(range(5)))
+    with pytest.raises(ValueError, match="every row of the batch must be this prefill's prompt"):
+        one.repeat(other)
