@@ -16,7 +16,7 @@ build.tune_xla_cpu()
 
 # Property tests are derandomized so CI is reproducible; the examples still vary per test.
 hypothesis.settings.register_profile(
-    "ci", derandomize=True, deadline=None, max_examples=60, print_blob=True,
+    "ci", derandomize=True, deadline=None, max_examples=40, print_blob=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 hypothesis.settings.load_profile("ci")
 

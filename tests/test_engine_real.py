@@ -1,8 +1,8 @@
 """Greedy exactness on the real default target (SmolLM2-135M-Instruct), as CI runs it.
 
 13 held-out Spec-Bench prompts (the shortest held-out question of each category), 32 new tokens: linear
-drafts at batch 4 (rows of different lengths), static token trees (n-gram, early exit) at batch 1 on
-6 of the prompts, the distilled draft's dynamic tree at batch 4 on all. Batch 1 with linear drafts
+prompt lookup at batch 4 (rows of different lengths), its static tree at batch 1 on 6 of the
+prompts, the distilled draft's dynamic tree at batch 4 on 8 (see CASES). Batch 1 with linear drafts
 on the real target is the main command's path (tests/test_cli.py, and
 tests/test_kernels.py::test_real_packed_greedy_ngram_matches_target_only on 7 prompts); the
 full-size check is experiments/greedy_exactness (48 prompts x 128 tokens, batch 1 and 4). Float near-ties are handled by the rule of `specjax.decoding.greedy_check`
@@ -34,27 +34,30 @@ def real():
     return target, params, prompts, refs
 
 
-# Prompt lookup with a long block; the untrained 4-layer early exit agrees rarely, so gamma = 1
-# makes fully accepted rounds (and the two-token draft catch-up) occur. Token trees: the n-gram drafter's k-branch tree, a shallow static tree for the early exit and
-# an EAGLE-2 dynamic tree for the shipped distilled draft (its own cache, path compaction).
-_TREES = [("ngram", trees.TreeShape.from_branching((3, 1, 1, 1)), 1),
-          ("early_exit", trees.TreeShape.from_branching((3, 2)), 1),
-          ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8), 4)]
-# (drafter, gamma or tree, batch): linear drafts at batch 4; trees once each (the dynamic
-# tree, with the draft's own cache compacted every round, on rows of different lengths).
-CASES = [("ngram", 4, 4), ("early_exit", 1, 4)] + _TREES
-# Batch-1 cases run one call per prompt: on these 6 categories, whose shortest prompts all pad
-# to one width (128 tokens), so each case compiles one program; keeps CI's time in bounds.
-BATCH_1_CATEGORIES = ("math_reasoning", "coding", "translation", "writing", "roleplay", "qa")
+# Prompt lookup with a long block (no draft state: it exercises the target's rollback alone);
+# token trees: the n-gram drafter's k-branch tree and an EAGLE-2 dynamic tree for the shipped
+# distilled draft (its own cache: rollback, catch-up and path compaction on the real target).
+# The early-exit drafter (shared cache) is checked greedy-exact on a real-architecture tiny Llama
+# (tests/test_drafters.py, tests/test_engine_tree.py), sampled-exact on SmolLM2
+# (tests/test_sampled_exactness.py), and at full size by experiments/greedy_exactness.
+ALL = specbench.CATEGORIES
+# Categories whose shortest prompts all pad to one width (128 tokens): one compiled program per case.
+SHORT = ("qa", "humanities", "stem", "reasoning", "translation", "math", "math_reasoning", "writing")
+# (drafter, gamma or tree, batch, categories): the linear draft at batch 4 on all 13 prompts (rows of
+# different lengths); the static tree at batch 1 (one call per prompt) and the dynamic tree at
+# batch 4 on short prompts, which keeps CI's time in bounds.
+CASES = [("ngram", 4, 4, ALL),
+         ("ngram", trees.TreeShape.from_branching((3, 1, 1, 1)), 1, SHORT[-6:]),
+         ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8), 4, SHORT)]
 
 
-@pytest.mark.parametrize("kind,gamma,batch", CASES,
-                         ids=lambda x: x if isinstance(x, (str, int)) else x.describe())
-def test_greedy_matches_target_only(real, kind, gamma, batch):
+@pytest.mark.parametrize("kind,gamma,batch,categories", CASES,
+                         ids=lambda x: x if isinstance(x, (str, int)) else f"{len(x)}cat" if isinstance(x, tuple)
+                         else x.describe())
+def test_greedy_matches_target_only(real, kind, gamma, batch, categories):
     target, params, prompts, refs = real
-    if batch == 1:
-        keep = [specbench.CATEGORIES.index(c) for c in BATCH_1_CATEGORIES]
-        prompts, refs = [prompts[i] for i in keep], [refs[i] for i in keep]
+    keep = [specbench.CATEGORIES.index(c) for c in categories]
+    prompts, refs = [prompts[i] for i in keep], [refs[i] for i in keep]
     drafter, dparams = build.make_drafter(kind, target, params, early_exit_layers=4, target_name="smollm2-135m-instruct")
     reports = greedy_check(target, drafter, decoding.EngineParams(target=params, draft=dparams), prompts, MAX_NEW,
                            gamma, references=refs, batch_size=batch)

@@ -9,7 +9,7 @@ each prompt (raw text, no chat template, EOS an ordinary token), at each samplin
 `sampling` ("temperature:top_p"); the target and its layout come from configs/generate.py.
 
 Variant "ci": the CI size (the early-exit draft with the block verifier and the negative
-control, 512 samples, one prompt, gamma 1).
+control, 384 samples, one prompt, gamma 1).
 """
 
 import ml_collections
@@ -38,7 +38,7 @@ def get_config(variant: str = ""):
     c.seed = 0
     c.out = "experiments/sampled_exactness/results/results.jsonl"
     if variant == "ci":
-        c.update(prompts=c.prompts[:1], samples=512, runs=("early_exit:1:block", "early_exit:1:token:misreported"),
+        c.update(prompts=c.prompts[:1], samples=384, runs=("early_exit:1:block", "early_exit:1:token:misreported"),
                  out="/tmp/sampled_exactness/results.jsonl")
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: '' or 'ci'")
