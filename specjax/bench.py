@@ -17,6 +17,8 @@ times are measured once per drafter on the first prompt and reused for the other
 Output in ``out``: ``results.jsonl`` (one ``setup`` record: config, machine, commit; a ``run``
 record per prompt and method; a ``summary`` record per method and category, ``all`` included)
 and ``results.md``, both written by `run`; `markdown` rebuilds the table from the JSONL alone.
+Records go to ``results.jsonl.partial`` while the run lasts (flushed per run), which replaces
+``results.jsonl`` only when the run ends: an interrupted run loses no earlier results.
 """
 
 from __future__ import annotations
@@ -97,26 +99,17 @@ def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list
     return rows
 
 
-def _decode_time(events) -> tuple[int, float, float]:
-    """(tokens after the first round, their wall time, time to the first token) of row 0."""
-    times, counts = [], []
-    for e in events:
-        if e.new_tokens[0]:
-            times.append(e.elapsed_s)
-            counts.append(len(e.new_tokens[0]))
-    if not times:
-        return 0, 0.0, float("nan")
-    return sum(counts[1:]), times[-1] - times[0], times[0]
-
-
 def _run_one(gen, batch, samp) -> tuple[list[int], dict]:
     import jax
+
+    from specjax import decoding
     events, tokens = [], []
     for ev in gen.stream(batch, samp):
         events.append(ev)
         tokens.extend(ev.new_tokens[0])
     m = jax.device_get(events[-1].output.metrics)
-    decode_tokens, decode_s, ttft = _decode_time(events)
+    t = decoding.timing_summary(events)
+    decode_tokens, decode_s, ttft = t["decode_tokens"], t["decode_s"], t["ttft_s"]
     rec = {"new_tokens": len(tokens), "rounds": int(m.rounds_B[0]), "committed": int(m.committed_B[0]),
            "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
            "accepted_at": [int(x) for x in np.asarray(m.accepted_at_BG[0])],
@@ -252,6 +245,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     base_c = c.copy_and_resolve_references()
     with base_c.unlocked():
         base_c.drafter = "none"
+    build.check_config(base_c)
     t0 = time.perf_counter()
     target, params, tokenizer = build.load_target_with_tokenizer(base_c)
     gens = {TARGET_ONLY: build.generator_for(base_c, target, params, tokenizer)}
@@ -264,7 +258,8 @@ def run(c, command: str = "specjax bench") -> list[dict]:
              "prompt_ids": [p["id"] for p in prompts], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     records, runs = [setup], []
     jsonl = out / "results.jsonl"
-    with open(jsonl, "w") as f:
+    partial = out / "results.jsonl.partial"       # an earlier run's results stay until this one ends
+    with open(partial, "w") as f:
         f.write(json.dumps(_clean(setup), default=str) + "\n")
         bar = tqdm(total=len(prompts) * len(gens), disable=not c.progress, file=sys.stderr, unit="run",
                    desc="bench")
@@ -294,5 +289,6 @@ def run(c, command: str = "specjax bench") -> list[dict]:
         for rec in summary:
             f.write(json.dumps(rec) + "\n")
     records += runs + summary
+    partial.replace(jsonl)
     (out / "results.md").write_text(markdown(records))
     return summary

@@ -340,8 +340,8 @@ def load_target_with_tokenizer(c):
 
 def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decoding.Generator:
     """The drafter and engine of a generation config around an already loaded target (one
-    target, several drafters: `specjax bench`). The settings are checked first."""
-    check_config(c)
+    target, several drafters: `specjax bench`). The caller has checked the settings with
+    `check_config` before loading the target (as `load_generator` does)."""
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)

@@ -245,20 +245,14 @@ def eval_main(c) -> dict:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
     target, params = build.load_target(c.target, c.dtype, True)
     tokenizer = None if c.eval.get("data_jsonl", "") else models.load_tokenizer(c.target)
-    if c.drafter == "distilled":
-        from specjax.models.draft_artifact import load_draft
-        draft, dparams = load_draft(c.draft_model or build.shipped_draft(c.target), target, params)
-    elif c.drafter == "model":
-        draft, dparams = models.load(c.draft_model, dtype=c.dtype)
-        if draft.vocab_size != target.vocab_size:
-            raise ValueError(f"vocab mismatch: draft model {c.draft_model} has {draft.vocab_size} tokens, "
-                             f"the target {target.vocab_size}")
-    else:
-        layers = int(c.early_exit_layers)
-        if not 1 <= layers <= target.config.num_layers:
-            raise ValueError(f"early_exit_layers={layers}: expected 1..{target.config.num_layers}")
-        dparams, cfg = models.truncate_layers(params, target.config, layers)
-        draft = models.Llama(cfg)
+    if c.drafter == "early_exit" and not 1 <= int(c.early_exit_layers) <= target.config.num_layers:
+        raise ValueError(f"early_exit_layers={c.early_exit_layers}: expected 1..{target.config.num_layers}")
+    # The draft as the engine would run it (`build.make_drafter`: loading, vocab check); scored
+    # teacher-forced, the early exit is the same model with its own cache.
+    drafter, dparams = build.make_drafter("early_exit_own_cache" if c.drafter == "early_exit" else c.drafter,
+                                          target, params, early_exit_layers=int(c.early_exit_layers),
+                                          draft_model=c.draft_model, dtype=c.dtype, target_name=c.target)
+    draft = drafter.model
     plan = distill.eval_plan(c, target, params, tokenizer, log=lambda m: print(f"[specjax] {m}", file=sys.stderr))
     result = distill.evaluate(draft, dparams, distill.teacher_head(target, params, None), plan, gammas)
     result = {"target": c.target, "drafter": c.drafter, "draft_model": c.draft_model,

@@ -216,3 +216,29 @@ def test_export_a_model_and_a_reduced_draft(pair, tmp_path, capsys, monkeypatch)
     assert json.loads((hf / "head_ids.json").read_text())["head_ids"] == ids.tolist()
     em, ep = models.load(str(hf))
     assert em.config.num_layers == 1 and em.vocab_size == _cli_tiny.VOCAB
+
+
+def test_an_interrupted_bench_keeps_the_earlier_results(pair, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    target, _ = pair
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text('{"kind": "setup", "earlier": true}\n')
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(bench, "_run_one", failing)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        cli.bench_main(_bench_config(target, out))
+    assert calls and (out / "results.jsonl").read_text() == '{"kind": "setup", "earlier": true}\n'
+    assert (out / "results.jsonl.partial").is_file()      # what the interrupted run had written
+
+
+def _bench_config(target, out):
+    c = cli._load_config_file("configs/bench.py")
+    c.update({"target": str(target), "drafters": ("ngram",), "num_prompts": 1, "max_new_tokens": 4,
+              "out": str(out), "progress": False, "adaptive_gamma": False, "gamma": 2, "compilation_cache_dir": ""})
+    return c

@@ -97,7 +97,6 @@ def exact_cells(target, params, prompt_ids: list[int], samp, n: int, min_expecte
         target_cell = int(np.argmin(probs[:other]))
         probs[target_cell] += probs[other]
         probs = probs[:other]
-        pair = {k: v for k, v in pair.items()}
         other = target_cell
     return Cells(probs / probs.sum(), pair, first_rest, other)
 

@@ -76,7 +76,8 @@ def timing_summary(events: list[StreamEvent], row: int = 0) -> dict:
 
     ttft_s: time to the first committed token (prefill, first round and any compilation);
     inter_token_s: mean time per token after the first round (a round's wall time spread
-    over the tokens it committed); tokens_per_s: tokens after the first round / their time.
+    over the tokens it committed); tokens_per_s: tokens after the first round / their time;
+    decode_tokens, decode_s: those tokens and that time (sums of them give a set's rate).
     """
     times, counts = [], []
     for e in events:
@@ -84,12 +85,14 @@ def timing_summary(events: list[StreamEvent], row: int = 0) -> dict:
             times.append(e.elapsed_s)
             counts.append(len(e.new_tokens[row]))
     if not times:
-        return {"ttft_s": float("nan"), "tokens": 0, "inter_token_s": float("nan"), "tokens_per_s": float("nan")}
+        return {"ttft_s": float("nan"), "tokens": 0, "inter_token_s": float("nan"), "tokens_per_s": float("nan"),
+                "decode_tokens": 0, "decode_s": 0.0}
     after = sum(counts[1:])
     span = times[-1] - times[0]
     return {"ttft_s": times[0], "tokens": sum(counts),
             "inter_token_s": span / after if after else float("nan"),
-            "tokens_per_s": after / span if span > 0 else float("nan")}
+            "tokens_per_s": after / span if span > 0 else float("nan"),
+            "decode_tokens": after, "decode_s": span}
 
 
 @dataclasses.dataclass
