@@ -350,10 +350,16 @@ def _load_config_file(path: str):
             sys.path.insert(0, root)
     spec = importlib.util.spec_from_file_location(f"_specjax_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:            # a broken config file: one line naming it, not a traceback
+        raise UsageError(f"--config={path}: the file does not run ({type(e).__name__}: {e})") from e
     if not hasattr(module, "get_config"):
         raise UsageError(f"--config={path}: the file defines no get_config()")
-    return module.get_config()
+    try:
+        return module.get_config()
+    except Exception as e:
+        raise UsageError(f"--config={path}: get_config() failed ({type(e).__name__}: {e})") from e
 
 
 def _keys(c, prefix="") -> list[str]:

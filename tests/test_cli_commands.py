@@ -153,6 +153,17 @@ def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, caps
     assert bench.markdown(recs) == md                       # the table is rebuilt from the JSONL alone
 
 
+def test_a_broken_config_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config(:\n")
+    assert _dispatch("generate", f"--config={bad}") == 2
+    err = capsys.readouterr().err
+    assert f"--config={bad}: the file does not run (SyntaxError" in err and "Traceback" not in err
+    bad.write_text("def get_config():\n    raise KeyError('x')\n")
+    assert _dispatch("generate", f"--config={bad}") == 2
+    assert "get_config() failed (KeyError" in capsys.readouterr().err
+
+
 def test_bench_prompt_file_errors_name_the_line(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"turns": []}\n')
