@@ -31,6 +31,8 @@ def get_config():
     c.head.feature_weight = 0.0         # EAGLE: weight of the smooth-L1 feature regression (1.0 in the paper)
     c.head.num_heads = 4                # Medusa heads
     c.head.feature_layers = ()          # () = the kind's default (EAGLE-3: low, middle, high; else the last)
+    c.head.feature_cache = "float32"    # features computed once per data set, stored beside it ('' = a target
+                                        # forward in every step; 'float16' halves the file)
     c.optim.learning_rate = 1e-3
     c.optim.warmup_steps = 30
     c.budget_tokens = 300_000

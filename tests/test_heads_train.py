@@ -203,3 +203,117 @@ def test_head_settings_are_checked(toy_pair):
     c.data.draft_weight = 0.5
     with pytest.raises(ValueError, match="draft_weight"):
         distill.train(c, toy_pair["root"] / "never", log=lambda m: None)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_cached_features_give_the_online_loss_and_gradients(toy_pair, tmp_path, kind):
+    """Features stored once with the data (`feature_states`) are the target's own features at
+    every position, and a step fed from them computes the loss and gradients of the step that
+    runs the target forward itself (float32 cache: equal up to float rounding); a float16 cache
+    stays within float16's rounding."""
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    obj = _objective(target, kind)
+    layers = obj.config.feature_layers
+    seqs = plan.data.seqs
+    feats = distill.feature_states(target, tp, seqs, layers, path=tmp_path / "f.npy", widths=(32, 64),
+                                   tokens_per_batch=256)
+    assert isinstance(feats, np.memmap) and feats.shape == (int(np.minimum(seqs.lengths, 64).sum()),
+                                                            obj.config.feature_size)
+    assert not list(tmp_path.glob("*.partial.npy"))
+    cached = distill.BatchPlan(plan.data.with_features(feats), 0, 256, (32, 64))
+    own = drafters.init_head_params(obj.config, jax.random.key(3))
+    frozen = {"target": tp}
+    head_SD = distill.teacher_head(target, tp, None)
+    spec = distill.LossSpec("fkl")
+    grad = jax.jit(jax.value_and_grad(lambda tr, b: distill.head_loss(tr, frozen, head_SD, b, draft=obj, spec=spec)[0]))
+    for i in range(2):
+        b_cached = {k: jnp.asarray(v) for k, v in cached.batch(i).items()}
+        b_online = {k: v for k, v in b_cached.items() if k != "features"}
+        # The batch's features are the target's, row by row, wherever a token is.
+        _, want, _ = target.trunk(tp, b_cached["tokens"], None, collect=layers)
+        want = np.concatenate([np.asarray(w) for w in want], -1)
+        toks = np.asarray(b_cached["tokens"])
+        lens = [len(seqs.tokens[r]) for r in cached.epoch(0)[i][1]]
+        # Not bit-equal: XLA CPU sums matmuls in an order that depends on the batch's shape and the
+        # toy's large random features (|f| ~ 50) amplify that through the layers: 1e-4 of the scale.
+        scale = float(np.abs(want).max())
+        for r, n in enumerate(lens):
+            np.testing.assert_allclose(np.asarray(b_cached["features"])[r, :n], want[r, :n], rtol=0, atol=1e-4 * scale)
+            assert not np.asarray(b_cached["features"])[r, n:].any() and not toks[r, n:].any()
+        (l_c, g_c), (l_o, g_o) = grad(own, b_cached), grad(own, b_online)
+        np.testing.assert_allclose(float(l_c), float(l_o), rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), g_c, g_o)
+    half = distill.feature_states(target, tp, seqs, layers, path=tmp_path / "h.npy", widths=(32, 64),
+                                  tokens_per_batch=256, dtype="float16")
+    assert half.dtype == np.float16
+    np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(feats), rtol=2e-3, atol=2e-3)
+
+
+def test_distillation_loop_caches_features_once_and_trains_as_online(toy_pair, tmp_path):
+    """With head.feature_cache the loop computes the features once (a file beside the data),
+    reuses them on the next run, and its steps give the losses of the online loop."""
+    import ml_collections
+    runs = {}
+    for name, cache in (("online", ""), ("cached", "float32"), ("again", "float32")):
+        c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"],
+                       data_root=tmp_path / "cache", budget=3000)
+        c.draft.kind = "eagle3"
+        c.data.draft_weight = 0.0
+        c.head = ml_collections.ConfigDict({"ttt_steps": 2, "feature_weight": 0.0, "num_heads": 3,
+                                            "feature_layers": (), "feature_cache": cache})
+        c.eval.every = 0
+        logs = []
+        distill.train(c, tmp_path / name, log=logs.append, stop_after_steps=3)
+        recs = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r["loss"] for r in recs if r["kind"] == "train"], logs)
+    assert len(list((tmp_path / "cache").rglob("features-*.npy"))) == 1
+    assert any("features of layers" in m for m in runs["cached"][1])
+    assert any("reusing cached features" in m for m in runs["again"][1])
+    assert not any("features of layers" in m for m in runs["again"][1])
+    np.testing.assert_allclose(runs["cached"][0], runs["online"][0], rtol=1e-4)
+    assert runs["again"][0] == runs["cached"][0]
+
+
+def test_bad_feature_caches_are_refused(toy_pair, tmp_path):
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    with pytest.raises(ValueError, match="stale feature cache"):
+        plan.data.with_features(np.zeros((3, 8), np.float32))
+    with pytest.raises(ValueError, match="feature cache dtype"):
+        distill.feature_states(target, tp, plan.data.seqs, (0,), path=tmp_path / "x.npy", dtype="int8")
+    c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "c")
+    c.draft.kind = "eagle"
+    c.data.draft_weight = 0.0
+    import ml_collections
+    c.head = ml_collections.ConfigDict({"feature_cache": "bf16"})
+    with pytest.raises(ValueError, match="head.feature_cache must be"):
+        distill.train(c, tmp_path / "wd", log=lambda m: None)
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").rglob("features-*"))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_reduced_head_evaluation_equals_scoring_the_full_vocabulary(toy_pair, kind):
+    """The evaluation scores a reduced head over its own tokens only; that equals scoring the
+    full vocabulary with q = 0 (logit -inf) off the head: same argmax, same sum_x min(p, q)."""
+    from specjax.models import llama as llama_lib
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    head_ids = np.sort(np.random.default_rng(0).choice(target.vocab_size, 40, replace=False)).astype(np.int32)
+    obj = _objective(target, kind, head_size=40)
+    own = drafters.init_head_params(obj.config, jax.random.key(5), head_ids=head_ids)
+    params = drafters.head_params(obj.config, own, tp)
+    toks = jnp.asarray(plan.batch(0)["tokens"])
+    alpha, q_arg, p_arg = distill.head_eval_batch(obj, params, tp, toks, 2)
+    h, feats, _ = target.trunk(tp, toks, None, collect=obj.config.feature_layers)
+    f = jnp.concatenate(feats, -1)
+    p_logits = target.logits_from_hidden(tp, llama_lib.rms_norm(h, tp["final_norm"], target.config.rms_eps))
+    if kind == "medusa":
+        f_prev = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)
+        q = drafters.medusa_logits(obj.config, params, f_prev, 2)
+        qs = [q[:, :, j] for j in range(2)]
+    else:
+        qs = [lg for _, lg in drafters.eagle_train_forward(obj.config, params, toks, f, 2)]
+    assert np.isinf(np.asarray(qs[0])[..., np.setdiff1d(np.arange(target.vocab_size), head_ids)]).all()
+    want_alpha = jnp.sum(jnp.minimum(jax.nn.softmax(p_logits, -1), jax.nn.softmax(qs[0], -1)), -1)
+    np.testing.assert_allclose(np.asarray(alpha), np.asarray(want_alpha), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(q_arg), np.stack([np.asarray(jnp.argmax(q, -1)) for q in qs], -1))
+    assert np.isin(np.asarray(q_arg), head_ids).all()
+    np.testing.assert_array_equal(np.asarray(p_arg[..., 0]), np.asarray(jnp.argmax(p_logits, -1)))

@@ -5,11 +5,12 @@
     divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
     HeadObjective / head_loss / evaluate_head   feature-level draft heads (EAGLE-3, EAGLE, Medusa)
-    SequenceSet / TeacherData / BatchPlan / generate / teacher_states / from_jsonl   data
+    SequenceSet / TeacherData / BatchPlan / generate / teacher_states / feature_states / from_jsonl   data
     eval_plan                     a training config's held-out evaluation set
 """
 
-from specjax.distill._data import BatchPlan, SequenceSet, TeacherData, from_jsonl, generate, teacher_states
+from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_states, from_jsonl, generate,
+                                   teacher_states)
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
@@ -22,7 +23,7 @@ from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass,
                                     teacher_head)
 
 __all__ = [
-    "BatchPlan", "SequenceSet", "TeacherData", "from_jsonl", "generate", "teacher_states",
+    "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
     "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "eval_plan",

@@ -16,6 +16,11 @@ matmul with the target's head (`Llama.logits_from_hidden`), exactly what a full 
 would give, at a fifth of a forward's cost. `BatchPlan` turns sets into a deterministic stream
 of fixed-shape batches: batch i depends only on (seed, i), so an interrupted run resumes with
 the same data order.
+
+Feature-level draft heads also read the target's features at every position (`feature_states`):
+computed once per set in large jitted batches, stored beside it as a memory-mapped ``.npy`` per
+(layers, dtype), and emitted by `BatchPlan` as ``features``; the head's training step then runs
+no target forward at all.
 """
 
 from __future__ import annotations
@@ -177,6 +182,32 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
     return SequenceSet(seqs, plens, source)
 
 
+def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: int, widths: Sequence[int],
+                     emit: Callable[[int, np.ndarray], None], what: str, log=None) -> None:
+    """Run ``fn(params, tokens [B, W]) -> [B, W, X]`` over every sequence, each in the narrowest
+    width bucket that holds it (cut at the widest), ``tokens_per_batch // W`` rows a batch;
+    ``emit(i, out_WX)`` receives sequence i's row."""
+    by_width: dict[int, list[int]] = {}
+    for i, t in enumerate(seqs.tokens):
+        by_width.setdefault(_width_for(len(t), widths), []).append(i)
+    t0, done, tokens = time.perf_counter(), 0, 0
+    for W, idx in sorted(by_width.items()):
+        B = max(1, tokens_per_batch // W)
+        for s in range(0, len(idx), B):
+            rows = idx[s:s + B]
+            batch = np.zeros((B, W), np.int32)
+            for j, i in enumerate(rows):
+                t = seqs.tokens[i][:W]
+                batch[j, :len(t)] = t
+            out = np.asarray(fn(target_params, jnp.asarray(batch)))
+            for j, i in enumerate(rows):
+                emit(i, out[j])
+            done += len(rows)
+            tokens += sum(min(len(seqs.tokens[i]), W) for i in rows)
+        if log:
+            log(f"{what}: {done}/{len(seqs)} sequences, {tokens / (time.perf_counter() - t0):.0f} tokens/s")
+
+
 def teacher_states(target, target_params, seqs: SequenceSet, *, tokens_per_batch: int = 8192,
                    widths: Sequence[int] = DEFAULT_WIDTHS, log: Callable[[str], None] | None = None) -> np.ndarray:
     """The target's final hidden states (after the final norm) at every loss position:
@@ -186,30 +217,57 @@ def teacher_states(target, target_params, seqs: SequenceSet, *, tokens_per_batch
     fn = jax.jit(lambda p, t: target.hidden_states(p, t, None)[0])
     counts = _clipped_loss_counts(seqs, max(widths))
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    D = target.config.hidden_size
-    out = np.zeros((int(offsets[-1]), D), np.float32)
-    by_width: dict[int, list[int]] = {}
-    for i, t in enumerate(seqs.tokens):
-        by_width.setdefault(_width_for(len(t), widths), []).append(i)
-    t0, done = time.perf_counter(), 0
-    for W, idx in sorted(by_width.items()):
-        B = max(1, tokens_per_batch // W)
-        for s in range(0, len(idx), B):
-            rows = idx[s:s + B]
-            batch = np.zeros((B, W), np.int32)
-            for j, i in enumerate(rows):
-                t = seqs.tokens[i][:W]
-                batch[j, :len(t)] = t
-            h = np.asarray(fn(target_params, jnp.asarray(batch)))
-            for j, i in enumerate(rows):
-                p = int(seqs.prompt_lengths[i])
-                out[offsets[i]:offsets[i + 1]] = h[j, p - 1:p - 1 + counts[i]]
-            done += len(rows)
-        if log:
-            n = int(offsets[-1])
-            log(f"teacher states: {done}/{len(seqs)} sequences ({n} loss tokens in all), "
-                f"{sum(min(len(seqs.tokens[i]), W) for i in idx) / (time.perf_counter() - t0):.0f} tokens/s")
+    out = np.zeros((int(offsets[-1]), target.config.hidden_size), np.float32)
+
+    def emit(i, h_WD):
+        p = int(seqs.prompt_lengths[i])
+        out[offsets[i]:offsets[i + 1]] = h_WD[p - 1:p - 1 + counts[i]]
+
+    _batched_forward(fn, target_params, seqs, tokens_per_batch=tokens_per_batch, widths=widths, emit=emit,
+                     what=f"teacher states ({int(offsets[-1])} loss tokens)", log=log)
     return out
+
+
+FEATURE_DTYPES = ("float32", "float16")
+
+
+def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[int], *, path,
+                   tokens_per_batch: int = 8192, widths: Sequence[int] = DEFAULT_WIDTHS, dtype: str = "float32",
+                   log: Callable[[str], None] | None = None) -> np.ndarray:
+    """The target's features at *every* position of each sequence (prompt included: an EAGLE
+    head reads f_{s-1} at every slot): the residual stream after each of `layers` (the target's
+    `trunk` ``collect`` indices), concatenated, [sum_i min(n_i, max width), len(layers) x D],
+    sequence by sequence. Written to the ``.npy`` file `path` as it is computed (a memory map;
+    renamed into place only when complete) and returned memory-mapped. float16 halves the file;
+    a feature outside float16's range is refused, not stored as inf."""
+    if dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature cache dtype must be one of {FEATURE_DTYPES}, got {dtype!r}")
+    layers = tuple(int(i) for i in layers)
+    fn = jax.jit(lambda p, t: jnp.concatenate(target.trunk(p, t, None, collect=layers)[1], axis=-1))
+    lengths = np.minimum(seqs.lengths, max(widths))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    F = len(layers) * target.config.hidden_size
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial.npy")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(int(offsets[-1]), F))
+    limit = float(np.finfo(np.dtype(dtype)).max)
+
+    def emit(i, f_WF):
+        f = f_WF[:lengths[i]]
+        if not np.isfinite(f).all():
+            raise FloatingPointError(f"sequence {i}: the target's features are not finite (layers {layers})")
+        if np.abs(f).max() > limit:
+            raise OverflowError(f"sequence {i}: a feature of magnitude {np.abs(f).max():.3g} does not fit {dtype}; "
+                                f"cache features as float32")
+        out[offsets[i]:offsets[i + 1]] = f
+
+    _batched_forward(fn, target_params, seqs, tokens_per_batch=tokens_per_batch, widths=widths, emit=emit,
+                     what=f"features of layers {list(layers)} ({int(offsets[-1])} positions)", log=log)
+    out.flush()
+    del out
+    tmp.replace(path)
+    return np.load(path, mmap_mode="r")
 
 
 def _width_for(n: int, widths: Sequence[int]) -> int:
@@ -230,6 +288,8 @@ class TeacherData:
     seqs: SequenceSet
     hidden: np.ndarray           # [num_loss_tokens (clipped), D] float32
     max_width: int
+    # Optional: the target's features at every position (`feature_states`), [sum min(n, max_width), F].
+    features: np.ndarray | None = None
 
     def __post_init__(self):
         self.counts = _clipped_loss_counts(self.seqs, self.max_width)
@@ -237,6 +297,14 @@ class TeacherData:
         if self.hidden.shape[0] != self.offsets[-1]:
             raise ValueError(f"teacher states hold {self.hidden.shape[0]} positions, the sequences "
                              f"{self.offsets[-1]} loss positions: stale cache?")
+        self.feature_offsets = np.concatenate(
+            [[0], np.cumsum(np.minimum(self.seqs.lengths, self.max_width))]).astype(np.int64)
+        if self.features is not None and self.features.shape[0] != self.feature_offsets[-1]:
+            raise ValueError(f"cached features hold {self.features.shape[0]} positions, the sequences "
+                             f"{self.feature_offsets[-1]}: stale feature cache?")
+
+    def with_features(self, features: np.ndarray) -> "TeacherData":
+        return dataclasses.replace(self, features=features)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -366,7 +434,14 @@ class BatchPlan:
             mask[r, p - 1:p - 1 + c] = 1.0
             o = self.data.offsets[i_seq]
             hidden[r, p - 1:p - 1 + c] = self.data.hidden[o:o + c]
-        return {"tokens": tokens, "mask": mask, "teacher_hidden": hidden}
+        out = {"tokens": tokens, "mask": mask, "teacher_hidden": hidden}
+        if self.data.features is not None:
+            feats = np.zeros((B, W, self.data.features.shape[1]), np.float32)
+            for r, i_seq in enumerate(rows):
+                o, e = self.data.feature_offsets[i_seq], self.data.feature_offsets[i_seq + 1]
+                feats[r, :e - o] = self.data.features[o:e]
+            out["features"] = feats
+        return out
 
     @property
     def batches_per_epoch(self) -> int:
@@ -381,7 +456,13 @@ def concat(parts: Sequence[TeacherData]) -> TeacherData:
     widths = {p.max_width for p in parts}
     if len(widths) != 1:
         raise ValueError(f"cannot concatenate teacher data cut at different widths {sorted(widths)}")
+    with_f = {p.features is not None for p in parts}
+    if len(with_f) != 1 or (True in with_f and len({p.features.shape[1] for p in parts}) != 1):
+        raise ValueError("cannot concatenate teacher data with and without (or with different) cached features")
     seqs = parts[0].seqs
     for p in parts[1:]:
         seqs = seqs.concat(p.seqs)
-    return TeacherData(seqs, np.concatenate([np.asarray(p.hidden) for p in parts]), widths.pop())
+    feats = np.concatenate([np.asarray(p.features) for p in parts]) if True in with_f else None
+    if feats is not None and len(parts) == 1:
+        feats = parts[0].features            # keep one part's memory map as it is
+    return TeacherData(seqs, np.concatenate([np.asarray(p.hidden) for p in parts]), widths.pop(), feats)

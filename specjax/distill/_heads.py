@@ -2,11 +2,13 @@
 
 The head's loss needs the target's features at every position of a training sequence (an
 EAGLE head reads ``f_{s-1}`` at every slot, prompt included) and the target's distribution at
-the loss positions. Both come from one cache-free target forward inside the jitted step,
-outside the gradient (``stop_gradient``): the step is a pure function of (head state, target
-params, batch). Cost: one target forward per batch, about as much as the head's forward and
-backward with a reduced head; caching features on disk (F floats per token, 3x for EAGLE-3)
-would save that forward on later epochs and is left for when data sets outgrow one epoch.
+the loss positions. With ``head.feature_cache`` set ('float32' or 'float16') both come with the
+batch: the features computed once per data set and stored beside it (`_data.feature_states`),
+the distribution from the cached final hidden states (one matmul with the head's rows), so the
+step runs no target forward. Without it they come from one cache-free target forward inside
+the jitted step, outside the gradient (``stop_gradient``), costing one target forward per batch
+(more than the head's own forward and backward). Either way the step is a pure function of
+(head state, target params, batch).
 
 Losses per position (``mask`` marks the positions whose next token is a continuation token):
 * divergence (`LossSpec`: FKL / RKL / JSD / TVD) between the target's distribution and the
@@ -62,6 +64,12 @@ class HeadObjective:
         return tuple(n for n in self.config.own_param_names if n != "head_ids")
 
 
+def feature_layers_of(c, target: Llama) -> tuple[int, ...]:
+    """The target layers a config's head reads (its ``head.feature_layers`` or the kind's default)."""
+    layers = tuple(int(i) for i in c.get("head", {}).get("feature_layers", ())) or None
+    return drafters.HeadConfig.make(c.draft.kind, target.config, feature_layers=layers).feature_layers
+
+
 def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     """The objective of a distillation config whose ``draft.kind`` is a head kind."""
     h = c.get("head", {})
@@ -108,7 +116,10 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
     own = {**trainable, **{k: v for k, v in frozen.items() if k != "target"}}
     params = drafters.head_params(hc, own, tp)
     tokens, mask = batch["tokens"], batch["mask"]
-    h_BTD, f_BTF = _target_pass(obj, tp, tokens)
+    if "features" in batch:         # cached on disk with the data (`feature_states`): no target forward
+        h_BTD, f_BTF = batch["teacher_hidden"], batch["features"]
+    else:
+        h_BTD, f_BTF = _target_pass(obj, tp, tokens)
     p_logits = teacher_logits(head_SD, h_BTD)
     terms, first = [], None
     if hc.kind == "medusa":
@@ -148,22 +159,29 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
 
 def _eval_batch(obj: HeadObjective, params, tp, tokens_BT, steps: int):
     """Per origin o: acceptance of step 1 at temperature 1 [B, T], and per step j the head's
-    argmax and the target's argmax of token x_{o+j} ([B, T, J] each)."""
+    argmax and the target's argmax of token x_{o+j} ([B, T, J] each). A reduced head is scored
+    over its own tokens only: q = 0 elsewhere, so sum_x min(p, q) and argmax q need no more."""
     hc = obj.config
     h_BTD, f_BTF = _target_pass(obj, tp, tokens_BT)
     p_logits = obj.target.logits_from_hidden(tp, h_BTD)                 # [B, T, V]: p_t scores x_{t+1}
     if hc.kind == "medusa":
         # Origin o reads f_{o-1}: head k scores x_{o+k}.
         f_prev = jnp.concatenate([jnp.zeros_like(f_BTF[:, :1]), f_BTF[:, :-1]], axis=1)
-        q_all = drafters.medusa_logits(hc, params, f_prev, steps)      # [B, T, J, V]
-        qs = [q_all[:, :, j] for j in range(q_all.shape[2])]
+        h_all = drafters.medusa_features(hc, params, f_prev)[:, :, :steps]   # [B, T, J, D]
+        outs = [h_all[:, :, j] for j in range(h_all.shape[2])]
     else:
-        qs = [lg for _, lg in drafters.eagle_train_forward(hc, params, tokens_BT, f_BTF, steps)]
-    p_targets = [_shift(p_logits, j) for j in range(len(qs))]
-    alpha = jnp.sum(jnp.minimum(jax.nn.softmax(p_targets[0], -1), jax.nn.softmax(qs[0], -1)), -1)
-    q_arg = jnp.stack([jnp.argmax(q, -1) for q in qs], axis=-1)
-    p_arg = jnp.stack([jnp.argmax(p, -1) for p in p_targets], axis=-1)
-    return alpha, q_arg, p_arg
+        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens_BT, f_BTF, steps, with_logits=False)]
+    alpha, q_arg, p_arg = None, [], []
+    for j, out in enumerate(outs):
+        s, ids = drafters.head_scores(hc, params, out)
+        p_j = _shift(p_logits, j)
+        a = jnp.argmax(s, -1)
+        q_arg.append(a if ids is None else ids[a])
+        p_arg.append(jnp.argmax(p_j, -1))
+        if j == 0:
+            p = jax.nn.softmax(p_j, -1)
+            alpha = jnp.sum(jnp.minimum(p if ids is None else p[..., ids], jax.nn.softmax(s, -1)), -1)
+    return alpha, jnp.stack(q_arg, axis=-1), jnp.stack(p_arg, axis=-1)
 
 
 _eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0, 4))

@@ -192,13 +192,17 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
 
     widths = tuple(c.data.widths)
     max_prompt = int(c.data.get("max_prompt_tokens", 0))
+    is_head = c.draft.kind in drafters.HEAD_KINDS
+    # A head's features come with its data when the config caches them (head.feature_cache).
+    feature_layers = _heads.feature_layers_of(c, target) if is_head else None
     # ---- data ----------------------------------------------------------------------------
     sources: dict[str, _data.BatchPlan] = {}
     weights: dict[str, float] = {}
     timings = {}
     if c.data.target_weight > 0:
         t0 = time.perf_counter()
-        sources["target"] = _data.BatchPlan(_prepare.target_data(c, target, target_params, tokenizer(), log),
+        sources["target"] = _data.BatchPlan(_prepare.target_data(c, target, target_params, tokenizer(), log,
+                                                                 feature_layers=feature_layers),
                                             c.seed, c.data.tokens_per_batch, widths, max_prompt)
         weights["target"] = c.data.target_weight
         timings["target_data_s"] = time.perf_counter() - t0
@@ -207,7 +211,8 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         needs_tok = any("tokens" not in json.loads(l) for l in
                         pathlib.Path(c.data.fixed_jsonl).read_text().splitlines()[:1] if l.strip())
         sources["fixed"] = _data.BatchPlan(
-            _prepare.fixed_data(c, target, target_params, tokenizer() if needs_tok else None, log),
+            _prepare.fixed_data(c, target, target_params, tokenizer() if needs_tok else None, log,
+                                feature_layers=feature_layers),
             c.seed + 1, c.data.tokens_per_batch, widths, max_prompt)
         weights["fixed"] = c.data.fixed_weight
         timings["fixed_data_s"] = time.perf_counter() - t0
@@ -218,7 +223,6 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     mixture = Mixture(list(weights), list(weights.values()), c.seed)
 
     # ---- draft ---------------------------------------------------------------------------
-    is_head = c.draft.kind in drafters.HEAD_KINDS
     if is_head and "draft" in weights:
         raise ValueError(f"draft.kind={c.draft.kind!r} (a feature head) trains on target or fixed data only: "
                          f"set data.draft_weight = 0 (on-policy data for heads is not built yet)")

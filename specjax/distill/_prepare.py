@@ -25,8 +25,36 @@ def eos_ids(target, tokenizer):
     return tuple(sorted(ids))
 
 
-def target_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
-    """The target's greedy and temperature-1 continuations of the Spec-Bench train split."""
+def feature_spec(c, feature_layers) -> dict | None:
+    """What a head's feature cache depends on (None: no cache; the step runs the target)."""
+    dtype = c.get("head", {}).get("feature_cache", "")
+    if dtype and dtype not in _data.FEATURE_DTYPES:
+        raise ValueError(f"head.feature_cache must be '' (no cache) or one of {_data.FEATURE_DTYPES}, got {dtype!r}")
+    if not feature_layers or not dtype:
+        return None
+    return {"layers": [int(i) for i in feature_layers], "dtype": str(dtype)}
+
+
+def with_features(data: _data.TeacherData, directory, spec, target, target_params, widths, tokens_per_batch,
+                  log=None) -> _data.TeacherData:
+    """`data` with the target's features of ``spec["layers"]`` from ``directory`` (computed and
+    stored there on first use)."""
+    if spec is None:
+        return data
+    path = pathlib.Path(directory) / f"features-{_data.cache_key(**spec)}.npy"
+    if path.is_file():
+        feats = np.load(path, mmap_mode="r")
+        if log:
+            log(f"reusing cached features {path} ({feats.shape[0]} positions x {feats.shape[1]})")
+    else:
+        feats = _data.feature_states(target, target_params, data.seqs, spec["layers"], path=path, widths=widths,
+                                     tokens_per_batch=tokens_per_batch, dtype=spec["dtype"], log=log)
+    return data.with_features(feats)
+
+
+def target_data(c, target, target_params, tokenizer, log=None, feature_layers=None) -> _data.TeacherData:
+    """The target's greedy and temperature-1 continuations of the Spec-Bench train split (with
+    the target's features of `feature_layers` when the config caches them, see `feature_spec`)."""
     d = c.data
     prompts, _ = _sources.spec_bench_prompts(tokenizer, "train")
     widths = tuple(d.widths)
@@ -37,11 +65,13 @@ def target_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherD
         spec = dict(target=c.target, dtype=c.dtype, split="train", temperature=temp, samples=n,
                     max_new_tokens=d.max_new_tokens, seed=c.seed, widths=widths, prompts=len(prompts))
         directory = _sources.data_dir(data_root(c), f"target-{name}", **spec)
-        parts.append(_sources.generated_data(
+        data = _sources.generated_data(
             directory, target, target_params, target, target_params, prompts,
             key=_sources.key_for(c.seed, f"target-data-{name}"), temperature=temp, samples_per_prompt=n,
             max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=eos_ids(target, tokenizer),
-            widths=widths, source=f"target-{name}", log=log))
+            widths=widths, source=f"target-{name}", log=log)
+        parts.append(with_features(data, directory, feature_spec(c, feature_layers), target, target_params, widths,
+                                   d.tokens_per_batch, log))
     if not parts:
         raise ValueError("target_weight > 0 needs greedy_samples or sampled_samples > 0")
     return _data.concat(parts)
@@ -72,14 +102,17 @@ def eval_plan(c, target, target_params, tokenizer, log=None) -> _data.BatchPlan:
     return _data.BatchPlan(data, 0, c.data.tokens_per_batch, tuple(c.data.widths))
 
 
-def fixed_data(c, target, target_params, tokenizer, log=None, path=None) -> _data.TeacherData:
-    """Teacher states of a fixed JSONL set (``data.fixed_jsonl``, or `path`), cached."""
+def fixed_data(c, target, target_params, tokenizer, log=None, path=None, feature_layers=None) -> _data.TeacherData:
+    """Teacher states of a fixed JSONL set (``data.fixed_jsonl``, or `path`), cached (with
+    features as for `target_data`)."""
     path = pathlib.Path(c.data.fixed_jsonl if path is None else path)
     spec = dict(target=c.target, dtype=c.dtype, path=str(path.resolve()), size=path.stat().st_size,
                 mtime=path.stat().st_mtime, widths=tuple(c.data.widths))
     directory = _sources.data_dir(data_root(c), "fixed", **spec)
-    return _sources.fixed_data(directory, path, tokenizer, target, target_params, widths=tuple(c.data.widths),
+    data = _sources.fixed_data(directory, path, tokenizer, target, target_params, widths=tuple(c.data.widths),
                                log=log)
+    return with_features(data, directory, feature_spec(c, feature_layers), target, target_params,
+                         tuple(c.data.widths), c.data.tokens_per_batch, log)
 
 
 def head_vocabulary(datas, vocab_size: int, size: int, always=()) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Drafters: who proposes the tokens the target verifies (one protocol, several kinds)."""
 
 from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadCache, HeadConfig,
-                                     MedusaDrafter, eagle_train_forward, head_logits, head_params,
+                                     MedusaDrafter, eagle_train_forward, head_logits, head_params, head_scores,
                                      init_head_params, medusa_features, medusa_logits)
 from specjax.drafters._head_artifact import is_head_dir, load_head, save_head
 from specjax.drafters._model import EarlyExitDrafter, ModelDrafter, ModelDraftState, draw, rollout
@@ -9,6 +9,6 @@ from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext, Drafter
 
 __all__ = ["is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter",
-           "eagle_train_forward", "head_logits", "medusa_features", "head_params", "init_head_params", "medusa_logits",
+           "eagle_train_forward", "head_logits", "head_scores", "medusa_features", "head_params", "init_head_params", "medusa_logits",
            "DraftContext", "Drafter", "EarlyExitDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "rollout"]

@@ -166,15 +166,24 @@ def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     return p
 
 
-def head_logits(hc: HeadConfig, params: dict, h_BTD) -> jax.Array:
-    """float32 logits [B, T, V] of a feature through the target's final norm and LM head (a
-    reduced head: its tokens' logits, -inf elsewhere)."""
+def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
+    """(float32 logits [B, T, S] of a feature through the target's final norm and the head's
+    rows, the token ids of those rows [S] or None for the full vocabulary (S = V))."""
     x = llama_lib.rms_norm(h_BTD, params["final_norm"], hc.target.rms_eps)
     if hc.head_size is not None:
         s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
-        full = jnp.full(s.shape[:2] + (hc.target.vocab_size,), -jnp.inf, jnp.float32)
-        return full.at[:, :, params["head_ids"]].set(s)
-    return Llama(hc.target).logits_from_hidden(params, x)
+        return s, params["head_ids"]
+    return Llama(hc.target).logits_from_hidden(params, x), None
+
+
+def head_logits(hc: HeadConfig, params: dict, h_BTD) -> jax.Array:
+    """float32 logits [B, T, V] of a feature through the target's final norm and LM head (a
+    reduced head: its tokens' logits, -inf elsewhere)."""
+    s, ids = head_scores(hc, params, h_BTD)
+    if ids is None:
+        return s
+    full = jnp.full(s.shape[:2] + (hc.target.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[:, :, ids].set(s)
 
 
 # ------------------------------------------------------------------------------ Medusa
