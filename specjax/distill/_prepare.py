@@ -53,23 +53,37 @@ def with_features(data: _data.TeacherData, directory, spec, target, target_param
 
 
 def target_data(c, target, target_params, tokenizer, log=None, feature_layers=None) -> _data.TeacherData:
-    """The target's greedy and temperature-1 continuations of the Spec-Bench train split (with
-    the target's features of `feature_layers` when the config caches them, see `feature_spec`)."""
+    """The target's greedy and temperature-1 continuations of the Spec-Bench train split, and
+    with ``data.second_turns`` its greedy answers to the multi-turn questions' second turns
+    (after its own greedy first answer); with the target's features of `feature_layers` when the
+    config caches them (see `feature_spec`)."""
     d = c.data
-    prompts, _ = _sources.spec_bench_prompts(tokenizer, "train")
+    prompts, qids = _sources.spec_bench_prompts(tokenizer, "train")
     widths = tuple(d.widths)
-    parts = []
-    for name, temp, n in (("greedy", 0.0, d.greedy_samples), ("sampled", d.temperature, d.sampled_samples)):
+    eos = eos_ids(target, tokenizer)
+    parts, greedy = [], None
+    stages = [("greedy", 0.0, d.greedy_samples), ("sampled", d.temperature, d.sampled_samples)]
+    if d.get("second_turns", False):
+        if d.greedy_samples != 1:
+            raise ValueError("data.second_turns needs data.greedy_samples = 1 (the first answers it continues)")
+        stages.append(("second-turn", 0.0, 1))
+    for name, temp, n in stages:
         if n <= 0:
             continue
         spec = dict(target=c.target, dtype=c.dtype, split="train", temperature=temp, samples=n,
                     max_new_tokens=d.max_new_tokens, seed=c.seed, widths=widths, prompts=len(prompts))
+        stage_prompts = prompts
+        if name == "second-turn":
+            stage_prompts, _ = _sources.second_turn_prompts(tokenizer, "train", greedy.seqs, qids, eos)
+            spec["second_turn_prompts"] = len(stage_prompts)
         directory = _sources.data_dir(data_root(c), f"target-{name}", **spec)
         data = _sources.generated_data(
-            directory, target, target_params, target, target_params, prompts,
+            directory, target, target_params, target, target_params, stage_prompts,
             key=_sources.key_for(c.seed, f"target-data-{name}"), temperature=temp, samples_per_prompt=n,
-            max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=eos_ids(target, tokenizer),
+            max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=eos,
             widths=widths, source=f"target-{name}", log=log)
+        if name == "greedy":
+            greedy = data
         parts.append(with_features(data, directory, feature_spec(c, feature_layers), target, target_params, widths,
                                    d.tokens_per_batch, log))
     if not parts:

@@ -37,6 +37,29 @@ def spec_bench_prompts(tokenizer, split: str, *, per_category: int = 0, chat: bo
     return prompts, ids
 
 
+def second_turn_prompts(tokenizer, split: str, first: "_data.SequenceSet", first_ids, eos) -> tuple[list, list]:
+    """Chat prompts of the second turns of `split`'s multi-turn questions (MT-bench): [user turn
+    1, assistant = the continuation in `first` of that question's first turn (end-of-turn tokens
+    stripped), user turn 2], ready for the assistant. `first` holds one sequence per id of
+    `first_ids`, in that order. Returns (prompts, question_ids)."""
+    by_id = {q.question_id: q for q in specbench.load(split=split)}
+    stop = set(int(e) for e in eos)
+    prompts, ids = [], []
+    for i, qid in enumerate(first_ids):
+        q = by_id[qid]
+        if len(q.turns) < 2:
+            continue
+        answer = [int(t) for t in first.tokens[i][first.prompt_lengths[i]:]]
+        while answer and answer[-1] in stop:
+            answer.pop()
+        messages = [{"role": "user", "content": q.turns[0]},
+                    {"role": "assistant", "content": tokenizer.decode(answer)},
+                    {"role": "user", "content": q.turns[1]}]
+        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)))
+        ids.append(qid)
+    return prompts, ids
+
+
 def generated_data(directory, generator, generator_params, target, target_params, prompts, *, key,
                    temperature: float, samples_per_prompt: int, max_new_tokens: int, batch_size: int,
                    eos_ids, widths, tokens_per_batch: int = 8192, source: str = "target",
