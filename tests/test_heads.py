@@ -555,19 +555,19 @@ def test_medusa_greedy_and_features_after_every_round(mode):
 
 
 @functools.cache
-def _eagle_setup(mode):
+def _eagle_setup(mode, gamma=3):
     model, tp = _target()
     dr, hp = _head("eagle", mode)
-    eng = decoding.Engine(model, dr, _gen(3))
+    eng = decoding.Engine(model, dr, _gen(gamma))
     ep = decoding.EngineParams(target=tp, draft=hp)
     return eng, ep, decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
 
 
 @functools.cache
-def _eagle_stepped(mode, naive=False):
-    """The EAGLE head (gamma 3, greedy) round by round; naive: the same init, then the
-    broken commit."""
-    eng, ep, batch = _eagle_setup(mode)
+def _eagle_stepped(mode, naive=False, gamma=3):
+    """The EAGLE head (gamma 3 or a tree, greedy) round by round; naive: the same init, then
+    the broken commit."""
+    eng, ep, batch = _eagle_setup(mode, gamma)
     state = None
     if naive:
         state = eng.init(ep, batch)
@@ -581,13 +581,13 @@ def _fresh_head_init(hc, capacity):
     return jax.jit(lambda hp, tok, lens, f: head.init(hp, tok, lens, capacity, features_BPF=f).cache)
 
 
-def _head_cache_mismatch(mode, naive=False):
+def _head_cache_mismatch(mode, naive=False, gamma=3):
     """After every commit compare the head's cache (K/V and output features of the slots it
     keeps) with a fresh head prefill over the committed tokens and their true features.
     Returns the largest absolute difference."""
-    eng, ep, batch = _eagle_setup(mode)
+    eng, ep, batch = _eagle_setup(mode, gamma)
     hc = eng.drafter.model.config
-    rounds, _ = _eagle_stepped(mode, naive)
+    rounds, _ = _eagle_stepped(mode, naive, gamma)
     worst = 0.0
     for before, st in rounds:
         L, cache = st.lengths_B, st.draft_state.cache
@@ -625,6 +625,77 @@ def test_eagle_greedy_and_head_cache_after_every_commit(mode):
     assert worst < 1e-4, f"head cache differs from a fresh true-feature prefill by {worst}"
 
 
+HEAD_TREES = {"static-2x2x1": trees.TreeShape.from_branching((2, 2, 1)),
+              "dynamic-k2-d3-n6": trees.DynamicTree(depth=3, topk=2, node_budget=6)}
+
+
+@pytest.mark.parametrize("tree", list(HEAD_TREES))
+def test_eagle_tree_greedy_and_head_cache_after_every_commit(tree):
+    """EAGLE head drafting token trees (EAGLE-2 dynamic and a static tree), greedy, round by
+    round: the target-only tokens; the features a head reads are the committed ones after every
+    round (the tree pass's accepted path lands in the engine's feature buffer); after every
+    commit the head's cache equals a fresh true-feature prefill (its tree entries, made from its
+    own predictions, are dropped); and paths of several tokens are accepted."""
+    rounds, final = _eagle_stepped("good", gamma=HEAD_TREES[tree])
+    _assert_target_tokens(decoding.GenerateOutput.from_state(final))
+    m = final.metrics
+    assert (np.asarray(m.accepted_at_BG)[:, 1] > 0).any(), "no round accepted two tree nodes"
+    _assert_committed_features(rounds, final, _head_config("eagle").feature_layers)
+    worst = _head_cache_mismatch("good", gamma=HEAD_TREES[tree])
+    assert worst < 1e-4, f"head cache differs from a fresh true-feature prefill by {worst}"
+
+
+@pytest.mark.parametrize("tree", list(HEAD_TREES))
+def test_eagle_tree_nodes_score_as_the_chain_along_their_path(tree):
+    """Each tree node's distribution (the q its children are ranked by) equals what the head
+    gives when it drafts that node's path as a chain, one token at a time in feature space: a
+    tree call reads its parent's output feature, at its path's position. Checked mid-sequence
+    (after two rounds), every node of every row."""
+    shape = HEAD_TREES[tree]
+    # The random head (not 'good', whose output is close to its input feature whatever it is)
+    # so that a node scored from another node's feature would differ.
+    eng, ep, batch = _eagle_setup("random", shape)
+    dr = eng.drafter
+    state = eng.init(ep, batch)
+    for _ in range(2):
+        state, _ = eng.step(ep, GREEDY, state)
+    ctx = drafters.DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
+                                target_cache=state.target_cache, features=state.features_BLF)
+    keys = jax.random.split(jax.random.key(0), len(PROMPTS))
+    draft, q_BN1V, _ = jax.jit(lambda p, s, c, k: dr.propose_tree(p, s, c, k, shape, GREEDY, "deterministic"))(
+        ep.draft, state.draft_state, ctx, keys)
+    root_BV, cache = jax.jit(lambda p, s, c: dr._catch_up(p, dr._with_features(s, c), c))(ep.draft, state.draft_state,
+                                                                                          ctx)
+    np.testing.assert_allclose(np.asarray(q_BN1V[:, 0]), np.asarray(jax.nn.softmax(root_BV, -1)), **TOL)
+    step = jax.jit(lambda p, t, c: dr.model.apply(p, t, c))
+    toks, parents = np.asarray(draft.tokens_BN), np.asarray(draft.parents_BN)
+    valid = np.asarray(draft.valid_BN)
+    B, N = toks.shape
+    paths = [[[] for _ in range(N)] for _ in range(B)]
+    for b in range(B):
+        for n in range(N):
+            par = parents[b, n]
+            paths[b][n] = (paths[b][par] if par >= 0 else []) + [n]
+    checked = 0
+    for n in range(N):
+        depth = max(len(paths[b][n]) for b in range(B))
+        c = cache.replace(true_BSF=None, drafting=True)
+        got = {}
+        for j in range(depth):
+            col = np.asarray([toks[b, paths[b][n][j]] if j < len(paths[b][n]) else 0 for b in range(B)], np.int32)
+            lg, c = step(ep.draft, jnp.asarray(col)[:, None], c)
+            for b in range(B):
+                if j == len(paths[b][n]) - 1:
+                    got[b] = np.asarray(jax.nn.softmax(lg[b, 0], -1))
+        for b in range(B):
+            # Nodes the tree never forwarded (leaves) carry zero rows that are never read.
+            if valid[b, n] and np.asarray(q_BN1V[b, n + 1]).sum() > 0:
+                np.testing.assert_allclose(np.asarray(q_BN1V[b, n + 1]), got[b], **TOL)
+                checked += 1
+    # Every forwarded node: the static tree's 2 + 4 inner nodes, the dynamic tree's frontiers.
+    assert checked >= B * (6 if isinstance(shape, trees.TreeShape) else 2), checked
+
+
 def test_naive_head_commit_is_detected():
     """Negative control for the check above: keeping the slots computed from the head's own
     predicted features (a plain draft model's commit) makes the cache differ."""
@@ -645,7 +716,9 @@ D_SEED = 2025
 FAMILY_WISE_ALPHA = 1e-4
 T1 = dict(temperature=1.0)
 T1_FILTERED = dict(temperature=1.0, top_k=3, top_p=0.9)
-D_EXACT = {"medusa_T1_topk3_topp0.9": (T1_FILTERED, "medusa"), "eagle_reduced_head_T1": (T1, "eagle_reduced")}
+D_TREE = trees.TreeShape.from_branching((2, 1))      # sampled tree: 2 children of the root (iid), 1 each
+D_EXACT = {"medusa_T1_topk3_topp0.9": (T1_FILTERED, "medusa"), "eagle_reduced_head_T1": (T1, "eagle_reduced"),
+           "eagle_reduced_head_T1_topk3_tree2x1": (T1_FILTERED, "eagle_reduced", D_TREE)}
 D_NEGATIVE = {"medusa_samples_at_T/2_reports_T": (T1, "misreport")}
 PER_TEST_ALPHA = FAMILY_WISE_ALPHA / len(D_EXACT)
 
@@ -686,11 +759,11 @@ def _dist_setup():
 @functools.cache
 def _dist_run(name):
     """(generated [B, D_NEW], rejection rate) of one configuration (memoised)."""
-    samp_kw, kind = {**D_EXACT, **D_NEGATIVE}[name]
+    samp_kw, kind, *tree = {**D_EXACT, **D_NEGATIVE}[name]
     model, tp, heads = _dist_setup()
     hc, hp = heads["medusa" if kind == "misreport" else kind]
     dr = MisreportingMedusa(hc) if kind == "misreport" else _drafter(hc)
-    eng = decoding.Engine(model, dr, decoding.GenerationConfig(max_new_tokens=D_NEW, gamma=D_GAMMA))
+    eng = decoding.Engine(model, dr, decoding.GenerationConfig(max_new_tokens=D_NEW, gamma=tree[0] if tree else D_GAMMA))
     batch = decoding.make_batch([list(D_PROMPT)] * D_BATCH, eng.config, jax.random.key(D_SEED))
     out = eng.run(decoding.EngineParams(target=tp, draft=hp), sampling.SamplingConfig.make(**samp_kw), batch)
     np.testing.assert_array_equal(np.asarray(out.lengths_B), len(D_PROMPT) + D_NEW)
@@ -748,8 +821,9 @@ def _pvalue(gen_BN, law):
 @pytest.mark.parametrize("name", list(D_EXACT))
 def test_head_sampling_matches_target_law(name):
     """Distribution exactness of head drafters at T = 1: a Medusa head with top-k 3 + top-p 0.9,
-    and an EAGLE head with a reduced vocabulary (3 of the 5 tokens: its q is 0 on the others,
-    which the target may still emit) without filters.
+    an EAGLE head with a reduced vocabulary (3 of the 5 tokens: its q is 0 on the others,
+    which the target may still emit) without filters, and that head drafting a sampled token
+    tree (2 iid children of the root, one child each; top-k 3) through the tree verifier.
 
     A tiny Llama target (V = 5, 2 layers, weights scaled so that its distributions are peaked
     and prefix dependent); every row generates N = 4 tokens after the prompt (1, 4, 2) with
@@ -760,14 +834,15 @@ def test_head_sampling_matches_target_law(name):
     is compared with the exact target-only law (enumerated with `apply` and
     `sampling.probabilities` under the same `SamplingConfig`) by a pooled chi-square test
     (cells with expected count < 5 pooled; cells of exact probability 0 must stay empty).
-    Family: the 2 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
+    Family: the 3 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
     uses alpha = 5e-5 (Bonferroni). The negative control below must fail the same test."""
-    samp_kw, _ = D_EXACT[name]
+    samp_kw = D_EXACT[name][0]
     gen, rejection = _dist_run(name)
     p, impossible, n_cells = _pvalue(gen, _law(samp_kw))
     print(f"\n[{name}] p={p:.3g} rejection={rejection:.3f} cells={n_cells} (alpha per test {PER_TEST_ALPHA:.2g})")
     assert impossible == 0, f"{impossible} samples have target probability 0"
-    assert 0.1 < rejection < 0.9, f"rejection rate {rejection:.3f}: drafts should be both accepted and rejected"
+    # (A tree proposes 3 nodes and accepts at most 2: its rate is at least 1/3 by construction.)
+    assert 0.1 < rejection < 0.95, f"rejection rate {rejection:.3f}: drafts should be both accepted and rejected"
     assert n_cells > 20
     assert p > PER_TEST_ALPHA, f"{name}: chi-square p={p:.3g} rejects exactness"
 
@@ -775,7 +850,7 @@ def test_head_sampling_matches_target_law(name):
 def test_head_sampling_negative_control_is_detected():
     """A Medusa drafter that samples at T/2 but reports the T = 1 q must fail the same test
     (p < the per-test alpha): the test has power against a misreported q."""
-    (name, (samp_kw, _)), = D_NEGATIVE.items()
+    (name, (samp_kw, *_)), = D_NEGATIVE.items()
     gen, rejection = _dist_run(name)
     p, _, n_cells = _pvalue(gen, _law(samp_kw))
     print(f"\n[{name}] p={p:.3g} rejection={rejection:.3f} cells={n_cells} (must be below alpha)")
@@ -876,13 +951,12 @@ def test_engine_rejects_bad_head_setups():
     with pytest.raises(ValueError, match="at most"):
         eng.run(decoding.EngineParams(target=tp, draft=hp), GREEDY,
                 decoding.make_batch(PROMPTS, eng.config, jax.random.key(0)))
-    # token trees: refused when the engine is built
-    for dr in (med, _head("eagle")[0]):
-        for tree in (trees.TreeShape.chain(2), trees.TreeShape.from_branching((2, 1))):
-            with pytest.raises(ValueError, match="chains"):
-                decoding.Engine(model, dr, _gen(tree))
+    # token trees: Medusa's are refused when the engine is built (EAGLE heads draft trees)
+    for tree in (trees.TreeShape.chain(2), trees.TreeShape.from_branching((2, 1))):
         with pytest.raises(ValueError, match="chains"):
-            decoding.Engine(model, dr, _gen(decoding.AdaptiveGamma(gammas=(0, 2, trees.TreeShape.chain(2)))))
+            decoding.Engine(model, med, _gen(tree))
+    with pytest.raises(ValueError, match="chains"):
+        decoding.Engine(model, med, _gen(decoding.AdaptiveGamma(gammas=(0, 2, trees.TreeShape.chain(2)))))
     # a target that cannot return features
     reduced = ReducedHeadLlama(CFG, head_size=10)
     with pytest.raises(ValueError, match="cannot return them"):

@@ -37,10 +37,21 @@ def _log(msg: str):
     print(f"[bench_trees {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _head_kind(directory: str) -> str:
+    """A head directory's kind from its head.json ('' when there is none yet)."""
+    import json
+    path = pathlib.Path(directory) / "head.json"
+    return json.loads(path.read_text())["head"]["kind"] if path.is_file() else ""
+
+
 def proposals(c, kind: str) -> list[tuple[str, object]]:
-    """(label, gamma or tree) of one drafter kind: the chains, then its trees."""
-    if kind.startswith("head:"):                   # feature heads draft chains (trees: not yet)
-        return [(f"chain:{g}", int(g)) for g in c.get("head_chains", c.chains)]
+    """(label, gamma or tree) of one drafter kind: the chains, then its trees (feature heads:
+    ``head_chains`` and, for EAGLE kinds, ``head_trees``; Medusa heads draft chains only)."""
+    if kind.startswith("head:"):
+        chains = [(f"chain:{g}", int(g)) for g in c.get("head_chains", c.chains)]
+        if _head_kind(kind.split(":", 1)[1]) == "medusa":
+            return chains
+        return chains + [(t, trees.parse_tree(t)) for t in c.get("head_trees", ())]
     tree_texts = c.ngram_trees if kind == "ngram" else c.model_trees
     return [(f"chain:{g}", int(g)) for g in c.chains] + [(t, trees.parse_tree(t)) for t in tree_texts]
 

@@ -2,7 +2,7 @@
 
     python -m experiments.heads.report [experiments/heads/results/results.jsonl]
 
-Per drafter and chain length, at each temperature: acceptance of the first proposal (at T = 0
+Per drafter and chain length (trees in a table of their own), at each temperature: acceptance of the first proposal (at T = 0
 this is greedy agreement), accepted tokens per target pass, the draft's cost per proposal
 relative to a one-token target step (measured: the round's time less the measured cost of
 scoring gamma + 1 tokens, per proposal), tokens/s against target-only decoding in the same run,
@@ -34,8 +34,15 @@ def render(records: list[dict]) -> str:
         lines += [f"## T = {temp:g} (target-only: {base['tokens_per_s']:.1f} tokens/s over {base['prompts']} "
                   f"prompts, {base['new_tokens']} tokens)", ""]
         rows = []
+        trees_rows = []
         for r in rows_t:
-            if r["drafter"] == "none" or not r["setting"].startswith("chain:"):
+            if r["drafter"] == "none":
+                continue
+            if not r["setting"].startswith("chain:"):
+                trees_rows.append([_drafter_name(r["drafter"]), r["setting"], toolkit.fmt(r["accepted_tokens_per_pass"]),
+                                   toolkit.fmt(r["tokens_per_s"], 1),
+                                   toolkit.fmt(r["tokens_per_s"] / base["tokens_per_s"]) + "x",
+                                   toolkit.fmt(r.get("greedy_rows_matching"))])
                 continue
             g = int(r["setting"].split(":")[1])
             alpha = r["accepted_at"][0] / max(r["tested_at"][0], 1)
@@ -54,6 +61,10 @@ def render(records: list[dict]) -> str:
         lines += [toolkit.table(["drafter", "gamma", "first-proposal acceptance", "accepted tokens / pass",
                                  "draft cost / target step", "tokens/s", "vs target-only", "cost model",
                                  "greedy rows = target-only"], rows), ""]
+        if trees_rows:
+            lines += [f"Token trees at T = {temp:g} (static `branching:k1,k2,..`; EAGLE-2 `dynamic:topk,depth,nodes`):",
+                      "", toolkit.table(["drafter", "tree", "accepted tokens / pass", "tokens/s", "vs target-only",
+                                         "greedy rows = target-only"], trees_rows), ""]
     if costs:
         lines += ["Target pass scoring N tokens (batch 1): " + ", ".join(
             f"N={n}: {costs[n] / costs[1]:.2f}x" for n in sorted(costs)) + f" (N=1: {1e3 * costs[1]:.1f} ms)", ""]

@@ -589,8 +589,8 @@ class Engine:
         block_BT = jnp.concatenate([last_B[:, None], draft.tokens_BN], axis=1)
         visible_BTT = trees_lib.ancestor_mask(draft.parents_BN, draft.valid_BN, D)
         rel_BT = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft.depths_BN], axis=1)
-        logits_BTV, target_cache = self.target.apply(params.target, block_BT, state.target_cache,
-                                                     tree=models.TreeBlock(rel_BT, visible_BTT))
+        logits_BTV, f_BTF, target_cache = self._target_forward(params, block_BT, state.target_cache,
+                                                               tree=models.TreeBlock(rel_BT, visible_BTT))
         p_BTV = sampling_lib.probabilities(logits_BTV, sampling)
         # _sanitize's rules per node: non-finite target logits or an unusable p -> uniform
         # stand-in (never committed from, see below); a non-finite (or NaN) q -> the row's
@@ -656,10 +656,16 @@ class Engine:
 
         K = G + 1
         committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - (D + 1))), constant_values=PAD_ID)
+        # A feature head's features: the root's and the accepted nodes' (the path, in block
+        # order pos_BD1) land at positions L-1 ..; past the new length they are garbage as in a
+        # linear round.
+        features_BLF = (None if f_BTF is None else
+                        _write_block(state.features_BLF, jnp.take_along_axis(f_BTF, pos_BD1[..., None], axis=1),
+                                     L_B - 1))
         new_state = state.replace(
             tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
             done_B=done_B, status_B=status_B, target_cache=target_cache, draft_state=draft_state,
-            key_B=next_key_B, metrics=metrics, round=state.round + 1)
+            key_B=next_key_B, metrics=metrics, round=state.round + 1, features_BLF=features_BLF)
         commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
         return new_state, commit, tested_mean, n_tested > 0

@@ -44,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from specjax import sampling as sampling_lib
-from specjax.drafters._model import ModelDrafter, ModelDraftState, draw, rollout
+from specjax.drafters._model import ModelDrafter, ModelDraftState, draw, expand, rollout
 from specjax.drafters._protocol import DraftContext
 from specjax.models import Llama, ModelConfig, prefill
 from specjax.models import llama as llama_lib
@@ -309,7 +309,7 @@ def _layer_params(hc: HeadConfig, params: dict) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class EagleHead:
-    """The EAGLE / EAGLE-3 head as a protocol model over a `HeadCache` (chains; no tree calls)."""
+    """The EAGLE / EAGLE-3 head as a protocol model over a `HeadCache` (chains and tree calls)."""
     config: HeadConfig
 
     @property
@@ -329,9 +329,10 @@ class EagleHead:
     def apply(self, params, tokens_BT, cache: HeadCache, num_valid_B=None, tree=None):
         """Entries for tokens at slots ``lengths_B + t``; the feature before each is the
         target's where known (``< true_len_B``), else the head's own output there (which, for
-        t > 0, must already be in the cache: a call never needs its own outputs)."""
+        t > 0, must already be in the cache: a call never needs its own outputs). With a tree
+        block see `_apply_tree`."""
         if tree is not None:
-            raise ValueError("EAGLE heads draft chains in specjax so far (no tree calls)")
+            return self._apply_tree(params, tokens_BT, cache, tree)
         hc = self.config
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         B, T = tokens_BT.shape
@@ -353,6 +354,28 @@ class EagleHead:
         x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
         h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, num_valid_B, inputs_BTD=x_BTD)
         cache = cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B))
+        return head_logits(hc, params, h_BTD), cache
+
+    def _apply_tree(self, params, tokens_BT, cache: HeadCache, tree):
+        """One tree call (EAGLE-2 drafting): node t's input feature is its parent's head output,
+        the parent being its deepest visible tentative entry (the highest visible window column:
+        specjax's trees lay depths out in slot order and every node sees its ancestors), or,
+        with none visible, the last committed token at slot ``lengths_B - 1``. Nodes are written
+        at slots ``lengths_B + offset + t`` like any tree call; the committed slots are untouched."""
+        hc = self.config
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        off, start_B = tree.offset, cache.lengths_B
+        if off:
+            cols = jnp.where(tree.visible_BTW[:, :, :off], jnp.arange(off, dtype=jnp.int32), -1)
+            col_BT = jnp.max(cols, axis=-1)
+        else:
+            col_BT = jnp.full(tokens_BT.shape, -1, jnp.int32)
+        parent_BT = jnp.where(col_BT >= 0, start_B[:, None] + col_BT, start_B[:, None] - 1)
+        g_BTD = jnp.take_along_axis(cache.pred_BSD, jnp.clip(parent_BT, 0, cache.capacity - 1)[..., None], axis=1)
+        g_BTD = jnp.where((parent_BT >= 0)[..., None], g_BTD, 0)
+        x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
+        h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, tree=tree, inputs_BTD=x_BTD)
+        cache = cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B + off))
         return head_logits(hc, params, h_BTD), cache
 
 
@@ -392,11 +415,16 @@ class FeatureHeadDrafter(ModelDrafter):
                                           logits_BV, key_B, gamma, cfg)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache.replace(drafting=False))
 
-    def propose_tree(self, *args, **kwargs):
-        raise NotImplementedError("EAGLE heads draft chains here; see check_tree")
+    def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):
+        """A static or EAGLE-2 dynamic tree from the head's own confidences (`expand`); the
+        head's tentative entries are dropped at commit (they were made from its predictions)."""
+        logits_BV, cache = self._catch_up(params, self._with_features(state, context), context)
+        draft, q_BN1V, cache = expand(self.model, params, cache.replace(true_BSF=None, drafting=True), logits_BV,
+                                      key_B, tree, cfg, children)
+        return draft.replace(draft_slots_BN=None), q_BN1V, ModelDraftState(cache=cache.replace(drafting=False))
 
     def check_tree(self, tree) -> None:
-        raise ValueError("EAGLE heads draft chains only in specjax so far: use an integer gamma")
+        pass
 
     def commit(self, state, new_lengths_B, accepted=None):
         # Slots <= true_len (the last committed token at the round's start) were made from
