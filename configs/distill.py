@@ -29,6 +29,7 @@ def get_config():
     c.data.greedy_samples = 1           # target greedy continuations per train prompt
     c.data.sampled_samples = 0          # target temperature-1 continuations per train prompt
     c.data.temperature = 1.0
+    c.data.second_turns = False         # + greedy answers to MT-bench second turns (after the greedy first answer)
     c.data.max_new_tokens = 256
     c.data.gen_batch_size = 32
     c.data.widths = (256, 512, 1024)    # sequence buckets (longer sequences are cut)

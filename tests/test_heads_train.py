@@ -243,6 +243,11 @@ def test_cached_features_give_the_online_loss_and_gradients(toy_pair, tmp_path, 
         (l_c, g_c), (l_o, g_o) = grad(own, b_cached), grad(own, b_online)
         np.testing.assert_allclose(float(l_c), float(l_o), rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), g_c, g_o)
+    # One pass for a new data set: the same features plus its teacher states.
+    again, teacher = distill.feature_states(target, tp, seqs, layers, path=tmp_path / "g.npy", widths=(32, 64),
+                                            tokens_per_batch=256, with_teacher=True)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(feats))
+    np.testing.assert_allclose(teacher, np.asarray(plan.data.hidden), rtol=1e-5, atol=1e-5)
     half = distill.feature_states(target, tp, seqs, layers, path=tmp_path / "h.npy", widths=(32, 64),
                                   tokens_per_batch=256, dtype="float16")
     assert half.dtype == np.float16
@@ -317,3 +322,25 @@ def test_reduced_head_evaluation_equals_scoring_the_full_vocabulary(toy_pair, ki
     np.testing.assert_array_equal(np.asarray(q_arg), np.stack([np.asarray(jnp.argmax(q, -1)) for q in qs], -1))
     assert np.isin(np.asarray(q_arg), head_ids).all()
     np.testing.assert_array_equal(np.asarray(p_arg[..., 0]), np.asarray(jnp.argmax(p_logits, -1)))
+
+
+def test_generated_data_gets_features_from_its_teacher_pass(toy_pair, tmp_path):
+    """A generated data set for a head is built with one target pass: the teacher states and
+    the feature file come out of the same forward and equal the separate computations."""
+    from specjax.distill import _prepare, _sources
+    target, tp = toy_pair["target"], toy_pair["params"]
+    layers = _objective(target, "eagle3").config.feature_layers
+    spec = {"layers": list(layers), "dtype": "float32"}
+    d = tmp_path / "gen"
+    data = _sources.generated_data(d, target, tp, target, tp, [[1, 2, 3], [4, 5]], key=jax.random.key(0),
+                                   temperature=0.0, samples_per_prompt=1, max_new_tokens=6, batch_size=2, eos_ids=(),
+                                   widths=(32, 64), tokens_per_batch=256,
+                                   features=(layers, _prepare.feature_file(spec), "float32"))
+    logs = []
+    data = _prepare.with_features(data, d, spec, target, tp, (32, 64), 256, log=logs.append)
+    assert any("reusing cached features" in m for m in logs)
+    np.testing.assert_allclose(data.hidden, distill.teacher_states(target, tp, data.seqs, widths=(32, 64),
+                                                                   tokens_per_batch=256), rtol=1e-5, atol=1e-5)
+    alone = distill.feature_states(target, tp, data.seqs, layers, path=tmp_path / "alone.npy", widths=(32, 64),
+                                   tokens_per_batch=256)
+    np.testing.assert_array_equal(np.asarray(data.features), np.asarray(alone))

@@ -38,6 +38,7 @@ import numpy as np
 
 from specjax import decoding
 from specjax import sampling as sampling_lib
+from specjax.models.llama import rms_norm
 
 DEFAULT_WIDTHS = (256, 512, 1024)
 
@@ -184,9 +185,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
 
 def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: int, widths: Sequence[int],
                      emit: Callable[[int, np.ndarray], None], what: str, log=None) -> None:
-    """Run ``fn(params, tokens [B, W]) -> [B, W, X]`` over every sequence, each in the narrowest
-    width bucket that holds it (cut at the widest), ``tokens_per_batch // W`` rows a batch;
-    ``emit(i, out_WX)`` receives sequence i's row."""
+    """Run ``fn(params, tokens [B, W]) -> [B, W, X]`` (or a tuple of such) over every sequence,
+    each in the narrowest width bucket that holds it (cut at the widest), ``tokens_per_batch //
+    W`` rows a batch; ``emit(i, out_WX)`` receives sequence i's row (of each output)."""
     by_width: dict[int, list[int]] = {}
     for i, t in enumerate(seqs.tokens):
         by_width.setdefault(_width_for(len(t), widths), []).append(i)
@@ -199,9 +200,9 @@ def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: 
             for j, i in enumerate(rows):
                 t = seqs.tokens[i][:W]
                 batch[j, :len(t)] = t
-            out = np.asarray(fn(target_params, jnp.asarray(batch)))
+            out = jax.tree.map(np.asarray, fn(target_params, jnp.asarray(batch)))
             for j, i in enumerate(rows):
-                emit(i, out[j])
+                emit(i, jax.tree.map(lambda x: x[j], out))
             done += len(rows)
             tokens += sum(min(len(seqs.tokens[i]), W) for i in rows)
         if log:
@@ -215,17 +216,22 @@ def teacher_states(target, target_params, seqs: SequenceSet, *, tokens_per_batch
     Sequences longer than the widest bucket are cut there (their tail positions are dropped
     here and by `BatchPlan` alike)."""
     fn = jax.jit(lambda p, t: target.hidden_states(p, t, None)[0])
-    counts = _clipped_loss_counts(seqs, max(widths))
+    out, emit = _teacher_sink(target, seqs, max(widths))
+    _batched_forward(fn, target_params, seqs, tokens_per_batch=tokens_per_batch, widths=widths, emit=emit,
+                     what=f"teacher states ({out.shape[0]} loss tokens)", log=log)
+    return out
+
+
+def _teacher_sink(target, seqs: SequenceSet, max_width: int):
+    """(the teacher-state array, emit(i, h_WD) filling sequence i's loss positions)."""
+    counts = _clipped_loss_counts(seqs, max_width)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     out = np.zeros((int(offsets[-1]), target.config.hidden_size), np.float32)
 
     def emit(i, h_WD):
         p = int(seqs.prompt_lengths[i])
         out[offsets[i]:offsets[i + 1]] = h_WD[p - 1:p - 1 + counts[i]]
-
-    _batched_forward(fn, target_params, seqs, tokens_per_batch=tokens_per_batch, widths=widths, emit=emit,
-                     what=f"teacher states ({int(offsets[-1])} loss tokens)", log=log)
-    return out
+    return out, emit
 
 
 FEATURE_DTYPES = ("float32", "float16")
@@ -233,17 +239,26 @@ FEATURE_DTYPES = ("float32", "float16")
 
 def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[int], *, path,
                    tokens_per_batch: int = 8192, widths: Sequence[int] = DEFAULT_WIDTHS, dtype: str = "float32",
-                   log: Callable[[str], None] | None = None) -> np.ndarray:
+                   with_teacher: bool = False, log: Callable[[str], None] | None = None):
     """The target's features at *every* position of each sequence (prompt included: an EAGLE
     head reads f_{s-1} at every slot): the residual stream after each of `layers` (the target's
     `trunk` ``collect`` indices), concatenated, [sum_i min(n_i, max width), len(layers) x D],
     sequence by sequence. Written to the ``.npy`` file `path` as it is computed (a memory map;
     renamed into place only when complete) and returned memory-mapped. float16 halves the file;
-    a feature outside float16's range is refused, not stored as inf."""
+    a feature outside float16's range is refused, not stored as inf. ``with_teacher``: also the
+    `teacher_states` of the same forward, returned as (features, teacher states): a new data
+    set for a head costs one target pass, not two."""
     if dtype not in FEATURE_DTYPES:
         raise ValueError(f"feature cache dtype must be one of {FEATURE_DTYPES}, got {dtype!r}")
     layers = tuple(int(i) for i in layers)
-    fn = jax.jit(lambda p, t: jnp.concatenate(target.trunk(p, t, None, collect=layers)[1], axis=-1))
+    eps = target.config.rms_eps
+
+    def forward(p, t):
+        h, feats, _ = target.trunk(p, t, None, collect=layers)
+        return jnp.concatenate(feats, axis=-1), rms_norm(h, p["final_norm"], eps)
+
+    fn = jax.jit(forward)
+    teacher, teacher_emit = _teacher_sink(target, seqs, max(widths)) if with_teacher else (None, None)
     lengths = np.minimum(seqs.lengths, max(widths))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     F = len(layers) * target.config.hidden_size
@@ -253,7 +268,10 @@ def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[in
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=(int(offsets[-1]), F))
     limit = float(np.finfo(np.dtype(dtype)).max)
 
-    def emit(i, f_WF):
+    def emit(i, outs):
+        f_WF, h_WD = outs
+        if teacher_emit is not None:
+            teacher_emit(i, h_WD)
         f = f_WF[:lengths[i]]
         if not np.isfinite(f).all():
             raise FloatingPointError(f"sequence {i}: the target's features are not finite (layers {layers})")
@@ -267,7 +285,8 @@ def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[in
     out.flush()
     del out
     tmp.replace(path)
-    return np.load(path, mmap_mode="r")
+    feats = np.load(path, mmap_mode="r")
+    return (feats, teacher) if with_teacher else feats
 
 
 def _width_for(n: int, widths: Sequence[int]) -> int:

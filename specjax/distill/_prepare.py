@@ -35,13 +35,17 @@ def feature_spec(c, feature_layers) -> dict | None:
     return {"layers": [int(i) for i in feature_layers], "dtype": str(dtype)}
 
 
+def feature_file(spec: dict) -> str:
+    return f"features-{_data.cache_key(**spec)}.npy"
+
+
 def with_features(data: _data.TeacherData, directory, spec, target, target_params, widths, tokens_per_batch,
                   log=None) -> _data.TeacherData:
     """`data` with the target's features of ``spec["layers"]`` from ``directory`` (computed and
     stored there on first use)."""
     if spec is None:
         return data
-    path = pathlib.Path(directory) / f"features-{_data.cache_key(**spec)}.npy"
+    path = pathlib.Path(directory) / feature_file(spec)
     if path.is_file():
         feats = np.load(path, mmap_mode="r")
         if log:
@@ -58,7 +62,9 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
     (after its own greedy first answer); with the target's features of `feature_layers` when the
     config caches them (see `feature_spec`)."""
     d = c.data
-    prompts, qids = _sources.spec_bench_prompts(tokenizer, "train")
+    # Prompts longer than max_prompt_tokens are never trained on (`BatchPlan`): not generated either.
+    max_prompt = int(d.get("max_prompt_tokens", 0))
+    prompts, qids = _sources.spec_bench_prompts(tokenizer, "train", max_prompt_tokens=max_prompt)
     widths = tuple(d.widths)
     eos = eos_ids(target, tokenizer)
     parts, greedy = [], None
@@ -75,17 +81,19 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
         stage_prompts = prompts
         if name == "second-turn":
             stage_prompts, _ = _sources.second_turn_prompts(tokenizer, "train", greedy.seqs, qids, eos)
+            stage_prompts = [p for p in stage_prompts if not max_prompt or len(p) <= max_prompt]
             spec["second_turn_prompts"] = len(stage_prompts)
         directory = _sources.data_dir(data_root(c), f"target-{name}", **spec)
+        fspec = feature_spec(c, feature_layers)
         data = _sources.generated_data(
             directory, target, target_params, target, target_params, stage_prompts,
             key=_sources.key_for(c.seed, f"target-data-{name}"), temperature=temp, samples_per_prompt=n,
             max_new_tokens=d.max_new_tokens, batch_size=d.gen_batch_size, eos_ids=eos,
-            widths=widths, source=f"target-{name}", log=log)
+            widths=widths, source=f"target-{name}", log=log,
+            features=None if fspec is None else (fspec["layers"], feature_file(fspec), fspec["dtype"]))
         if name == "greedy":
             greedy = data
-        parts.append(with_features(data, directory, feature_spec(c, feature_layers), target, target_params, widths,
-                                   d.tokens_per_batch, log))
+        parts.append(with_features(data, directory, fspec, target, target_params, widths, d.tokens_per_batch, log))
     if not parts:
         raise ValueError("target_weight > 0 needs greedy_samples or sampled_samples > 0")
     return _data.concat(parts)

@@ -63,16 +63,25 @@ def second_turn_prompts(tokenizer, split: str, first: "_data.SequenceSet", first
 def generated_data(directory, generator, generator_params, target, target_params, prompts, *, key,
                    temperature: float, samples_per_prompt: int, max_new_tokens: int, batch_size: int,
                    eos_ids, widths, tokens_per_batch: int = 8192, source: str = "target",
+                   features: tuple | None = None,
                    log: Callable[[str], None] | None = None) -> _data.TeacherData:
     """Continuations of `prompts` by `generator` (target or draft) with the teacher's states,
-    cached under `directory` (reused when complete)."""
+    cached under `directory` (reused when complete). ``features`` = (layers, file name, dtype):
+    the target's features for a head come from the same teacher pass, stored in the directory
+    (read back by the caller, see `_prepare.with_features`)."""
     def build():
         cfg = sampling_lib.SamplingConfig.make(temperature=temperature)
         seqs = _data.generate(generator, generator_params, prompts, key=key, sampling=cfg,
                               max_new_tokens=max_new_tokens, batch_size=batch_size, eos_ids=tuple(eos_ids),
                               samples_per_prompt=samples_per_prompt, source=source, log=log)
-        hidden = _data.teacher_states(target, target_params, seqs, tokens_per_batch=tokens_per_batch,
-                                      widths=widths, log=log)
+        if features is not None:
+            layers, name, dtype = features
+            _, hidden = _data.feature_states(target, target_params, seqs, layers, path=pathlib.Path(directory) / name,
+                                             tokens_per_batch=tokens_per_batch, widths=widths, dtype=dtype,
+                                             with_teacher=True, log=log)
+        else:
+            hidden = _data.teacher_states(target, target_params, seqs, tokens_per_batch=tokens_per_batch,
+                                          widths=widths, log=log)
         return _data.TeacherData(seqs, hidden, max(widths))
     return _data.cached(directory, build, log=log)
 
