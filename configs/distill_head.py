@@ -4,7 +4,7 @@ with ``draft.kind`` a head kind ('eagle3' here; 'eagle' or 'medusa' by override)
 Run: python -m specjax.distill --config=configs/distill_head.py --workdir=/tmp/head
      (--config.draft.kind=eagle | medusa for the other heads)
 
-Data: the target's greedy continuation and three temperature-1 continuations of each Spec-Bench
+Data: the target's greedy continuation and two temperature-1 continuations of each Spec-Bench
 *train* prompt, and its greedy answers to the second turns of the multi-turn (MT-bench)
 questions; the held-out split is only evaluated on. The target's features for all of it are
 computed once and cached beside the data (``head.feature_cache``). The head reads the target's
@@ -25,7 +25,7 @@ def get_config():
     c.draft.head_vocab = 8192
     c.data.target_weight = 1.0
     c.data.draft_weight = 0.0           # on-policy data is for standalone drafts only
-    c.data.sampled_samples = 3          # plus three temperature-1 continuations per train prompt
+    c.data.sampled_samples = 2          # plus two temperature-1 continuations per train prompt
     c.data.second_turns = True          # plus the greedy answers to the multi-turn questions' second turns
     c.data.tokens_per_batch = 2048      # each step also runs the target forward (features, teacher p)
     c.loss.divergence = "fkl"
