@@ -32,6 +32,19 @@ def _title(prov: dict, what: str, temp: float) -> str:
             f"({m.get('cpus_usable', '?')} CPUs), commit {prov.get('git_commit', '?')[:8]}")
 
 
+def _finish(fig, ax, out: pathlib.Path, xlabel: str, ylabel: str, title: str) -> pathlib.Path:
+    import matplotlib.pyplot as plt
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(path) -> list[pathlib.Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -50,7 +63,7 @@ def plot(path) -> list[pathlib.Path]:
         drafters = sorted({r["drafter"] for r in rows})
         fig, ax = plt.subplots(figsize=(7, 4.5))
         fig2, ax2 = plt.subplots(figsize=(5.5, 5))
-        lim = 0.0
+        lo, lim = float("inf"), 0.0
         for i, d in enumerate(drafters):
             color = f"C{i}"
             chains = sorted((r for r in rows if r["drafter"] == d and r["setting"].startswith("chain:")),
@@ -75,37 +88,25 @@ def plot(path) -> list[pathlib.Path]:
                         ax2.plot([pred], [meas], "o", color=color)
                         ax2.annotate(f"{_name(d)} g{g}", (pred, meas), fontsize=7, xytext=(3, 3),
                                      textcoords="offset points")
-                        lim = max(lim, pred, meas)
+                        lo, lim = min(lo, pred, meas), max(lim, pred, meas)
             for r in trees:
                 ax.plot([r["tokens_scored_per_pass"] - 1], [r["accepted_tokens_per_pass"]], "^", color=color)
                 ax.annotate(r["setting"], (r["tokens_scored_per_pass"] - 1, r["accepted_tokens_per_pass"]),
                             fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set_xlabel("draft tokens per round (gamma; trees: nodes, triangles)")
-        ax.set_ylabel("accepted tokens per target pass")
-        ax.set_title(_title(prov, "Accepted tokens per pass: measured vs i.i.d. theory", temp), fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        out = path.parent / f"tokens_per_pass_T{temp:g}.png"
-        fig.savefig(out, dpi=120)
-        written.append(out)
-        hi = max(lim * 1.1, 1.1)
-        ax2.plot([0, hi], [0, hi], "k--", lw=1, label="measured = predicted")
+        written.append(_finish(fig, ax, path.parent / f"tokens_per_pass_T{temp:g}.png",
+                               "draft tokens per round (gamma; trees: nodes, triangles)",
+                               "accepted tokens per target pass",
+                               _title(prov, "Accepted tokens per pass: measured vs i.i.d. theory", temp)))
+        lo, hi = max(lo * 0.9, 0.0), max(lim * 1.1, 1.1)
+        ax2.plot([lo, hi], [lo, hi], "k--", lw=1, label="measured = predicted")
         ax2.axhline(1.0, color="grey", lw=0.8)
-        ax2.set_xlim(0, hi)
-        ax2.set_ylim(0, hi)
-        ax2.set_xlabel("cost model's predicted speedup (x target-only)")
-        ax2.set_ylabel("measured speedup (x target-only tokens/s)")
-        ax2.set_title(_title(prov, "Speedup: measured vs predicted", temp), fontsize=9)
-        ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=7)
-        fig2.tight_layout()
-        out = path.parent / f"speedup_T{temp:g}.png"
-        fig2.savefig(out, dpi=120)
-        written.append(out)
-        plt.close(fig)
-        plt.close(fig2)
+        ax2.set_xlim(lo, hi)
+        ax2.set_ylim(lo, hi)
+        written.append(_finish(fig2, ax2, path.parent / f"speedup_T{temp:g}.png",
+                               "cost model's predicted speedup (x target-only)",
+                               "measured speedup (x target-only tokens/s)",
+                               _title(prov, "Speedup: measured vs predicted", temp)))
     return written
 
 
