@@ -11,6 +11,12 @@ names into a `PartitionSpec`, dropping mesh axes the mesh lacks, mesh axes alrea
 an earlier dimension, and shardings that do not divide the dimension (e.g. 9 heads on 2
 devices stay replicated). Placement is `jax.device_put` with `NamedSharding`; jitted code
 then runs SPMD (GSPMD inserts the collectives), so the math does not change.
+
+The decoding engine runs on a mesh when built with one (``Engine(..., mesh=)``): `Engine.place`
+puts the weights (`shard_params`) and the batch rows on it, and the loop state is constrained
+with `constrain_rows` after prefill and every round. Flax's `nn.logical_to_mesh` helpers
+expect Linen-style annotations; the rule table here is the same idea in plain data, applied to
+specjax's functional parameter and cache trees.
 """
 
 from __future__ import annotations
@@ -106,3 +112,31 @@ def shard_params(params, model_or_config, mesh: Mesh, rules: Rules = DEFAULT_RUL
 def shard_cache(cache, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Place a `KVCache` on ``mesh`` (batch on "data", kv heads on "model" by default)."""
     return jax.device_put(cache, shardings_for(cache, logical_axes(cache), mesh, rules))
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array leaf of ``tree`` replicated over ``mesh``."""
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def row_shardings(tree, batch_size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedShardings for a decoding state: every `KVCache` in it by its logical axes (batch on
+    "data", kv heads on "model"), every other array whose leading dimension is ``batch_size``
+    with that dimension as "batch", everything else replicated."""
+    from specjax.models.kv_cache import KVCache
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return shardings_for(x, logical_axes(x), mesh, rules)
+        if np.ndim(x) >= 1 and np.shape(x)[0] == batch_size:
+            axes = ("batch",) + (None,) * (np.ndim(x) - 1)
+            return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, np.shape(x)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def constrain_rows(tree, batch_size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """`row_shardings` as a sharding constraint inside jitted code (GSPMD keeps the rows on
+    "data" and the caches' heads on "model" through the loop)."""
+    return jax.lax.with_sharding_constraint(tree, row_shardings(tree, batch_size, mesh, rules))

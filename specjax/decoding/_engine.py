@@ -382,6 +382,11 @@ class Engine:
     target: models.DecoderModel
     drafter: Drafter | None
     config: GenerationConfig
+    # Optional device mesh ("data", "model" axes, see `specjax.sharding`): the loop state is
+    # constrained to it (rows on "data", cache heads on "model"); `place` puts weights and
+    # batches on it. Sampling keys are per request, so tokens do not depend on the mesh.
+    mesh: Any = None
+    rules: Any = None
 
     def __post_init__(self):
         if self.config.max_gamma > 0 and self.drafter is None:
@@ -674,13 +679,13 @@ class Engine:
         """One round, with gamma fixed or chosen by the adaptive policy."""
         if not self.config.adaptive:
             state, commit, _, _ = self._round(params, sampling, self.config.gamma, state)
-            return state, commit
+            return self._constrain(state), commit
         policy = self.config.gamma
         chosen, probe = _adaptive.choose(policy, state.policy)
         branches = [functools.partial(self._round, params, sampling, g) for g in policy.gammas]
         state, commit, tested_mean, any_tested = jax.lax.switch(chosen, branches, state)
-        return state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean,
-                                                     any_tested)), commit
+        return self._constrain(state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean,
+                                                                     any_tested))), commit
 
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
         """(target cache, drafter state or None) after the prompts: every prompt token but the
@@ -721,11 +726,45 @@ class Engine:
             if not self.feature_layers:
                 features_BLF = None
         policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None
-        return LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
+        return self._constrain(LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
                          draft_state=draft_state, key_B=key_B,
                          metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
-                         policy=policy, round=jnp.int32(0), features_BLF=features_BLF)
+                         policy=policy, round=jnp.int32(0), features_BLF=features_BLF))
+
+    def _constrain(self, state):
+        """The loop state pinned to the mesh (identity without one)."""
+        if self.mesh is None:
+            return state
+        from specjax import sharding
+        return sharding.constrain_rows(state, state.lengths_B.shape[0], self.mesh,
+                                       self.rules or sharding.DEFAULT_RULES)
+
+    def place(self, params: "EngineParams", batch: "Batch") -> tuple["EngineParams", "Batch"]:
+        """Weights and batch on this engine's mesh: a Llama target's (and a model draft's)
+        parameters by the logical-axis rules (`sharding.shard_params`), other drafter weights
+        (heads, n-gram: none) replicated, the batch's rows over "data"."""
+        if self.mesh is None:
+            raise ValueError("Engine.place needs an engine built with mesh=")
+        from specjax import sharding
+        rules = self.rules or sharding.DEFAULT_RULES
+
+        def weights(model, p):
+            if p is None:
+                return None
+            if isinstance(model, models.Llama):
+                try:
+                    return sharding.shard_params(p, model, self.mesh, rules)
+                except ValueError:      # not this model's parameter layout (e.g. a head's own weights)
+                    pass
+            return sharding.replicate(p, self.mesh)
+
+        draft_model = getattr(self.drafter, "model", None)
+        placed = EngineParams(target=weights(self.target, params.target), draft=weights(draft_model, params.draft))
+        rows = sharding.row_shardings((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B),
+                                      batch.prompt_BP.shape[0], self.mesh, rules)
+        prompt, lengths, keys = jax.device_put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
+        return placed, Batch(prompt, lengths, keys, batch.capacity)
 
     def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
         state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity, pre=pre)
