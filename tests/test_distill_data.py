@@ -2,8 +2,7 @@
 second-turn prompts continue the target's own first answer in the chat template."""
 import numpy as np
 
-from specjax import models, specbench
-from specjax.distill import _data, _sources
+from specjax import distill, models, specbench
 
 
 def test_second_turn_prompts_continue_the_first_answer_in_the_chat_template():
@@ -20,8 +19,8 @@ def test_second_turn_prompts_continue_the_first_answer_in_the_chat_template():
                                     tokenize=True)
         seqs.append(list(p) + list(tok.encode(a)) + [eos[0]])      # the first answer ends at EOS
         plens.append(len(p))
-    first = _data.SequenceSet(seqs, plens)
-    prompts, ids = _sources.second_turn_prompts(tok, "train", first, [q.question_id for q in picked], eos)
+    first = distill.SequenceSet(seqs, plens)
+    prompts, ids = distill.second_turn_prompts(tok, "train", first, [q.question_id for q in picked], eos)
     assert ids == [multi[0].question_id, multi[1].question_id]       # one-turn questions are skipped
     for p, q, a in zip(prompts, multi, [answers[0], answers[2]]):
         want = tok.apply_chat_template([{"role": "user", "content": q.turns[0]},

@@ -327,17 +327,16 @@ def test_reduced_head_evaluation_equals_scoring_the_full_vocabulary(toy_pair, ki
 def test_generated_data_gets_features_from_its_teacher_pass(toy_pair, tmp_path):
     """A generated data set for a head is built with one target pass: the teacher states and
     the feature file come out of the same forward and equal the separate computations."""
-    from specjax.distill import _prepare, _sources
     target, tp = toy_pair["target"], toy_pair["params"]
     layers = _objective(target, "eagle3").config.feature_layers
     spec = {"layers": list(layers), "dtype": "float32"}
     d = tmp_path / "gen"
-    data = _sources.generated_data(d, target, tp, target, tp, [[1, 2, 3], [4, 5]], key=jax.random.key(0),
+    data = distill.generated_data(d, target, tp, target, tp, [[1, 2, 3], [4, 5]], key=jax.random.key(0),
                                    temperature=0.0, samples_per_prompt=1, max_new_tokens=6, batch_size=2, eos_ids=(),
                                    widths=(32, 64), tokens_per_batch=256,
-                                   features=(layers, _prepare.feature_file(spec), "float32"))
+                                   features=(layers, distill.feature_file(spec), "float32"))
     logs = []
-    data = _prepare.with_features(data, d, spec, target, tp, (32, 64), 256, log=logs.append)
+    data = distill.with_features(data, d, spec, target, tp, (32, 64), 256, log=logs.append)
     assert any("reusing cached features" in m for m in logs)
     np.testing.assert_allclose(data.hidden, distill.teacher_states(target, tp, data.seqs, widths=(32, 64),
                                                                    tokens_per_batch=256), rtol=1e-5, atol=1e-5)
