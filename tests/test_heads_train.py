@@ -343,3 +343,26 @@ def test_generated_data_gets_features_from_its_teacher_pass(toy_pair, tmp_path):
     alone = distill.feature_states(target, tp, data.seqs, layers, path=tmp_path / "alone.npy", widths=(32, 64),
                                    tokens_per_batch=256)
     np.testing.assert_array_equal(np.asarray(data.features), np.asarray(alone))
+
+
+def test_corrupt_feature_cache_and_head_description_are_named(toy_pair, tmp_path):
+    """A truncated feature file or one for other data is a one-line error naming the file
+    (the data beside it untouched); a broken head.json gives head_kind's CheckpointError."""
+    from specjax.models.config import CheckpointError
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    spec = {"layers": [0], "dtype": "float32"}
+    path = tmp_path / distill.feature_file(spec)
+    distill.with_features(plan.data, tmp_path, spec, target, tp, (32, 64), 256)      # computes and stores it
+    good = path.read_bytes()
+    path.write_bytes(good[:len(good) // 2])
+    with pytest.raises(ValueError, match="unreadable feature cache"):
+        distill.with_features(plan.data, tmp_path, spec, target, tp, (32, 64), 256)
+    np.save(path, np.zeros((3, 8), np.float32))
+    with pytest.raises(ValueError, match="stale feature cache"):
+        distill.with_features(plan.data, tmp_path, spec, target, tp, (32, 64), 256)
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "head.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="head.json"):
+        drafters.head_kind(tmp_path / "h")
+    with pytest.raises(CheckpointError, match="no head.json"):
+        drafters.head_kind(tmp_path)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from specjax import build, decoding, models, sampling, trees
+from specjax import build, decoding, drafters, models, sampling, trees
 
 from experiments import toolkit
 from experiments.bench_speed import workload
@@ -37,19 +37,13 @@ def _log(msg: str):
     print(f"[bench_trees {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _head_kind(directory: str) -> str:
-    """A head directory's kind from its head.json ('' when there is none yet)."""
-    import json
-    path = pathlib.Path(directory) / "head.json"
-    return json.loads(path.read_text())["head"]["kind"] if path.is_file() else ""
-
-
 def proposals(c, kind: str) -> list[tuple[str, object]]:
     """(label, gamma or tree) of one drafter kind: the chains, then its trees (feature heads:
     ``head_chains`` and, for EAGLE kinds, ``head_trees``; Medusa heads draft chains only)."""
     if kind.startswith("head:"):
         chains = [(f"chain:{g}", int(g)) for g in c.get("head_chains", c.chains)]
-        if _head_kind(kind.split(":", 1)[1]) == "medusa":
+        directory = kind.split(":", 1)[1]
+        if drafters.is_head_dir(directory) and drafters.head_kind(directory) == "medusa":
             return chains
         return chains + [(t, trees.parse_tree(t)) for t in c.get("head_trees", ())]
     tree_texts = c.ngram_trees if kind == "ngram" else c.model_trees

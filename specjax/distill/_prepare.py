@@ -47,7 +47,14 @@ def with_features(data: _data.TeacherData, directory, spec, target, target_param
         return data
     path = pathlib.Path(directory) / feature_file(spec)
     if path.is_file():
-        feats = np.load(path, mmap_mode="r")
+        try:
+            feats = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{path}: unreadable feature cache ({e}); delete it to recompute the features "
+                             f"(the data beside it is kept)") from None
+        if feats.ndim != 2 or feats.shape[0] != data.feature_offsets[-1]:
+            raise ValueError(f"{path}: {feats.shape} features for {int(data.feature_offsets[-1])} positions "
+                             f"(stale feature cache?); delete it to recompute the features")
         if log:
             log(f"reusing cached features {path} ({feats.shape[0]} positions x {feats.shape[1]})")
     else:

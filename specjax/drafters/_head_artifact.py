@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters._heads import (EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params,
+from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params,
                                      init_head_params)
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
 from specjax.models.draft_artifact import read_description, read_tensors, write_tensors
@@ -41,6 +41,19 @@ def save_head(directory, hc: HeadConfig, own: dict, *, dtype: str = "bfloat16", 
 
 def is_head_dir(directory) -> bool:
     return (pathlib.Path(directory) / "head.json").is_file()
+
+
+def head_kind(directory) -> str:
+    """The kind ('eagle3', 'eagle', 'medusa') of a saved head, from its checked head.json
+    (`CheckpointError` naming the file when it is missing or broken)."""
+    d = pathlib.Path(directory)
+    if not is_head_dir(d):
+        raise CheckpointError(f"{d} holds no head.json (not a draft-head directory)")
+    desc = read_description(d / "head.json", FORMAT, ("head",))
+    kind = desc["head"].get("kind") if isinstance(desc["head"], dict) else None
+    if kind not in HEAD_KINDS:
+        raise CheckpointError(f"{d / 'head.json'}: head kind {kind!r} is not one of {HEAD_KINDS}")
+    return kind
 
 
 def load_head(directory, target, target_params, *, dtype: str | None = None):
