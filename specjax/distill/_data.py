@@ -481,7 +481,7 @@ def concat(parts: Sequence[TeacherData]) -> TeacherData:
     seqs = parts[0].seqs
     for p in parts[1:]:
         seqs = seqs.concat(p.seqs)
-    feats = np.concatenate([np.asarray(p.features) for p in parts]) if True in with_f else None
-    if feats is not None and len(parts) == 1:
-        feats = parts[0].features            # keep one part's memory map as it is
+    feats = None
+    if True in with_f:   # one part keeps its memory map; several are read into one array
+        feats = parts[0].features if len(parts) == 1 else np.concatenate([np.asarray(p.features) for p in parts])
     return TeacherData(seqs, np.concatenate([np.asarray(p.hidden) for p in parts]), widths.pop(), feats)
