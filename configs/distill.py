@@ -82,6 +82,12 @@ def get_config():
     c.eval.data_jsonl = ""              # "" = held-out Spec-Bench greedy continuations; else a fixed JSONL set
     c.eval.at_start = True
 
+    # Device mesh, used when the job has more than one device (across processes too): the global
+    # batch over data x fsdp, parameters and optimizer state FSDP over fsdp, tensor parallel over
+    # model; -1 = the devices the other axes leave (specjax.sharding.mesh_from_config).
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, model=1))
+    c.distributed = False               # start jax.distributed first (multi-host; see launch/README.md)
+
     c.export_dir = ""                   # write the draft artifact here at the end ("" = skip)
     c.export_dtype = "bfloat16"
     c.progress = True

@@ -55,5 +55,5 @@ def get_config():
     c.compare_target_only = True            # also time target-only decoding for the speedup
     c.metrics_jsonl = ""                    # append the run's stats as one JSON line
     c.compilation_cache_dir = "~/.cache/specjax/xla"  # persistent XLA cache: later runs skip compiling ("" = off)
-    c.distributed = False                   # call jax.distributed.initialize() (multi-host, see launch/)
+    c.distributed = False                   # start jax.distributed first (multi-host; see launch/README.md)
     return c

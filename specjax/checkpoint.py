@@ -33,6 +33,15 @@ Retention is ours, not Orbax's (``max_to_keep`` is off): after a save completes 
 step verified good in this process (restored with matching checksums, or saved and hashed
 here), which is itself never deleted. A checkpoint that may be the last good one therefore
 survives however many newer, unverified or corrupt, steps follow it.
+
+Sharded and multi-process: a state of sharded `jax.Array`s is saved as it lies (each process
+writes its own shards; Orbax coordinates the processes), and `restore_latest(template)` restores
+onto the template's shardings, so a checkpoint written on one mesh restores on another mesh or
+on one device. In a job of several processes every process calls `save` / `restore_latest` /
+`wait` / `close` in the same order (Orbax's barriers need all of them); process 0 alone writes
+the checksum manifests and moves steps aside, and every process takes the same decisions (they
+read the same files). The checkpoint directory must then be one shared file system path seen by
+all processes (NFS, a GCS FUSE mount, or one machine's disk for local runs).
 """
 
 from __future__ import annotations
@@ -124,10 +133,30 @@ def _nonfinite_leaf(state) -> str | None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if jax.dtypes.issubdtype(getattr(leaf, "dtype", np.float32), jax.dtypes.extended):
             continue                       # (typed PRNG keys)
-        a = np.asarray(jax.device_get(leaf))
-        if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+        if not np.issubdtype(np.dtype(leaf.dtype), np.inexact):
+            continue
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            ok = bool(_all_finite_jit(leaf))     # a reduction over the global array (replicated result)
+        else:
+            ok = bool(np.isfinite(np.asarray(jax.device_get(leaf))).all())
+        if not ok:
             return jax.tree_util.keystr(path) or "<root>"
     return None
+
+
+@jax.jit
+def _all_finite_jit(x):
+    return jax.numpy.all(jax.numpy.isfinite(x))
+
+
+def _primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def _one_line(e: BaseException) -> str:
@@ -154,14 +183,18 @@ class Checkpointer:
 
     def _settle(self) -> None:
         """After the pending saves completed: write their manifests, then apply retention."""
+        if not self._pending:
+            return
         for step in self._pending:
-            if self._step_dir(step).is_dir():
+            if self._step_dir(step).is_dir() and _primary():
                 try:
                     write_manifest(self._step_dir(step))
                 except OSError as e:       # the step stays unverified; retention keeps the last good one
                     print(f"[checkpoint] step {step}: could not write its checksum manifest ({_one_line(e)}); "
                           f"it is not counted as verified", flush=True)
-                    continue
+        _barrier(f"specjax-ckpt-manifest-{self._pending[-1]}")
+        for step in self._pending:         # every process: the manifest process 0 wrote
+            if (self._step_dir(step) / MANIFEST).is_file():
                 self._good.add(step)
         self._pending = []
         self._prune()
@@ -273,10 +306,12 @@ class Checkpointer:
             for s in corrupt:       # a resumed run saves these steps again, and Orbax refuses an existing step
                 self.manager.delete(s)
             for s in transient:     # possibly intact: moved out of the way, never deleted
-                dest = self._keep_aside(s)
+                dest = self._keep_aside(s) if _primary() else self.directory.parent / f"{self.directory.name}.kept" / str(s)
                 print(f"[checkpoint] step {s} kept at {dest} (not deleted; restore it by moving it back)",
                       flush=True)
                 kept.append((s, str(dest)))
+            if transient:
+                _barrier(f"specjax-ckpt-kept-{step}")
             skipped = [(s, m + (f" at {dict(kept)[s]}" if s in dict(kept) else "")) for s, m in skipped]
             self.manager.reload()
             if verified:

@@ -180,8 +180,8 @@ def main(c) -> dict:
     build.tune_xla_cpu()                  # before any backend starts
     build.check_config(c)                 # settings, and a local target's context length
     if c.get("distributed", False):
-        import jax
-        jax.distributed.initialize()
+        from specjax import distributed
+        distributed.initialize()
     build.enable_compilation_cache(c.get("compilation_cache_dir", ""))
     build.limit_heap_retention()
     return generate_main(c)
@@ -223,6 +223,9 @@ def bench_main(c, command: str = "specjax bench") -> list[dict]:
 def distill_main(c, workdir: str) -> dict:
     """`specjax distill`: run or resume (same command) a distillation in `workdir`."""
     from specjax.distill import train
+    if c.get("distributed", False):       # multi-host: every process runs this; see launch/
+        from specjax import distributed
+        distributed.initialize()
     return train(c, workdir)
 
 

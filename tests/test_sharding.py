@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from specjax import sharding
@@ -93,3 +94,51 @@ def test_two_device_cpu_mesh_matches_single_device():
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "SHARDING_OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def _fake_devices(n):
+    """Stand-ins for n devices: building a Mesh and reading its shape needs nothing else."""
+    import collections
+    Dev = collections.namedtuple("Dev", "id")
+    return [Dev(i) for i in range(n)]
+
+
+def test_mesh_from_config_fills_the_rest_and_names_bad_shapes():
+    devs = _fake_devices(8)
+    for spec, want in (({"data": -1, "fsdp": 1, "model": 1}, (8, 1, 1)), ({"data": 2, "fsdp": -1, "model": 2}, (2, 2, 2)),
+                       ({"data": 1, "fsdp": 4, "model": 2}, (1, 4, 2))):
+        m = sharding.mesh_from_config(spec, devices=devs)
+        assert tuple(m.shape.values()) == want and m.axis_names == ("data", "fsdp", "model")
+    for spec, words in (({"data": 3, "fsdp": 1, "model": 1}, "covers 3 devices, this job has 8"),
+                        ({"data": -1, "fsdp": -1, "model": 1}, "at most one may be -1"),
+                        ({"data": 0, "fsdp": 1, "model": 1}, "data=0"),
+                        ({"data": -1, "fsdp": 3, "model": 1}, "not a multiple of 3")):
+        with pytest.raises(ValueError, match=words):
+            sharding.mesh_from_config(spec, devices=devs)
+
+
+def test_fsdp_spec_and_size_one_axes():
+    mesh = sharding.make_mesh(1, 2, _fake_devices(8), fsdp=4)
+    assert sharding.fsdp_spec((576, 8192), mesh) == P(None, "fsdp")       # the largest dim fsdp divides
+    assert sharding.fsdp_spec((8192, 578), mesh) == P("fsdp", None)
+    assert sharding.fsdp_spec((577, 8191), mesh) == P()                  # none divides: replicated
+    assert sharding.fsdp_spec((576,), mesh) == P()                       # small: replicated
+    # axes of size 1 are never named, so specs do not depend on whether the mesh has them
+    m1 = sharding.make_mesh(8, 1, _fake_devices(8))
+    assert sharding.logical_to_spec(("batch", "kv"), sharding.DEFAULT_RULES, m1, (8, 4)) == P("data", None)
+    # a mesh axis serves one dimension: the batch takes fsdp (data has size 1), so embed stays whole
+    assert sharding.logical_to_spec(("batch", "embed"), sharding.TRAIN_RULES, mesh, (8, 64)) == P("fsdp", None)
+
+
+def test_distributed_settings_from_env():
+    from specjax import distributed
+    assert distributed.settings_from_env({}) == {}
+    env = {"SPECJAX_COORDINATOR": "127.0.0.1:1234", "SPECJAX_NUM_PROCESSES": "2", "SPECJAX_PROCESS_ID": "1"}
+    assert distributed.settings_from_env(env) == {"coordinator_address": "127.0.0.1:1234", "num_processes": 2,
+                                                  "process_id": 1}
+    for bad, words in (({"SPECJAX_COORDINATOR": "127.0.0.1:1"}, "SPECJAX_NUM_PROCESSES, SPECJAX_PROCESS_ID not"),
+                       ({**env, "SPECJAX_PROCESS_ID": "2"}, r"must be in \[0, SPECJAX_NUM_PROCESSES=2\)"),
+                       ({**env, "SPECJAX_NUM_PROCESSES": "two"}, "must be integers"),
+                       ({**env, "SPECJAX_COORDINATOR": "localhost"}, "host:port")):
+        with pytest.raises(ValueError, match=words):
+            distributed.settings_from_env(bad)

@@ -73,6 +73,14 @@ position like NaN logits. A softmax row sums to 1 within a few float32 ulps per 
 only broken arithmetic (NaN, overflow, all entries -inf) lands outside this."""
 
 
+def _host(x) -> np.ndarray:
+    """A (possibly multi-process, sharded) array's global value on the host."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from specjax import sharding
+        return sharding.to_host(x)
+    return np.asarray(x)
+
+
 def _bad_probabilities(p_XV):
     """True where a distribution row cannot be verified against: a NaN/inf or negative entry,
     or a total probability off 1 by more than `P_SUM_TOL` (0 included: non-normalisable)."""
@@ -763,7 +771,7 @@ class Engine:
         placed = EngineParams(target=weights(self.target, params.target), draft=weights(draft_model, params.draft))
         rows = sharding.row_shardings((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B),
                                       batch.prompt_BP.shape[0], self.mesh, rules)
-        prompt, lengths, keys = jax.device_put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
+        prompt, lengths, keys = sharding.put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
         return placed, Batch(prompt, lengths, keys, batch.capacity)
 
     def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
@@ -798,8 +806,7 @@ class Engine:
         """Host-side checks of a batch against this engine before anything runs: XLA clamps
         out-of-range gathers and writes silently, so a bad length, id or capacity would
         otherwise give wrong tokens without an error."""
-        prompt_BP = np.asarray(batch.prompt_BP)
-        lengths_B = np.asarray(batch.prompt_lengths_B)
+        prompt_BP, lengths_B = _host(batch.prompt_BP), _host(batch.prompt_lengths_B)
         B, P = prompt_BP.shape
         if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
             raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
@@ -853,8 +860,8 @@ class Engine:
         b = prefill.batch
         if b is not batch and (b.capacity != batch.capacity
                                or np.shape(b.prompt_BP) != np.shape(batch.prompt_BP)
-                               or not np.array_equal(np.asarray(b.prompt_BP), np.asarray(batch.prompt_BP))
-                               or not np.array_equal(np.asarray(b.prompt_lengths_B), np.asarray(batch.prompt_lengths_B))):
+                               or not np.array_equal(_host(b.prompt_BP), _host(batch.prompt_BP))
+                               or not np.array_equal(_host(b.prompt_lengths_B), _host(batch.prompt_lengths_B))):
             raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
                              "make one with engine.prefill(params, batch) for this batch")
         same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter

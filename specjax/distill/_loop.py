@@ -6,6 +6,17 @@ seed and i) and the same PRNG stream (the key lives in the train state), so an i
 ends with the same parameters as an uninterrupted one. On-policy data generated during the
 run is kept in ``workdir/onpolicy`` and reused on resume.
 
+On a device mesh (the config's ``mesh`` block: ``data`` x ``fsdp`` x ``model``, -1 = the rest; used
+whenever the job has more than one device, across processes too) the step runs sharded: the
+global batch's rows over data x fsdp, the trainable parameters and their optimizer state
+FSDP-sharded (`sharding.TRAIN_RULES`), the target's weights by the same rules; batch i, the
+loss (a mean over the global batch) and the PRNG stream are those of one device, so the
+result does not depend on the mesh or the process count (up to float summation order).
+Checkpoints are saved and restored sharded (each process writes its own shards) and restore
+onto any mesh. Only process 0 writes metrics, logs, ``final.json`` and the export; data sets are
+prepared by process 0 first and then found in the cache by the others (or, on hosts without a
+shared disk, made again identically).
+
 Outputs in the workdir: ``metrics.jsonl`` (one JSON line per logged step, per evaluation, and
 per event such as a resume), TensorBoard events when `tensorboardX` or `torch` with
 tensorboard is installed, ``final.json``, and the draft artifact when ``export_dir`` is set.
@@ -24,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint as ckpt_lib
-from specjax import drafters
+from specjax import distributed, drafters, models, sharding
 from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _train
 
 MIX_STREAM = 7     # a fixed stream id for the per-step source choice
@@ -176,10 +187,18 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         weight_decay=c.optim.weight_decay, accumulate=c.optim.accumulate)
     on_nonfinite = _train.check_on_nonfinite(c.optim.get("on_nonfinite", "stop"))
     workdir = pathlib.Path(workdir)
+    mesh = _mesh_of(c)
+    primary = distributed.is_primary()
+    if not primary:
+        log = _silent
     # Before anything in the workdir is written: its checkpoints must fit this config.
     check_resume_config(c, workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
+    if primary:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
+    distributed.barrier("specjax-distill-workdir")
+    if mesh is not None:
+        log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     t_start = time.perf_counter()
     target, target_params = _load_target(c)
     tok = None
@@ -196,6 +215,9 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     # A head's features come with its data when the config caches them (head.feature_cache).
     feature_layers = _heads.feature_layers_of(c, target) if is_head else None
     # ---- data ----------------------------------------------------------------------------
+    # Process 0 makes the data sets first; the others then find them in the cache.
+    if not primary:
+        distributed.barrier("specjax-distill-data")
     sources: dict[str, _data.BatchPlan] = {}
     weights: dict[str, float] = {}
     timings = {}
@@ -218,6 +240,8 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         timings["fixed_data_s"] = time.perf_counter() - t0
     if c.data.draft_weight > 0:
         weights["draft"] = c.data.draft_weight
+    if primary:
+        distributed.barrier("specjax-distill-data")
     if not weights:
         raise ValueError("no data source: set target_weight, fixed_weight or draft_weight > 0")
     mixture = Mixture(list(weights), list(weights.values()), c.seed)
@@ -260,11 +284,27 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     full_head = _train.teacher_head(target, target_params, None)
     if is_head:
         frozen = {**frozen, "target": target_params}
+    # Evaluation, on-policy generation and the export read host copies (`own_params`); the
+    # step reads the placed ones.
+    frozen_local, head_local = frozen, head_SD
+    state_sh = None
+    if mesh is not None:
+        state_sh, frozen_sh, head_sh = _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target)
+        state = sharding.put(state, state_sh)
+        frozen, head_SD = sharding.put(frozen, frozen_sh), sharding.put(head_SD, head_sh)
     step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip",
-                                     loss=_heads.head_loss if is_head else _train.loss_fn)
+                                     loss=_heads.head_loss if is_head else _train.loss_fn, state_shardings=state_sh)
+
+    def own_params(state):
+        return sharding.to_host(state.params) if mesh is not None else state.params
+
+    def place_batch(b):
+        if mesh is None:
+            return {k: jnp.asarray(v) for k, v in b.items()}
+        return sharding.put(b, sharding.batch_shardings(b, mesh))
 
     # ---- resume --------------------------------------------------------------------------
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir) if primary else _NullWriter(workdir)
     ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep_checkpoints, async_save=c.async_checkpoints)
     meta = {"tokens": 0, "elapsed_s": 0.0}
     restored = ckpt.restore_latest(state)
@@ -291,10 +331,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         t0 = time.perf_counter()
         gammas = tuple(range(1, int(c.eval.gamma) + 1))
         if is_head:
-            own = {**state.params, **{k: v for k, v in frozen.items() if k != "target"}}
+            own = {**own_params(state), **{k: v for k, v in frozen_local.items() if k != "target"}}
             res = _heads.evaluate_head(draft, own, target_params, eval_plan, gammas)
         else:
-            full = _train.merge_params(state.params, frozen)
+            full = _train.merge_params(own_params(state), frozen_local)
             res = _train.evaluate(draft, full, full_head, eval_plan, gammas)
         res.update({"kind": "eval", "step": int(step), "tokens": tokens_done, "eval_s": time.perf_counter() - t0})
         writer.write(res)
@@ -331,13 +371,17 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             prompts = train_prompts()
             pick = np.random.default_rng([c.seed, 11, r]).choice(len(prompts), min(c.data.draft_prompts, len(prompts)),
                                                                   replace=False)
-            full = _train.merge_params(state.params, frozen)
+            full = _train.merge_params(own_params(state), frozen_local)
+            if not primary:         # process 0 writes the refresh; the others then read it
+                distributed.barrier(f"specjax-onpolicy-{r}")
             data = _sources.generated_data(
                 workdir / "onpolicy" / f"refresh_{r:05d}", draft, full, target, target_params,
                 [prompts[i] for i in sorted(pick)],
                 key=jax.random.fold_in(_train.rng(state), r), temperature=c.data.temperature, samples_per_prompt=1,
                 max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
                 eos_ids=_prepare.eos_ids(target, tok), widths=widths, source=f"draft-r{r}", log=log)
+            if primary:
+                distributed.barrier(f"specjax-onpolicy-{r}")
             if data.num_loss_tokens == 0:
                 raise ValueError(f"on-policy refresh {r} at step {step}: the draft generated no tokens for "
                                  f"{len(pick)} prompts (source {data.seqs.source}; non-finite draft "
@@ -369,7 +413,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             plan, idx = draft_plan(step, state)
         else:
             plan, idx = sources[name], mixture.index_within(step)
-        batch = {k: jnp.asarray(v) for k, v in plan.batch(idx).items()}
+        batch = place_batch(plan.batch(idx))
         state, aux = step_fn(state, frozen, head_SD, batch)
         aux = {k: float(v) for k, v in jax.device_get(aux).items()}
         step += 1
@@ -417,9 +461,12 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                           "feature_weight": draft.feature_weight} if is_head else
                          {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")}),
                "eval": last_eval}
+    if not primary:
+        ckpt.close()
+        return summary
     if tokens_done >= c.budget_tokens and c.export_dir and is_head:
-        own = {**state.params, **{k: v for k, v in frozen.items() if k != "target"}}
-        if not bool(_train.all_finite(state.params)):
+        own = {**own_params(state), **{k: v for k, v in frozen_local.items() if k != "target"}}
+        if not bool(_train.all_finite(own)):
             raise FloatingPointError(f"not exporting to {c.export_dir}: the head's parameters are not finite")
         desc = drafters.save_head(c.export_dir, draft.config, own, dtype=c.export_dtype, info={
             "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
@@ -429,7 +476,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         log(f"exported the head to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
     elif tokens_done >= c.budget_tokens and c.export_dir:
         from specjax.models.draft_artifact import save_draft
-        full = _train.merge_params(state.params, frozen)
+        full = _train.merge_params(own_params(state), frozen_local)
         if not bool(_train.all_finite(full)):      # the loop's check makes this unreachable; never export NaN
             raise FloatingPointError(f"not exporting to {c.export_dir}: the draft's parameters are not finite")
         desc = save_draft(c.export_dir, draft, full, shared=choice.shared, dtype=c.export_dtype, info={
@@ -441,6 +488,47 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     writer.close()
     ckpt.close()
     return summary
+
+
+def _silent(*_args, **_kwargs) -> None:
+    """The log of processes other than 0."""
+
+
+class _NullWriter:
+    """The metrics writer of processes other than 0 (process 0 writes the one file)."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.path = workdir / "metrics.jsonl"
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self):
+        pass
+
+
+def _mesh_of(c):
+    """The config's mesh when the job has more than one device (across processes too), else
+    None (one device: the plain jitted step)."""
+    if jax.device_count() == 1:
+        return None
+    block = c.get("mesh", None)
+    return sharding.mesh_from_config(block if block is not None else {"data": -1, "fsdp": 1, "model": 1})
+
+
+def _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target):
+    """Shardings of the train state, the frozen inputs and the teacher's head rows: Llama-layout
+    parameters by `sharding.TRAIN_RULES` (a draft made of target layers by the draft's config,
+    the target's own weights, which a head's step reads, by the target's), others by
+    `sharding.fsdp_spec`."""
+    draft_cfg = draft.config if isinstance(getattr(draft, "config", None), models.ModelConfig) else None
+    state_sh = sharding.train_state_shardings(state, optimizer, mesh, config=draft_cfg)
+    frozen_sh = {k: (sharding.param_shardings(v, mesh, config=target.config) if k == "target"
+                     else sharding.param_shardings({k: v}, mesh, config=draft_cfg)[k])
+                 for k, v in frozen.items()}
+    head_sh = jax.sharding.NamedSharding(
+        mesh, sharding.logical_to_spec(("vocab", "embed"), sharding.TRAIN_RULES, mesh, np.shape(head_SD)))
+    return state_sh, frozen_sh, head_sh
 
 
 def _head_coverage(datas, head_ids) -> float:

@@ -178,7 +178,8 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False, loss=None):
+def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False, loss=None,
+                    state_shardings=None):
     """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated.
 
     ``metrics["nonfinite"]`` is 1.0 when the loss, the gradient norm or the updated parameters
@@ -186,7 +187,10 @@ def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = 
     optimizer state as they were (only the step counter advances); without it the caller must
     stop (the returned state then holds the non-finite values). ``loss``: the loss function
     (default `loss_fn`; feature heads pass `specjax.distill._heads.head_loss`), called as
-    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec) -> (loss, aux)``."""
+    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec) -> (loss, aux)``.
+    ``state_shardings`` (a `TrainState` of `NamedSharding`s, `sharding.train_state_shardings`):
+    the updated state keeps exactly that placement on its mesh (the metrics come back
+    replicated); the inputs' placements are their own (placed beforehand)."""
     objective = loss_fn if loss is None else loss
     def step(state: TrainState, frozen, head_SD, batch):
         grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -201,7 +205,11 @@ def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = 
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), aux
 
-    return jax.jit(step, donate_argnums=(0,))
+    if state_shardings is None:
+        return jax.jit(step, donate_argnums=(0,))
+    mesh = jax.tree.leaves(state_shardings)[0].mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, donate_argnums=(0,), out_shardings=(state_shardings, replicated))
 
 
 # ------------------------------------------------------------------------------ evaluation

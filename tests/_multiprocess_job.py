@@ -1,0 +1,28 @@
+"""What each process of tests/test_multiprocess.py runs (started by launch/local_cpu.sh): a
+data-parallel distillation on the toy target and a batch of speculative generation, both over
+a mesh spanning the processes. Process 0 writes the generated tokens to ROOT/generation.json."""
+import json
+import pathlib
+import sys
+
+from specjax import distributed
+
+distributed.initialize()       # SPECJAX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID from the launcher
+
+import jax  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _distill_toy as toy  # noqa: E402
+import _multiprocess_common as common  # noqa: E402
+
+from specjax import distill, sharding  # noqa: E402
+
+root = pathlib.Path(sys.argv[1])
+assert jax.process_count() == 2 and jax.device_count() == 2 and jax.local_device_count() == 1, jax.devices()
+distill.train(common.distill_config(root), root / "two-process", log=lambda s: None,
+              stop_after_steps=common.STEPS)
+results = common.generate(sharding.make_mesh(data=2, model=1))
+if distributed.is_primary():
+    (root / "generation.json").write_text(json.dumps(results))
+distributed.barrier("specjax-test-done")
+print("DONE", jax.process_index(), flush=True)

@@ -1,0 +1,74 @@
+"""Two real processes (issue 15): `launch/local_cpu.sh 2` starts them with `jax.distributed` on
+127.0.0.1 (CPU collectives: gloo), one CPU device each; together they run a data-parallel
+distillation (`distill.train`, the global batch split over the two processes, checkpoints
+written by both) and a batch of speculative generation whose rows live half in each process
+(greedy and T = 1 top-p 0.9). Both must equal this single process's results: the generated
+tokens, lengths and accepted counts exactly (per-request keys; see test_sharded_engine for why
+equality holds), the trained parameters within atol 2e-5 (float sums in another order; see
+test_sharded_train). Only process 0 writes the metrics (each step once). The launcher stops both
+processes when one fails, and the test kills the process group on a timeout."""
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import _distill_toy as toy
+import _multiprocess_common as common
+from test_sharded_train import _params, _step_dirs
+
+from specjax import distill
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ATOL = 2e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_and_generate_like_one(tmp_path):
+    root = tmp_path
+    toy.write_target(root / "target")
+    toy.write_data(root / "data.jsonl")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    cmd = ["bash", str(REPO / "launch" / "local_cpu.sh"), "2", "--port", str(_free_port()), "--logs",
+           str(root / "logs"), "--", sys.executable, str(REPO / "tests" / "_multiprocess_job.py"), str(root)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the 2-process job did not finish in 240 s:\n{out[-3000:]}")
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((root / "logs").glob("*.log")))
+    assert proc.returncode == 0, out[-2000:] + logs
+    for i in (0, 1):
+        assert f"DONE {i}" in (root / "logs" / f"process-{i}.log").read_text(), logs
+
+    # The same work in this process, on its one device.
+    assert jax.device_count() == 1
+    distill.train(common.distill_config(root), root / "one-process", log=lambda s: None,
+                  stop_after_steps=common.STEPS)
+    ref, got = common.generate(None), json.loads((root / "generation.json").read_text())
+    for name in ref:
+        for what, a, b in zip(("tokens", "lengths", "accepted"), got[name], ref[name]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {what}")
+    last_two, last_one = _step_dirs(root / "two-process")[-1], _step_dirs(root / "one-process")[-1]
+    assert int(last_two.name) == int(last_one.name) == common.STEPS
+    a, b = _params(last_two), _params(last_one)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=ATOL, rtol=0, err_msg=k)
+    steps = [json.loads(l)["step"] for l in (root / "two-process" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l).get("kind") == "train"]
+    assert steps == list(range(1, common.STEPS + 1))
