@@ -55,5 +55,9 @@ def get_config():
     c.compare_target_only = True            # also time target-only decoding for the speedup
     c.metrics_jsonl = ""                    # append the run's stats as one JSON line
     c.compilation_cache_dir = "~/.cache/specjax/xla"  # persistent XLA cache: later runs skip compiling ("" = off)
+    # Device mesh, used when the job has more than one device (multi-host, or CPU host devices from
+    # --xla_force_host_platform_device_count): rows over data x fsdp, heads / MLP / vocabulary over
+    # model; -1 = the devices the other axes leave. One device: no mesh.
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, model=-1))
     c.distributed = False                   # start jax.distributed first (multi-host; see launch/README.md)
     return c

@@ -137,10 +137,12 @@ def use_cpu_kernel(c, backend: str | None = None) -> bool:
             raise ValueError("cpu_kernel='on': specjax's CPU kernel was not built at install time (a C++ "
                              "compiler and jaxlib are needed; reinstall with `pip install -e .`), or use 'auto'")
         return True
+    import jax
     if backend is None:
-        import jax
         backend = jax.default_backend()
-    return fits and backend == "cpu" and kernels.fast_on_this_cpu()
+    # On a mesh of several devices the kernel's custom call would run unpartitioned on every
+    # device (its operands gathered): XLA's matmuls shard, so 'auto' keeps them there.
+    return fits and backend == "cpu" and kernels.fast_on_this_cpu() and jax.device_count() == 1
 
 
 DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
@@ -345,9 +347,24 @@ def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decod
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)
-    engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids))
-    return decoding.Generator(engine, decoding.EngineParams(target=params, draft=dparams), tokenizer,
-                              pad_multiple=pad_multiple)
+    mesh = generation_mesh(c)
+    engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
+    eparams = decoding.EngineParams(target=params, draft=dparams)
+    if mesh is not None:
+        eparams = engine.place_params(eparams)
+    return decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad_multiple)
+
+
+def generation_mesh(c):
+    """The generation config's ``mesh`` (data x fsdp x model, -1 = the rest) when the job has
+    more than one device (a multi-host job, or host devices from
+    ``--xla_force_host_platform_device_count``), else None: one device runs without a mesh."""
+    import jax
+    if jax.device_count() == 1:
+        return None
+    from specjax import sharding
+    block = c.get("mesh", None)
+    return sharding.mesh_from_config(block if block is not None else {"data": 1, "fsdp": 1, "model": -1})
 
 
 def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:

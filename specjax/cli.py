@@ -150,6 +150,7 @@ def generate_main(c) -> dict:
         "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
         "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
         "calibration": calibration,
+        "mesh": dict(gen.engine.mesh.shape) if gen.engine.mesh is not None else None,
     }
     stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
     print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
@@ -223,9 +224,6 @@ def bench_main(c, command: str = "specjax bench") -> list[dict]:
 def distill_main(c, workdir: str) -> dict:
     """`specjax distill`: run or resume (same command) a distillation in `workdir`."""
     from specjax.distill import train
-    if c.get("distributed", False):       # multi-host: every process runs this; see launch/
-        from specjax import distributed
-        distributed.initialize()
     return train(c, workdir)
 
 
@@ -477,6 +475,9 @@ def dispatch(argv: list[str]) -> int:
         from specjax import build
         build.tune_xla_cpu()                  # before any backend starts
         c = config.value
+        if c.get("distributed", False):       # multi-host: every process runs the command; see launch/
+            from specjax import distributed
+            distributed.initialize()
         if name == "generate":
             main(c)
         elif name == "bench":

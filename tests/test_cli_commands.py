@@ -253,3 +253,27 @@ def _bench_config(target, out):
     c.update({"target": str(target), "drafters": ("ngram",), "num_prompts": 1, "max_new_tokens": 4,
               "out": str(out), "progress": False, "adaptive_gamma": False, "gamma": 2, "compilation_cache_dir": ""})
     return c
+
+
+def test_generate_on_two_host_devices_uses_the_mesh_and_prints_the_same_answer(pair, tmp_path):
+    """`specjax generate` in a process with 2 CPU devices (`--xla_force_host_platform_device_count=2`)
+    runs on the generation config's mesh (model=-1: tensor parallel over both) and streams the
+    same greedy answer as the one-device process, speculative equal to target-only."""
+    import os
+    import subprocess
+    import sys
+    target, draft = pair
+    outs = {}
+    for n in (1, 2):
+        stats = tmp_path / f"stats{n}.jsonl"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--config=configs/generate.py",
+                            *_quick(target, draft), "--config.max_new_tokens=10", f"--config.metrics_jsonl={stats}"],
+                           capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[n] = (r.stdout.split("[specjax]")[0], json.loads(stats.read_text()))
+    assert outs[1][1]["mesh"] is None
+    assert outs[2][1]["mesh"] == {"data": 1, "fsdp": 1, "model": 2}
+    assert outs[2][0] == outs[1][0] and outs[2][0].strip()
+    assert outs[2][1]["same_tokens_as_target_only"] is True and outs[2][1]["new_tokens"] == 10

@@ -752,6 +752,10 @@ class Engine:
         """Weights and batch on this engine's mesh: a Llama target's (and a model draft's)
         parameters by the logical-axis rules (`sharding.shard_params`), other drafter weights
         (heads, n-gram: none) replicated, the batch's rows over "data"."""
+        return self.place_params(params), self.place_batch(batch)
+
+    def place_params(self, params: "EngineParams") -> "EngineParams":
+        """The weights of `place`."""
         if self.mesh is None:
             raise ValueError("Engine.place needs an engine built with mesh=")
         from specjax import sharding
@@ -768,11 +772,18 @@ class Engine:
             return sharding.replicate(p, self.mesh)
 
         draft_model = getattr(self.drafter, "model", None)
-        placed = EngineParams(target=weights(self.target, params.target), draft=weights(draft_model, params.draft))
+        return EngineParams(target=weights(self.target, params.target), draft=weights(draft_model, params.draft))
+
+    def place_batch(self, batch: "Batch") -> "Batch":
+        """The batch of `place`: its rows over the mesh's batch axes."""
+        if self.mesh is None:
+            raise ValueError("Engine.place needs an engine built with mesh=")
+        from specjax import sharding
+        rules = self.rules or sharding.DEFAULT_RULES
         rows = sharding.row_shardings((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B),
                                       batch.prompt_BP.shape[0], self.mesh, rules)
         prompt, lengths, keys = sharding.put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
-        return placed, Batch(prompt, lengths, keys, batch.capacity)
+        return Batch(prompt, lengths, keys, batch.capacity)
 
     def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
         state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity, pre=pre)

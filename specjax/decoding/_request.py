@@ -107,6 +107,8 @@ class Completion:
 @dataclasses.dataclass
 class Generator:
     """The request path for one engine and its weights (in the spirit of gemma's `Sampler`).
+    With an engine on a mesh, ``params`` are already placed (`Engine.place_params`) and
+    `batch` places its rows.
 
     Prompts are text (chat-templated with ``chat=True``, the default, else encoded as they
     are) or lists of token ids. ``round_time_s`` feeds adaptive gamma (`calibrate` sets it).
@@ -124,7 +126,8 @@ class Generator:
     def target_only(self) -> "Generator":
         """The same target and settings without a drafter (gamma = 0)."""
         config = dataclasses.replace(self.config, gamma=0)
-        return dataclasses.replace(self, engine=Engine(self.engine.target, None, config),
+        return dataclasses.replace(self, engine=Engine(self.engine.target, None, config, mesh=self.engine.mesh,
+                                                       rules=self.engine.rules),
                                    params=EngineParams(target=self.params.target), round_time_s=None)
 
     def encode(self, prompt: str | Sequence[int], *, chat: bool = True, system: str = "") -> list[int]:
@@ -136,8 +139,10 @@ class Generator:
 
     def batch(self, prompts: Sequence[str | Sequence[int]], key: jax.Array, *, chat: bool = True,
               request_ids: Sequence[int] | None = None, capacity: int | None = None) -> Batch:
-        return make_batch([self.encode(p, chat=chat) for p in prompts], self.config, key,
-                          request_ids=request_ids, pad_multiple=self.pad_multiple, capacity=capacity)
+        batch = make_batch([self.encode(p, chat=chat) for p in prompts], self.config, key,
+                           request_ids=request_ids, pad_multiple=self.pad_multiple, capacity=capacity)
+        # On a mesh the rows go over its batch axes (the weights were placed with the engine).
+        return batch if self.engine.mesh is None else self.engine.place_batch(batch)
 
     def prefill(self, batch: Batch) -> Prefill:
         """The batch's prompts in the caches, once: pass it as ``prefill=`` to `run`, `stream`
