@@ -7,8 +7,10 @@
 #       specjax distill --config=configs/distill.py --config.distributed=True --workdir=/shared/distill
 #
 # Explicit choices (environment variables, set with `sbatch --export=ALL,NAME=VALUE`):
-#   SPECJAX_PROCESSES=node (default)  one process per node, seeing all GPUs of its node;
-#                    =gpu             one process per GPU (srun binds each task to one GPU).
+#   SPECJAX_PROCESSES=node (default)  one process per node driving all GPUs of its node
+#                                     (SPECJAX_LOCAL_DEVICE_IDS=0,...,G-1 for jax.distributed);
+#                    =gpu             one process per GPU: JAX gives task i of a node its GPU i
+#                                     (SLURM_LOCALID); submit with --ntasks-per-node=G.
 #   SPECJAX_INSTALL=shared (default)  the environment lives on a shared file system: installed
 #                                     once, here on the batch host, before the job step;
 #                  =per-node          installed on every node's local disk first (one task per node);
@@ -52,7 +54,9 @@ case ${SPECJAX_INSTALL:-shared} in
   *) echo "SPECJAX_INSTALL=${SPECJAX_INSTALL}: expected shared, per-node or none" >&2; exit 2 ;;
 esac
 case ${SPECJAX_PROCESSES:-node} in
-  node) step srun --nodes="$nodes" --ntasks-per-node=1 "$@" ;;
-  gpu) step srun --nodes="$nodes" --ntasks-per-node="$gpus" --gpus-per-task=1 "$@" ;;
+  node)
+    ids=$(seq -s, 0 $((gpus - 1)))
+    step env SPECJAX_LOCAL_DEVICE_IDS="$ids" srun --nodes="$nodes" --ntasks-per-node=1 "$@" ;;
+  gpu) step srun --nodes="$nodes" --ntasks-per-node="$gpus" "$@" ;;
   *) echo "SPECJAX_PROCESSES=${SPECJAX_PROCESSES}: expected node or gpu" >&2; exit 2 ;;
 esac

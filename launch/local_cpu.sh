@@ -11,7 +11,7 @@
 # process's output goes to DIR/process-i.log (default: a new temporary directory). The script
 # waits for all of them; if one fails, the others are stopped, and the exit status is that of the
 # first process that failed. Interrupting the script stops them all. --dry-run prints the
-# commands and starts nothing.
+# commands and starts nothing. Needs bash >= 4.3 (wait -n).
 set -euo pipefail
 
 usage() {
@@ -57,7 +57,7 @@ stop_all() {                             # each process leads its own group: sto
     kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
   done
 }
-trap 'stop_all; exit 130' INT TERM
+trap 'stop_all; exit 130' INT TERM HUP
 
 for ((i = 0; i < n; i++)); do
   SPECJAX_COORDINATOR=127.0.0.1:$port SPECJAX_NUM_PROCESSES=$n SPECJAX_PROCESS_ID=$i JAX_PLATFORMS=cpu \
@@ -78,7 +78,7 @@ while [ "$remaining" -gt 0 ]; do
     stop_all
   fi
 done
-trap - INT TERM
+trap - INT TERM HUP
 if [ "$status" -ne 0 ]; then
   for ((i = 0; i < n; i++)); do
     echo "----- process $i (last lines of $logs/process-$i.log)" >&2

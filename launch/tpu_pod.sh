@@ -19,7 +19,8 @@
 # specjax command (jax.distributed.initialize() then finds the coordinator and the process ids on
 # Cloud TPU by itself). Example:
 #   launch/tpu_pod.sh all specjax-v5e europe-west4-b v5litepod-16 v2-alpha-tpuv5-lite ./pod-logs -- \
-#     specjax distill --config=configs/distill.py --config.distributed=True --workdir=/tmp/distill
+#     specjax distill --config=configs/distill.py --config.distributed=True --workdir=/mnt/shared/distill
+# (a distillation's workdir must be one file system all workers share, e.g. a GCS FUSE mount)
 # Environment: WORKERS (default: all; e.g. 0 for one worker), PROJECT (gcloud --project, optional),
 # SPECJAX_REMOTE_DIR (default: specjax, relative to the workers' home directory).
 set -euo pipefail
@@ -52,7 +53,7 @@ step() {
 }
 
 tpu() {
-  step gcloud compute tpus tpu-vm "$@" "${project[@]}"
+  step gcloud compute tpus tpu-vm "$@" ${project[@]+"${project[@]}"}
 }
 
 do_create() {
@@ -64,10 +65,10 @@ do_setup() {
   [ $# -eq 2 ] || usage
   local archive
   archive=${TMPDIR:-/tmp}/specjax-$$.tar.gz
-  step git -C "$(dirname "$0")/.." archive --format=tar.gz -o "$archive" HEAD
-  tpu scp "$archive" "$1:specjax.tar.gz" --zone "$2" --worker="$workers"
+  step git -C "$(dirname "$0")/.." archive --format=tar.gz -o "$archive" HEAD || return
+  tpu scp "$archive" "$1:specjax.tar.gz" --zone "$2" --worker="$workers" || return
   tpu ssh "$1" --zone "$2" --worker="$workers" --command \
-    "mkdir -p $remote && tar -xzf specjax.tar.gz -C $remote && cd $remote && pip install -q -e '.[tpu]'"
+    "mkdir -p $remote && tar -xzf specjax.tar.gz -C $remote && cd $remote && pip install -q -e '.[tpu]'" || return
   step rm -f "$archive"
 }
 

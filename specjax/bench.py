@@ -24,6 +24,7 @@ Records go to ``results.jsonl.partial`` while the run lasts (flushed per run), w
 from __future__ import annotations
 
 import json
+import os
 import math
 import pathlib
 import subprocess
@@ -240,7 +241,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
         configs[kind] = cc
     prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
     out = pathlib.Path(c.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)
 
     base_c = c.copy_and_resolve_references()
     with base_c.unlocked():
@@ -259,9 +260,11 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     records, runs = [setup], []
     jsonl = out / "results.jsonl"
     partial = out / "results.jsonl.partial"       # an earlier run's results stay until this one ends
-    with open(partial, "w") as f:
+    from specjax import distributed
+    primary = distributed.is_primary()             # several processes: process 0 writes the files
+    with open(partial if primary else os.devnull, "w") as f:
         f.write(json.dumps(_clean(setup), default=str) + "\n")
-        bar = tqdm(total=len(prompts) * len(gens), disable=not c.progress, file=sys.stderr, unit="run",
+        bar = tqdm(total=len(prompts) * len(gens), disable=not (c.progress and primary), file=sys.stderr, unit="run",
                    desc="bench")
         for i, p in enumerate(prompts):
             ids = gens[TARGET_ONLY].encode(p["prompt"])
@@ -289,6 +292,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
         for rec in summary:
             f.write(json.dumps(rec) + "\n")
     records += runs + summary
-    partial.replace(jsonl)
-    (out / "results.md").write_text(markdown(records))
+    if primary:
+        partial.replace(jsonl)
+        (out / "results.md").write_text(markdown(records))
     return summary

@@ -40,8 +40,10 @@ onto the template's shardings, so a checkpoint written on one mesh restores on a
 on one device. In a job of several processes every process calls `save` / `restore_latest` /
 `wait` / `close` in the same order (Orbax's barriers need all of them); process 0 alone writes
 the checksum manifests and moves steps aside, and every process takes the same decisions (they
-read the same files). The checkpoint directory must then be one shared file system path seen by
-all processes (NFS, a GCS FUSE mount, or one machine's disk for local runs).
+read the same files, and wait for each other before any step is deleted or moved; a read error
+seen by one process only is not reconciled: it could make them disagree). The checkpoint
+directory must then be one shared file system path seen by all processes (NFS, a GCS FUSE
+mount, or one machine's disk for local runs).
 """
 
 from __future__ import annotations
@@ -303,10 +305,12 @@ class Checkpointer:
                 transient.append(step)
                 continue
             kept = []
+            # Every process has decided (from the same shared files) before any step is deleted or moved.
+            _barrier(f"specjax-ckpt-decided-{step}")
             for s in corrupt:       # a resumed run saves these steps again, and Orbax refuses an existing step
                 self.manager.delete(s)
             for s in transient:     # possibly intact: moved out of the way, never deleted
-                dest = self._keep_aside(s) if _primary() else self.directory.parent / f"{self.directory.name}.kept" / str(s)
+                dest = self._keep_aside(s) if _primary() else f"{self.directory.name}.kept/{s} (moved by process 0)"
                 print(f"[checkpoint] step {s} kept at {dest} (not deleted; restore it by moving it back)",
                       flush=True)
                 kept.append((s, str(dest)))

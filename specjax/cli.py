@@ -87,12 +87,18 @@ def _round_times(c, gen, batch, samp, pre) -> str:
     cache = calibration.CalibrationCache(c.get("calibration_cache", ""))
     fields = calibration_fields(c, batch, config)
     key = calibration.setting_key(**fields)
-    cached = None if c.get("recalibrate", False) else cache.get(key)
+    # Several processes measure together (and take process 0's times, `Generator.calibrate`):
+    # reading a per-host cache could send them down different paths.
+    import jax
+    multi = jax.process_count() > 1
+    cached = None if c.get("recalibrate", False) or multi else cache.get(key)
     if cached is not None and len(cached) == len(config.gammas):
         gen.round_time_s = cached               # what `calibrate` would have set
         source, head = "cached", f"round times (ms) per gamma from the calibration cache {cache.path}:"
     else:
-        cache.put(key, fields, gen.calibrate(batch, samp, repeats=3, prefill=pre))
+        times = gen.calibrate(batch, samp, repeats=3, prefill=pre)
+        if not multi:
+            cache.put(key, fields, times)
         source, head = "measured", "calibrated round times (ms) per gamma"
     print(f"[specjax] {head} " + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, gen.round_time_s)),
           file=sys.stderr)
@@ -168,7 +174,8 @@ def generate_main(c) -> dict:
             + f", mean accepted tokens {stats['mean_accepted_tokens']:.2f} per target pass"
             + f" (time to first token incl. compile {spec_first_s:.1f}s)")
     print(line, flush=True)
-    if c.metrics_jsonl:
+    from specjax import distributed
+    if c.metrics_jsonl and distributed.is_primary():
         with open(c.metrics_jsonl, "a") as f:
             f.write(json.dumps(stats) + "\n")
     return stats

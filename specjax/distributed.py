@@ -10,6 +10,9 @@ them. specjax adds no cluster layer of its own: this module only chooses what to
 * Explicit (a local multi-process run, `launch/local_cpu.sh`, or any other launcher): a
   coordinator ``host:port`` with the process count and id, given as arguments or in the
   environment as ``SPECJAX_COORDINATOR``, ``SPECJAX_NUM_PROCESSES``, ``SPECJAX_PROCESS_ID``.
+* ``SPECJAX_LOCAL_DEVICE_IDS=0,1,...``: the devices of this host that this process drives
+  (JAX's SLURM detection gives each process one GPU, its local task id; `launch/gpu_slurm.sh`
+  sets this for one process per node).
 * CPU: cross-process collectives need an implementation (``gloo``); it is switched on before
   the runtime starts (``jax_cpu_collectives_implementation``).
 
@@ -59,6 +62,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     explicit = {k: v for k, v in (("coordinator_address", coordinator_address), ("num_processes", num_processes),
                                   ("process_id", process_id)) if v is not None}
     args.update(explicit)
+    ids = os.environ.get("SPECJAX_LOCAL_DEVICE_IDS", "")
+    if ids:     # e.g. one process per SLURM node that owns all its GPUs (JAX's SLURM default: one)
+        args["local_device_ids"] = [int(i) for i in ids.split(",")]
     platform = platform or os.environ.get("JAX_PLATFORMS", "")
     if "cpu" in platform.split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

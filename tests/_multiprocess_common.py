@@ -10,10 +10,15 @@ import _distill_toy as toy
 STEPS = 12
 
 
-def distill_config(root: pathlib.Path):
+def distill_config(root: pathlib.Path, run: str):
+    """The toy distillation, with a held-out evaluation every 6 steps (on the fixed toy set) and an
+    export at the end; on several devices FSDP over all of them (fsdp=-1: with one device per
+    process the draft's weights and Adam moments are split across the processes)."""
     c = toy.config(target_dir=root / "target", data_path=root / "data.jsonl", data_root=root / "data_root",
-                   budget=10**9, checkpoint_every=4)
+                   budget=STEPS * 150, checkpoint_every=4, export_dir=root / f"{run}-export")
     c.keep_checkpoints = 100
+    c.eval.every, c.eval.data_jsonl, c.eval.at_start = 6, str(root / "data.jsonl"), False
+    c.mesh.data, c.mesh.fsdp, c.mesh.model = 1, -1, 1
     return c
 
 

@@ -19,8 +19,8 @@ from specjax import distill, sharding  # noqa: E402
 
 root = pathlib.Path(sys.argv[1])
 assert jax.process_count() == 2 and jax.device_count() == 2 and jax.local_device_count() == 1, jax.devices()
-distill.train(common.distill_config(root), root / "two-process", log=lambda s: None,
-              stop_after_steps=common.STEPS)
+summary = distill.train(common.distill_config(root, "two-process"), root / "two-process", log=lambda s: None)
+print("STEPS", summary["steps"], flush=True)
 results = common.generate(sharding.make_mesh(data=2, model=1))
 if distributed.is_primary():
     (root / "generation.json").write_text(json.dumps(results))

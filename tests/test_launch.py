@@ -58,11 +58,11 @@ def test_slurm_dry_run_is_explicit_about_processes_and_install():
     env = {"SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}
     node = _commands(_sh(LAUNCH / "gpu_slurm.sh", "--dry-run", "--", "specjax", "generate", env=env).stdout)
     assert node == ["python -m pip install -q -e .\\[gpu\\]",
-                    "srun --nodes=2 --ntasks-per-node=1 specjax generate"], node
+                    "env SPECJAX_LOCAL_DEVICE_IDS=0\\,1\\,2\\,3\\,4\\,5\\,6\\,7 srun --nodes=2 --ntasks-per-node=1 specjax generate"], node
     gpu = _commands(_sh(LAUNCH / "gpu_slurm.sh", "--dry-run", "--", "specjax", "generate",
                         env={**env, "SPECJAX_PROCESSES": "gpu", "SPECJAX_INSTALL": "per-node"}).stdout)
     assert gpu == ["srun --nodes=2 --ntasks-per-node=1 python -m pip install -q -e .\\[gpu\\]",
-                   "srun --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 specjax generate"], gpu
+                   "srun --nodes=2 --ntasks-per-node=8 specjax generate"], gpu
     bad = _sh(LAUNCH / "gpu_slurm.sh", "--dry-run", "--", "x", env={"SPECJAX_PROCESSES": "rack"})
     assert bad.returncode == 2 and "SPECJAX_PROCESSES=rack" in bad.stderr
 
@@ -76,7 +76,8 @@ def test_local_launcher_dry_run_and_failure_stops_the_others(tmp_path):
                                f"JAX_PLATFORMS=cpu python job.py a\\ b > "), line
     assert _sh(LAUNCH / "local_cpu.sh", "two", "--", "true").returncode == 2
     # Real processes: each sees its id; process 1 fails at once, process 0 would sleep 60 s.
-    job = "echo id=$SPECJAX_PROCESS_ID of $SPECJAX_NUM_PROCESSES; [ $SPECJAX_PROCESS_ID = 1 ] && exit 3; sleep 61.25"
+    # (process 1 fails after 1 s, so that process 0 has written its line before it is stopped)
+    job = "echo id=$SPECJAX_PROCESS_ID of $SPECJAX_NUM_PROCESSES; [ $SPECJAX_PROCESS_ID = 1 ] && sleep 1 && exit 3; sleep 61.25"
     t0 = time.monotonic()
     r = _sh(LAUNCH / "local_cpu.sh", "2", "--logs", tmp_path, "--", "bash", "-c", job)
     assert r.returncode == 3, r.stderr

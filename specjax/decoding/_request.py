@@ -160,7 +160,11 @@ class Generator:
     def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3,
                   prefill: Prefill | None = None) -> tuple[float, ...]:
         """Measure one round per gamma on `batch` (adaptive gamma's costs) and keep them."""
-        self.round_time_s = tuple(self.engine.round_times(self.params, sampling, batch, repeats, prefill=prefill))
+        times = self.engine.round_times(self.params, sampling, batch, repeats, prefill=prefill)
+        if jax.process_count() > 1:     # every process must choose the same gammas: process 0's times
+            from jax.experimental import multihost_utils
+            times = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(times, np.float64)))
+        self.round_time_s = tuple(float(t) for t in times)
         return self.round_time_s
 
     def detokenize(self, ids: Sequence[int]) -> str | None:

@@ -13,9 +13,9 @@ FSDP-sharded (`sharding.TRAIN_RULES`), the target's weights by the same rules; b
 loss (a mean over the global batch) and the PRNG stream are those of one device, so the
 result does not depend on the mesh or the process count (up to float summation order).
 Checkpoints are saved and restored sharded (each process writes its own shards) and restore
-onto any mesh. Only process 0 writes metrics, logs, ``final.json`` and the export; data sets are
-prepared by process 0 first and then found in the cache by the others (or, on hosts without a
-shared disk, made again identically).
+onto any mesh. Only process 0 writes metrics, logs, ``final.json`` and the export; data sets
+(training, evaluation, on-policy refreshes) are made by process 0 first and then read from the
+cache by the others, so the workdir and ``data_root`` must be one file system all processes share.
 
 Outputs in the workdir: ``metrics.jsonl`` (one JSON line per logged step, per evaluation, and
 per event such as a resume), TensorBoard events when `tensorboardX` or `torch` with
@@ -193,9 +193,12 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         log = _silent
     # Before anything in the workdir is written: its checkpoints must fit this config.
     check_resume_config(c, workdir)
+    distributed.barrier("specjax-distill-checked")     # every process has read the old config.json
     if primary:
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(c.to_json_best_effort(indent=1))
+        tmp = workdir / "config.json.tmp"
+        tmp.write_text(c.to_json_best_effort(indent=1))
+        tmp.replace(workdir / "config.json")
     distributed.barrier("specjax-distill-workdir")
     if mesh is not None:
         log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
@@ -286,7 +289,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         frozen = {**frozen, "target": target_params}
     # Evaluation, on-policy generation and the export read host copies (`own_params`); the
     # step reads the placed ones.
-    frozen_local, head_local = frozen, head_SD
+    frozen_local = frozen
     state_sh = None
     if mesh is not None:
         state_sh, frozen_sh, head_sh = _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target)
@@ -323,7 +326,11 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         fixed_eval = c.eval.get("data_jsonl", "")
         needs_tok = not fixed_eval or any("tokens" not in json.loads(l) for l in
                                           pathlib.Path(fixed_eval).read_text().splitlines()[:1] if l.strip())
+        if not primary:                  # process 0 makes the evaluation set; the others then read it
+            distributed.barrier("specjax-distill-eval-data")
         eval_plan = _prepare.eval_plan(c, target, target_params, tokenizer() if needs_tok else None, log)
+        if primary:
+            distributed.barrier("specjax-distill-eval-data")
 
     def run_eval(step, state):
         if eval_plan is None:
@@ -372,12 +379,14 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             pick = np.random.default_rng([c.seed, 11, r]).choice(len(prompts), min(c.data.draft_prompts, len(prompts)),
                                                                   replace=False)
             full = _train.merge_params(own_params(state), frozen_local)
+            # a host copy of the key (the train state's lives on the mesh), in every process
+            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(sharding.to_host(state.key))), r)
             if not primary:         # process 0 writes the refresh; the others then read it
                 distributed.barrier(f"specjax-onpolicy-{r}")
             data = _sources.generated_data(
                 workdir / "onpolicy" / f"refresh_{r:05d}", draft, full, target, target_params,
                 [prompts[i] for i in sorted(pick)],
-                key=jax.random.fold_in(_train.rng(state), r), temperature=c.data.temperature, samples_per_prompt=1,
+                key=key, temperature=c.data.temperature, samples_per_prompt=1,
                 max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
                 eos_ids=_prepare.eos_ids(target, tok), widths=widths, source=f"draft-r{r}", log=log)
             if primary:
@@ -395,7 +404,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     if start == 0 and c.eval.at_start:
         run_eval(0, state)
     bar = None
-    if c.progress:
+    if c.progress and primary:
         from tqdm import tqdm
         bar = tqdm(total=c.budget_tokens, initial=min(tokens_done, c.budget_tokens), unit="tok", dynamic_ncols=True,
                    desc="distill")
@@ -403,7 +412,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     t_loop, tok_loop = time.perf_counter(), 0
     elapsed0 = float(meta.get("elapsed_s", 0.0))
     # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
-    last_eval = _last_eval_at(writer.path, start)
+    last_eval = _last_eval_at(writer.path, start) if primary else None
     skipped = 0
     while tokens_done < c.budget_tokens:
         if stop_after_steps is not None and step >= stop_after_steps:
@@ -461,11 +470,14 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                           "feature_weight": draft.feature_weight} if is_head else
                          {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")}),
                "eval": last_eval}
+    # Host copies of the parameters in every process (gathering them is a collective), then
+    # process 0 alone exports and writes.
+    host_params = own_params(state) if tokens_done >= c.budget_tokens and c.export_dir else None
     if not primary:
         ckpt.close()
         return summary
     if tokens_done >= c.budget_tokens and c.export_dir and is_head:
-        own = {**own_params(state), **{k: v for k, v in frozen_local.items() if k != "target"}}
+        own = {**host_params, **{k: v for k, v in frozen_local.items() if k != "target"}}
         if not bool(_train.all_finite(own)):
             raise FloatingPointError(f"not exporting to {c.export_dir}: the head's parameters are not finite")
         desc = drafters.save_head(c.export_dir, draft.config, own, dtype=c.export_dtype, info={
@@ -476,7 +488,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         log(f"exported the head to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
     elif tokens_done >= c.budget_tokens and c.export_dir:
         from specjax.models.draft_artifact import save_draft
-        full = _train.merge_params(own_params(state), frozen_local)
+        full = _train.merge_params(host_params, frozen_local)
         if not bool(_train.all_finite(full)):      # the loop's check makes this unreachable; never export NaN
             raise FloatingPointError(f"not exporting to {c.export_dir}: the draft's parameters are not finite")
         desc = save_draft(c.export_dir, draft, full, shared=choice.shared, dtype=c.export_dtype, info={
