@@ -22,16 +22,25 @@ def distill_config(root: pathlib.Path, run: str):
     return c
 
 
-def generate(mesh=None) -> dict:
-    """Speculative generation with a draft model on a tiny random target, greedy and T = 1
-    top-p 0.9 (per-request keys); on ``mesh`` when given. Tokens, lengths and accepted counts."""
-    from specjax import decoding, drafters, models, sampling, sharding
+def tiny_pair():
+    """(target, its params, a 1-layer draft model, its params): a tiny random Llama pair whose
+    greedy choices beat the runner-up by far more than sharded-matmul rounding (weights x 4);
+    also the pair of tests/test_sharded_engine.py."""
+    from specjax import models
     cfg = models.ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                              head_dim=8, ffn_size=64, max_position=256, scan_layers=False)
     target = models.Llama(cfg)
     tp = jax.tree.map(lambda x: 4 * x, target.init_params(jax.random.key(0)))
     small = models.Llama(cfg.replace(num_layers=1))
     sp = jax.tree.map(lambda x: 4 * x, small.init_params(jax.random.key(1)))
+    return target, tp, small, sp
+
+
+def generate(mesh=None) -> dict:
+    """Speculative generation with a draft model on a tiny random target, greedy and T = 1
+    top-p 0.9 (per-request keys); on ``mesh`` when given. Tokens, lengths and accepted counts."""
+    from specjax import decoding, drafters, sampling, sharding
+    target, tp, small, sp = tiny_pair()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 96, n)) for n in (3, 9, 5, 12, 1, 7)]
     gen = decoding.GenerationConfig(max_new_tokens=12, gamma=3)

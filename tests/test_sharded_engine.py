@@ -19,16 +19,14 @@ import textwrap
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = textwrap.dedent("""
+    import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     from specjax import decoding, drafters, models, sampling, sharding
+    sys.path.insert(0, "tests")      # (run from the repository root)
+    from _multiprocess_common import tiny_pair
     assert jax.device_count() == 8, jax.devices()
-    cfg = models.ModelConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                             head_dim=8, ffn_size=64, max_position=256, scan_layers=False)
-    target = models.Llama(cfg)
-    tp = jax.tree.map(lambda x: 4 * x, target.init_params(jax.random.key(0)))
-    small = models.Llama(cfg.replace(num_layers=1))
-    sp = jax.tree.map(lambda x: 4 * x, small.init_params(jax.random.key(1)))
+    target, tp, small, sp = tiny_pair()
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 96, n)) for n in (3, 9, 5, 12, 1, 7, 4, 10)]
     ee, ep = drafters.EarlyExitDrafter.from_target(target, tp, 1)
