@@ -246,7 +246,10 @@ def train_state_shardings(state, optimizer, mesh: Mesh, rules: Rules = TRAIN_RUL
 def put(tree, shardings):
     """``tree`` (host or single-device arrays, the same values in every process) placed with
     ``shardings``: each process builds only its own shards (`jax.make_array_from_callback`), so
-    this works across processes as on one."""
+    this works across processes as on one. In a single process it is `jax.device_put` (no host copy)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
     def one(x, sh):
         if x is None:
             return None
