@@ -3,6 +3,7 @@
 Floors (a module imports only from floors below it):
 
     cli.py, build.py, experiments/      what users run
+    serving/   distill/   bench.py      slot-refilling scheduler; trainer; benchmarks
     decoding/                           the engine object and the one request path
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
     models/                             Llama-family decoder, KV cache, loaders, tokenizer

@@ -1013,3 +1013,20 @@ def test_prefill_reuse_with_medusa_head():
     assert out.generated() == ref.generated()
     for x, y in zip(jax.tree.leaves(out.metrics), jax.tree.leaves(ref.metrics)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_scheduler_refills_head_rows():
+    """The slot-refilling scheduler with the 'good' EAGLE head (gamma 3, greedy), 4 requests
+    through 2 slots: every request gets the target-only tokens and the same accepted counts as
+    its row of the whole-batch run, so a refilled row's target features and head cache hold
+    only its own request (a row left with the previous request's features drafts otherwise)."""
+    from specjax import serving
+    eng, ep, batch = _eagle_setup("good")
+    whole = jax.device_get(eng.run(ep, GREEDY, batch).metrics)
+    requests = [serving.Request(id=i, prompt=p) for i, p in enumerate(PROMPTS)]
+    out = serving.Scheduler(eng, ep, slots=2, pad_multiple=16, capacity=batch.capacity).run(
+        requests, GREEDY, jax.random.key(2), warmup=False)
+    assert [r.tokens for r in out.results] == _target_only()[0]
+    assert [r.counters["accepted"] for r in out.results] == np.asarray(whole.accepted_B).tolist()
+    assert [r.counters["proposed"] for r in out.results] == np.asarray(whole.proposed_B).tolist()
+    assert sum(r.counters["accepted"] for r in out.results) > 0

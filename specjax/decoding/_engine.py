@@ -337,24 +337,36 @@ class Prefill:
                                    features_BLF=_repeat_rows(self.features_BLF, n))
 
 
-def _repeat_rows(tree, n: int):
-    """Copy the single batch row of every cache / array in `tree` n times: a `KVCache`'s
-    buffers on their batch axis (1 for stacked layers, 0 per layer), any other array on axis 0
-    (it must have one row there)."""
-    def cache(c):
-        axis = 0 if c.per_layer else 1
-        rep = lambda x: jnp.repeat(x, n, axis=axis)          # noqa: E731
-        k = tuple(map(rep, c.k)) if c.per_layer else rep(c.k)
-        v = tuple(map(rep, c.v)) if c.per_layer else rep(c.v)
-        return c.replace(k=k, v=v, lengths_B=jnp.repeat(c.lengths_B, n, axis=0))
+def _map_rows(fn, *trees):
+    """``fn(axis, *leaves)`` over matching leaves of state trees, with ``axis`` the batch axis of
+    each array: a `KVCache`'s buffers on theirs (1 for stacked layers, 0 per layer, its lengths
+    0), every other array 0 (a drafter's own state arrays are batch-major, as the protocol says)."""
+    def cache(*cs):
+        axis = 0 if cs[0].per_layer else 1
+        buf = lambda *xs: (tuple(fn(axis, *ys) for ys in zip(*xs)) if cs[0].per_layer   # noqa: E731
+                           else fn(axis, *xs))
+        return cs[0].replace(k=buf(*(c.k for c in cs)), v=buf(*(c.v for c in cs)),
+                             lengths_B=fn(0, *(c.lengths_B for c in cs)))
 
-    def leaf(x):
-        if isinstance(x, models.KVCache):
-            return cache(x)
-        if np.ndim(x) == 0 or np.shape(x)[0] != 1:
-            raise ValueError(f"repeat: a state array of shape {np.shape(x)} has no single batch row on axis 0")
-        return jnp.repeat(x, n, axis=0)
-    return jax.tree.map(leaf, tree, is_leaf=lambda x: isinstance(x, models.KVCache))
+    def leaf(*xs):
+        return cache(*xs) if isinstance(xs[0], models.KVCache) else fn(0, *xs)
+    return jax.tree.map(leaf, *trees, is_leaf=lambda x: isinstance(x, models.KVCache))
+
+
+def _repeat_rows(tree, n: int):
+    """Copy the single batch row of every cache / array in `tree` n times (`_map_rows` axes)."""
+    def rep(axis, x):
+        if np.ndim(x) <= axis or np.shape(x)[axis] != 1:
+            raise ValueError(f"repeat: a state array of shape {np.shape(x)} has no single batch row on axis {axis}")
+        return jnp.repeat(x, n, axis=axis)
+    return _map_rows(rep, tree)
+
+
+def _set_rows(big, one, slot):
+    """`big` with batch row ``slot`` (traced) replaced by the single row of `one` (same structure)."""
+    def put(axis, x, y):
+        return jax.lax.dynamic_update_slice_in_dim(x, y if y.dtype == x.dtype else y.astype(x.dtype), slot, axis)
+    return _map_rows(put, big, one)
 
 
 @dataclasses.dataclass
@@ -795,6 +807,29 @@ class Engine:
         state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
         return GenerateOutput.from_state(state)
 
+    def _refill(self, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
+        """The state with row ``slot`` (traced) holding a fresh request: its prompt prefilled into
+        that row of the target cache (and the drafter's state, and the features), its tokens,
+        lengths, status, key and per-row counters reset; other rows and the batch-wide entries
+        (adaptive policy, round, gamma_rounds_K) untouched."""
+        capacity = state.tokens_BL.shape[1]
+        P = prompt_1P.shape[1]
+        cache_1, draft_1, features_1 = self._prefill(params, prompt_1P, prompt_lengths_1, capacity)
+        row = lambda big, one: None if one is None else _set_rows(big, one, slot)    # noqa: E731
+        set_at = lambda x_B, v: x_B.at[slot].set(v)                                    # noqa: E731
+        m = state.metrics
+        metrics = m.replace(**{f.name: getattr(m, f.name).at[slot].set(0) for f in dataclasses.fields(m)
+                               if f.name != "gamma_rounds_K"})       # the batch-wide count stays
+        return self._constrain(state.replace(
+            tokens_BL=row(state.tokens_BL, jnp.full((1, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_1P)),
+            lengths_B=set_at(state.lengths_B, prompt_lengths_1[0]),
+            prompt_lengths_B=set_at(state.prompt_lengths_B, prompt_lengths_1[0]),
+            done_B=set_at(state.done_B, False), status_B=set_at(state.status_B, RUNNING),
+            target_cache=row(state.target_cache, cache_1),
+            draft_state=row(state.draft_state, draft_1) if self.config.max_gamma > 0 else state.draft_state,
+            key_B=row(state.key_B, key_1), metrics=metrics,
+            features_BLF=row(state.features_BLF, features_1) if self.feature_layers else state.features_BLF))
+
     # ------------------------------------------------------------------ compiled entry points
 
     _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
@@ -802,6 +837,7 @@ class Engine:
     _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
     _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
     _round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_round)
+    _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_refill)
 
     def _round_time_K(self, round_time_s):
         if round_time_s is None:
@@ -849,6 +885,10 @@ class Engine:
                 f"gamma+1={self.config.max_gamma + 1} need {need} slots. Raise the capacity or shorten the prompt.")
         if P > batch.capacity:
             raise models.CacheCapacityError(f"padded prompt width {P} exceeds the cache capacity {batch.capacity}")
+
+    def check(self, batch: Batch) -> None:
+        """Raise ValueError / `CacheCapacityError` for a batch this engine cannot run (see `_check`)."""
+        self._check(batch)
 
     def prefill(self, params: EngineParams, batch: Batch) -> Prefill:
         """The batch's prompts in the target's cache (and the drafter's state): pass it as
@@ -920,6 +960,37 @@ class Engine:
                               output=GenerateOutput.from_state(state) if last else None)
             if last:
                 return
+
+    # ------------------------------------------------------------------ slots (continuous batching)
+
+    def empty_state(self, params: EngineParams, slots: int, capacity: int, round_time_s=None) -> LoopState:
+        """A loop state of ``slots`` empty rows (done, holding a one-token placeholder) for
+        `refill`: the start of a slot-refilling scheduler (`specjax.serving`). `step` on it
+        commits nothing until a row is refilled; done rows cost a round like active ones."""
+        placeholder = Batch(prompt_BP=jnp.zeros((slots, 1), jnp.int32), prompt_lengths_B=jnp.ones((slots,), jnp.int32),
+                            key_B=jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(slots)),
+                            capacity=int(capacity))
+        if self.mesh is not None:
+            placeholder = self.place_batch(placeholder)
+        state = self.init(params, placeholder, round_time_s)
+        return state.replace(done_B=jnp.ones_like(state.done_B))
+
+    def refill(self, params: EngineParams, state: LoopState, slot: int, prompt: Batch) -> LoopState:
+        """Row ``slot`` of ``state`` replaced by the one-row request ``prompt`` (a `Batch` of one
+        row with the state's capacity, its key the request's own): its prompt is prefilled into
+        that row while the other rows keep their caches and progress. ``state`` is donated.
+        With a fixed gamma the row then decodes exactly as the request would alone (same key,
+        same tokens); the request's checks (ids, context length, capacity) run first."""
+        capacity = int(state.tokens_BL.shape[1])
+        if np.shape(prompt.prompt_BP)[0] != 1:
+            raise ValueError(f"refill takes a one-row batch, got {np.shape(prompt.prompt_BP)[0]} rows")
+        if prompt.capacity != capacity:
+            raise ValueError(f"refill: the request's capacity {prompt.capacity} differs from the state's {capacity}")
+        if not 0 <= int(slot) < state.lengths_B.shape[0]:
+            raise ValueError(f"slot {slot} outside [0, {state.lengths_B.shape[0]})")
+        self._check(prompt)
+        return self._refill_jit(params, state, jnp.int32(slot), prompt.prompt_BP, prompt.prompt_lengths_B,
+                                prompt.key_B)
 
     def round_times(self, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
                     prefill: Prefill | None = None) -> list[float]:

@@ -1,0 +1,278 @@
+"""A request scheduler that keeps a fixed batch of slots full (continuous batching).
+
+The engine's loop state has ``slots`` rows. Each request waits in a FIFO queue until it has
+arrived and a slot is free; then its prompt is prefilled into that row (`Engine.refill`: one
+jitted call, the other rows keep their caches and progress and resume at the next round), and
+from then on the row takes part in every engine round (`Engine.step`). When a row finishes
+(EOS, max_new_tokens, NaN logits) its result is read and the slot is refilled with the next
+waiting request. Empty slots are done rows: masked, but a round costs the same with them
+(the batch shape is static, one compiled program).
+
+What a request sees is its own: its key is ``fold_in(key, request_id)`` (as `make_batch`),
+its counters are reset when it enters a slot, and with a fixed gamma its tokens are those it
+would get decoded alone (tests/test_serving.py). With adaptive gamma the draft length is
+chosen per round for the whole batch, so the realised sample (never its distribution) can
+depend on the other requests.
+
+Time: ``clock='virtual'`` (default) measures every prefill and round with the wall clock but
+skips the time in which nothing is queued or running (the server would sleep until the next
+arrival), so a load study at low rates does not wait for idle gaps; ``'real'`` sleeps them.
+Arrival times are seconds from the start of `run`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decoding
+from specjax import sampling as sampling_lib
+
+ROW_COUNTERS = ("rounds_B", "draft_passes_B", "proposed_B", "accepted_B", "committed_B", "degenerate_residual_B",
+                "invalid_draft_rounds_B", "scored_B")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: token ids of its prompt and its arrival time (s from the start)."""
+    id: int
+    prompt: tuple[int, ...]
+    arrival_s: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        if not self.prompt:
+            raise ValueError(f"request {self.id} has an empty prompt")
+        if not np.isfinite(self.arrival_s) or self.arrival_s < 0:
+            raise ValueError(f"request {self.id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """A finished request: its tokens, status, its own counters and its times (s from the start).
+
+    queue_delay_s: arrival -> admitted into a slot; ttft_s: arrival -> first committed token
+    (queue delay, prefill and the first round); inter_token_s: mean time between its tokens
+    after the first (NaN with one token); latency_s: arrival -> last token."""
+    id: int
+    prompt_tokens: int
+    tokens: list[int]
+    status: str
+    slot: int
+    arrival_s: float
+    admitted_s: float
+    first_token_s: float
+    finished_s: float
+    counters: dict
+
+    @property
+    def queue_delay_s(self) -> float:
+        return self.admitted_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+    @property
+    def inter_token_s(self) -> float:
+        n = len(self.tokens)
+        return (self.finished_s - self.first_token_s) / (n - 1) if n > 1 else float("nan")
+
+    def record(self) -> dict:
+        """A JSON-ready row (times rounded to microseconds)."""
+        r = lambda x: None if not np.isfinite(x) else round(float(x), 6)    # noqa: E731
+        return {"id": self.id, "prompt_tokens": self.prompt_tokens, "tokens": len(self.tokens), "status": self.status,
+                "slot": self.slot, "arrival_s": r(self.arrival_s), "queue_delay_s": r(self.queue_delay_s),
+                "ttft_s": r(self.ttft_s), "inter_token_s": r(self.inter_token_s), "latency_s": r(self.latency_s),
+                **self.counters}
+
+
+@dataclasses.dataclass
+class ServeOutput:
+    results: list[RequestResult]      # in request-id order
+    summary: dict
+    steps: list[tuple[float, int]]    # (time after the round, active slots during it) per engine round
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> np.ndarray:
+    """Arrival times (s) of a Poisson process: n exponential gaps of mean 1/rate, cumulated
+    (host-side numpy randomness: the arrival process is the workload, not the sampler)."""
+    if n < 0 or not rate_per_s > 0:
+        raise ValueError(f"poisson_arrivals needs n >= 0 and rate > 0, got n={n}, rate={rate_per_s}")
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate_per_s, size=n))
+
+
+def _pct(xs, q):
+    xs = [x for x in xs if np.isfinite(x)]
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summarize(results: Sequence[RequestResult], steps: Sequence[tuple[float, int]], slots: int,
+              gamma_rounds: Sequence[int], prefill_s: float) -> dict:
+    """Aggregate figures of one served workload (see `RequestResult` for the times)."""
+    tokens = sum(len(r.tokens) for r in results)
+    start = min(r.arrival_s for r in results)
+    makespan = max(r.finished_s for r in results) - start
+    total = lambda name: int(sum(r.counters[name] for r in results))      # noqa: E731
+    row_rounds, proposed, accepted = total("target_passes"), total("proposed"), total("accepted")
+    out = {"requests": len(results), "slots": slots, "tokens": tokens, "makespan_s": makespan,
+           "throughput_tok_s": tokens / makespan if makespan > 0 else float("nan"),
+           "engine_rounds": len(steps), "row_rounds": row_rounds,
+           "mean_active_slots": float(np.mean([a for _, a in steps])) if steps else 0.0,
+           "proposed": proposed, "accepted": accepted, "wasted": proposed - accepted,
+           "acceptance_rate": accepted / proposed if proposed else float("nan"),
+           "mean_accepted_tokens_per_pass": tokens / row_rounds if row_rounds else float("nan"),
+           "degenerate_residuals": total("degenerate_residuals"),
+           "rounds_per_gamma": [int(g) for g in gamma_rounds], "prefill_s": prefill_s,
+           "statuses": dict(collections.Counter(r.status for r in results))}
+    for name in ("ttft_s", "inter_token_s", "queue_delay_s", "latency_s"):
+        xs = [getattr(r, name) for r in results]
+        out[f"{name}_mean"] = float(np.nanmean(xs)) if any(np.isfinite(xs)) else float("nan")
+        out[f"{name}_p50"], out[f"{name}_p90"] = _pct(xs, 50), _pct(xs, 90)
+    return out
+
+
+class _Clock:
+    def __init__(self, mode: str):
+        if mode not in ("virtual", "real"):
+            raise ValueError(f"clock must be 'virtual' or 'real', got {mode!r}")
+        self.mode, self.t0, self.skipped = mode, time.perf_counter(), 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0 + self.skipped
+
+    def wait_until(self, t: float):
+        gap = t - self.now()
+        if gap > 0:
+            if self.mode == "real":
+                time.sleep(gap)
+            else:
+                self.skipped += gap
+
+
+@dataclasses.dataclass
+class Scheduler:
+    """Serve requests through ``slots`` rows of one engine (see the module doc).
+
+    capacity: cache slots per row (every request's prompt + max_new_tokens + the verification
+    block must fit; default: what the longest prompt of a `run` needs, rounded up to
+    ``pad_multiple``); prompts are padded to a multiple of ``pad_multiple`` (one compiled
+    refill per padded width). ``round_time_s`` feeds adaptive gamma (as `Generator`'s)."""
+    engine: decoding.Engine
+    params: decoding.EngineParams
+    slots: int
+    pad_multiple: int = 64
+    capacity: int | None = None
+    round_time_s: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+
+    def _capacity(self, requests) -> int:
+        if self.capacity is not None:
+            return int(self.capacity)
+        longest = max(len(r.prompt) for r in requests)
+        need = self.engine.config.slots_needed(longest)
+        width = -(-longest // self.pad_multiple) * self.pad_multiple
+        return max(-(-need // self.pad_multiple) * self.pad_multiple, width)
+
+    def _one(self, request: Request, key, capacity: int) -> decoding.Batch:
+        width = min(-(-len(request.prompt) // self.pad_multiple) * self.pad_multiple, capacity)
+        prompt = np.zeros((1, width), np.int32)
+        prompt[0, :len(request.prompt)] = request.prompt
+        return decoding.Batch(prompt_BP=jnp.asarray(prompt), prompt_lengths_B=jnp.asarray([len(request.prompt)], jnp.int32),
+                              key_B=decoding.request_keys(key, [request.id]), capacity=capacity)
+
+    def warmup(self, sampling: sampling_lib.SamplingConfig, requests: Sequence[Request], key) -> None:
+        """Compile the refill of every padded prompt width the requests need and one round, on a
+        throw-away state (so `run`'s times hold no compilation)."""
+        capacity = self._capacity(requests)
+        state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s)
+        widths = {}
+        for r in requests:
+            widths.setdefault(self._one(r, key, capacity).prompt_BP.shape[1], r)
+        for r in widths.values():
+            state = self.engine.refill(self.params, state, 0, self._one(r, key, capacity))
+        jax.block_until_ready(self.engine.step(self.params, sampling, state))
+
+    def run(self, requests: Sequence[Request], sampling: sampling_lib.SamplingConfig, key, *,
+            clock: str = "virtual", warmup: bool = True) -> ServeOutput:
+        """Serve every request (FIFO by arrival, ties by id) and return their results in id order
+        and the workload's summary (`summarize`)."""
+        if not requests:
+            raise ValueError("no requests given")
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique (each one's key is folded from it)")
+        capacity = self._capacity(requests)
+        engine, params = self.engine, self.params
+        batches = {r.id: self._one(r, key, capacity) for r in requests}
+        for r in requests:                              # every request is checked before anything runs
+            try:
+                engine.check(batches[r.id])
+            except ValueError as e:
+                raise type(e)(f"request {r.id}: {e}") from None
+        if warmup:
+            self.warmup(sampling, requests, key)
+
+        queue = collections.deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+        state = engine.empty_state(params, self.slots, capacity, self.round_time_s)
+        jax.block_until_ready(state)
+        occupant: list[dict | None] = [None] * self.slots
+        results, steps, prefill_s = {}, [], 0.0
+        clk = _Clock(clock)
+        while queue or any(o is not None for o in occupant):
+            # Admit every arrived request into a free slot (FIFO).
+            for slot in range(self.slots):
+                if occupant[slot] is None and queue and queue[0].arrival_s <= clk.now():
+                    r = queue.popleft()
+                    t = clk.now()
+                    state = jax.block_until_ready(engine.refill(params, state, slot, batches[r.id]))
+                    prefill_s += clk.now() - t
+                    occupant[slot] = {"request": r, "admitted": t, "tokens": [], "first": None}
+            active = [s for s in range(self.slots) if occupant[s] is not None]
+            if not active:
+                clk.wait_until(queue[0].arrival_s)      # nothing to do until the next arrival
+                continue
+            state, commit = engine.step(params, sampling, state)
+            c = jax.device_get(commit)
+            t = clk.now()
+            steps.append((t, len(active)))
+            finished = []
+            for s in active:
+                o = occupant[s]
+                n = int(c.n_B[s])
+                if n:
+                    o["tokens"].extend(int(x) for x in c.tokens_BK[s, :n])
+                    if o["first"] is None:
+                        o["first"] = t
+                if bool(c.done_B[s]):
+                    finished.append(s)
+            if finished:
+                status_B, m = jax.device_get((state.status_B, state.metrics))
+                for s in finished:
+                    o, r = occupant[s], occupant[s]["request"]
+                    counters = {name.removesuffix("_B"): int(getattr(m, name)[s]) for name in ROW_COUNTERS}
+                    counters["target_passes"] = counters.pop("rounds")
+                    counters["degenerate_residuals"] = counters.pop("degenerate_residual")
+                    results[r.id] = RequestResult(
+                        id=r.id, prompt_tokens=len(r.prompt), tokens=o["tokens"],
+                        status=decoding.STATUS_NAMES[int(status_B[s])], slot=s, arrival_s=r.arrival_s,
+                        admitted_s=o["admitted"], first_token_s=o["first"] if o["first"] is not None else t,
+                        finished_s=t, counters=counters)
+                    occupant[s] = None
+        gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_K))
+        ordered = [results[i] for i in sorted(results)]
+        return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),
+                           steps=steps)
