@@ -14,7 +14,8 @@ def get_config():
     c = generate.get_config()
     for key in ("drafter", "prompt", "system", "compare_target_only", "metrics_jsonl"):
         del c[key]                      # one prompt's settings; the bench has its own below
-    c.drafters = ("ngram", "distilled")  # drafter kinds as in generate.py (not 'none': target-only always runs)
+    # drafter kinds as in generate.py (not 'none': target-only always runs); 'head:<dir>' = a head directory
+    c.drafters = ("ngram", "distilled")
     c.prompts = ""                      # "" = Spec-Bench held-out split; else a JSONL file (turns or prompt)
     c.per_category = 1                  # prompts per category (file order); 0 = all
     c.num_prompts = 0                   # > 0: at most this many prompts in all

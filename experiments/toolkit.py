@@ -135,12 +135,23 @@ def prefill_costs(model, params, ks, *, iters: int, log: CompileLog) -> dict:
 def propose_cost(target, drafter, draft_params, gamma: int, sampling, *, ctx: int, capacity: int, iters: int,
                  log: CompileLog, batch: int = 1, seed: int = 0) -> dict:
     """Seconds of one jitted `drafter.propose` of `gamma` tokens per row at context `ctx`: the
-    drafter prefilled on a random context, the target's cache holding ctx - 1 tokens."""
-    tokens_BL = jnp.asarray(np.random.default_rng(seed).integers(0, target.vocab_size, (batch, capacity)), jnp.int32)
+    drafter prefilled on a random context, the target's cache holding ctx - 1 tokens (a feature
+    head: random target features of its width at every position)."""
+    rng = np.random.default_rng(seed)
+    tokens_BL = jnp.asarray(rng.integers(0, target.vocab_size, (batch, capacity)), jnp.int32)
     lengths_B = jnp.full((batch,), ctx, jnp.int32)
-    state = jax.jit(lambda dp, t, n: drafter.init(dp, t, n, capacity))(draft_params, tokens_BL[:, :ctx], lengths_B)
+    layers = tuple(getattr(drafter, "feature_layers", ()) or ())
+    features = None
+    if layers:
+        width = len(layers) * target.config.hidden_size
+        features = jnp.asarray(rng.standard_normal((batch, capacity, width)), jnp.float32)
+        state = jax.jit(lambda dp, t, n, f: drafter.init(dp, t, n, capacity, features_BPF=f))(
+            draft_params, tokens_BL[:, :ctx], lengths_B, features[:, :ctx])
+    else:
+        state = jax.jit(lambda dp, t, n: drafter.init(dp, t, n, capacity))(draft_params, tokens_BL[:, :ctx], lengths_B)
     context = drafters.DraftContext(tokens_BL=tokens_BL, lengths_B=lengths_B,
-                                    target_cache=target.init_cache(batch, capacity).rollback(ctx - 1))
+                                    target_cache=target.init_cache(batch, capacity).rollback(ctx - 1),
+                                    features=features)
     keys = decoding.request_keys(jax.random.key(seed), list(range(batch)))
     fn = jax.jit(lambda dp, st, cx, ky, sp: drafter.propose(dp, st, cx, ky, gamma, sp)[:2])
     return time_calls(fn, draft_params, state, context, keys, sampling, iters=iters, log=log)

@@ -237,6 +237,8 @@ def run(c, command: str = "specjax bench") -> list[dict]:
         cc = c.copy_and_resolve_references()
         with cc.unlocked():
             cc.drafter = kind
+            if kind.startswith("head:"):         # head:<directory>: a feature-level draft head
+                cc.drafter, cc.draft_model = "head", kind.split(":", 1)[1]
         build.check_config(cc)                   # every drafter's settings before anything loads
         configs[kind] = cc
     prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)

@@ -283,6 +283,10 @@ def test_generate_does_not_depend_on_batching(toy_pair):
     b = distill.generate(target, tparams, prompts, key=jax.random.key(3), sampling=t1, max_new_tokens=12,
                          batch_size=3, samples_per_prompt=2, width_multiple=16)
     assert [x.tolist() for x in a.tokens] == [x.tolist() for x in b.tokens]
+    # The slot-refilling scheduler (default) and length-bucketed whole batches give the same data.
+    c = distill.generate(target, tparams, prompts, key=jax.random.key(3), sampling=t1, max_new_tokens=12,
+                         batch_size=4, samples_per_prompt=2, width_multiple=8, slots=False)
+    assert [x.tolist() for x in a.tokens] == [x.tolist() for x in c.tokens]
     assert a.prompt_lengths.tolist() == [3, 3, 9, 9, 2, 2, 5, 5]
     assert all(len(x) == p + 12 for x, p in zip(a.tokens, a.prompt_lengths))
 

@@ -18,6 +18,10 @@ def get_config(variant: str = ""):
     c.prompt_len = 0
     c.max_new_tokens = 64
     c.temperatures = (0.0, 1.0)
+    c.samplings = ()                        # "T" or "T:top_p" strings; replaces temperatures when given
+    c.per_category = 1                      # the k shortest held-out questions of each category
+    c.adaptive = False                      # also AdaptiveGamma over (0,) + chains, calibrated per drafter
+    c.draft_costs = False                   # time one propose of gamma tokens per drafter and chain
     c.drafters = ("ngram", "early_exit", "distilled")
     c.early_exit_layers = 0                 # 0 = the generate config's
     c.chains = (1, 2, 4)                    # gamma of the linear drafts

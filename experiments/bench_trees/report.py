@@ -12,6 +12,8 @@ from experiments import toolkit
 
 
 def _kind(setting: str) -> str:
+    if setting == "adaptive":
+        return "adaptive"
     return "chain" if setting.startswith("chain") else ("dynamic tree" if setting.startswith("dynamic")
                                                         else "static tree")
 
@@ -21,10 +23,11 @@ def render(records: list[dict]) -> str:
     gens = [r for r in records if r["kind"] == "generation"]
     costs = [r for r in records if r["kind"] == "node_cost"]
     lines = ["# Token trees: chain vs static vs dynamic tree", ""] + toolkit.provenance_lines(prov) + [""]
-    for temp in sorted({r["temperature"] for r in gens}):
-        rows_t = [r for r in gens if r["temperature"] == temp]
+    for temp, top_p in sorted({(r["temperature"], r.get("top_p", 1.0)) for r in gens}):
+        rows_t = [r for r in gens if (r["temperature"], r.get("top_p", 1.0)) == (temp, top_p)]
         base = next(r for r in rows_t if r["drafter"] == "none")
-        lines += [f"## T = {temp:g} (target-only: {base['tokens_per_s']:.1f} tokens/s, "
+        nucleus = f", top-p {top_p:g}" if top_p != 1.0 else ""
+        lines += [f"## T = {temp:g}{nucleus} (target-only: {base['tokens_per_s']:.1f} tokens/s, "
                   f"{base['new_tokens']} tokens over {base['prompts']} prompts)", ""]
         rows = []
         for r in rows_t:

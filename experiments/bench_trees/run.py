@@ -40,14 +40,34 @@ def _log(msg: str):
 def proposals(c, kind: str) -> list[tuple[str, object]]:
     """(label, gamma or tree) of one drafter kind: the chains, then its trees (feature heads:
     ``head_chains`` and, for EAGLE kinds, ``head_trees``; Medusa heads draft chains only)."""
+    adaptive = []
     if kind.startswith("head:"):
-        chains = [(f"chain:{g}", int(g)) for g in c.get("head_chains", c.chains)]
+        gs = tuple(int(g) for g in c.get("head_chains", c.chains))
+        chains = [(f"chain:{g}", g) for g in gs]
+        if c.get("adaptive", False):
+            adaptive = [("adaptive", decoding.AdaptiveGamma(gammas=(0,) + gs))]
         directory = kind.split(":", 1)[1]
         if drafters.is_head_dir(directory) and drafters.head_kind(directory) == "medusa":
-            return chains
-        return chains + [(t, trees.parse_tree(t)) for t in c.get("head_trees", ())]
+            return chains + adaptive
+        return chains + [(t, trees.parse_tree(t)) for t in c.get("head_trees", ())] + adaptive
     tree_texts = c.ngram_trees if kind == "ngram" else c.model_trees
-    return [(f"chain:{g}", int(g)) for g in c.chains] + [(t, trees.parse_tree(t)) for t in tree_texts]
+    out = [(f"chain:{g}", int(g)) for g in c.chains] + [(t, trees.parse_tree(t)) for t in tree_texts]
+    if c.get("adaptive", False):            # gamma per round among 0 and the chains (calibrated round times)
+        out.append(("adaptive", decoding.AdaptiveGamma(gammas=(0,) + tuple(int(g) for g in c.chains))))
+    return out
+
+
+def samplings(c) -> list[tuple[float, float]]:
+    """(temperature, top_p) of every sampling setting: ``c.samplings`` ("T" or "T:top_p"
+    strings) when given, else each of ``c.temperatures`` with top_p 1."""
+    texts = tuple(c.get("samplings", ()) or ())
+    if not texts:
+        return [(float(t), 1.0) for t in c.temperatures]
+    out = []
+    for t in texts:
+        temp, _, top_p = str(t).partition(":")
+        out.append((float(temp), float(top_p or 1.0)))
+    return out
 
 
 def node_costs(target, params, counts, *, ctx: int, capacity: int, iters: int, log) -> dict:
@@ -65,6 +85,19 @@ def node_costs(target, params, counts, *, ctx: int, capacity: int, iters: int, l
     return out
 
 
+class _Calibrated:
+    """An engine whose `run` passes its calibrated round times (adaptive gamma)."""
+
+    def __init__(self, engine, round_time_s):
+        self.engine, self.round_time_s = engine, round_time_s
+
+    def run(self, params, samp, batch):
+        return self.engine.run(params, samp, batch, round_time_s=self.round_time_s)
+
+    def init(self, params, batch):
+        return self.engine.init(params, batch, round_time_s=self.round_time_s)
+
+
 def _generate(engine, params, samp, batch, log):
     """(decode seconds, output, compile seconds) of one `Engine.run` less its prefill; each
     call is rerun once if it compiled."""
@@ -77,14 +110,16 @@ def _generate(engine, params, samp, batch, log):
     return t - pre, out, box["compile_s"]
 
 
-def main(c):
+def main(c, module: str = "experiments.bench_trees.run"):
+    """The benchmark of config `c`; ``module`` names the entry point in the provenance (the
+    variants in experiments/theory and experiments/temperature call this)."""
     build.tune_xla_cpu()
     out = pathlib.Path(c.out)
     g = toolkit.load_config(c.generate_config)
     workload.check_workload(c.workload or g.target)
     for kind in c.drafters:
         proposals(c, kind)                         # bad tree strings fail before anything loads
-    prov = toolkit.provenance("experiments.bench_trees.run", exclude=[out.parent], config=c.to_dict(),
+    prov = toolkit.provenance(module, exclude=[out.parent], config=c.to_dict(),
                               generate_config=g.to_dict())
     layers = workload.layers_of(g)             # the main command's layout (cpu_kernel resolved)
     c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
@@ -92,16 +127,19 @@ def main(c):
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
     _log(f"loading {wc.workload}")
     w = workload.load(wc, out.parent / "_work")
-    shortest = {}
+    by_cat = {}
     for p in w.prompts:
-        if p.category not in shortest or len(p.ids) < len(shortest[p.category].ids):
-            shortest[p.category] = p
-    w.prompts = [shortest[cat] for cat in sorted(shortest)]
+        by_cat.setdefault(p.category, []).append(p)
+    k = int(c.get("per_category", 1))       # the k shortest questions of each category
+    w.prompts = [p for cat in sorted(by_cat) for p in sorted(by_cat[cat], key=lambda p: len(p.ids))[:k]]
     jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
                              "model_notes": w.notes, "layers": layers})
     prompts = [list(p.ids) for p in w.prompts]
     kinds = [k for k in c.drafters if k != "distilled" or workload.has_distilled(w, wc)]
-    max_block = max(p.num_nodes if not isinstance(p, int) else p for k in kinds for _, p in proposals(c, k))
+    def block(p):
+        return p if isinstance(p, int) else (max(map(block, p.gammas)) if isinstance(p, decoding.AdaptiveGamma)
+                                            else p.num_nodes)
+    max_block = max(block(p) for k in kinds for _, p in proposals(c, k))
     longest = max(map(len, prompts))
     capacity = -(-(longest + c.max_new_tokens + max_block + 1) // c.pad_multiple) * c.pad_multiple
     width = -(-longest // c.pad_multiple) * c.pad_multiple
@@ -121,8 +159,16 @@ def main(c):
         for n, v in node_costs(w.target, w.params, c.node_counts, ctx=ctx, capacity=capacity, iters=c.cost_iters,
                                log=log).items():
             jl.write("node_cost", n=n, context=ctx, capacity=capacity, **v)
-        for temp in c.temperatures:
-            samp = sampling.SamplingConfig.make(temperature=temp)
+        if c.get("draft_costs", False):
+            for kind in kinds:
+                drafter, dparams = workload.drafter(w, kind, wc)
+                for g in (c.get("head_chains", c.chains) if kind.startswith("head:") else c.chains):
+                    v = toolkit.propose_cost(w.target, drafter, dparams, int(g), sampling.SamplingConfig.make(0.0),
+                                             ctx=ctx, capacity=capacity, iters=c.cost_iters, log=log)
+                    jl.write("draft_cost", drafter=kind, gamma=int(g), context=ctx, **v)
+                    _log(f"draft cost {kind} gamma {g}: {1e3 * v['median_s']:.2f} ms")
+        for temp, top_p in samplings(c):
+            samp = sampling.SamplingConfig.make(temperature=temp, top_p=top_p)
             runs = [("none", "target_only", 0)] + [(k, label, p) for k in kinds for label, p in proposals(c, k)]
             reference = None
             for kind, label, proposal in runs:
@@ -131,6 +177,11 @@ def main(c):
                                                    tree_verifier=c.tree_verifier, tree_children=c.tree_children)
                 engine = decoding.Engine(w.target, drafter, config)
                 params = decoding.EngineParams(target=w.params, draft=dparams)
+                round_time_s = None
+                if config.adaptive:             # calibrated once per drafter and setting, on the first prompt
+                    round_time_s = engine.round_times(params, samp, batches[0], repeats=3)
+                    engine = _Calibrated(engine, tuple(round_time_s))
+                per_prompt, gamma_rounds = [], None
                 tot = dict(seconds=0.0, compile_s=0.0, new_tokens=0, target_passes=0, proposed=0, accepted=0,
                            scored=0, draft_passes=0)
                 outputs = []
@@ -151,14 +202,24 @@ def main(c):
                     tested_at = np.asarray(m.tested_at_BG[0]).tolist()
                     tot["accepted_at"] = [a + b2 for a, b2 in zip(tot.get("accepted_at", [0] * len(acc_at)), acc_at)]
                     tot["tested_at"] = [a + b2 for a, b2 in zip(tot.get("tested_at", [0] * len(tested_at)), tested_at)]
+                    k = np.asarray(m.gamma_rounds_K)
+                    gamma_rounds = k if gamma_rounds is None else gamma_rounds + k
+                    pr = w.prompts[len(per_prompt)]
+                    per_prompt.append(dict(question_id=pr.question_id, category=pr.category, seconds=t,
+                                           new_tokens=len(gen), target_passes=int(m.rounds_B[0]),
+                                           proposed=int(m.proposed_B[0]), accepted=int(m.accepted_B[0])))
                 if kind == "none":
                     reference = outputs
-                rec = dict(drafter=kind, setting=label, temperature=float(temp), prompts=len(batches),
+                rec = dict(drafter=kind, setting=label, temperature=float(temp), top_p=float(top_p), prompts=len(batches),
                            tokens_per_s=tot["new_tokens"] / tot["seconds"],
                            accepted_tokens_per_pass=tot["new_tokens"] / max(tot["target_passes"], 1),
                            tokens_scored_per_pass=tot["scored"] / max(tot["target_passes"], 1), **tot)
                 if temp == 0 and kind != "none":
                     rec["greedy_rows_matching"] = sum(a == b2 for a, b2 in zip(outputs, reference))
+                rec["per_prompt"] = per_prompt
+                if config.adaptive:
+                    rec.update(gammas=list(config.gammas), round_time_s=list(round_time_s),
+                               rounds_per_gamma=gamma_rounds.tolist())
                 jl.write("generation", **rec)
                 _log(f"T={temp:g} {kind} {label}: {rec['accepted_tokens_per_pass']:.2f} tokens/pass, "
                      f"{rec['tokens_per_s']:.1f} tok/s (compile {tot['compile_s']:.0f} s)")

@@ -979,8 +979,10 @@ class Engine:
         """Row ``slot`` of ``state`` replaced by the one-row request ``prompt`` (a `Batch` of one
         row with the state's capacity, its key the request's own): its prompt is prefilled into
         that row while the other rows keep their caches and progress. ``state`` is donated.
-        With a fixed gamma the row then decodes exactly as the request would alone (same key,
-        same tokens); the request's checks (ids, context length, capacity) run first."""
+        With a fixed gamma the row then decodes as the request would alone (same key, same
+        tokens, up to float rounding that depends on the batch shape: a greedy near-tie or a
+        uniform draw at a CDF boundary can flip); the request's checks (ids, context length,
+        capacity) run first."""
         capacity = int(state.tokens_BL.shape[1])
         if np.shape(prompt.prompt_BP)[0] != 1:
             raise ValueError(f"refill takes a one-row batch, got {np.shape(prompt.prompt_BP)[0]} rows")

@@ -136,8 +136,12 @@ def _round_up(x: int, m: int) -> int:
 def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: sampling_lib.SamplingConfig,
              max_new_tokens: int, batch_size: int = 32, eos_ids: tuple[int, ...] = (),
              samples_per_prompt: int = 1, width_multiple: int = 128, source: str = "generated",
-             log: Callable[[str], None] | None = None) -> SequenceSet:
+             log: Callable[[str], None] | None = None, slots: bool = True) -> SequenceSet:
     """Continuations of `prompts` by `model` (the target, or a draft: on-policy data).
+
+    With ``slots`` (default) the requests go through `specjax.serving.Scheduler` with
+    `batch_size` rows: a row whose request ends (EOS or max_new_tokens) is refilled with the
+    next request at once, so no row idles until the longest of its batch ends. Otherwise:
 
     Prompts are sorted by length and cut into batches of `batch_size` rows (fewer for prompts
     wider than 2 x `width_multiple`, to bound the prefill's memory), padded to a multiple of
@@ -149,6 +153,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
     config = decoding.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, eos_ids=tuple(eos_ids))
     engine, params = decoding.Engine(model, None, config), decoding.EngineParams(target=params)
     reqs = [(i, s) for i in range(len(prompts)) for s in range(samples_per_prompt)]
+    if slots:
+        return _generate_in_slots(engine, params, prompts, reqs, key=key, sampling=sampling, slots=batch_size,
+                                  width_multiple=width_multiple, source=source, log=log)
     order = sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]]))
     out: dict[int, np.ndarray] = {}
     t0, n_new = time.perf_counter(), 0
@@ -181,6 +188,31 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
     seqs = [out[r] for r in range(len(reqs))]
     plens = [len(prompts[i]) for i, _ in reqs]
     return SequenceSet(seqs, plens, source)
+
+
+def _generate_in_slots(engine, params, prompts, reqs, *, key, sampling, slots: int, width_multiple: int,
+                       source: str, log) -> SequenceSet:
+    """`generate` through the slot-refilling scheduler: request r = (prompt i, sample s) keyed
+    ``fold_in(key, r)`` as in the batched path, admitted in order of prompt length."""
+    from specjax import serving
+    order = sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]]))
+    requests = [serving.Request(id=r, prompt=prompts[reqs[r][0]]) for r in order]   # all at once, in this order
+    sched = serving.Scheduler(engine, params, slots=min(slots, len(reqs)), pad_multiple=width_multiple)
+    t0, done, n_new = time.perf_counter(), [0], [0]
+    every = max(1, len(reqs) // 20)
+
+    def progress(res):
+        done[0] += 1
+        n_new[0] += len(res.tokens)
+        if log and (done[0] % every == 0 or done[0] == len(reqs)):
+            dt = time.perf_counter() - t0
+            log(f"{source}: {done[0]}/{len(reqs)} sequences ({sched.slots} slots), {n_new[0]} tokens, "
+                f"{n_new[0] / dt:.0f} tokens/s")
+
+    out = sched.run(requests, sampling, key, warmup=False, on_finish=progress)
+    by_id = {res.id: res for res in out.results}
+    seqs = [np.asarray(list(prompts[i]) + by_id[r].tokens, np.int32) for r, (i, _) in enumerate(reqs)]
+    return SequenceSet(seqs, [len(prompts[i]) for i, _ in reqs], source)
 
 
 def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: int, widths: Sequence[int],

@@ -8,6 +8,8 @@ from then on the row takes part in every engine round (`Engine.step`). When a ro
 waiting request. Empty slots are done rows: masked, but a round costs the same with them
 (the batch shape is static, one compiled program).
 
+Admission is FIFO by arrival time, ties in the order the requests are given.
+
 What a request sees is its own: its key is ``fold_in(key, request_id)`` (as `make_batch`),
 its counters are reset when it enters a slot, and with a fixed gamma its tokens are those it
 would get decoded alone (tests/test_serving.py). With adaptive gamma the draft length is
@@ -25,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -207,9 +209,11 @@ class Scheduler:
         jax.block_until_ready(self.engine.step(self.params, sampling, state))
 
     def run(self, requests: Sequence[Request], sampling: sampling_lib.SamplingConfig, key, *,
-            clock: str = "virtual", warmup: bool = True) -> ServeOutput:
-        """Serve every request (FIFO by arrival, ties by id) and return their results in id order
-        and the workload's summary (`summarize`)."""
+            clock: str = "virtual", warmup: bool = True,
+            on_finish: Callable[[RequestResult], None] | None = None) -> ServeOutput:
+        """Serve every request (FIFO by arrival, ties in the order given) and return their results in id order
+        and the workload's summary (`summarize`); ``on_finish`` is called with each result as its
+        request finishes (progress logs)."""
         if not requests:
             raise ValueError("no requests given")
         ids = [r.id for r in requests]
@@ -226,7 +230,7 @@ class Scheduler:
         if warmup:
             self.warmup(sampling, requests, key)
 
-        queue = collections.deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+        queue = collections.deque(sorted(requests, key=lambda r: r.arrival_s))     # stable: ties as given
         state = engine.empty_state(params, self.slots, capacity, self.round_time_s)
         jax.block_until_ready(state)
         occupant: list[dict | None] = [None] * self.slots
@@ -272,6 +276,8 @@ class Scheduler:
                         admitted_s=o["admitted"], first_token_s=o["first"] if o["first"] is not None else t,
                         finished_s=t, counters=counters)
                     occupant[s] = None
+                    if on_finish is not None:
+                        on_finish(results[r.id])
         gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_K))
         ordered = [results[i] for i in sorted(results)]
         return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),

@@ -1,0 +1,27 @@
+"""Settings of the temperature sweep (`python -m experiments.temperature.run --config=<this file>[:tiny]`).
+
+A variant of the token-tree benchmark (`experiments/bench_trees`): every drafter at gamma 2
+(prompt lookup, the shipped distilled draft, the shipped EAGLE-3 head) against target-only
+decoding at temperatures 0, 0.5, 1.0, 1.5 and at temperature 1 with top-p 0.9, batch 1, the
+shortest held-out Spec-Bench question of each of the 13 categories (the same prompts and
+per-request keys in every setting). The same logits processing is applied to draft and target.
+Variant "tiny": the benchmark's random 4-layer target (seconds; CI).
+"""
+
+from experiments.bench_trees import config as trees_config
+
+
+def get_config(variant: str = ""):
+    c = trees_config.get_config("tiny" if variant == "tiny" else "")
+    c.drafters = ("ngram", "distilled", "head:experiments/heads/eagle3")
+    c.chains = (2,)
+    c.head_chains = (2,)
+    c.ngram_trees, c.model_trees, c.head_trees = (), (), ()
+    c.samplings = ("0", "0.5", "1", "1.5", "1:0.9")
+    c.node_counts = (1, 3)
+    c.out = "experiments/temperature/results/results.jsonl"
+    if variant == "tiny":
+        c.update(drafters=("early_exit",), samplings=("0", "1:0.9"), out="/tmp/temperature/results.jsonl")
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")
+    return c
