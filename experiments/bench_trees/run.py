@@ -57,6 +57,26 @@ def proposals(c, kind: str) -> list[tuple[str, object]]:
     return out
 
 
+def with_verifiers(c, props: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Each proposal once per verifier of ``c.verifiers`` (chains: 'token', 'block') and
+    ``c.tree_verifiers`` (trees: 'traversal', 'recursive'), labelled ``<setting>@<verifier>``;
+    unchanged when those are empty (the config's `tree_verifier`, the token verifier)."""
+    chain_vs, tree_vs = tuple(c.get("verifiers", ()) or ()), tuple(c.get("tree_verifiers", ()) or ())
+    out = []
+    for label, p in props:
+        vs = chain_vs if isinstance(p, int) else (tree_vs if not isinstance(p, decoding.AdaptiveGamma) else ())
+        out += [(f"{label}@{v}", p) for v in vs] if vs else [(label, p)]
+    return out
+
+
+def verifiers_of(c, label: str) -> tuple[str, str]:
+    """(verifier, tree_verifier) of a setting label from `with_verifiers`."""
+    _, _, v = label.partition("@")
+    if not v:
+        return "token", c.tree_verifier
+    return (v, c.tree_verifier) if v in ("token", "block") else ("token", v)
+
+
 def samplings(c) -> list[tuple[float, float]]:
     """(temperature, top_p) of every sampling setting: ``c.samplings`` ("T" or "T:top_p"
     strings) when given, else each of ``c.temperatures`` with top_p 1."""
@@ -169,12 +189,15 @@ def main(c, module: str = "experiments.bench_trees.run"):
                     _log(f"draft cost {kind} gamma {g}: {1e3 * v['median_s']:.2f} ms")
         for temp, top_p in samplings(c):
             samp = sampling.SamplingConfig.make(temperature=temp, top_p=top_p)
-            runs = [("none", "target_only", 0)] + [(k, label, p) for k in kinds for label, p in proposals(c, k)]
+            runs = [("none", "target_only", 0)] + [(k, label, p) for k in kinds
+                                                  for label, p in with_verifiers(c, proposals(c, k))]
             reference = None
             for kind, label, proposal in runs:
                 drafter, dparams = (None, None) if kind == "none" else workload.drafter(w, kind, wc)
+                verifier, tree_verifier = verifiers_of(c, label)
                 config = decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=proposal, eos_ids=w.eos_ids,
-                                                   tree_verifier=c.tree_verifier, tree_children=c.tree_children)
+                                                   verifier=verifier, tree_verifier=tree_verifier,
+                                                   tree_children=c.tree_children)
                 engine = decoding.Engine(w.target, drafter, config)
                 params = decoding.EngineParams(target=w.params, draft=dparams)
                 round_time_s = None

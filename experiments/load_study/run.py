@@ -61,7 +61,13 @@ def _setup(c):
     encoded = [decoding.encode_prompt(tok, q.turns[0]) for q in specbench.load(split="held_out")]
     fits = [p for p in encoded if len(p) <= c.max_prompt_tokens]
     pick = rng.choice(len(fits), size=min(c.num_requests, len(fits)), replace=False)
-    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in sorted(pick)], {"model": gc.target}
+    extra = {"model": gc.target}
+    try:                                   # a registry name: its verified file and sha256
+        path = models.registry.resolve(gc.target)
+        extra.update(model_file=str(path), model_sha256=toolkit.sha256(path), model_notes="registry GGUF")
+    except (ValueError, KeyError, FileNotFoundError):
+        pass
+    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in sorted(pick)], extra
 
 
 def _engine(c, gc, target, params, eos_ids, mode: str):

@@ -16,6 +16,9 @@ from experiments.theory import plot
 
 def main(c):
     trees_run.main(c, module="experiments.theory.run")
+    # The benchmark's own table (it writes README.md beside the JSONL) as bench_trees.md.
+    results = pathlib.Path(c.out).parent
+    (results / "README.md").replace(results / "bench_trees.md")
     for p in plot.plot(c.out):
         print(p)
 

@@ -365,6 +365,10 @@ def _repeat_rows(tree, n: int):
 def _set_rows(big, one, slot):
     """`big` with batch row ``slot`` (traced) replaced by the single row of `one` (same structure)."""
     def put(axis, x, y):
+        want = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+        if y.shape != want:     # a state leaf that is not batch-major would be written into the wrong rows
+            raise ValueError(f"refill: a state array of shape {x.shape} takes a row of shape {want}, got {y.shape} "
+                             f"(drafter and cache state must be batch-major, see specjax.drafters' protocol)")
         return jax.lax.dynamic_update_slice_in_dim(x, y if y.dtype == x.dtype else y.astype(x.dtype), slot, axis)
     return _map_rows(put, big, one)
 

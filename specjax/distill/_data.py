@@ -193,25 +193,33 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
 def _generate_in_slots(engine, params, prompts, reqs, *, key, sampling, slots: int, width_multiple: int,
                        source: str, log) -> SequenceSet:
     """`generate` through the slot-refilling scheduler: request r = (prompt i, sample s) keyed
-    ``fold_in(key, r)`` as in the batched path, admitted in order of prompt length."""
+    ``fold_in(key, r)`` as in the batched path. Requests are grouped by padded prompt width
+    (multiples of `width_multiple`), one scheduler per group with the group's own cache capacity
+    and as many slots as the batched path gives rows of that width, so a few long prompts do
+    not size every row's cache and attention."""
     from specjax import serving
-    order = sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]]))
-    requests = [serving.Request(id=r, prompt=prompts[reqs[r][0]]) for r in order]   # all at once, in this order
-    sched = serving.Scheduler(engine, params, slots=min(slots, len(reqs)), pad_multiple=width_multiple)
+    groups: dict[int, list[int]] = {}
+    for r in sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]])):
+        groups.setdefault(_round_up(len(prompts[reqs[r][0]]), width_multiple), []).append(r)
     t0, done, n_new = time.perf_counter(), [0], [0]
     every = max(1, len(reqs) // 20)
+    tokens: dict[int, list[int]] = {}
+    for width, rs in sorted(groups.items()):
+        rows = max(1, min(slots, slots * width_multiple * 2 // max(width, width_multiple * 2), len(rs)))
 
-    def progress(res):
-        done[0] += 1
-        n_new[0] += len(res.tokens)
-        if log and (done[0] % every == 0 or done[0] == len(reqs)):
-            dt = time.perf_counter() - t0
-            log(f"{source}: {done[0]}/{len(reqs)} sequences ({sched.slots} slots), {n_new[0]} tokens, "
-                f"{n_new[0] / dt:.0f} tokens/s")
+        def progress(res, rows=rows):
+            done[0] += 1
+            n_new[0] += len(res.tokens)
+            if log and (done[0] % every == 0 or done[0] == len(reqs)):
+                dt = time.perf_counter() - t0
+                log(f"{source}: {done[0]}/{len(reqs)} sequences ({rows} slots, width {width}), {n_new[0]} tokens, "
+                    f"{n_new[0] / dt:.0f} tokens/s")
 
-    out = sched.run(requests, sampling, key, warmup=False, on_finish=progress)
-    by_id = {res.id: res for res in out.results}
-    seqs = [np.asarray(list(prompts[i]) + by_id[r].tokens, np.int32) for r, (i, _) in enumerate(reqs)]
+        sched = serving.Scheduler(engine, params, slots=rows, pad_multiple=width_multiple)
+        out = sched.run([serving.Request(id=r, prompt=prompts[reqs[r][0]]) for r in rs], sampling, key,
+                        warmup=False, on_finish=progress)
+        tokens.update({res.id: res.tokens for res in out.results})
+    seqs = [np.asarray(list(prompts[i]) + tokens[r], np.int32) for r, (i, _) in enumerate(reqs)]
     return SequenceSet(seqs, [len(prompts[i]) for i, _ in reqs], source)
 
 

@@ -14,6 +14,9 @@ positions (``None`` until a drafter needs them). A drafter reads what it needs f
 engine never asks a drafter what kind it is.
 
 * ``init(params, prompt_BP, prompt_lengths_B, capacity) -> state``: prefill on the prompts.
+  The state is batch-major: every array leaf has the batch on axis 0, except `KVCache`s (their
+  own layouts), so the engine can copy rows (`Prefill.repeat`) and refill one row with a new
+  request (`Engine.refill`, the slot scheduler); a leaf of another shape is refused there.
 * ``propose(params, state, context, key_B, gamma, sampling) -> (tokens_BG, q_BGV, state)``:
   G = gamma proposals per row, each sampled from ``q`` with the row's own key; ``q`` must be
   exactly the distribution the token was drawn from, after the same logits processing

@@ -60,7 +60,8 @@ class RequestResult:
     """A finished request: its tokens, status, its own counters and its times (s from the start).
 
     queue_delay_s: arrival -> admitted into a slot; ttft_s: arrival -> first committed token
-    (queue delay, prefill and the first round); inter_token_s: mean time between its tokens
+    (queue delay, prefill and the first round; NaN for a request that committed none, e.g. NaN
+    logits in its first round); inter_token_s: mean time between its tokens
     after the first (NaN with one token); latency_s: arrival -> last token."""
     id: int
     prompt_tokens: int
@@ -189,11 +190,15 @@ class Scheduler:
         width = -(-longest // self.pad_multiple) * self.pad_multiple
         return max(-(-need // self.pad_multiple) * self.pad_multiple, width)
 
-    def _one(self, request: Request, key, capacity: int) -> decoding.Batch:
+    def _one(self, request: Request, key, capacity: int, host: bool = False) -> decoding.Batch:
+        """The request as a one-row batch (``host``: numpy arrays and no key, for the checks)."""
         width = min(-(-len(request.prompt) // self.pad_multiple) * self.pad_multiple, capacity)
-        prompt = np.zeros((1, width), np.int32)
+        prompt = np.zeros((1, width), np.int64)
         prompt[0, :len(request.prompt)] = request.prompt
-        return decoding.Batch(prompt_BP=jnp.asarray(prompt), prompt_lengths_B=jnp.asarray([len(request.prompt)], jnp.int32),
+        lengths = np.asarray([len(request.prompt)], np.int32)
+        if host:
+            return decoding.Batch(prompt_BP=prompt, prompt_lengths_B=lengths, key_B=None, capacity=capacity)
+        return decoding.Batch(prompt_BP=jnp.asarray(prompt, jnp.int32), prompt_lengths_B=jnp.asarray(lengths),
                               key_B=decoding.request_keys(key, [request.id]), capacity=capacity)
 
     def warmup(self, sampling: sampling_lib.SamplingConfig, requests: Sequence[Request], key) -> None:
@@ -203,7 +208,7 @@ class Scheduler:
         state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s)
         widths = {}
         for r in requests:
-            widths.setdefault(self._one(r, key, capacity).prompt_BP.shape[1], r)
+            widths.setdefault(self._one(r, key, capacity, host=True).prompt_BP.shape[1], r)
         for r in widths.values():
             state = self.engine.refill(self.params, state, 0, self._one(r, key, capacity))
         jax.block_until_ready(self.engine.step(self.params, sampling, state))
@@ -221,12 +226,12 @@ class Scheduler:
             raise ValueError("request ids must be unique (each one's key is folded from it)")
         capacity = self._capacity(requests)
         engine, params = self.engine, self.params
-        batches = {r.id: self._one(r, key, capacity) for r in requests}
         for r in requests:                              # every request is checked before anything runs
             try:
-                engine.check(batches[r.id])
+                engine.check(self._one(r, key, capacity, host=True))
             except ValueError as e:
                 raise type(e)(f"request {r.id}: {e}") from None
+        max_rounds = engine.config.max_rounds       # a request's safety bound, as in `Engine.run`
         if warmup:
             self.warmup(sampling, requests, key)
 
@@ -242,9 +247,9 @@ class Scheduler:
                 if occupant[slot] is None and queue and queue[0].arrival_s <= clk.now():
                     r = queue.popleft()
                     t = clk.now()
-                    state = jax.block_until_ready(engine.refill(params, state, slot, batches[r.id]))
+                    state = jax.block_until_ready(engine.refill(params, state, slot, self._one(r, key, capacity)))
                     prefill_s += clk.now() - t
-                    occupant[slot] = {"request": r, "admitted": t, "tokens": [], "first": None}
+                    occupant[slot] = {"request": r, "admitted": t, "tokens": [], "first": None, "rounds": 0}
             active = [s for s in range(self.slots) if occupant[s] is not None]
             if not active:
                 clk.wait_until(queue[0].arrival_s)      # nothing to do until the next arrival
@@ -261,7 +266,8 @@ class Scheduler:
                     o["tokens"].extend(int(x) for x in c.tokens_BK[s, :n])
                     if o["first"] is None:
                         o["first"] = t
-                if bool(c.done_B[s]):
+                o["rounds"] += 1
+                if bool(c.done_B[s]) or (max_rounds is not None and o["rounds"] >= max_rounds):
                     finished.append(s)
             if finished:
                 status_B, m = jax.device_get((state.status_B, state.metrics))
@@ -273,7 +279,7 @@ class Scheduler:
                     results[r.id] = RequestResult(
                         id=r.id, prompt_tokens=len(r.prompt), tokens=o["tokens"],
                         status=decoding.STATUS_NAMES[int(status_B[s])], slot=s, arrival_s=r.arrival_s,
-                        admitted_s=o["admitted"], first_token_s=o["first"] if o["first"] is not None else t,
+                        admitted_s=o["admitted"], first_token_s=o["first"] if o["first"] is not None else float("nan"),
                         finished_s=t, counters=counters)
                     occupant[s] = None
                     if on_finish is not None:
