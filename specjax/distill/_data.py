@@ -136,12 +136,15 @@ def _round_up(x: int, m: int) -> int:
 def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: sampling_lib.SamplingConfig,
              max_new_tokens: int, batch_size: int = 32, eos_ids: tuple[int, ...] = (),
              samples_per_prompt: int = 1, width_multiple: int = 128, source: str = "generated",
-             log: Callable[[str], None] | None = None, slots: bool = True) -> SequenceSet:
+             log: Callable[[str], None] | None = None, slots: bool = False) -> SequenceSet:
     """Continuations of `prompts` by `model` (the target, or a draft: on-policy data).
 
-    With ``slots`` (default) the requests go through `specjax.serving.Scheduler` with
-    `batch_size` rows: a row whose request ends (EOS or max_new_tokens) is refilled with the
-    next request at once, so no row idles until the longest of its batch ends. Otherwise:
+    With ``slots`` the requests go through `specjax.serving.Scheduler` with up to `batch_size`
+    rows per prompt-width group: a row whose request ends (EOS or max_new_tokens) is refilled
+    with the next request at once, so no row idles until the longest of its batch ends; the
+    same sequences, but one host round trip per round (on 48 prompts x 128 tokens, 32 rows, it
+    ran at 0.82x of the batched path: experiments/load_study/results/datagen.jsonl), so it is
+    not the default. Otherwise (default):
 
     Prompts are sorted by length and cut into batches of `batch_size` rows (fewer for prompts
     wider than 2 x `width_multiple`, to bound the prefill's memory), padded to a multiple of
