@@ -339,6 +339,27 @@ def provenance_lines(prov: dict) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------- plots
+
+def model_label(name) -> str:
+    """A plot title's name for a target: the default model's full name, else what was given."""
+    return "SmolLM2-135M-Instruct" if "smollm2" in str(name or "").lower() else str(name or "?")
+
+
+def drafter_label(drafter: str) -> str:
+    """'head:<dir>' as '<last dir> head', other drafter kinds as they are."""
+    return drafter.split("/")[-1] + " head" if drafter.startswith("head:") else drafter
+
+
+def save_figure(fig, path) -> pathlib.Path:
+    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns its path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return pathlib.Path(path)
+
+
 # ----------------------------------------------------------------------------- entry point
 
 def main_with_config(main, default_config, help: str) -> None:

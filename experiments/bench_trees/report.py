@@ -18,6 +18,16 @@ def _kind(setting: str) -> str:
                                                         else "static tree")
 
 
+def by_sampling(records: list[dict]) -> list[tuple[float, float, dict, list[dict]]]:
+    """(temperature, top_p, target-only record, drafter records) per sampling setting, in run order."""
+    gens = [r for r in records if r["kind"] == "generation"]
+    out = []
+    for key in dict.fromkeys((r["temperature"], r.get("top_p", 1.0)) for r in gens):
+        same = [r for r in gens if (r["temperature"], r.get("top_p", 1.0)) == key]
+        out.append((*key, next(r for r in same if r["drafter"] == "none"), [r for r in same if r["drafter"] != "none"]))
+    return out
+
+
 def render(records: list[dict]) -> str:
     prov = records[0]["provenance"]
     gens = [r for r in records if r["kind"] == "generation"]

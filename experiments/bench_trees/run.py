@@ -251,6 +251,17 @@ def main(c, module: str = "experiments.bench_trees.run"):
     print(report.write(out))
 
 
+def run_variant(c, module: str, plot_fn) -> None:
+    """A study built on this benchmark (experiments/theory, temperature, verifiers): the run, the
+    benchmark's own table kept as bench_trees.md (it writes README.md beside the JSONL), then the
+    study's plots and tables from the JSONL (``plot_fn(path)`` -> written paths)."""
+    main(c, module=module)
+    results = pathlib.Path(c.out).parent
+    (results / "README.md").replace(results / "bench_trees.md")
+    for p in plot_fn(c.out):
+        print(p)
+
+
 if __name__ == "__main__":
     toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
                              "experiments/bench_trees/config.py[:tiny]")

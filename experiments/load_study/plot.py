@@ -62,15 +62,11 @@ def plot(path) -> list[pathlib.Path]:
         ax.set_title(t, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    model = "SmolLM2-135M-Instruct" if "smollm2" in str(prov.get("model", "")).lower() else prov.get("model", "?")
+    model = toolkit.model_label(prov.get("model"))
     fig.suptitle(f"Load study: {setup['slots']} slots, {setup['requests']} requests, {model} target\n"
                  f"{m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), commit "
                  f"{str(prov.get('git_commit', '?'))[:8]}", fontsize=10)
-    fig.tight_layout()
-    out = path.with_name("load_study.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+    return [toolkit.save_figure(fig, path.with_name("load_study.png"))]
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ def plot(path) -> list[pathlib.Path]:
     methods = list(dict.fromkeys(r["method"] for r in sums))
     cats = list(dict.fromkeys(r["category"] for r in sums if r["category"] != "all")) + ["all"]
     by = {(r["method"], r["category"]): r for r in sums}
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cats) * max(len(methods), 1) / 2 + 4), 8))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(min(16, max(8, 0.35 * len(cats) * max(len(methods), 1) + 3)), 8))
     width = 0.8 / max(len(methods), 1)
     for i, m in enumerate(methods):
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(cats))]
-        name = m.split("/")[-1] + " head" if m.startswith("head:") else m
+        name = toolkit.drafter_label(m)
         ax1.bar(xs, [by.get((m, k), {}).get("speedup") or 0 for k in cats], width, label=name, color=f"C{i}")
         ax2.bar(xs, [by.get((m, k), {}).get("mean_accepted_tokens") or 0 for k in cats], width, label=name,
                 color=f"C{i}")
@@ -43,16 +43,12 @@ def plot(path) -> list[pathlib.Path]:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
-    model = "SmolLM2-135M-Instruct" if "smollm2" in str(c.get("target", "")).lower() else c.get("target")
+    model = toolkit.model_label(c.get("target"))
     gamma = f"adaptive {tuple(c['adaptive_gammas'])}" if c["adaptive_gamma"] else f"gamma {c['gamma']}"
     ax1.set_title(f"Spec-Bench (held-out, {setup['prompts']} prompts): {model} target, batch 1, T = "
                   f"{c['temperature']:g}, {gamma}\n{machine.get('cpu')} ({machine.get('cores')} cores), commit "
                   f"{str(setup.get('commit'))[:8]}", fontsize=9)
-    fig.tight_layout()
-    out = path.with_name("spec_bench.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return [out]
+    return [toolkit.save_figure(fig, path.with_name("spec_bench.png"))]
 
 
 if __name__ == "__main__":

@@ -13,22 +13,14 @@ import pathlib
 import sys
 
 from experiments import toolkit
-
-
-def _name(d: str) -> str:
-    return d.split("/")[-1] + " head" if d.startswith("head:") else d
+from experiments.bench_trees import report
 
 
 def rows(records: list[dict]) -> list[dict]:
-    gens = [r for r in records if r["kind"] == "generation"]
     out = []
-    for key in dict.fromkeys((r["temperature"], r.get("top_p", 1.0)) for r in gens):
-        same = [r for r in gens if (r["temperature"], r.get("top_p", 1.0)) == key]
-        base = next(r for r in same if r["drafter"] == "none")
-        for r in same:
-            if r["drafter"] == "none":
-                continue
-            out.append({"temperature": key[0], "top_p": key[1], "drafter": r["drafter"], "setting": r["setting"],
+    for temp, top_p, base, drafts in report.by_sampling(records):
+        for r in drafts:
+            out.append({"temperature": temp, "top_p": top_p, "drafter": r["drafter"], "setting": r["setting"],
                         "alpha": r["accepted_at"][0] / max(r["tested_at"][0], 1),
                         "acceptance_rate": r["accepted"] / max(r["proposed"], 1),
                         "tokens_per_pass": r["accepted_tokens_per_pass"], "tokens_per_s": r["tokens_per_s"],
@@ -40,7 +32,7 @@ def rows(records: list[dict]) -> list[dict]:
 
 def markdown(records: list[dict]) -> str:
     prov = next(r for r in records if r["kind"] == "generation")["provenance"]
-    body = [[f"{r['temperature']:g}", f"{r['top_p']:g}", _name(r["drafter"]), r["setting"], toolkit.fmt(r["alpha"]),
+    body = [[f"{r['temperature']:g}", f"{r['top_p']:g}", toolkit.drafter_label(r["drafter"]), r["setting"], toolkit.fmt(r["alpha"]),
              toolkit.fmt(r["acceptance_rate"]), toolkit.fmt(r["tokens_per_pass"]),
              toolkit.fmt(r["target_only_tokens_per_s"], 1), toolkit.fmt(r["tokens_per_s"], 1),
              toolkit.fmt(r["speedup"]) + "x",
@@ -70,11 +62,11 @@ def plot(path) -> list[pathlib.Path]:
         nucleus = [r for r in rs if r["drafter"] == d and r["top_p"] != 1.0]
         for ax, key in zip(axes, ("alpha", "tokens_per_pass", "speedup")):
             ax.plot([r["temperature"] for r in plain], [r[key] for r in plain], "o-", color=f"C{i}",
-                    label=f"{_name(d)} ({plain[0]['setting'] if plain else ''})")
+                    label=f"{toolkit.drafter_label(d)} ({plain[0]['setting'] if plain else ''})")
             if nucleus:
                 ax.plot([r["temperature"] for r in nucleus], [r[key] for r in nucleus], "s", mfc="none", ms=9,
-                        color=f"C{i}", label=f"{_name(d)}, top-p {nucleus[0]['top_p']:g}")
-    model = "SmolLM2-135M-Instruct" if "smollm2" in str(prov.get("model", "")).lower() else prov.get("model", "?")
+                        color=f"C{i}", label=f"{toolkit.drafter_label(d)}, top-p {nucleus[0]['top_p']:g}")
+    model = toolkit.model_label(prov.get("model"))
     for ax, (yl, t) in zip(axes, (("alpha (first-position acceptance)", "Acceptance"),
                                   ("accepted tokens per target pass", "Tokens per pass"),
                                   ("speedup (x target-only tokens/s)", "Speedup"))):
@@ -86,10 +78,7 @@ def plot(path) -> list[pathlib.Path]:
     axes[2].axhline(1.0, color="gray", lw=0.8)
     fig.suptitle(f"Temperature sweep: {model} target, batch 1, held-out Spec-Bench\n{m.get('cpu_model', '?')} "
                  f"({m.get('cpus_usable', '?')} CPUs), commit {str(prov.get('git_commit', '?'))[:8]}", fontsize=10)
-    fig.tight_layout()
-    out = path.with_name("temperature.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    out = toolkit.save_figure(fig, path.with_name("temperature.png"))
     md = path.with_name("temperature.md")
     md.write_text(markdown(records))
     return [out, md]

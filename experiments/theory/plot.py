@@ -27,10 +27,6 @@ from experiments import toolkit
 from specjax import analysis
 
 
-def _name(d: str) -> str:
-    return d.split("/")[-1] + " head" if d.startswith("head:") else d
-
-
 def _gamma(setting: str) -> int | None:
     """A chain's gamma ("chain:3", "chain:3@block"), None otherwise."""
     return int(setting.split(":")[1].split("@")[0]) if setting.startswith("chain:") else None
@@ -137,7 +133,7 @@ def markdown(records: list[dict]) -> str:
         acc = ", ".join("–" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
         setting = r["setting"] if r["gamma"] is not None else (
             f"adaptive (mean gamma {r['mean_gamma']:.2f})" if r.get("mean_gamma") is not None else "adaptive")
-        body.append([f"{r['temperature']:g}", _name(r["drafter"]), setting, f("alpha"), f("c", 3), f("pass_cost_rel"),
+        body.append([f"{r['temperature']:g}", toolkit.drafter_label(r["drafter"]), setting, f("alpha"), f("c", 3), f("pass_cost_rel"),
                      f("theory_tokens_per_pass"), f("measured_tokens_per_pass"), acc, f("leviathan_speedup"),
                      f("cost_model_speedup"), f("measured_speedup"), f("factor_acceptance"), f("factor_step"),
                      f("factor_round")])
@@ -154,13 +150,13 @@ def markdown(records: list[dict]) -> str:
                 best = max((s for s in settings if s.startswith("chain:")), key=lambda s: cells[s]["speedup"])
                 table.append([cat, *[f"{cells[s]['speedup']:.2f}x / {cells[s]['tokens_per_pass']:.2f}" for s in settings],
                               best])
-            lines += [f"### T = {temp:g}, {_name(d)}", "", toolkit.table(["category", *settings, "best chain"], table), ""]
+            lines += [f"### T = {temp:g}, {toolkit.drafter_label(d)}", "", toolkit.table(["category", *settings, "best chain"], table), ""]
     return "\n".join(lines)
 
 
 def _title(prov, what, temp):
     m = prov.get("machine", {})
-    model = "SmolLM2-135M-Instruct" if "smollm2" in str(prov.get("model", "")).lower() else prov.get("model", "?")
+    model = toolkit.model_label(prov.get("model"))
     return (f"{what}, T = {temp:g}\n{model} target, {m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), "
             f"commit {str(prov.get('git_commit', '?'))[:8]}")
 
@@ -194,20 +190,20 @@ def plot(path) -> list[pathlib.Path]:
             alpha = chains[0]["alpha"]
             gs = [r["gamma"] for r in chains]
             ax1.plot(grid, [analysis.expected_tokens_per_round(alpha, g) for g in grid], "-", color=color,
-                     label=f"{_name(d)}: theory at alpha = {alpha:.2f}")
-            ax1.plot(gs, [r["measured_tokens_per_pass"] for r in chains], "o", color=color, label=f"{_name(d)}: measured")
+                     label=f"{toolkit.drafter_label(d)}: theory at alpha = {alpha:.2f}")
+            ax1.plot(gs, [r["measured_tokens_per_pass"] for r in chains], "o", color=color, label=f"{toolkit.drafter_label(d)}: measured")
             priced = [r for r in chains if "cost_model_speedup" in r]
             if priced:
                 ax2.plot([r["gamma"] for r in priced], [r["leviathan_speedup"] for r in priced], ":", color=color,
-                         label=f"{_name(d)}: Leviathan (pass = 1 step), c = {priced[0]['c']:.3f}")
+                         label=f"{toolkit.drafter_label(d)}: Leviathan (pass = 1 step), c = {priced[0]['c']:.3f}")
                 ax2.plot([r["gamma"] for r in priced], [r["cost_model_speedup"] for r in priced], "-", color=color,
-                         label=f"{_name(d)}: measured pass costs")
-            ax2.plot(gs, [r["measured_speedup"] for r in chains], "o", color=color, label=f"{_name(d)}: measured")
+                         label=f"{toolkit.drafter_label(d)}: measured pass costs")
+            ax2.plot(gs, [r["measured_speedup"] for r in chains], "o", color=color, label=f"{toolkit.drafter_label(d)}: measured")
             for r in adaptive:
                 if r.get("mean_gamma") is not None:
                     ax1.plot([r["mean_gamma"]], [r["measured_tokens_per_pass"]], "*", ms=12, color=color)
                     ax2.plot([r["mean_gamma"]], [r["measured_speedup"]], "*", ms=12, color=color,
-                             label=f"{_name(d)}: adaptive (at its mean gamma)")
+                             label=f"{toolkit.drafter_label(d)}: adaptive (at its mean gamma)")
         ax2.axhline(1.0, color="gray", lw=0.8)
         for ax, yl, t in ((ax1, "accepted tokens per target pass", "Tokens per pass: i.i.d. theory vs measured"),
                           (ax2, "speedup (x target-only tokens/s)", "Speedup: predicted vs measured")):
@@ -244,7 +240,7 @@ def plot(path) -> list[pathlib.Path]:
                 ax.grid(alpha=0.3)
                 if row == 0:
                     ax.axhline(1.0, color="gray", lw=0.8)
-                    ax.set_title(_name(d), fontsize=9)
+                    ax.set_title(toolkit.drafter_label(d), fontsize=9)
         fig.legend(fontsize=6, loc="lower center", ncol=7)
         fig.suptitle(_title(prov, "Gamma sweep per Spec-Bench category", temp), fontsize=9)
         fig.tight_layout(rect=(0, 0.06, 1, 1))

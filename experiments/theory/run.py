@@ -15,12 +15,7 @@ from experiments.theory import plot
 
 
 def main(c):
-    trees_run.main(c, module="experiments.theory.run")
-    # The benchmark's own table (it writes README.md beside the JSONL) as bench_trees.md.
-    results = pathlib.Path(c.out).parent
-    (results / "README.md").replace(results / "bench_trees.md")
-    for p in plot.plot(c.out):
-        print(p)
+    trees_run.run_variant(c, "experiments.theory.run", plot.plot)
 
 
 if __name__ == "__main__":

@@ -12,23 +12,15 @@ import pathlib
 import sys
 
 from experiments import toolkit
-
-
-def _name(d: str) -> str:
-    return d.split("/")[-1] + " head" if d.startswith("head:") else d
+from experiments.bench_trees import report
 
 
 def rows(records: list[dict]) -> list[dict]:
-    gens = [r for r in records if r["kind"] == "generation"]
     out = []
-    for key in dict.fromkeys((r["temperature"], r.get("top_p", 1.0)) for r in gens):
-        same = [r for r in gens if (r["temperature"], r.get("top_p", 1.0)) == key]
-        base = next(r for r in same if r["drafter"] == "none")
-        for r in same:
-            if r["drafter"] == "none":
-                continue
+    for temp, top_p, base, drafts in report.by_sampling(records):
+        for r in drafts:
             setting, _, verifier = r["setting"].partition("@")
-            out.append({"temperature": key[0], "top_p": key[1], "drafter": r["drafter"], "draft": setting,
+            out.append({"temperature": temp, "top_p": top_p, "drafter": r["drafter"], "draft": setting,
                         "verifier": verifier or "token", "tokens_per_pass": r["accepted_tokens_per_pass"],
                         "accepted_per_round": r["accepted"] / max(r["target_passes"], 1),
                         "acceptance_per_position": [a / t if t else None for a, t in zip(r["accepted_at"], r["tested_at"])],
@@ -39,7 +31,7 @@ def rows(records: list[dict]) -> list[dict]:
 
 def markdown(records: list[dict]) -> str:
     prov = next(r for r in records if r["kind"] == "generation")["provenance"]
-    body = [[f"{r['temperature']:g}", _name(r["drafter"]), r["draft"], r["verifier"], toolkit.fmt(r["tokens_per_pass"]),
+    body = [[f"{r['temperature']:g}", toolkit.drafter_label(r["drafter"]), r["draft"], r["verifier"], toolkit.fmt(r["tokens_per_pass"]),
              toolkit.fmt(r["accepted_per_round"]),
              ", ".join("–" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"]),
              str(r["target_passes"]), toolkit.fmt(r["speedup"]) + "x"] for r in rows(records)]
@@ -78,20 +70,17 @@ def plot(path) -> list[pathlib.Path]:
                 ys.append(r["tokens_per_pass"])
         bars = ax.bar(xs, ys, width, label=v, color=f"C{i}")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{_name(d)}\n{s}" for d, s in groups], fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"{toolkit.drafter_label(d)}\n{s}" for d, s in groups], fontsize=8)
     ax.set_ylabel("accepted tokens per target pass")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, title="verifier")
-    model = "SmolLM2-135M-Instruct" if "smollm2" in str(prov.get("model", "")).lower() else prov.get("model", "?")
+    model = toolkit.model_label(prov.get("model"))
     temps = sorted({r["temperature"] for r in rs})
     ax.set_title(f"Verifiers on the same drafts, T = {', '.join(f'{t:g}' for t in temps)}: {model} target, batch 1\n"
                  f"{m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), commit "
                  f"{str(prov.get('git_commit', '?'))[:8]}", fontsize=9)
-    fig.tight_layout()
-    out = path.with_name("verifiers.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    out = toolkit.save_figure(fig, path.with_name("verifiers.png"))
     md = path.with_name("verifiers.md")
     md.write_text(markdown(records))
     return [out, md]
