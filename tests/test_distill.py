@@ -283,9 +283,8 @@ def test_generate_does_not_depend_on_batching(toy_pair):
     b = distill.generate(target, tparams, prompts, batch_size=3, width_multiple=16, slots=False, **kw)
     assert [x.tolist() for x in a.tokens] == [x.tolist() for x in b.tokens]
     # The slot-refilling scheduler (per-width groups of slots) gives the same data.
-    for bs, wm in ((4, 8), (2, 4)):
-        c = distill.generate(target, tparams, prompts, batch_size=bs, width_multiple=wm, slots=True, **kw)
-        assert [x.tolist() for x in a.tokens] == [x.tolist() for x in c.tokens]
+    c = distill.generate(target, tparams, prompts, batch_size=2, width_multiple=4, slots=True, **kw)
+    assert [x.tolist() for x in a.tokens] == [x.tolist() for x in c.tokens]
     assert a.prompt_lengths.tolist() == [3, 3, 9, 9, 2, 2, 5, 5]
     assert all(len(x) == p + 12 for x, p in zip(a.tokens, a.prompt_lengths))
 

@@ -3,8 +3,6 @@ rate and all at once, for target-only, fixed-gamma prompt lookup and adaptive pr
 through the slot-refilling scheduler; one record per (mode, rate) with every request, greedy
 tokens equal to target-only's for every request, the table and the plot made from the JSONL."""
 import os
-import subprocess
-import sys
 
 from experiments import toolkit
 from experiments.load_study import report
@@ -12,13 +10,13 @@ from experiments.load_study import report
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_load_study_tiny(tmp_path):
+def test_load_study_tiny(tmp_path, monkeypatch):
+    from experiments.load_study import run as load_run
+    monkeypatch.chdir(REPO)
     out = tmp_path / "results.jsonl"
-    r = subprocess.run([sys.executable, "-m", "experiments.load_study.run",
-                        "--config=experiments/load_study/config.py:tiny", f"--config.out={out}"],
-                       capture_output=True, text=True, cwd=REPO, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    assert r.returncode == 0, r.stderr[-4000:]
+    c = toolkit.load_config("experiments/load_study/config.py", "tiny")
+    c.out = str(out)
+    load_run.main(c)
     recs = toolkit.read_jsonl(out)
     loads = [x for x in recs if x["kind"] == "load"]
     assert [(x["mode"], x["rate"]) for x in loads] == [
