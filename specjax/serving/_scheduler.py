@@ -30,7 +30,6 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import decoding
@@ -167,9 +166,9 @@ class _Clock:
 class Scheduler:
     """Serve requests through ``slots`` rows of one engine (see the module doc).
 
-    capacity: cache slots per row (every request's prompt + max_new_tokens + the verification
-    block must fit; default: what the longest prompt of a `run` needs, rounded up to
-    ``pad_multiple``); prompts are padded to a multiple of ``pad_multiple`` (one compiled
+    capacity: cache slots per row (every request's padded prompt, and its prompt +
+    max_new_tokens + the verification block, must fit; default: what the longest prompt of a
+    `run` needs, rounded up to ``pad_multiple``, as `make_batch`); prompts are padded to a multiple of ``pad_multiple`` (one compiled
     refill per padded width). ``round_time_s`` feeds adaptive gamma (as `Generator`'s)."""
     engine: decoding.Engine
     params: decoding.EngineParams
@@ -182,35 +181,38 @@ class Scheduler:
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
 
-    def _capacity(self, requests) -> int:
-        if self.capacity is not None:
-            return int(self.capacity)
-        longest = max(len(r.prompt) for r in requests)
-        need = self.engine.config.slots_needed(longest)
-        width = -(-longest // self.pad_multiple) * self.pad_multiple
-        return max(-(-need // self.pad_multiple) * self.pad_multiple, width)
+    def _batch(self, requests: Sequence[Request], key, capacity: int | None) -> decoding.Batch:
+        """`decoding.make_batch` of these requests (padding, per-request keys, and by default the
+        capacity the longest prompt needs, rounded up to ``pad_multiple``)."""
+        return decoding.make_batch([r.prompt for r in requests], self.engine.config, key,
+                                   request_ids=[r.id for r in requests], pad_multiple=self.pad_multiple,
+                                   capacity=capacity)
 
-    def _one(self, request: Request, key, capacity: int, host: bool = False) -> decoding.Batch:
-        """The request as a one-row batch (``host``: numpy arrays and no key, for the checks)."""
-        width = min(-(-len(request.prompt) // self.pad_multiple) * self.pad_multiple, capacity)
-        prompt = np.zeros((1, width), np.int64)
-        prompt[0, :len(request.prompt)] = request.prompt
-        lengths = np.asarray([len(request.prompt)], np.int32)
-        if host:
-            return decoding.Batch(prompt_BP=prompt, prompt_lengths_B=lengths, key_B=None, capacity=capacity)
-        return decoding.Batch(prompt_BP=jnp.asarray(prompt, jnp.int32), prompt_lengths_B=jnp.asarray(lengths),
-                              key_B=decoding.request_keys(key, [request.id]), capacity=capacity)
+    def _check(self, requests: Sequence[Request], key) -> int:
+        """Every request checked against the engine (ids, context length, capacity) in one host
+        pass, before anything runs; the error names the request. Returns the capacity."""
+        batch = self._batch(requests, key, self.capacity)
+        try:
+            self.engine.check(batch)
+        except ValueError:
+            for r in requests:          # which one: check them one by one (only on the error path)
+                try:
+                    self.engine.check(self._batch([r], key, batch.capacity))
+                except ValueError as e:
+                    raise type(e)(f"request {r.id}: {e}") from None
+            raise
+        return batch.capacity
 
     def warmup(self, sampling: sampling_lib.SamplingConfig, requests: Sequence[Request], key) -> None:
         """Compile the refill of every padded prompt width the requests need and one round, on a
         throw-away state (so `run`'s times hold no compilation)."""
-        capacity = self._capacity(requests)
+        capacity = self._check(requests, key)
         state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s)
         widths = {}
         for r in requests:
-            widths.setdefault(self._one(r, key, capacity, host=True).prompt_BP.shape[1], r)
+            widths.setdefault(-(-len(r.prompt) // self.pad_multiple), r)
         for r in widths.values():
-            state = self.engine.refill(self.params, state, 0, self._one(r, key, capacity))
+            state = self.engine.refill(self.params, state, 0, self._batch([r], key, capacity))
         jax.block_until_ready(self.engine.step(self.params, sampling, state))
 
     def run(self, requests: Sequence[Request], sampling: sampling_lib.SamplingConfig, key, *,
@@ -224,13 +226,8 @@ class Scheduler:
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique (each one's key is folded from it)")
-        capacity = self._capacity(requests)
+        capacity = self._check(requests, key)           # every request, before anything runs
         engine, params = self.engine, self.params
-        for r in requests:                              # every request is checked before anything runs
-            try:
-                engine.check(self._one(r, key, capacity, host=True))
-            except ValueError as e:
-                raise type(e)(f"request {r.id}: {e}") from None
         max_rounds = engine.config.max_rounds       # a request's safety bound, as in `Engine.run`
         if warmup:
             self.warmup(sampling, requests, key)
@@ -247,7 +244,7 @@ class Scheduler:
                 if occupant[slot] is None and queue and queue[0].arrival_s <= clk.now():
                     r = queue.popleft()
                     t = clk.now()
-                    state = jax.block_until_ready(engine.refill(params, state, slot, self._one(r, key, capacity)))
+                    state = jax.block_until_ready(engine.refill(params, state, slot, self._batch([r], key, capacity)))
                     prefill_s += clk.now() - t
                     occupant[slot] = {"request": r, "admitted": t, "tokens": [], "first": None, "rounds": 0}
             active = [s for s in range(self.slots) if occupant[s] is not None]
