@@ -351,6 +351,20 @@ def drafter_label(drafter: str) -> str:
     return drafter.split("/")[-1] + " head" if drafter.startswith("head:") else drafter
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (plots are written, never shown)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def run_caption(prov: dict) -> str:
+    """'<CPU model> (<n> CPUs), commit <sha>' of a provenance block, for plot titles."""
+    m = prov.get("machine", {})
+    return f"{m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), commit {str(prov.get('git_commit', '?'))[:8]}"
+
+
 def save_figure(fig, path) -> pathlib.Path:
     """Lay out, write (PNG, 110 dpi) and close a matplotlib figure; returns its path."""
     import matplotlib.pyplot as plt

@@ -262,6 +262,21 @@ def run_variant(c, module: str, plot_fn) -> None:
         print(p)
 
 
+def study(name: str):
+    """(main, entry point) of the study ``experiments/<name>``: `run_variant` with its config
+    (``experiments/<name>/config.py``) and its ``plot`` module; its run.py is these two lines."""
+    import importlib
+    plot = importlib.import_module(f"experiments.{name}.plot")
+
+    def study_main(c):
+        run_variant(c, f"experiments.{name}.run", plot.plot)
+
+    def entry():
+        toolkit.main_with_config(study_main, toolkit.REPO / "experiments" / name / "config.py",
+                                 f"experiments/{name}/config.py[:tiny]")
+    return study_main, entry
+
+
 if __name__ == "__main__":
     toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
                              "experiments/bench_trees/config.py[:tiny]")

@@ -18,16 +18,14 @@ from experiments.load_study.report import rate_label
 
 
 def plot(path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = toolkit.pyplot()
 
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)
     setup = next(r for r in records if r["kind"] == "setup")
     loads = [r for r in records if r["kind"] == "load"]
     cal = {r["mode"]: r for r in records if r["kind"] == "calibration"}
-    prov, m = setup["provenance"], setup["provenance"]["machine"]
+    prov = setup["provenance"]
     rates = list(dict.fromkeys(r["rate"] for r in loads))
     order = sorted(rates, key=lambda x: float("inf") if x == 0 else x)
     xs = {rate: i for i, rate in enumerate(order)}
@@ -64,8 +62,7 @@ def plot(path) -> list[pathlib.Path]:
         ax.legend(fontsize=6)
     model = toolkit.model_label(prov.get("model"))
     fig.suptitle(f"Load study: {setup['slots']} slots, {setup['requests']} requests, {model} target\n"
-                 f"{m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), commit "
-                 f"{str(prov.get('git_commit', '?'))[:8]}", fontsize=10)
+                 f"{toolkit.run_caption(prov)}", fontsize=10)
     return [toolkit.save_figure(fig, path.with_name("load_study.png"))]
 
 

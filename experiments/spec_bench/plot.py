@@ -16,9 +16,7 @@ from experiments import toolkit
 
 
 def plot(path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = toolkit.pyplot()
 
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)

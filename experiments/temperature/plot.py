@@ -47,14 +47,11 @@ def markdown(records: list[dict]) -> str:
 
 
 def plot(path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = toolkit.pyplot()
 
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)
     prov = next(r for r in records if r["kind"] == "generation")["provenance"]
-    m = prov.get("machine", {})
     rs = rows(records)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
     for i, d in enumerate(dict.fromkeys(r["drafter"] for r in rs)):
@@ -76,8 +73,8 @@ def plot(path) -> list[pathlib.Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[2].axhline(1.0, color="gray", lw=0.8)
-    fig.suptitle(f"Temperature sweep: {model} target, batch 1, held-out Spec-Bench\n{m.get('cpu_model', '?')} "
-                 f"({m.get('cpus_usable', '?')} CPUs), commit {str(prov.get('git_commit', '?'))[:8]}", fontsize=10)
+    fig.suptitle(f"Temperature sweep: {model} target, batch 1, held-out Spec-Bench\n{toolkit.run_caption(prov)}",
+                 fontsize=10)
     out = toolkit.save_figure(fig, path.with_name("temperature.png"))
     md = path.with_name("temperature.md")
     md.write_text(markdown(records))

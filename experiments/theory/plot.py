@@ -155,16 +155,11 @@ def markdown(records: list[dict]) -> str:
 
 
 def _title(prov, what, temp):
-    m = prov.get("machine", {})
-    model = toolkit.model_label(prov.get("model"))
-    return (f"{what}, T = {temp:g}\n{model} target, {m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), "
-            f"commit {str(prov.get('git_commit', '?'))[:8]}")
+    return f"{what}, T = {temp:g}\n{toolkit.model_label(prov.get('model'))} target, {toolkit.run_caption(prov)}"
 
 
 def plot(path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = toolkit.pyplot()
 
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)

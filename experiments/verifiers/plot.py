@@ -48,14 +48,11 @@ def markdown(records: list[dict]) -> str:
 
 
 def plot(path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = toolkit.pyplot()
 
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)
     prov = next(r for r in records if r["kind"] == "generation")["provenance"]
-    m = prov.get("machine", {})
     rs = rows(records)
     groups = list(dict.fromkeys((r["drafter"], r["draft"]) for r in rs))
     verifiers = list(dict.fromkeys(r["verifier"] for r in rs))
@@ -78,8 +75,7 @@ def plot(path) -> list[pathlib.Path]:
     model = toolkit.model_label(prov.get("model"))
     temps = sorted({r["temperature"] for r in rs})
     ax.set_title(f"Verifiers on the same drafts, T = {', '.join(f'{t:g}' for t in temps)}: {model} target, batch 1\n"
-                 f"{m.get('cpu_model', '?')} ({m.get('cpus_usable', '?')} CPUs), commit "
-                 f"{str(prov.get('git_commit', '?'))[:8]}", fontsize=9)
+                 f"{toolkit.run_caption(prov)}", fontsize=9)
     out = toolkit.save_figure(fig, path.with_name("verifiers.png"))
     md = path.with_name("verifiers.md")
     md.write_text(markdown(records))

@@ -5,19 +5,9 @@ plot and table from its JSONL (`plot`).
     python -m experiments.verifiers.run --config=experiments/verifiers/config.py:tiny      # CI size
 """
 
-from __future__ import annotations
+from experiments.bench_trees.run import study
 
-import pathlib
-
-from experiments import toolkit
-from experiments.bench_trees import run as trees_run
-from experiments.verifiers import plot
-
-
-def main(c):
-    trees_run.run_variant(c, "experiments.verifiers.run", plot.plot)
-
+main, _entry = study("verifiers")
 
 if __name__ == "__main__":
-    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"),
-                             "experiments/verifiers/config.py[:tiny]")
+    _entry()
