@@ -224,3 +224,16 @@ def test_max_rounds_bounds_each_request():
         alone = engine.run(params, GREEDY, decoding.make_batch([PROMPTS[i]], engine.config, KEY, request_ids=[100 + i],
                                                                pad_multiple=PAD, capacity=CAPACITY))
         assert r.tokens == alone.generated()[0] and r.counters["target_passes"] <= 4
+
+
+def test_legacy_uint32_keys_serve_like_typed_ones():
+    """A legacy `jax.random.PRNGKey` works as the scheduler's key (the empty state's placeholder
+    keys take its kind) and gives the tokens of `Engine.run` with the same key."""
+    engine, params = _toy("draft")
+    legacy = jax.random.PRNGKey(11)
+    out = serving.Scheduler(engine, params, slots=2, pad_multiple=PAD, capacity=CAPACITY).run(
+        _requests(PROMPTS[:3]), T1, legacy, warmup=False)
+    for i, r in enumerate(out.results):
+        batch = decoding.make_batch([PROMPTS[i]], engine.config, legacy, request_ids=[100 + i], pad_multiple=PAD,
+                                    capacity=CAPACITY)
+        assert r.tokens == engine.run(params, T1, batch).generated()[0]

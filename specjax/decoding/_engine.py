@@ -967,12 +967,16 @@ class Engine:
 
     # ------------------------------------------------------------------ slots (continuous batching)
 
-    def empty_state(self, params: EngineParams, slots: int, capacity: int, round_time_s=None) -> LoopState:
+    def empty_state(self, params: EngineParams, slots: int, capacity: int, round_time_s=None,
+                    key: jax.Array | None = None) -> LoopState:
         """A loop state of ``slots`` empty rows (done, holding a one-token placeholder) for
         `refill`: the start of a slot-refilling scheduler (`specjax.serving`). `step` on it
-        commits nothing until a row is refilled; done rows cost a round like active ones."""
+        commits nothing until a row is refilled; done rows cost a round like active ones.
+        ``key``: of the kind the requests' keys will be (a typed `jax.random.key`, the default,
+        or a legacy uint32 `PRNGKey`); refills must match it."""
+        key = jax.random.key(0) if key is None else key
         placeholder = Batch(prompt_BP=jnp.zeros((slots, 1), jnp.int32), prompt_lengths_B=jnp.ones((slots,), jnp.int32),
-                            key_B=jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(slots)),
+                            key_B=jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(slots)),
                             capacity=int(capacity))
         if self.mesh is not None:
             placeholder = self.place_batch(placeholder)

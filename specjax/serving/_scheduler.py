@@ -207,7 +207,7 @@ class Scheduler:
         """Compile the refill of every padded prompt width the requests need and one round, on a
         throw-away state (so `run`'s times hold no compilation)."""
         capacity = self._check(requests, key)
-        state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s)
+        state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s, key=key)
         widths = {}
         for r in requests:
             widths.setdefault(-(-len(r.prompt) // self.pad_multiple), r)
@@ -233,7 +233,7 @@ class Scheduler:
             self.warmup(sampling, requests, key)
 
         queue = collections.deque(sorted(requests, key=lambda r: r.arrival_s))     # stable: ties as given
-        state = engine.empty_state(params, self.slots, capacity, self.round_time_s)
+        state = engine.empty_state(params, self.slots, capacity, self.round_time_s, key=key)
         jax.block_until_ready(state)
         occupant: list[dict | None] = [None] * self.slots
         results, steps, prefill_s = {}, [], 0.0
