@@ -35,6 +35,7 @@ def get_config():
     c.data.widths = (256, 512, 1024)    # sequence buckets (longer sequences are cut)
     c.data.tokens_per_batch = 4096      # batch rows = tokens_per_batch // width
     c.data.max_prompt_tokens = 512      # train on sequences with prompts up to this (longer: mostly context)
+    c.data.per_category = 0             # > 0: only the first n such train prompts of each Spec-Bench category
     c.data.fixed_jsonl = ""             # optional teacher-forced data set (see specjax.distill.from_jsonl)
     # Mixture weights of the sources (batches drawn per step with these probabilities).
     c.data.target_weight = 0.7
@@ -77,6 +78,7 @@ def get_config():
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 200                  # steps (and at the end)
     c.eval.per_category = 4             # held-out prompts per Spec-Bench category
+    c.eval.max_prompt_tokens = 0        # > 0: only held-out prompts of at most this many tokens
     c.eval.max_new_tokens = 128
     c.eval.gamma = 4
     c.eval.data_jsonl = ""              # "" = held-out Spec-Bench greedy continuations; else a fixed JSONL set

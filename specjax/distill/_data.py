@@ -26,6 +26,7 @@ no target forward at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -258,11 +259,24 @@ def teacher_states(target, target_params, seqs: SequenceSet, *, tokens_per_batch
     float32 [num_loss_tokens, D], sequence by sequence, positions P-1 .. n-2 of each.
     Sequences longer than the widest bucket are cut there (their tail positions are dropped
     here and by `BatchPlan` alike)."""
-    fn = jax.jit(lambda p, t: target.hidden_states(p, t, None)[0])
+    fn = functools.partial(_final_hidden, target)
     out, emit = _teacher_sink(target, seqs, max(widths))
     _batched_forward(fn, target_params, seqs, tokens_per_batch=tokens_per_batch, widths=widths, emit=emit,
                      what=f"teacher states ({out.shape[0]} loss tokens)", log=log)
     return out
+
+
+# Jitted once per (target, layers): a data set made during training (on-policy refreshes) reuses
+# the compiled forward instead of compiling a fresh closure each time.
+@functools.partial(jax.jit, static_argnums=(0,))
+def _final_hidden(target, params, tokens_BT):
+    return target.hidden_states(params, tokens_BT, None)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _features_and_final_hidden(target, layers, params, tokens_BT):
+    h, feats, _ = target.trunk(params, tokens_BT, None, collect=layers)
+    return jnp.concatenate(feats, axis=-1), rms_norm(h, params["final_norm"], target.config.rms_eps)
 
 
 def _teacher_sink(target, seqs: SequenceSet, max_width: int):
@@ -294,13 +308,7 @@ def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[in
     if dtype not in FEATURE_DTYPES:
         raise ValueError(f"feature cache dtype must be one of {FEATURE_DTYPES}, got {dtype!r}")
     layers = tuple(int(i) for i in layers)
-    eps = target.config.rms_eps
-
-    def forward(p, t):
-        h, feats, _ = target.trunk(p, t, None, collect=layers)
-        return jnp.concatenate(feats, axis=-1), rms_norm(h, p["final_norm"], eps)
-
-    fn = jax.jit(forward)
+    fn = functools.partial(_features_and_final_hidden, target, layers)
     teacher, teacher_emit = _teacher_sink(target, seqs, max(widths)) if with_teacher else (None, None)
     lengths = np.minimum(seqs.lengths, max(widths))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

@@ -224,12 +224,16 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     sources: dict[str, _data.BatchPlan] = {}
     weights: dict[str, float] = {}
     timings = {}
-    if c.data.target_weight > 0:
+    # On-policy data alone still needs prompts (and a reduced head its tokens): the target's
+    # data set then serves as their source without being trained on (weight 0).
+    prompts_only = c.data.target_weight <= 0 and c.data.draft_weight > 0 and c.data.fixed_weight <= 0
+    if c.data.target_weight > 0 or prompts_only:
         t0 = time.perf_counter()
         sources["target"] = _data.BatchPlan(_prepare.target_data(c, target, target_params, tokenizer(), log,
                                                                  feature_layers=feature_layers),
                                             c.seed, c.data.tokens_per_batch, widths, max_prompt)
-        weights["target"] = c.data.target_weight
+        if not prompts_only:
+            weights["target"] = c.data.target_weight
         timings["target_data_s"] = time.perf_counter() - t0
     if c.data.fixed_weight > 0:
         t0 = time.perf_counter()
@@ -274,8 +278,10 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                                             key=_sources.key_for(c.seed, "draft-init"), head_ids=head_ids)
         trainable = choice.trainable
     spec = _train.LossSpec(c.loss.divergence, float(c.loss.beta), float(c.loss.temperature))
-    mean_tokens = np.mean([p.mean_tokens_per_batch() for p in sources.values()]) if sources else \
-        c.data.tokens_per_batch / 2
+    # Loss tokens per step, for the schedule's length: the trained sources' (on-policy data alone:
+    # its prompts' data set as the estimate).
+    trained = [p for n, p in sources.items() if n in weights] or list(sources.values())
+    mean_tokens = np.mean([p.mean_tokens_per_batch() for p in trained]) if trained else c.data.tokens_per_batch / 2
     total_steps = int(math.ceil(c.budget_tokens / max(mean_tokens, 1.0)))
     accumulate = int(c.optim.accumulate)
     optimizer, schedule = _train.make_optimizer(

@@ -71,7 +71,9 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
     d = c.data
     # Prompts longer than max_prompt_tokens are never trained on (`BatchPlan`): not generated either.
     max_prompt = int(d.get("max_prompt_tokens", 0))
-    prompts, qids = _sources.spec_bench_prompts(tokenizer, "train", max_prompt_tokens=max_prompt)
+    per_category = int(d.get("per_category", 0))     # > 0: the first n train prompts of each category only
+    prompts, qids = _sources.spec_bench_prompts(tokenizer, "train", max_prompt_tokens=max_prompt,
+                                                per_category=per_category)
     widths = tuple(d.widths)
     eos = eos_ids(target, tokenizer)
     parts, greedy = [], None
@@ -83,8 +85,12 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
     for name, temp, n in stages:
         if n <= 0:
             continue
+        # Greedy continuations do not depend on the seed: one cached set serves every seed.
         spec = dict(target=c.target, dtype=c.dtype, split="train", temperature=temp, samples=n,
-                    max_new_tokens=d.max_new_tokens, seed=c.seed, widths=widths, prompts=len(prompts))
+                    max_new_tokens=d.max_new_tokens, seed=c.seed if temp > 0 else 0, widths=widths,
+                    prompts=len(prompts))
+        if per_category:
+            spec["question_ids"] = list(qids)
         stage_prompts = prompts
         if name == "second-turn":
             stage_prompts, _ = _sources.second_turn_prompts(tokenizer, "train", greedy.seqs, qids, eos)
@@ -107,12 +113,18 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
 
 
 def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherData:
-    """Greedy target continuations of held-out prompts (never trained on)."""
+    """Greedy target continuations of held-out prompts (never trained on): the first
+    ``eval.per_category`` of each category (among those of at most ``eval.max_prompt_tokens``
+    when that is set)."""
     e = c.eval
-    prompts, _ = _sources.spec_bench_prompts(tokenizer, "held_out", per_category=e.per_category)
+    max_prompt = int(e.get("max_prompt_tokens", 0))
+    prompts, _ = _sources.spec_bench_prompts(tokenizer, "held_out", per_category=e.per_category,
+                                             max_prompt_tokens=max_prompt)
     widths = tuple(c.data.widths)
     spec = dict(target=c.target, dtype=c.dtype, split="held_out", per_category=e.per_category,
                 max_new_tokens=e.max_new_tokens, widths=widths)
+    if max_prompt:
+        spec["max_prompt_tokens"] = max_prompt
     directory = _sources.data_dir(data_root(c), "eval-greedy", **spec)
     return _sources.generated_data(
         directory, target, target_params, target, target_params, prompts, key=_sources.key_for(0, "eval"),

@@ -17,21 +17,16 @@ from specjax.distill import _data
 def spec_bench_prompts(tokenizer, split: str, *, per_category: int = 0, chat: bool = True,
                        max_prompt_tokens: int = 0) -> tuple[list[list[int]], list[int]]:
     """Token lists of Spec-Bench first turns from `split` ('train' or 'held_out'), chat-templated.
-    per_category > 0 keeps the first n of each category. Returns (prompts, question_ids)."""
-    qs = specbench.load(split=split)
-    if per_category:
-        seen: dict[str, int] = {}
-        keep = []
-        for q in qs:
-            if seen.get(q.category, 0) < per_category:
-                keep.append(q)
-                seen[q.category] = seen.get(q.category, 0) + 1
-        qs = keep
-    prompts, ids = [], []
-    for q in qs:
+    max_prompt_tokens > 0 leaves out longer prompts; then per_category > 0 keeps the first n
+    (in question order) of each category. Returns (prompts, question_ids)."""
+    prompts, ids, seen = [], [], {}
+    for q in specbench.load(split=split):
+        if per_category and seen.get(q.category, 0) >= per_category:
+            continue
         t = decoding.encode_prompt(tokenizer, q.prompt, chat=chat)
         if max_prompt_tokens and len(t) > max_prompt_tokens:
             continue
+        seen[q.category] = seen.get(q.category, 0) + 1
         prompts.append(t)
         ids.append(q.question_id)
     return prompts, ids
