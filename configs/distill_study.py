@@ -31,6 +31,7 @@ def get_config():
     c.data.draft_refresh_every = 8           # steps (on-policy alone: each refresh is seen twice)
     c.data.draft_max_prompt_tokens = 192
     c.data.draft_max_new_tokens = 128
+    c.data.gen_batch_size = 16               # a refresh's 16 prompts in one batch (no padding rows)
     c.optim.learning_rate = 1e-3
     c.optim.warmup_steps = 3
     c.checkpoint_every = 1000                # a run is short: its checkpoint is the final one

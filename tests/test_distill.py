@@ -260,6 +260,44 @@ def test_greedy_accepted_per_pass_matches_the_engine(toy_pair):
         assert passes == int(m.rounds_B[b]), (b, passes, int(m.rounds_B[b]))
 
 
+@pytest.mark.parametrize("head_vocab", [0, 24])
+def test_evaluate_scores_exactly_the_continuation_positions(toy_pair, head_vocab):
+    """`distill.evaluate` (which runs the vocabulary-sized work at the continuation positions
+    only) equals the definition computed at every position and then masked: alpha = mean of
+    sum_x min(p, q) at temperature 1, agreement = mean of [argmax q = argmax p], and the greedy
+    committed tokens per pass of each row's agreement sequence."""
+    target, tparams, data = toy_pair["target"], toy_pair["params"], toy_pair["data"]
+    ids = np.sort(np.random.default_rng(3).choice(64, 24, replace=False)) if head_vocab else None
+    choice = distill.DraftChoice(layers=(1,), head_vocab=head_vocab)
+    draft, dparams = distill.build_draft(choice, target, tparams, key=jax.random.key(0), head_ids=ids)
+    plan = distill.BatchPlan(data, 0, 256, (32, 64))
+    full_head = distill.teacher_head(target, tparams, None)
+    got = distill.evaluate(draft, dparams, full_head, plan, (1, 3))
+    a_sum = g_sum = n = 0.0
+    committed = {1: 0, 3: 0}
+    passes = {1: 0, 3: 0}
+    for i in range(plan.batches_per_epoch):
+        b = plan.batch(i)
+        p = np.asarray(jax.nn.softmax(jnp.einsum("btd,vd->btv", b["teacher_hidden"], full_head), -1))
+        q = np.asarray(jax.nn.softmax(draft.apply(dparams, jnp.asarray(b["tokens"]), None)[0], -1))
+        m = b["mask"] > 0
+        a_sum += float(np.minimum(p, q).sum(-1)[m].sum())
+        agree = p.argmax(-1) == q.argmax(-1)
+        g_sum += float(agree[m].sum())
+        n += float(m.sum())
+        for r in range(m.shape[0]):
+            if m[r].any():
+                for g in (1, 3):
+                    c, ps = distill.greedy_accepted_per_pass(agree[r][m[r]], g)
+                    committed[g] += c
+                    passes[g] += ps
+    assert got["eval_tokens"] == n > 0
+    assert got["alpha_t1"] == pytest.approx(a_sum / n, rel=1e-5)
+    assert got["greedy_agreement"] == pytest.approx(g_sum / n, abs=1e-9)
+    for g in (1, 3):
+        assert got[f"greedy_tokens_per_pass_g{g}"] == pytest.approx(committed[g] / passes[g], abs=1e-9)
+
+
 # ----------------------------------------------------------------------------- data + artifact
 
 def test_sequence_set_round_trip_and_validation(tmp_path):

@@ -1,5 +1,6 @@
-"""Distillation data built from Spec-Bench's multi-turn questions (issue 14, item 4): the
-second-turn prompts continue the target's own first answer in the chat template."""
+"""Distillation data: second-turn prompts from Spec-Bench's multi-turn questions continue the
+target's own first answer in the chat template (issue 14, item 4); prompt subsets; the teacher
+forward compiled once per target."""
 import numpy as np
 
 from specjax import distill, models, specbench
@@ -37,3 +38,52 @@ def test_second_turn_prompts_continue_the_first_answer_in_the_chat_template():
         tail = list(first_turn)[-3:]
         assert p[-3:] == tail
     assert np.all([len(p) > 0 for p in prompts])
+
+
+def test_prompt_subsets_take_the_first_short_prompts_of_each_category():
+    """`spec_bench_prompts` with both limits: prompts longer than max_prompt_tokens are left out
+    first, then the first n of each category (question order) are kept: the subset that
+    data.per_category and eval.max_prompt_tokens select."""
+    from specjax import decoding
+    from specjax.distill import _sources
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+    prompts, ids = _sources.spec_bench_prompts(tok, "train", per_category=2, max_prompt_tokens=192)
+    qs = specbench.load(split="train")
+    want, seen = [], {}
+    for q in qs:
+        if len(decoding.encode_prompt(tok, q.prompt, chat=True)) <= 192 and seen.get(q.category, 0) < 2:
+            seen[q.category] = seen.get(q.category, 0) + 1
+            want.append(q.question_id)
+    assert ids == want
+    assert all(len(p) <= 192 for p in prompts)
+    # Categories whose first questions are long still contribute their first short ones, and
+    # a category with none short (summarization, RAG) contributes nothing.
+    cats = {q.question_id: q.category for q in qs}
+    assert "summarization" not in {cats[i] for i in ids}
+    assert len(ids) == sum(min(2, sum(1 for q in qs if q.category == c and
+                                      len(decoding.encode_prompt(tok, q.prompt, chat=True)) <= 192))
+                           for c in {q.category for q in qs})
+    # Without limits: the whole split, in question order.
+    all_prompts, all_ids = _sources.spec_bench_prompts(tok, "train")
+    assert all_ids == [q.question_id for q in qs]
+
+
+def test_teacher_forward_compiles_once_per_target():
+    """Teacher states of a new data set made during training (on-policy refreshes) reuse the
+    compiled forward of the same target and shapes instead of compiling a fresh closure."""
+    import jax
+    from specjax.distill import _data
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                             ffn_size=64, max_position=128)
+    target = models.Llama(cfg)
+    params = target.init_params(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    before = _data._final_hidden._cache_size()
+    outs = []
+    for _ in range(3):
+        seqs = distill.SequenceSet([rng.integers(0, 64, 40) for _ in range(3)], [5, 6, 7])
+        outs.append(distill.teacher_states(target, params, seqs, widths=(64,), tokens_per_batch=256))
+    assert _data._final_hidden._cache_size() - before == 1
+    # and the states are the target's
+    h = np.asarray(target.hidden_states(params, np.asarray(seqs.tokens[0])[None], None)[0][0])
+    np.testing.assert_allclose(outs[-1][:35], h[4:39], rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""CI smoke test of experiments/distill_study: the tiny variant (2 divergences x 3 data sources x
-2 seeds on a tiny random target with SmolLM2's tokenizer, Spec-Bench prompts): every run
+"""CI smoke test of experiments/distill_study: the tiny variant (FKL x 3 data sources x 2 seeds
+on a tiny random target with SmolLM2's tokenizer, Spec-Bench prompts): every run
 trains on exactly its sources, ends at the budget with a held-out evaluation, on-policy runs
 redraw their data during training, a run repeated with its seed gives the same figures, a
 finished run is read back rather than retrained, and the table and the plot are made from the
@@ -9,6 +9,7 @@ import os
 import shutil
 
 from experiments import toolkit
+from specjax import distill
 from experiments.distill_study import report
 
 import _cli_tiny
@@ -27,7 +28,7 @@ def test_distill_study_tiny(tmp_path, monkeypatch):
     recs = toolkit.read_jsonl(c.out)
     runs = [r for r in recs if r["kind"] == "run"]
     assert [(r["seed"], r["source"], r["divergence"]) for r in runs] == [
-        (s, src, d) for s in (0, 1) for src in ("target", "on-policy", "mixed") for d in ("fkl", "tvd")]
+        (s, src, "fkl") for s in (0, 1) for src in ("target", "on-policy", "mixed")]
     for r in runs:
         assert r["tokens"] >= 600 and not r["reused"] and r["eval_tokens"] > 0
         assert 0.0 <= r["alpha_after"] <= 1.0
@@ -41,10 +42,19 @@ def test_distill_study_tiny(tmp_path, monkeypatch):
     start = next(r for r in recs if r["kind"] == "start")
     # Training moved the draft: some run ends with an alpha unlike the start's.
     assert any(abs(r["alpha_after"] - start["alpha"]) > 1e-4 for r in runs)
-    # The seed matters (batch order, samples) and the divergence does.
-    by = {(r["seed"], r["source"], r["divergence"]): r["alpha_after"] for r in runs}
-    assert by[(0, "target", "fkl")] != by[(1, "target", "fkl")]
-    assert by[(0, "target", "fkl")] != by[(0, "target", "tvd")]
+    # The seed matters (batch order, the mixture's draws, the samples).
+    by = {(r["seed"], r["source"]): r for r in runs}
+    assert by[(0, "mixed")]["loss_tokens_by_source"] != by[(1, "mixed")]["loss_tokens_by_source"] or \
+        by[(0, "mixed")]["train_loss_last"] != by[(1, "mixed")]["train_loss_last"]
+    # A run's training config differs from the study's only in the source's weights, the
+    # divergence and the seed (and the study's common overrides).
+    tc = study.training_config(c, "mixed", "tvd", 1)
+    assert (tc.loss.divergence, tc.seed, tc.data.target_weight, tc.data.draft_weight) == ("tvd", 1, 0.5, 0.5)
+    assert tc.budget_tokens == 600 and tc.draft.layers == (0,) and tc.target == str(target_dir)
+    base = distill.flatten(study.training_config(c, "target", "fkl", 0).to_dict())
+    other = distill.flatten(tc.to_dict())
+    assert {k for k in base if base[k] != other[k]} == {"loss.divergence", "seed", "data.target_weight",
+                                                          "data.draft_weight"}
     # Every run directory keeps its metrics and summary, not its checkpoints.
     for r in runs:
         d = tmp_path / "runs" / r["name"]

@@ -35,7 +35,7 @@ def get_config(variant: str = ""):
     c.overrides = ml_collections.ConfigDict()          # training-config keys set in every run (nested as there)
     c.out = "experiments/distill_study/results/results.jsonl"
     if variant == "tiny":
-        c.update(seeds=(0, 1), divergences=("fkl", "tvd"), runs="/tmp/distill_study/runs",
+        c.update(seeds=(0, 1), divergences=("fkl",), runs="/tmp/distill_study/runs",
                  data_root="/tmp/distill_study/data", compilation_cache_dir="", out="/tmp/distill_study/results.jsonl")
         c.overrides = ml_collections.ConfigDict(dict(
             budget_tokens=600, export_dtype="float32",

@@ -39,16 +39,6 @@ def _log(msg):
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def training_config(c, source: str, divergence: str, seed: int):
     """The training config of one run: `c.training_config` with the source's weights, the
     divergence, the seed and the study's common overrides."""
@@ -58,7 +48,7 @@ def training_config(c, source: str, divergence: str, seed: int):
         raise ValueError(f"config.divergences: {divergence!r} is not a divergence; choose from "
                          f"{list(distill.DIVERGENCES)}")
     over = {**study_config.SOURCES[source], "loss.divergence": divergence, "seed": int(seed),
-            **_flat(c.overrides.to_dict())}
+            **distill.flatten(c.overrides.to_dict())}
     if c.target:
         over["target"] = c.target
     if c.data_root:

@@ -1,6 +1,7 @@
 """Draft distillation (DistillSpec, Zhou et al., ICLR 2024): align a draft to its target.
 
     train(config, workdir)        the restartable run (python -m specjax.distill --config=...)
+    with_overrides / flatten      set dotted or nested config keys
     make_train_step / LossSpec    the pure jitted step and its loss
     divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
@@ -16,7 +17,7 @@ from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, ge
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
 from specjax.distill._heads import HeadObjective, evaluate_head, head_eval_batch, head_loss, objective_from_config
-from specjax.distill._loop import train, with_overrides
+from specjax.distill._loop import flatten, train, with_overrides
 from specjax.distill._prepare import eval_plan, feature_file, with_features
 from specjax.distill._sources import generated_data, second_turn_prompts
 from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
@@ -28,7 +29,7 @@ __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
-    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "eval_plan",
+    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "eval_plan",
     "feature_file", "with_features", "generated_data", "second_turn_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",

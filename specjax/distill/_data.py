@@ -231,7 +231,9 @@ def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: 
                      emit: Callable[[int, np.ndarray], None], what: str, log=None) -> None:
     """Run ``fn(params, tokens [B, W]) -> [B, W, X]`` (or a tuple of such) over every sequence,
     each in the narrowest width bucket that holds it (cut at the widest), ``tokens_per_batch //
-    W`` rows a batch; ``emit(i, out_WX)`` receives sequence i's row (of each output)."""
+    W`` rows a batch (a bucket's last batch: its rows rounded up to a multiple of 8, so a small
+    set, e.g. an on-policy refresh, does not pay for a full batch of padding rows);
+    ``emit(i, out_WX)`` receives sequence i's row (of each output)."""
     by_width: dict[int, list[int]] = {}
     for i, t in enumerate(seqs.tokens):
         by_width.setdefault(_width_for(len(t), widths), []).append(i)
@@ -240,7 +242,7 @@ def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: 
         B = max(1, tokens_per_batch // W)
         for s in range(0, len(idx), B):
             rows = idx[s:s + B]
-            batch = np.zeros((B, W), np.int32)
+            batch = np.zeros((min(B, _round_up(len(rows), 8)), W), np.int32)
             for j, i in enumerate(rows):
                 t = seqs.tokens[i][:W]
                 batch[j, :len(t)] = t

@@ -42,8 +42,9 @@ MIX_STREAM = 7     # a fixed stream id for the per-step source choice
 
 
 def with_overrides(config, overrides: dict):
-    """Set dotted keys (``{"loss.divergence": "rkl"}``) on a ConfigDict, in place; returns it."""
-    for k, v in overrides.items():
+    """Set dotted keys (``{"loss.divergence": "rkl"}``) or nested ones (``{"loss": {"divergence":
+    "rkl"}}``, set key by key) on a ConfigDict, in place; returns it."""
+    for k, v in flatten(overrides).items():
         node = config
         parts = k.split(".")
         for p in parts[:-1]:
@@ -129,11 +130,12 @@ class Mixture:
 STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a ConfigDict's ``to_dict()``) as one level of dotted keys."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -148,11 +150,11 @@ def check_resume_config(c, workdir) -> None:
     if not stored_path.is_file() or not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
         return
     try:
-        old = _flatten(json.loads(stored_path.read_text()))
+        old = flatten(json.loads(stored_path.read_text()))
     except (OSError, ValueError) as e:
         raise ValueError(f"{stored_path}: unreadable ({e}); cannot check that the checkpoints in {ckpt_dir} "
                          f"match this config. Use a new workdir.") from e
-    new = _flatten(json.loads(c.to_json_best_effort()))
+    new = flatten(json.loads(c.to_json_best_effort()))
     missing = object()
     diff = []
     for k in sorted(set(old) | set(new)):

@@ -214,21 +214,40 @@ def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = 
 
 # ------------------------------------------------------------------------------ evaluation
 
-def _eval_batch(draft, params, full_head_VD, batch):
+def _eval_batch(draft, params, full_head_VD, batch, pos_BK):
     """Per-position acceptance sum_x min(p, q) at temperature 1 over the full vocabulary, and
-    whether the draft's argmax equals the target's."""
-    tokens, hidden, mask = batch["tokens"], batch["teacher_hidden"], batch["mask"]
-    p_logits = teacher_logits(full_head_VD, hidden)
+    whether the draft's argmax equals the target's, at the positions `pos_BK` of each row (the
+    continuation's: the draft reads every position, the vocabulary-sized work runs at these
+    only). Entries past a row's count are padding (their results are ignored)."""
+    tokens = batch["tokens"]
+    take = lambda x: jnp.take_along_axis(x, pos_BK[..., None], axis=1)   # noqa: E731  [B, K, X]
+    p_logits = teacher_logits(full_head_VD, take(batch["teacher_hidden"]))
     h, _ = draft.hidden_states(params, tokens, None)
+    h = take(h)
     if isinstance(draft, ReducedHeadLlama):
         q_logits = draft.scatter(params, draft.head_logits(params, h))
     else:
         q_logits = draft.logits_from_hidden(params, h)
     p = jax.nn.softmax(p_logits, -1)
     q = jax.nn.softmax(q_logits, -1)
-    alpha_BT = jnp.sum(jnp.minimum(p, q), -1)
-    agree_BT = jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)
-    return alpha_BT * mask, agree_BT & (mask > 0)
+    alpha_BK = jnp.sum(jnp.minimum(p, q), -1)
+    agree_BK = jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)
+    return alpha_BK, agree_BK
+
+
+def _loss_positions(mask_BT: np.ndarray, multiple: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [B, K], valid [B, K]): each row's masked positions in order, padded with 0 to
+    K = the largest count rounded up to `multiple` (at most T), so few shapes get compiled."""
+    m = mask_BT > 0
+    counts = m.sum(1)
+    K = min(m.shape[1], max(multiple, -(-int(counts.max(initial=0)) // multiple) * multiple))
+    pos = np.zeros((m.shape[0], K), np.int32)
+    valid = np.zeros((m.shape[0], K), bool)
+    for r in range(m.shape[0]):
+        nz = np.flatnonzero(m[r])
+        pos[r, :len(nz)] = nz
+        valid[r, :len(nz)] = True
+    return pos, valid
 
 
 _eval_batch_jit = jax.jit(_eval_batch, static_argnums=(0,))
@@ -287,16 +306,17 @@ def evaluate(draft, params, full_head_VD, plan, gamma) -> dict:
     committed, passes = dict.fromkeys(gammas, 0), dict.fromkeys(gammas, 0)
     for i in range(n_batches):
         b = plan.batch(i)
-        a_BT, g_BT = _eval_batch_jit(draft, params, full_head_VD, {k: jnp.asarray(v) for k, v in b.items()})
-        a_BT, g_BT = np.asarray(a_BT), np.asarray(g_BT)
-        m = b["mask"] > 0
-        alpha_sum += float(a_BT[m].sum())
-        agree_sum += float(g_BT[m].sum())
+        pos_BK, m = _loss_positions(b["mask"])
+        a_BK, g_BK = _eval_batch_jit(draft, params, full_head_VD,
+                                     {k: jnp.asarray(b[k]) for k in ("tokens", "teacher_hidden")}, jnp.asarray(pos_BK))
+        a_BK, g_BK = np.asarray(a_BK), np.asarray(g_BK)
+        alpha_sum += float(a_BK[m].sum())
+        agree_sum += float(g_BK[m].sum())
         count += float(m.sum())
         for r in range(m.shape[0]):
             if m[r].any():
                 for g in gammas:
-                    c, p = greedy_accepted_per_pass(g_BT[r][m[r]], g)
+                    c, p = greedy_accepted_per_pass(g_BK[r][m[r]], g)
                     committed[g] += c
                     passes[g] += p
     alpha = alpha_sum / max(count, 1.0)
