@@ -40,8 +40,10 @@ def test_distill_study_tiny(tmp_path, monkeypatch):
         assert (r["onpolicy_refreshes"] >= 2) == (r["source"] != "target")
         assert r["train_loss_last"] < r["train_loss_first"] or r["source"] != "target"
     start = next(r for r in recs if r["kind"] == "start")
-    # Training moved the draft: some run ends with an alpha unlike the start's.
-    assert any(abs(r["alpha_after"] - start["alpha"]) > 1e-4 for r in runs)
+    # Training moved the draft: its held-out greedy agreement changed. (The tiny random
+    # target's p is nearly uniform over 49,152 tokens, so alpha, ~ p's mass on the 256-token
+    # head, hardly moves with q; the train loss and the agreement do.)
+    assert any(r["agreement_after"] != start["agreement"] for r in runs)
     # The seed matters (batch order, the mixture's draws, the samples).
     by = {(r["seed"], r["source"]): r for r in runs}
     assert by[(0, "mixed")]["loss_tokens_by_source"] != by[(1, "mixed")]["loss_tokens_by_source"] or \

@@ -24,6 +24,7 @@ tensorboard is installed, ``final.json``, and the draft artifact when ``export_d
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -169,15 +170,35 @@ def check_resume_config(c, workdir) -> None:
                          f"on {'; '.join(diff)} (stored -> new). Use a new workdir, or restore the old values.")
 
 
-def _load_target(c):
+def _checkpoint_signature(name: str) -> tuple:
+    """What identifies the contents of a target given by name or path: a registry name as it is;
+    a file or directory by its files' sizes and modification times."""
+    path = pathlib.Path(name).expanduser()
+    files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
+    return (str(name),) + tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+@functools.lru_cache(maxsize=1)
+def _load_target_cached(signature: tuple, name: str, dtype: str):
     from specjax import build
-    target, params = build.load_target(c.target, c.dtype, True)
-    return target, params
+    return build.load_target(name, dtype, True)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_cached(signature: tuple, name: str):
+    from specjax.models.tokenizer import load_tokenizer
+    return load_tokenizer(name)
+
+
+# A process that trains several drafts of one target (a study, a sweep) loads it once: the last
+# target and tokenizer are kept, keyed by the checkpoint's files (a rewritten checkpoint is
+# read again). The parameters are immutable arrays, so runs cannot change each other's.
+def _load_target(c):
+    return _load_target_cached(_checkpoint_signature(c.target), c.target, c.dtype)
 
 
 def _tokenizer(c):
-    from specjax.models.tokenizer import load_tokenizer
-    return load_tokenizer(c.target)
+    return _tokenizer_cached(_checkpoint_signature(c.target), c.target)
 
 
 def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: int | None = None) -> dict:
