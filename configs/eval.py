@@ -18,7 +18,7 @@ def get_config():
     for key in ("draft", "loss", "optim", "budget_tokens", "checkpoint_every", "keep_checkpoints",
                 "async_checkpoints", "export_dir", "export_dtype"):
         del c[key]                      # training settings; eval reads the target, data and eval keys
-    for key in ("greedy_samples", "sampled_samples", "temperature", "max_new_tokens", "max_prompt_tokens",
+    for key in ("greedy_samples", "sampled_samples", "temperature", "max_new_tokens", "max_prompt_tokens", "per_category",
                 "fixed_jsonl", "target_weight", "fixed_weight", "draft_weight", "draft_refresh_every",
                 "draft_prompts", "draft_max_prompt_tokens", "draft_max_new_tokens"):
         del c.data[key]                 # training data; eval keeps the buckets and batch sizes

@@ -45,9 +45,8 @@ def test_prompt_subsets_take_the_first_short_prompts_of_each_category():
     first, then the first n of each category (question order) are kept: the subset that
     data.per_category and eval.max_prompt_tokens select."""
     from specjax import decoding
-    from specjax.distill import _sources
     tok = models.load_tokenizer("smollm2-135m-instruct")
-    prompts, ids = _sources.spec_bench_prompts(tok, "train", per_category=2, max_prompt_tokens=192)
+    prompts, ids = distill.spec_bench_prompts(tok, "train", per_category=2, max_prompt_tokens=192)
     qs = specbench.load(split="train")
     want, seen = [], {}
     for q in qs:
@@ -64,26 +63,34 @@ def test_prompt_subsets_take_the_first_short_prompts_of_each_category():
                                       len(decoding.encode_prompt(tok, q.prompt, chat=True)) <= 192))
                            for c in {q.category for q in qs})
     # Without limits: the whole split, in question order.
-    all_prompts, all_ids = _sources.spec_bench_prompts(tok, "train")
+    all_prompts, all_ids = distill.spec_bench_prompts(tok, "train")
     assert all_ids == [q.question_id for q in qs]
 
 
-def test_teacher_forward_compiles_once_per_target():
+def test_teacher_forward_compiles_once_per_target(caplog):
     """Teacher states of a new data set made during training (on-policy refreshes) reuse the
-    compiled forward of the same target and shapes instead of compiling a fresh closure."""
+    compiled forward of the same target and shapes: after the first set, nothing compiles
+    (a fresh jitted closure per call compiled the target again every time)."""
+    import logging
+
     import jax
-    from specjax.distill import _data
     cfg = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                              ffn_size=64, max_position=128)
     target = models.Llama(cfg)
     params = target.init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
-    before = _data._final_hidden._cache_size()
-    outs = []
-    for _ in range(3):
-        seqs = distill.SequenceSet([rng.integers(0, 64, 40) for _ in range(3)], [5, 6, 7])
-        outs.append(distill.teacher_states(target, params, seqs, widths=(64,), tokens_per_batch=256))
-    assert _data._final_hidden._cache_size() - before == 1
-    # and the states are the target's
+
+    def new_set():
+        return distill.SequenceSet([rng.integers(0, 64, 40) for _ in range(3)], [5, 6, 7])
+    distill.teacher_states(target, params, new_set(), widths=(64,), tokens_per_batch=256)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        caplog.clear()
+        for _ in range(2):
+            seqs = new_set()
+            out = distill.teacher_states(target, params, seqs, widths=(64,), tokens_per_batch=256)
+        compiled = [m for m in (r.getMessage() for r in caplog.records)
+                    if m.startswith("Compiling ") or "Finished XLA compilation" in m]
+    assert compiled == []
+    # and the states are the target's (positions P-1 .. n-2 of the first sequence)
     h = np.asarray(target.hidden_states(params, np.asarray(seqs.tokens[0])[None], None)[0][0])
-    np.testing.assert_allclose(outs[-1][:35], h[4:39], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[:35], h[4:39], rtol=1e-5, atol=1e-5)

@@ -43,7 +43,7 @@ def plot(path) -> list[pathlib.Path]:
         ax.set_ylabel(label + " (fraction)")
         lo = min([start_value] + [min(v) for v in vals.values()])
         hi = max([start_value] + [max(v) for v in vals.values()])
-        ax.set_ylim(max(0.0, lo - 0.2 * (hi - lo + 1e-3)), hi + 0.25 * (hi - lo + 1e-3))
+        ax.set_ylim(max(0.0, lo - 0.2 * (hi - lo + 1e-3)), hi + 0.4 * (hi - lo + 1e-3))   # room for the legend
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
     prov = setup["provenance"]

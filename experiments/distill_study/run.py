@@ -106,6 +106,15 @@ def start_eval(runs: pathlib.Path, names) -> dict | None:
     return None
 
 
+def model_provenance(tc) -> dict:
+    """The target's name, and for a registry name its (fetched, sha256-checked) GGUF file."""
+    from specjax.models import registry
+    if tc.target not in registry.KNOWN:
+        return {"model": tc.target, "model_file": tc.target, "model_sha256": "", "model_notes": tc.dtype}
+    return {"model": tc.target, "model_file": str(registry.resolve(tc.target)),
+            "model_sha256": registry.KNOWN[tc.target].sha256, "model_notes": f"GGUF as {tc.dtype}"}
+
+
 def main(c):
     build.tune_xla_cpu()
     if c.compilation_cache_dir:
@@ -116,7 +125,7 @@ def main(c):
     tcs = {(s, src, div): training_config(c, src, div, s) for s, src, div in grid}   # every name checked first
     first = tcs[grid[0]]
     prov = toolkit.provenance("experiments.distill_study.run", exclude=[out.parent], config=c.to_dict())
-    jl = toolkit.Jsonl(out, {**prov, "model": first.target})
+    jl = toolkit.Jsonl(out, {**prov, **model_provenance(first)})
     jl.write("setup", training_config=c.training_config, training=first.to_dict(), sources=dict(study_config.SOURCES),
              divergences=list(c.divergences), seeds=list(c.seeds), budget_tokens=first.budget_tokens)
     names = [run_name(src, div, s) for s, src, div in grid]

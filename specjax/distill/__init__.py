@@ -9,6 +9,7 @@
     SequenceSet / TeacherData / BatchPlan / generate / teacher_states / feature_states / from_jsonl   data
     eval_plan                     a training config's held-out evaluation set
     generated_data / second_turn_prompts / with_features / feature_file   data sets on disk
+    spec_bench_prompts            chat-templated Spec-Bench prompts of a split (length and per-category subsets)
 """
 
 from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_states, from_jsonl, generate,
@@ -19,7 +20,7 @@ from specjax.distill._drafts import DraftChoice, build_draft, select_layers
 from specjax.distill._heads import HeadObjective, evaluate_head, head_eval_batch, head_loss, objective_from_config
 from specjax.distill._loop import flatten, train, with_overrides
 from specjax.distill._prepare import eval_plan, feature_file, with_features
-from specjax.distill._sources import generated_data, second_turn_prompts
+from specjax.distill._sources import generated_data, second_turn_prompts, spec_bench_prompts
 from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
                                     init_state,
                                     loss_fn, make_optimizer, make_train_step, merge_params, split_params,
@@ -30,7 +31,7 @@ __all__ = [
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
     "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "eval_plan",
-    "feature_file", "with_features", "generated_data", "second_turn_prompts",
+    "feature_file", "with_features", "generated_data", "second_turn_prompts", "spec_bench_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",
 ]
