@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 
+import pytest
+
 from experiments import toolkit
 from specjax import distill
 from experiments.distill_study import report
@@ -73,3 +75,9 @@ def test_distill_study_tiny(tmp_path, monkeypatch):
         assert a["alpha_after"] == b["alpha_after"] and a["agreement_after"] == b["agreement_after"], a["name"]
         assert b["reused"] == (b["name"] != "mixed-fkl-seed0")
     json.loads((tmp_path / "runs" / "mixed-fkl-seed0" / "final.json").read_text())
+
+    # A finished run is never read back under another training config: refused before anything
+    # trains, naming the run and the key (a smaller budget would otherwise report the larger one's).
+    c.overrides.budget_tokens = 300
+    with pytest.raises(ValueError, match=r"target-fkl-seed0 holds a run finished under another.*budget_tokens: 600 -> 300"):
+        study.main(c)

@@ -60,13 +60,30 @@ def run_name(source: str, divergence: str, seed: int) -> str:
     return f"{source}-{divergence}-seed{seed}"
 
 
-def _finished(workdir: pathlib.Path, budget: int) -> dict | None:
-    f = workdir / "final.json"
-    if f.is_file():
+# Keys a finished run may differ in and still be read back (they change no trained figure).
+NOT_COMPARED = ("eval.at_start", "progress")
+
+
+def _finished(workdir: pathlib.Path, tc) -> dict | None:
+    """A finished run's summary when `workdir` holds one trained under exactly `tc` (else None:
+    train). A run finished under another config, or an unreadable summary or config, is a
+    ValueError naming the workdir and what differs: its figures are never reported as this
+    config's."""
+    f, stored = workdir / "final.json", workdir / "config.json"
+    if not f.is_file():
+        return None
+    try:
         summary = json.loads(f.read_text())
-        if summary.get("tokens", 0) >= budget:
-            return summary
-    return None
+        old = distill.flatten(json.loads(stored.read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{workdir}: unreadable finished run ({e}); delete the directory to train it again") from None
+    new = distill.flatten(json.loads(tc.to_json_best_effort()))
+    diff = [f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}" for k in sorted(set(old) | set(new))
+            if k not in NOT_COMPARED and old.get(k) != new.get(k)]
+    if diff:
+        raise ValueError(f"{workdir} holds a run finished under another training config ({'; '.join(diff)}); "
+                         f"delete it, or set config.runs to another directory")
+    return summary if summary.get("tokens", 0) >= tc.budget_tokens else None
 
 
 def run_record(workdir: pathlib.Path, summary: dict) -> dict:
@@ -129,12 +146,14 @@ def main(c):
     jl.write("setup", training_config=c.training_config, training=first.to_dict(), sources=dict(study_config.SOURCES),
              divergences=list(c.divergences), seeds=list(c.seeds), budget_tokens=first.budget_tokens)
     names = [run_name(src, div, s) for s, src, div in grid]
+    for (s, src, div), name in zip(grid, names):     # before anything trains: no stale run is read back
+        _finished(runs / name, tcs[(s, src, div)])
     t_study = time.perf_counter()
     for i, (seed, source, div) in enumerate(grid):
         tc, name = tcs[(seed, source, div)], run_name(source, div, seed)
         workdir = runs / name
         tc.eval.at_start = i == 0 and start_eval(runs, names) is None     # the shared start, evaluated once
-        summary, reused = _finished(workdir, tc.budget_tokens), True
+        summary, reused = _finished(workdir, tc), True
         if summary is None:
             _log(f"[{i + 1}/{len(grid)}] {name}: training {tc.budget_tokens} loss tokens in {workdir}")
             summary, reused = distill.train(tc, workdir, log=lambda m, n=name: _log(f"[{n}] {m}")), False
