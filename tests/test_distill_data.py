@@ -62,6 +62,10 @@ def test_prompt_subsets_take_the_first_short_prompts_of_each_category():
     assert len(ids) == sum(min(2, sum(1 for q in qs if q.category == c and
                                       len(decoding.encode_prompt(tok, q.prompt, chat=True)) <= 192))
                            for c in {q.category for q in qs})
+    # A negative limit is refused by name (it would silently select no prompt).
+    import pytest
+    with pytest.raises(ValueError, match="per_category must be >= 0"):
+        distill.spec_bench_prompts(tok, "train", per_category=-1)
     # Without limits: the whole split, in question order.
     all_prompts, all_ids = distill.spec_bench_prompts(tok, "train")
     assert all_ids == [q.question_id for q in qs]

@@ -19,6 +19,9 @@ def spec_bench_prompts(tokenizer, split: str, *, per_category: int = 0, chat: bo
     """Token lists of Spec-Bench first turns from `split` ('train' or 'held_out'), chat-templated.
     max_prompt_tokens > 0 leaves out longer prompts; then per_category > 0 keeps the first n
     (in question order) of each category. Returns (prompts, question_ids)."""
+    for name, value in (("per_category", per_category), ("max_prompt_tokens", max_prompt_tokens)):
+        if int(value) < 0:
+            raise ValueError(f"{name} must be >= 0 (0 = no limit), got {value}")
     prompts, ids, seen = [], [], {}
     for q in specbench.load(split=split):
         if per_category and seen.get(q.category, 0) >= per_category:
