@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -969,6 +970,66 @@ def test_engine_rejects_bad_head_setups():
     head = eagle.model
     with pytest.raises(ValueError, match="features"):
         head.apply(ehp, jnp.zeros((1, 1), jnp.int32), head.init_cache(1, 8))
+
+
+# ----------------------------------------------------------------------------- 9. packed layout
+
+PACKED_CFG = CFG.replace(scan_layers=False, fuse_projections=True, packed_projections=True)
+
+
+@functools.cache
+def _packed_target():
+    model = models.Llama(PACKED_CFG)
+    return model, model.prepare_params(_target()[1])
+
+
+def _propose_once(drafter, hp, model, tp, samp, gamma=2, seed=7):
+    """(tokens, q) of one jitted `propose` after `init` on a random 9-token context with the
+    target's true features (those the engine would hand the head)."""
+    rng = np.random.default_rng(seed)
+    cap, ctx = 16, 9
+    toks = jnp.asarray(rng.integers(0, V, (2, cap)), jnp.int32)
+    lengths = jnp.asarray([ctx, ctx - 3], jnp.int32)
+    layers = drafter.feature_layers
+    _, feats = _jit_features(models.Llama(CFG))(_target()[1], toks, None, layers=layers)[:2]
+    state = drafter.init(hp, toks[:, :ctx], lengths, cap, features_BPF=feats[:, :ctx])
+    ctxt = drafters.DraftContext(tokens_BL=toks, lengths_B=lengths, features=feats,
+                                 target_cache=model.init_cache(2, cap).rollback(lengths - 1))
+    keys = decoding.request_keys(jax.random.key(seed), [0, 1])
+    return jax.jit(lambda p, st, c, k: drafter.propose(p, st, c, k, gamma, samp)[:2])(hp, state, ctxt, keys)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3_reduced"])
+def test_packed_head_drafts_as_the_plain_head(kind, tmp_path):
+    """Beside a packed target (the CPU kernel's layout) `load_head` runs the head packed too
+    (its matrices as kernel panels, its layer unrolled and fused): at T = 1 with top-k its
+    proposals and q equal the plain head's on the plain target (q to 2e-5: another summation
+    order), and a greedy engine run with the EAGLE-3 one equals target-only decoding. The plain-layout
+    config is what is stored: save / load round-trips it."""
+    hc = _head_config(kind)
+    own = _own_params(hc, "good" if kind != "medusa" else "random")
+    drafters.save_head(tmp_path / "h", hc, own, dtype="float32")
+    pmodel, ptp = _packed_target()
+    dr, hp = drafters.load_head(tmp_path / "h", pmodel, ptp)
+    got = dr.config if kind == "medusa" else dr.model.config
+    assert got == dataclasses.replace(hc, target=PACKED_CFG, packed=True)
+    assert json.loads((tmp_path / "h" / "head.json").read_text())["head"] == hc.to_dict()   # no layout stored
+    leaves = hp["medusa_w"] if kind == "medusa" else hp["fc"]
+    assert leaves.ndim == 3 and leaves.shape[-1] == 32, "the packed head's matrices are kernel panels"
+    samp = sampling.SamplingConfig.make(temperature=1.0, top_k=30)
+    plain_model, plain_tp = _target()
+    plain = _propose_once(_drafter(hc), drafters.head_params(hc, own, plain_tp), plain_model, plain_tp, samp)
+    packed = _propose_once(dr, hp, pmodel, ptp, samp)
+    np.testing.assert_array_equal(np.asarray(packed[0]), np.asarray(plain[0]))
+    np.testing.assert_allclose(np.asarray(packed[1]), np.asarray(plain[1]), rtol=2e-5, atol=2e-5)
+    if kind == "eagle3_reduced":       # (one engine compile: the other kinds' rounds are the same code)
+        eng = decoding.Engine(pmodel, dr, _gen(2))
+        out = eng.run(decoding.EngineParams(target=ptp, draft=hp), GREEDY,
+                      decoding.make_batch(PROMPTS, eng.config, jax.random.key(2)))
+        _assert_target_tokens(out)
+        assert int(np.asarray(out.metrics.accepted_B).sum()) > 0
+    with pytest.raises(ValueError, match="packed target"):
+        dataclasses.replace(hc, packed=True)
 
 
 # ----------------------------------------------------------------------------- 8. prefill reuse

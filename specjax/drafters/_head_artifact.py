@@ -11,6 +11,7 @@ The embedding, final norm and LM head are the target's, taken at load time (`hea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -74,6 +75,7 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     try:
         hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
                              feature_layers=tuple(h["feature_layers"]))
+        run = dataclasses.replace(hc, packed=bool(tc.packed_projections))   # the target's layout at inference
     except (KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None
     own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))
@@ -92,6 +94,6 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
         if tuple(w.shape) != tuple(np.shape(g)):
             raise CorruptCheckpointError(f"{blob_path}: tensor {jax.tree_util.keystr(path)} has shape "
                                          f"{tuple(np.shape(g))}, a {hc.kind} head for this target needs {tuple(w.shape)}")
-    params = head_params(hc, own, target_params)
-    drafter = MedusaDrafter(hc) if hc.kind == "medusa" else FeatureHeadDrafter(EagleHead(hc))
+    params = head_params(run, own, target_params)
+    drafter = MedusaDrafter(run) if run.kind == "medusa" else FeatureHeadDrafter(EagleHead(run))
     return drafter, params

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import sampling as sampling_lib
-from specjax.drafters._model import ModelDrafter, ModelDraftState, draw, expand, rollout
+from specjax import kernels
+from specjax.drafters._model import ModelDrafter, ModelDraftState, draw_support, expand, rollout
 from specjax.drafters._protocol import DraftContext
 from specjax.models import Llama, ModelConfig, prefill
 from specjax.models import llama as llama_lib
@@ -71,6 +71,10 @@ class HeadConfig:
     feature_layers: tuple[int, ...]
     num_heads: int = 4                  # Medusa: heads (the longest chain it drafts)
     head_size: int | None = None        # reduced-vocabulary head (None: the target's full head)
+    # Inference layout: the head's matrices as `specjax.kernels` panels and its layer in the
+    # target's packed layout (unrolled, fused), as the target runs on the CPU kernel. Set by
+    # `load_head` for a packed target; training and export use the plain layout.
+    packed: bool = False
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -85,13 +89,16 @@ class HeadConfig:
             raise ValueError(f"a Medusa head needs num_heads >= 1, got {self.num_heads}")
         if self.head_size is not None and not 0 < self.head_size <= self.target.vocab_size:
             raise ValueError(f"head_size must be in [1, {self.target.vocab_size}], got {self.head_size}")
+        if self.packed and not self.target.packed_projections:
+            raise ValueError("a packed head runs beside a packed target (packed_projections=True): "
+                             "its full-vocabulary head and its layer use the target's panel layout")
 
     @classmethod
     def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
-             feature_layers: tuple[int, ...] | None = None) -> "HeadConfig":
+             feature_layers: tuple[int, ...] | None = None, packed: bool = False) -> "HeadConfig":
         layers = default_feature_layers(kind, target.num_layers) if feature_layers is None else feature_layers
         return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
-                   head_size=head_size)
+                   head_size=head_size, packed=packed)
 
     @property
     def hidden_size(self) -> int:
@@ -103,9 +110,18 @@ class HeadConfig:
 
     @property
     def layer_config(self) -> ModelConfig:
-        """The head's own decoder layer: the target's dimensions, one layer, stacked layout."""
+        """The head's own decoder layer: the target's dimensions, one layer, stacked layout (the
+        layout of its stored and trained weights)."""
         return self.target.replace(num_layers=1, scan_layers=True, fuse_projections=False,
                                    packed_projections=False)
+
+    @property
+    def run_layer_config(self) -> ModelConfig:
+        """The layer's layout at inference: `layer_config`, or packed like the target's."""
+        if self.packed:
+            return self.target.replace(num_layers=1, scan_layers=False, fuse_projections=True,
+                                       packed_projections=True)
+        return self.layer_config
 
     @property
     def own_param_names(self) -> tuple[str, ...]:
@@ -148,7 +164,9 @@ def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
 
 def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     """The parameters a head runs with: its own plus the target's embedding, final norm and LM
-    head (shared arrays, not copies; a reduced head gathers its rows once, here)."""
+    head (shared arrays, not copies; a reduced head gathers its rows once, here). A packed
+    head (`HeadConfig.packed`) gets its matrices as `specjax.kernels` panels and its layer in
+    the target's packed layout, converted once here."""
     missing = [n for n in hc.own_param_names if n not in own]
     if missing:
         raise ValueError(f"{hc.kind} head parameters lack {missing}")
@@ -161,9 +179,32 @@ def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
                      else jnp.take(target_params["lm_head"], ids, axis=1).T)
     elif not hc.target.tie_embeddings:
         p["lm_head"] = target_params["lm_head"]
-    if hc.head_size is None and "head_panels" in target_params:   # a packed target's head
-        p["head_panels"] = target_params["head_panels"]
+    if "head_panels" in target_params and (hc.head_size is None or hc.packed):
+        p["head_panels"] = target_params["head_panels"]     # a packed target's head (its layer reads it too)
+    if hc.packed:
+        if "head_panels" not in p:
+            raise ValueError("a packed head needs the packed target's params (with 'head_panels'): "
+                             "target.prepare_params(params)")
+        dtype = hc.target.jnp_dtype
+        if hc.head_size is not None:
+            p["head"] = kernels.pack_rows(p["head"])                          # [S, D] rows -> panels of [D, S]
+        if hc.kind == "medusa":
+            K, D, E = p["medusa_w"].shape                                     # [K, D, E] -> panels of [D, K E]
+            p["medusa_w"] = kernels.pack(jnp.transpose(p["medusa_w"], (1, 0, 2)).reshape(D, K * E).astype(dtype))
+        else:
+            p["fc"] = kernels.pack(p["fc"].astype(dtype))
+            if "fuse" in p:
+                p["fuse"] = kernels.pack(p["fuse"].astype(dtype))
+            p["layers"] = llama_lib.prepare_layers(
+                {k: v.astype(dtype) for k, v in p["layers"].items()}, hc.run_layer_config)
     return p
+
+
+def _matmul(x, w, width: int):
+    """x [..., in] @ w in float32: w a matrix [in, width], or `specjax.kernels` panels of it."""
+    if jnp.ndim(w) == 3:
+        return kernels.matmul(x, w, width)
+    return jnp.einsum("...e,ed->...d", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
@@ -171,6 +212,8 @@ def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Arr
     rows, the token ids of those rows [S] or None for the full vocabulary (S = V))."""
     x = llama_lib.rms_norm(h_BTD, params["final_norm"], hc.target.rms_eps)
     if hc.head_size is not None:
+        if jnp.ndim(params["head"]) == 3:                                   # packed: panels
+            return kernels.matmul(x, params["head"], hc.head_size), params["head_ids"]
         s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
         return s, params["head_ids"]
     return Llama(hc.target).logits_from_hidden(params, x), None
@@ -190,8 +233,12 @@ def head_logits(hc: HeadConfig, params: dict, h_BTD) -> jax.Array:
 
 def medusa_features(hc: HeadConfig, params: dict, f_BTD) -> jax.Array:
     """[B, T, K, D]: head k's residual block on each feature."""
-    w, b = params["medusa_w"].astype(f_BTD.dtype), params["medusa_b"].astype(f_BTD.dtype)
-    z = jnp.einsum("btd,kde->btke", f_BTD, w, preferred_element_type=jnp.float32) + b
+    w, b = params["medusa_w"], params["medusa_b"].astype(f_BTD.dtype)
+    if hc.packed:
+        K, D = b.shape                                                      # packed: panels of [D, K D]
+        z = kernels.matmul(f_BTD, w, K * D).reshape(*f_BTD.shape[:-1], K, D) + b
+    else:
+        z = jnp.einsum("btd,kde->btke", f_BTD, w.astype(f_BTD.dtype), preferred_element_type=jnp.float32) + b
     return (f_BTD[:, :, None, :].astype(jnp.float32) + jax.nn.silu(z)).astype(f_BTD.dtype)
 
 
@@ -232,10 +279,11 @@ class MedusaDrafter:
         idx_B = jnp.maximum(L_B - 2, 0)
         f_BD = jnp.take_along_axis(context.features, idx_B[:, None, None], axis=1)[:, 0]
         f_BD = jnp.where((L_B >= 2)[:, None], f_BD, 0)
-        logits_BGV = medusa_logits(self.config, params, f_BD[:, None], gamma)[:, 0]
-        q_BGV = sampling_lib.probabilities(logits_BGV, cfg)
+        h_BGD = medusa_features(self.config, params, f_BD[:, None])[:, 0, :gamma]
+        scores_BGS, ids = head_scores(self.config, params, h_BGD)      # over the head's tokens (see draw_support)
         keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-        tokens_BG = jax.vmap(lambda k, q: draw(k, q, cfg), in_axes=1, out_axes=1)(keys_BG, q_BGV)
+        tokens_BG, q_BGV = jax.vmap(lambda k, s: draw_support(k, s, ids, cfg, self.vocab_size), in_axes=1,
+                                    out_axes=1)(keys_BG, scores_BGS)
         return tokens_BG, q_BGV, state
 
     def commit(self, state, new_lengths_B, accepted=None):
@@ -291,20 +339,21 @@ def _write_slots(buf_BSD, new_BTD, start_B):
 def eagle_input(hc: HeadConfig, params: dict, tokens_BT, g_BTD) -> jax.Array:
     """``fc([embed(x) ; g])``: the head layer's input [B, T, D]."""
     e = jnp.take(params["embed"], tokens_BT, axis=0).astype(g_BTD.dtype)
-    return jnp.einsum("bte,ed->btd", jnp.concatenate([e, g_BTD], axis=-1), params["fc"].astype(g_BTD.dtype),
-                      preferred_element_type=jnp.float32).astype(g_BTD.dtype)
+    return _matmul(jnp.concatenate([e, g_BTD], axis=-1), params["fc"], hc.hidden_size).astype(g_BTD.dtype)
 
 
 def fuse_features(hc: HeadConfig, params: dict, f_BTF) -> jax.Array:
     """The target features as the head's D-wide input: EAGLE-3 fuses its layers (F -> D)."""
     if hc.kind == "eagle3":
-        return jnp.einsum("btf,fd->btd", f_BTF, params["fuse"].astype(f_BTF.dtype),
-                          preferred_element_type=jnp.float32).astype(f_BTF.dtype)
+        return _matmul(f_BTF, params["fuse"], hc.hidden_size).astype(f_BTF.dtype)
     return f_BTF
 
 
 def _layer_params(hc: HeadConfig, params: dict) -> dict:
-    return {"embed": params["embed"], "final_norm": params["final_norm"], "layers": params["layers"]}
+    p = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": params["layers"]}
+    if hc.packed:                 # a packed layer's model checks for its head's panels (never used)
+        p["head_panels"] = params["head_panels"]
+    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +367,7 @@ class EagleHead:
 
     @property
     def layer(self) -> Llama:
-        return Llama(self.config.layer_config)
+        return Llama(self.config.run_layer_config)
 
     def init_cache(self, batch_size: int, capacity: int) -> HeadCache:
         c = self.config
@@ -333,6 +382,18 @@ class EagleHead:
         block see `_apply_tree`."""
         if tree is not None:
             return self._apply_tree(params, tokens_BT, cache, tree)
+        h_BTD, cache = self._chain(params, tokens_BT, cache, num_valid_B)
+        return head_logits(self.config, params, h_BTD), cache
+
+    def apply_support(self, params, tokens_BT, cache: HeadCache, num_valid_B=None):
+        """`apply` with the logits over the head's own tokens only: (scores [B, T, S], the
+        reduced head's token ids or None for the full vocabulary, cache); see
+        `specjax.drafters.support_scores`."""
+        h_BTD, cache = self._chain(params, tokens_BT, cache, num_valid_B)
+        scores, ids = head_scores(self.config, params, h_BTD)
+        return scores, ids, cache
+
+    def _chain(self, params, tokens_BT, cache: HeadCache, num_valid_B):
         hc = self.config
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         B, T = tokens_BT.shape
@@ -353,8 +414,7 @@ class EagleHead:
         g_BTD = jnp.where((prev_BT >= 0)[..., None], g_BTD, 0)
         x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
         h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, num_valid_B, inputs_BTD=x_BTD)
-        cache = cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B))
-        return head_logits(hc, params, h_BTD), cache
+        return h_BTD, cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B))
 
     def _apply_tree(self, params, tokens_BT, cache: HeadCache, tree):
         """One tree call (EAGLE-2 drafting): node t's input feature is its parent's head output,
@@ -410,9 +470,9 @@ class FeatureHeadDrafter(ModelDrafter):
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
         # The target's features are needed only to catch up on the committed tokens; the
         # rollout's steps read the head's own outputs, so its scan does not carry them.
-        logits_BV, cache = self._catch_up(params, self._with_features(state, context), context)
+        scores_BS, ids, cache = self._catch_up_support(params, self._with_features(state, context), context)
         tokens_BG, q_BGV, cache = rollout(self.model, params, cache.replace(true_BSF=None, drafting=True),
-                                          logits_BV, key_B, gamma, cfg)
+                                          scores_BS, key_B, gamma, cfg, ids)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache.replace(drafting=False))
 
     def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):

@@ -37,22 +37,53 @@ def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
     return jax.vmap(sampling_lib.sample)(key_B, probs_BV).astype(jnp.int32)
 
 
-def rollout(model, params, cache, logits_BV, key_B, gamma, cfg):
-    """Sample gamma tokens autoregressively, starting from the logits of the last seen token.
+def support_scores(model, params, tokens_BT, cache, num_valid_B=None):
+    """(scores [B, T, S], their token ids [S] or None, cache): a model's next-token logits over
+    the tokens it can propose. None: the whole vocabulary (S = V, `apply`). A model whose
+    support is part of the vocabulary (a reduced-vocabulary draft head) implements
+    ``apply_support``: its logits are -inf off the S tokens, so q is zero there, and drawing
+    from the S scores (`draw_support`) is the same law for S/V of the work."""
+    if hasattr(model, "apply_support"):
+        return model.apply_support(params, tokens_BT, cache, num_valid_B)
+    logits, cache = model.apply(params, tokens_BT, cache, num_valid_B)
+    return logits, None, cache
+
+
+def to_vocab(x_BS, ids, vocab: int, fill: float):
+    """Values over a support placed in the vocabulary (``fill`` elsewhere); no-op for ids None."""
+    if ids is None:
+        return x_BS
+    return jnp.full(x_BS.shape[:-1] + (vocab,), fill, x_BS.dtype).at[..., ids].set(x_BS)
+
+
+def draw_support(key_B, scores_BS, ids, cfg: sampling_lib.SamplingConfig, vocab: int):
+    """(one token per row drawn from the scores over a support, q_BV over the vocabulary).
+
+    The logits processing runs on the support: -inf elsewhere changes neither top-k (a k past
+    the support keeps all of it either way) nor top-p (zero mass) nor the greedy argmax (ids
+    are sorted, so ties still go to the lowest token id); q outside the support is 0."""
+    q_BS = sampling_lib.probabilities(scores_BS, cfg)
+    idx_B = draw(key_B, q_BS, cfg)
+    tok_B = idx_B if ids is None else jnp.take(ids, idx_B).astype(jnp.int32)
+    return tok_B, to_vocab(q_BS, ids, vocab, 0.0)
+
+
+def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
+    """Sample gamma tokens autoregressively, starting from the logits of the last seen token
+    (with ``ids``: its scores over that support, see `support_scores`).
 
     Returns (tokens_BG, q_BGV, cache); q is recorded exactly as sampled (same processing as
     the target's, `cfg`), and the cache has gamma - 1 more entries (the last proposal is not
     fed back: the verification decides whether it is kept).
     """
+    vocab = model.vocab_size
     step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-    q_BV = sampling_lib.probabilities(logits_BV, cfg)
-    tok_B = draw(step_keys_BG[:, 0], q_BV, cfg)
+    tok_B, q_BV = draw_support(step_keys_BG[:, 0], logits_BV, ids, cfg, vocab)
 
     def step(carry, key_B):
         cache, tok_B = carry
-        logits_B1V, cache = model.apply(params, tok_B[:, None], cache)
-        q_BV = sampling_lib.probabilities(logits_B1V[:, 0], cfg)
-        nxt_B = draw(key_B, q_BV, cfg)
+        scores_B1S, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
+        nxt_B, q_BV = draw_support(key_B, scores_B1S[:, 0], step_ids, cfg, vocab)
         return (cache, nxt_B), (nxt_B, q_BV)
 
     (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
@@ -83,17 +114,23 @@ class ModelDrafter:
         return ModelDraftState(cache=cache)
 
     def _ingest(self, params, cache, tokens_BL, num_B):
-        """Feed tokens[seen : seen + num] (num <= 2 per row) into the cache."""
+        """Feed tokens[seen : seen + num] (num <= 2 per row) into the cache -> (scores over the
+        model's support, its ids or None, cache); see `support_scores`."""
         seen_B = cache.lengths_B
         idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BL.shape[1] - 1)
         block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
-        return self.model.apply(params, block_B2, cache, num_valid_B=num_B)
+        return support_scores(self.model, params, block_B2, cache, num_valid_B=num_B)
 
     def forward_passes(self, gamma: int) -> int:
         return gamma
 
     def _catch_up(self, params, cache, context: DraftContext):
         """Ingest the committed tokens the cache has not seen -> (logits at the last one, cache)."""
+        scores_BS, ids, cache = self._catch_up_support(params, cache, context)
+        return to_vocab(scores_BS, ids, self.model.vocab_size, -jnp.inf), cache
+
+    def _catch_up_support(self, params, cache, context: DraftContext):
+        """`_catch_up` with the scores over the model's support: (scores_BS, ids or None, cache)."""
         tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
 
         # More than two unseen tokens happen only after rounds without drafting (adaptive
@@ -104,18 +141,18 @@ class ModelDrafter:
 
         def catch_up(c):
             num_B = jnp.clip(lengths_B - c.lengths_B - 2, 0, 2).astype(jnp.int32)
-            return self._ingest(params, c, tokens_BL, num_B)[1]
+            return self._ingest(params, c, tokens_BL, num_B)[2]
 
         cache = jax.lax.while_loop(behind, catch_up, cache)
         # Unseen committed tokens: tokens[seen : lengths], 1 or 2 of them (done rows: 1).
         num_new_B = jnp.clip(lengths_B - cache.lengths_B, 1, 2).astype(jnp.int32)
-        logits_B2V, cache = self._ingest(params, cache, tokens_BL, num_new_B)
-        logits_BV = jnp.take_along_axis(logits_B2V, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
-        return logits_BV, cache
+        scores_B2S, ids, cache = self._ingest(params, cache, tokens_BL, num_new_B)
+        scores_BS = jnp.take_along_axis(scores_B2S, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
+        return scores_BS, ids, cache
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        logits_BV, cache = self._catch_up(params, state.cache, context)
-        tokens_BG, q_BGV, cache = rollout(self.model, params, cache, logits_BV, key_B, gamma, cfg)
+        scores_BS, ids, cache = self._catch_up_support(params, state.cache, context)
+        tokens_BG, q_BGV, cache = rollout(self.model, params, cache, scores_BS, key_B, gamma, cfg, ids)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
     def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):

@@ -242,8 +242,9 @@ def stack_layers(layers):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
-def _relayout(params: dict, config: ModelConfig) -> dict:
+def _relayout(params: dict, config: ModelConfig, with_head: bool = True) -> dict:
     """Params of any layout in the layout `config` prescribes; **consumes** ``params``.
+    ``with_head=False``: no ``head_panels`` (the layers of a draft head that has its own head).
 
     The given dicts (``params``, its ``layers`` and their per-layer dicts) are emptied or
     rewritten as the result is built, so a caller that holds no other reference to the arrays (a
@@ -274,9 +275,15 @@ def _relayout(params: dict, config: ModelConfig) -> dict:
     for i in range(len(per_layer)):
         per_layer[i] = convert(per_layer[i])
     out["layers"] = tuple(per_layer)
-    if config.packed_projections:
+    if config.packed_projections and with_head:
         out["head_panels"] = _head_panels(out, config)
     return out
+
+
+def prepare_layers(layers, config: ModelConfig):
+    """Decoder layers of any layout in the layout `config` prescribes (`Llama.prepare_params`
+    for the layers alone: no embedding, no head panels; the input is left intact)."""
+    return _relayout(_copy_dicts({"layers": layers}), config, with_head=False)["layers"]
 
 
 def _copy_dicts(params: dict) -> dict:
