@@ -15,17 +15,29 @@ ARTIFACTS = pathlib.Path(__file__).with_name("artifacts")
 # model's context; the target's own context length is checked once its header is read.
 MAX_NEW_TOKENS_LIMIT = 1 << 22
 SHIPPED_DRAFTS = {"smollm2-135m-instruct": ARTIFACTS / "smollm2-135m-instruct-draft"}
+# Feature-level draft heads shipped with the package (see experiments/heads: trained by
+# `experiments.heads.train`, copied here by `experiments.heads.ship`).
+SHIPPED_HEADS = {"smollm2-135m-instruct": ARTIFACTS / "smollm2-135m-instruct-head"}
+
+
+def _shipped(table: dict, target_name: str, what: str, marker: str, made_by: str) -> pathlib.Path:
+    if target_name not in table:
+        raise ValueError(f"no {what} ships for target {target_name!r} (known: {sorted(table)}); "
+                         f"set draft_model to a directory written by specjax.distill")
+    d = table[target_name]
+    if not (d / marker).is_file():
+        raise FileNotFoundError(f"the shipped {what} {d} is missing (reinstall the package, or produce it with "
+                                f"{made_by})")
+    return d
 
 
 def shipped_draft(target_name: str) -> pathlib.Path:
-    if target_name not in SHIPPED_DRAFTS:
-        raise ValueError(f"no distilled draft ships for target {target_name!r} (known: {sorted(SHIPPED_DRAFTS)}); "
-                         f"set draft_model to a draft directory written by specjax.distill")
-    d = SHIPPED_DRAFTS[target_name]
-    if not (d / "draft.json").is_file():
-        raise FileNotFoundError(f"the shipped draft {d} is missing (reinstall the package, or produce it with "
-                                f"experiments/distill/run.py)")
-    return d
+    return _shipped(SHIPPED_DRAFTS, target_name, "distilled draft", "draft.json", "experiments/distill/run.py")
+
+
+def shipped_head(target_name: str) -> pathlib.Path:
+    return _shipped(SHIPPED_HEADS, target_name, "draft head", "head.json",
+                    "experiments/heads/train.py and experiments/heads/ship.py")
 
 
 def enable_compilation_cache(directory: str) -> str | None:
@@ -151,9 +163,10 @@ DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cac
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
                  max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
                  target_name: str = ""):
-    """(drafter, draft_params) for kind in {'distilled', 'ngram', 'early_exit', 'early_exit_own_cache', 'model',
-    'none'}. 'distilled' loads a draft directory written by `specjax.distill` (`draft_model`, or the
-    one shipped for the target when `draft_model` is empty and `target_name` is a known name)."""
+    """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'early_exit', 'early_exit_own_cache',
+    'model', 'none'}. 'distilled' and 'head' load a draft or head directory written by
+    `specjax.distill` (`draft_model`, or the one shipped for the target when `draft_model` is
+    empty and `target_name` is a known name)."""
     if kind == "none":
         return None, None
     if kind == "distilled":
@@ -162,10 +175,11 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
         model, params = load_draft(directory, target, target_params)
         return drafters.ModelDrafter(model), params
     if kind == "head":            # a feature-level draft head (EAGLE / EAGLE-3 / Medusa), see specjax.drafters
-        if not draft_model:
+        if not draft_model and target_name not in SHIPPED_HEADS:
             raise ValueError("drafter='head' needs draft_model: a head directory written by specjax.distill "
-                             "with draft.kind in ('eagle3', 'eagle', 'medusa')")
-        return drafters.load_head(draft_model, target, target_params)
+                             "with draft.kind in ('eagle3', 'eagle', 'medusa') (no head ships for target "
+                             f"{target_name!r})")
+        return drafters.load_head(draft_model or shipped_head(target_name), target, target_params)
     if kind == "ngram":
         return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
     if kind == "early_exit":   # shares the target's KV cache for its layers

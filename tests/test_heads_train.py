@@ -366,3 +366,24 @@ def test_corrupt_feature_cache_and_head_description_are_named(toy_pair, tmp_path
         drafters.head_kind(tmp_path / "h")
     with pytest.raises(CheckpointError, match="no head.json"):
         drafters.head_kind(tmp_path)
+
+
+def test_the_shipped_head_is_complete_and_found_by_name(toy_pair):
+    """The head shipped for the default target (`build.SHIPPED_HEADS`, copied there by
+    experiments/heads/ship.py): a head directory made for SmolLM2-135M's dimensions, within the
+    24 MB budget, its tensors matching their sha256; `drafter='head'` without `draft_model`
+    loads it for that target name and refuses any other name. (It is run on the real target
+    in tests/test_kernels.py.)"""
+    from specjax import build
+    from specjax.models import draft_artifact
+    d = build.shipped_head("smollm2-135m-instruct")
+    desc = json.loads((d / "head.json").read_text())
+    assert drafters.head_kind(d) == desc["head"]["kind"]
+    assert desc["target_dims"] == {"vocab_size": 49152, "hidden_size": 576, "num_layers": 30}
+    assert sum(f.stat().st_size for f in d.iterdir()) <= 24_000_000
+    own = draft_artifact.read_tensors(d / "head.safetensors", desc["sha256"], jnp.float32)
+    assert desc["head"]["head_size"] is None or own["head_ids"].shape == (desc["head"]["head_size"],)
+    with pytest.raises(ValueError, match="no draft head ships for target 'elsewhere'"):
+        build.shipped_head("elsewhere")
+    with pytest.raises(ValueError, match="needs draft_model"):
+        build.make_drafter("head", toy_pair["target"], toy_pair["params"], target_name="elsewhere")
