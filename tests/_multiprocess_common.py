@@ -1,5 +1,6 @@
-"""The work of tests/test_multiprocess.py, shared by the test (one process, one device) and
-each process of the 2-process job (`_multiprocess_job.py`)."""
+"""The work of tests/test_multiprocess.py, shared by the test (one process, one device: the
+training) and each process of the 2-process job (`_multiprocess_job.py`, whose process 0 also
+runs the one-device generation)."""
 import pathlib
 
 import jax

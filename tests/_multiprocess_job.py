@@ -1,6 +1,8 @@
 """What each process of tests/test_multiprocess.py runs (started by launch/local_cpu.sh): a
 data-parallel distillation on the toy target and a batch of speculative generation, both over
-a mesh spanning the processes. Process 0 writes the generated tokens to ROOT/generation.json."""
+a mesh spanning the processes. Process 0 then runs the same generation on its one device, the
+reference (compiled with the same options as the 2-process run), and writes both to
+ROOT/generation.json."""
 import json
 import pathlib
 import sys
@@ -23,6 +25,7 @@ summary = distill.train(common.distill_config(root, "two-process"), root / "two-
 print("STEPS", summary["steps"], flush=True)
 results = common.generate(sharding.make_mesh(data=2, model=1))
 if distributed.is_primary():
-    (root / "generation.json").write_text(json.dumps(results))
+    reference = common.generate(None)          # no mesh: this process's one device
+    (root / "generation.json").write_text(json.dumps({"two_processes": results, "one_device": reference}))
 distributed.barrier("specjax-test-done")
 print("DONE", jax.process_index(), flush=True)

@@ -189,6 +189,7 @@ def _tiny(**overrides):
     (dict(memory_drafter="oracle"), ["config.memory_drafter", "early_exit"]),
     (dict(batch_sizes=(0,)), ["config.batch_sizes"]),
     (dict(draft_model="/nonexistent/draft"), ["config.draft_model", "/nonexistent/draft", "draft.json"]),
+    (dict(head_model="/nonexistent/head"), ["config.head_model", "/nonexistent/head", "head.json"]),
 ])
 def test_bad_settings_fail_first_with_the_key_and_allowed_values(overrides, says, monkeypatch, tmp_path):
     """A bad setting stops the run before anything (the memory process included) with a

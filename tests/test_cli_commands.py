@@ -264,15 +264,19 @@ def _bench_config(target, out):
 def test_generate_on_two_host_devices_uses_the_mesh_and_prints_the_same_answer(pair, tmp_path):
     """`specjax generate` in a process with 2 CPU devices (`--xla_force_host_platform_device_count=2`)
     runs on the generation config's mesh (model=-1: tensor parallel over both) and streams the
-    same greedy answer as the one-device process, speculative equal to target-only."""
+    same greedy answer as the one-device process, speculative equal to target-only. (Both
+    processes compile with XLA's backend code generation turned down,
+    `_bench_run.FAST_COMPILE_XLA_FLAGS`: the same optimized HLO, compiled faster.)"""
     import os
     import subprocess
     import sys
+    from _bench_run import FAST_COMPILE_XLA_FLAGS
     target, draft = pair
     outs = {}
     for n in (1, 2):
         stats = tmp_path / f"stats{n}.jsonl"
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={n} {FAST_COMPILE_XLA_FLAGS}",
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--config=configs/generate.py",
                             *_quick(target, draft), "--config.max_new_tokens=10", f"--config.metrics_jsonl={stats}"],

@@ -153,7 +153,9 @@ class Snap:
     committed: np.ndarray
     gamma_rounds: np.ndarray
     next_cached: np.ndarray     # next round's target logits through the cache [B, V]
-    next_fresh: np.ndarray      # the same recomputed without a cache on the committed prefix
+    next_fresh: np.ndarray      # the same recomputed without a cache on the committed prefix (the
+                                # whole token buffer: the toy's logits at a position read only it
+                                # and the token before, so what follows the prefix cannot change them)
 
 
 def _np(x):
@@ -161,13 +163,20 @@ def _np(x):
     return np.array(x, copy=True)
 
 
+@jax.jit
+def _next_logits(table, tokens_BL, lengths_B, target_cache):
+    """(through the cache, fresh) next-round target logits [B, V], in one compiled program (op by
+    op, every row length compiled its own slices)."""
+    last = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
+    cached = TARGET.apply(table, last, target_cache)[0][:, 0]
+    fresh = TARGET.apply(table, tokens_BL, None)[0]
+    return cached, jnp.take_along_axis(fresh, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+
+
 def _snap(state, table):
     tokens = _np(state.tokens_BL)
     lengths = _np(state.lengths_B)
-    last = jnp.take_along_axis(state.tokens_BL, (state.lengths_B - 1)[:, None], axis=1)
-    cached = _np(TARGET.apply(table, last, state.target_cache)[0][:, 0])
-    fresh = np.stack([np.asarray(TARGET.apply(table, jnp.asarray(tokens[b:b + 1, :lengths[b]]), None)[0][0, -1])
-                      for b in range(tokens.shape[0])])
+    cached, fresh = (_np(x) for x in _next_logits(table, state.tokens_BL, state.lengths_B, state.target_cache))
     cache = getattr(state.draft_state, "cache", None)
     return Snap(tokens=tokens, lengths=lengths, done=_np(state.done_B), status=_np(state.status_B),
                 t_len=_np(state.target_cache.lengths_B), t_hist=_np(state.target_cache.hist_BS),

@@ -239,9 +239,8 @@ def _fresh_kv(model, params, tokens):
     """K/V of a fresh causal prefill of `tokens` (one row): per layer (k [K, n, H], v [K, H, n])."""
     n = len(tokens)
     padded = jnp.asarray([list(tokens) + [0] * (_FRESH_WIDTH - n)], jnp.int32)
-    cache = _fresh_prefill(model)(params, padded)
-    return [(np.asarray(cache.layer(l)[0][0, :, :n, :]), np.asarray(cache.layer(l)[1][0, :, :, :n]))
-            for l in range(model.config.num_layers)]
+    cache = jax.device_get(_fresh_prefill(model)(params, padded))     # sliced on the host (no compiles)
+    return [(cache.layer(l)[0][0, :, :n, :], cache.layer(l)[1][0, :, :, :n]) for l in range(model.config.num_layers)]
 
 
 @pytest.mark.parametrize("scan_layers,kind,tree", [
@@ -268,9 +267,10 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_round(scan_layers,
         depths |= set((np.asarray(commit.n_B) - 1).tolist())
         lengths = np.asarray(state.lengths_B)
         tokens = np.asarray(state.tokens_BL)
-        caches = [("target", target, tparams, state.target_cache)]
+        # (on the host: slicing device arrays row by row and layer by layer compiled each slice)
+        caches = [("target", target, tparams, jax.device_get(state.target_cache))]
         if kind == "model":
-            caches.append(("draft", drafter.model, dparams, state.draft_state.cache))
+            caches.append(("draft", drafter.model, dparams, jax.device_get(state.draft_state.cache)))
         for b in range(len(LLAMA_PROMPTS)):
             committed = tokens[b, :lengths[b]].tolist()
             for name, model, mparams, cache in caches:
@@ -300,6 +300,9 @@ def test_sampled_tree_on_llama_commits_only_in_support_tokens_with_top_k():
     target, tparams = _llama(False)
     drafter, dparams = _drafter("model", target, tparams)
     cfg = sampling.SamplingConfig.make(temperature=1.0, top_k=3)
+    # the teacher-forced forward of every row at once, right-padded to one width (causal: the
+    # padding comes after the positions read), one compiled program
+    forward = jax.jit(lambda p, t: target.apply(p, t, None)[0])
     for children, verifier in [("iid", "traversal"), ("without_replacement", "recursive"),
                                ("deterministic", "traversal")]:
         config = decoding.GenerationConfig(max_new_tokens=8, gamma=BRANCHING, tree_children=children,
@@ -307,9 +310,9 @@ def test_sampled_tree_on_llama_commits_only_in_support_tokens_with_top_k():
         engine = decoding.Engine(target, drafter, config)
         out = engine.run(decoding.EngineParams(target=tparams, draft=dparams), cfg,
                          decoding.make_batch(LLAMA_PROMPTS, config, jax.random.key(7)))
-        for prompt, gen in zip(LLAMA_PROMPTS, out.generated()):
-            seq = prompt + gen
-            logits = np.asarray(target.apply(tparams, jnp.asarray([seq]), None)[0][0])
+        seqs = [prompt + gen for prompt, gen in zip(LLAMA_PROMPTS, out.generated())]
+        all_logits = np.asarray(forward(tparams, jnp.asarray([s + [0] * (_FRESH_WIDTH - len(s)) for s in seqs])))
+        for prompt, gen, logits in zip(LLAMA_PROMPTS, out.generated(), all_logits):
             for i, tok in enumerate(gen):
                 pos = len(prompt) + i - 1
                 top3 = np.argsort(-logits[pos])[:3]

@@ -57,14 +57,19 @@ def test_engine_with_a_long_prompt_matches_one_call_prefill():
     generation with chunking answers (rows of 1,500 and 40 tokens)."""
     model, params = _model()
     prompts = _prompts([1500, 40], seed=1)
+
+    @jax.jit          # (one program for both states: op by op, every run compiled dozens)
+    def next_logits(params, state):
+        last = jnp.take_along_axis(state.tokens_BL, (state.lengths_B - 1)[:, None], axis=1)
+        return model.apply(params, last, state.target_cache)[0]
+
     outs = {}
     for chunk in (None, 256):
         config = decoding.GenerationConfig(max_new_tokens=4, gamma=0, prefill_chunk=chunk)
         engine = decoding.Engine(model, None, config)
         batch = decoding.make_batch(prompts, config, jax.random.key(0))
         state = engine.init(decoding.EngineParams(target=params), batch)
-        last = jnp.take_along_axis(state.tokens_BL, (state.lengths_B - 1)[:, None], axis=1)
-        outs[chunk] = np.asarray(model.apply(params, last, state.target_cache)[0])
+        outs[chunk] = np.asarray(next_logits(params, state))
         out = engine.run(decoding.EngineParams(target=params), sampling.SamplingConfig.greedy_config(), batch)
         assert [len(g) for g in out.generated()] == [4, 4]
     np.testing.assert_allclose(outs[256], outs[None], atol=1e-4)
@@ -212,7 +217,7 @@ def test_a_repeated_one_row_prefill_equals_prefilling_every_row(per_layer):
     np.testing.assert_array_equal(np.asarray(got.tokens_BL), np.asarray(want.tokens_BL))
     assert len({tuple(r) for r in want.generated()}) > 1            # the rows did sample differently
     with pytest.raises(ValueError, match="one-row prefill"):
-        engine.prefill(ep, rows).repeat(rows)
+        one.repeat(rows).repeat(rows)                                 # (a 5-row prefill)
     other = decoding.make_batch([prompt[:-1]] * 5, config, key, request_ids=list(range(5)))
     with pytest.raises(ValueError, match="every row of the batch must be this prefill's prompt"):
         one.repeat(other)

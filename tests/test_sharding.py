@@ -1,5 +1,6 @@
 """Sharding: logical-axis rules, and a 2-device CPU mesh smoke test (in a subprocess, so the
-rest of the suite keeps one device)."""
+rest of the suite keeps one device; compiled with XLA's backend code generation turned down,
+`_bench_run.FAST_COMPILE_XLA_FLAGS`, as its one-device reference in the same process)."""
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 from specjax import sharding
 from specjax.models import KVCache, Llama, ModelConfig
 from specjax.models.kv_cache import logical_axes
+
+from _bench_run import FAST_COMPILE_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +91,8 @@ _SCRIPT = textwrap.dedent("""
 
 def test_two_device_cpu_mesh_matches_single_device():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), FAST_COMPILE_XLA_FLAGS,
+                                 "--xla_force_host_platform_device_count=2"]).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,

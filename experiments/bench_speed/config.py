@@ -10,7 +10,7 @@ import pathlib
 
 import ml_collections
 
-DRAFTERS = ("ngram", "early_exit", "distilled", "oracle")
+DRAFTERS = ("ngram", "early_exit", "distilled", "head", "oracle")
 METHODS = DRAFTERS + tuple(f"adaptive_{d}" for d in DRAFTERS)
 
 
@@ -35,11 +35,12 @@ def get_config(variant: str = ""):
     c.repeats = 3                          # timed runs per configuration (median)
     c.temperatures = (0.0, 1.0)
     c.methods = ("ngram", "early_exit", "adaptive_ngram")   # target-only always runs; see METHODS
-    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, oracle=4))
+    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, head=1, oracle=4))
     c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
     c.early_exit_layers = 4                # 0: max(1, layers // 8)
     c.max_ngram = 3
     c.draft_model = ""                     # distilled: a draft directory ("" = the one shipped for the model)
+    c.head_model = ""                      # head: a draft-head directory ("" = the one shipped for the model)
     c.verifier = "token"
     c.max_k = 9                            # k-token forward costs for k = 1..max(max_k, gamma + 1)
     c.cost_iters = 30
@@ -100,3 +101,6 @@ def check(c) -> None:
     if c.draft_model and not (pathlib.Path(c.draft_model) / "draft.json").is_file():
         raise ValueError(f"config.draft_model: {c.draft_model!r} is not a draft directory (no draft.json); give "
                          f"one written by specjax.distill, or '' for the draft shipped with the model")
+    if c.head_model and not (pathlib.Path(c.head_model) / "head.json").is_file():
+        raise ValueError(f"config.head_model: {c.head_model!r} is not a draft-head directory (no head.json); give "
+                         f"one written by specjax.distill, or '' for the head shipped with the model")

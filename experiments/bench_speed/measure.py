@@ -57,7 +57,7 @@ def bandwidth(gib: float, threads=(1, 2), repeats: int = 5) -> dict:
 class Method:
     """One decoding configuration: its name in the report, its drafter kind and gamma."""
     name: str
-    drafter: str                      # none | ngram | early_exit | distilled | oracle
+    drafter: str                      # none | ngram | early_exit | distilled | head | oracle
     gamma: int | decoding.AdaptiveGamma
 
     @property
@@ -71,11 +71,12 @@ class Method:
 
 
 def methods(c, w: workload.Workload) -> list[Method]:
-    """target_only and `c.methods` (checked by `config.check`), less distilled ones where no draft exists."""
+    """target_only and `c.methods` (checked by `config.check`), less distilled (head) ones where no
+    draft (head) exists."""
     out = [Method("target_only", "none", 0)]
     for name in c.methods:
         kind = name.removeprefix("adaptive_")
-        if kind == "distilled" and not workload.has_distilled(w, c):
+        if kind == "distilled" and not workload.has_distilled(w, c) or kind == "head" and not workload.has_head(w, c):
             continue
         gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)) if name.startswith("adaptive_") \
             else int(c.gamma[kind])

@@ -62,7 +62,8 @@ def run(c) -> pathlib.Path:
     w = workload.load(c, out / "_work", with_transformers=c.transformers and 1 in c.batch_sizes)
     methods = measure.methods(c, w)
     if skipped := sorted(set(c.methods) - {m.name for m in methods}):
-        _log(f"skipped {skipped}: no distilled draft for {w.name} (set --config.draft_model)")
+        _log(f"skipped {skipped}: no distilled draft or draft head for {w.name} "
+             f"(set --config.draft_model / --config.head_model)")
     max_gamma = max(max(m.gammas) for m in methods)
     ks = list(range(1, max(c.max_k, max_gamma + 1) + 1))
     prov["machine"].update(toolkit.backend())

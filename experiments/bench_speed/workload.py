@@ -182,6 +182,13 @@ def has_distilled(w: Workload, c) -> bool:
         return False
 
 
+def has_head(w: Workload, c) -> bool:
+    try:
+        return bool(c.head_model) or bool(build.shipped_head(w.name))
+    except (ValueError, FileNotFoundError):
+        return False
+
+
 def early_exit_layers(w: Workload, c) -> int:
     L = w.target.config.num_layers
     return max(1, min(c.early_exit_layers or L // 8, L - 1))
@@ -193,6 +200,9 @@ def drafter(w: Workload, kind: str, c):
     if kind not in w.drafters:
         if kind == "oracle":
             w.drafters[kind] = (OracleDrafter(w.target.vocab_size), None)
+        elif kind == "head":                 # the shipped feature-level draft head, or head_model
+            w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=c.head_model,
+                                                  target_name=w.name)
         elif kind.startswith("head:"):       # head:<directory>: a feature-level draft head
             w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=kind.split(":", 1)[1])
         else:
