@@ -20,7 +20,8 @@ def get_config():
     # experiments/distill), 'head', 'early_exit' (target's first layers), 'model' (draft_model=),
     # 'none'. Default 'ngram': with the CPU kernel, adaptive prompt lookup is 1.28x target-only
     # on the held-out prompts at greedy, adaptive distilled 0.89x (experiments/bench_speed/
-    # results/2026-12-01-kernel-amd-epyc).
+    # results/2026-12-01-kernel-amd-epyc); the shipped EAGLE-3 head 1.03x at gamma 1 against
+    # 1.11x for adaptive prompt lookup in one run (results/2026-12-02-head-intel-xeon).
     c.drafter = "ngram"
     c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4
