@@ -808,7 +808,43 @@ class Engine:
         def cond(s):
             return (~jnp.all(s.done_B)) & (s.round < max_rounds)
 
-        state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
+        policy = self.config.gamma if self.config.adaptive else None
+        if policy is None or not _adaptive._is_zero(policy.gammas[0]) or len(policy.gammas) == 1:
+            state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
+            return GenerateOutput.from_state(state)
+
+        # Adaptive gamma with gamma 0 among the choices: the rounds the policy runs at gamma 0
+        # go through an inner loop of plain gamma-0 rounds, and only the others through the
+        # `lax.switch` of `_step`. The same rounds in the same order (same keys, same policy
+        # updates), but a switch carrying the caches costs 2-7% per round more than a plain
+        # round under the main command's XLA options (its copies; experiments/bench_speed/
+        # results/2026-12-02-head-intel-xeon/NOTES.md), and most rounds of a draft that does
+        # not pay are at gamma 0.
+        def zero_cond(s):
+            return cond(s) & (_adaptive.choose(policy, s.policy)[0] == 0)
+
+        def zero_round(s):
+            s, _, tested_mean, any_tested = self._round(params, sampling, 0, s)
+            return self._constrain(s.replace(policy=_adaptive.update(
+                policy, s.policy, jnp.int32(0), jnp.zeros((), bool), tested_mean, any_tested)))
+
+        def body(s):
+            s = jax.lax.while_loop(zero_cond, zero_round, s)
+            # Then one round at the gamma the policy chooses now (not 0: a probe or a better
+            # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
+            chosen, probe = _adaptive.choose(policy, s.policy)
+
+            def at(g):
+                def round_at(s):
+                    s, _, tested_mean, any_tested = self._round(params, sampling, g, s)
+                    return self._constrain(s.replace(policy=_adaptive.update(
+                        policy, s.policy, chosen, probe, tested_mean, any_tested)))
+                return round_at
+
+            branches = [lambda s: s] + [at(g) for g in policy.gammas]
+            return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
+
+        state = jax.lax.while_loop(cond, body, state)
         return GenerateOutput.from_state(state)
 
     def _refill(self, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
