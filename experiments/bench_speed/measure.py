@@ -76,7 +76,7 @@ def methods(c, w: workload.Workload) -> list[Method]:
     out = [Method("target_only", "none", 0)]
     for name in c.methods:
         kind = name.removeprefix("adaptive_")
-        if kind == "distilled" and not workload.has_distilled(w, c) or kind == "head" and not workload.has_head(w, c):
+        if not {"distilled": workload.has_distilled, "head": workload.has_head}.get(kind, lambda w, c: True)(w, c):
             continue
         gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)) if name.startswith("adaptive_") \
             else int(c.gamma[kind])

@@ -175,18 +175,20 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
                     f"{path.name} as {c.dtype}; chat template applied", False, hf)
 
 
-def has_distilled(w: Workload, c) -> bool:
+def _has(directory: str, shipped, name: str) -> bool:
+    """Whether a draft (head) is given or ships for the target `name` (`build.shipped_draft` / `shipped_head`)."""
     try:
-        return bool(c.draft_model) or bool(build.shipped_draft(w.name))
+        return bool(directory) or bool(shipped(name))
     except (ValueError, FileNotFoundError):
         return False
+
+
+def has_distilled(w: Workload, c) -> bool:
+    return _has(c.draft_model, build.shipped_draft, w.name)
 
 
 def has_head(w: Workload, c) -> bool:
-    try:
-        return bool(c.head_model) or bool(build.shipped_head(w.name))
-    except (ValueError, FileNotFoundError):
-        return False
+    return _has(c.head_model, build.shipped_head, w.name)
 
 
 def early_exit_layers(w: Workload, c) -> int:
@@ -200,11 +202,11 @@ def drafter(w: Workload, kind: str, c):
     if kind not in w.drafters:
         if kind == "oracle":
             w.drafters[kind] = (OracleDrafter(w.target.vocab_size), None)
-        elif kind == "head":                 # the shipped feature-level draft head, or head_model
-            w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=c.head_model,
+        elif kind == "head" or kind.startswith("head:"):   # a feature-level draft head: head_model (""
+            # = the one shipped for the target) or head:<directory>
+            directory = c.head_model if kind == "head" else kind.split(":", 1)[1]
+            w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=directory,
                                                   target_name=w.name)
-        elif kind.startswith("head:"):       # head:<directory>: a feature-level draft head
-            w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=kind.split(":", 1)[1])
         else:
             w.drafters[kind] = build.make_drafter(kind, w.target, w.params, early_exit_layers=early_exit_layers(w, c),
                                                   max_ngram=c.max_ngram, draft_model=c.draft_model, target_name=w.name)

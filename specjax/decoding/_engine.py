@@ -704,12 +704,17 @@ class Engine:
         if not self.config.adaptive:
             state, commit, _, _ = self._round(params, sampling, self.config.gamma, state)
             return self._constrain(state), commit
-        policy = self.config.gamma
-        chosen, probe = _adaptive.choose(policy, state.policy)
-        branches = [functools.partial(self._round, params, sampling, g) for g in policy.gammas]
-        state, commit, tested_mean, any_tested = jax.lax.switch(chosen, branches, state)
-        return self._constrain(state.replace(policy=_adaptive.update(policy, state.policy, chosen, probe, tested_mean,
-                                                                     any_tested))), commit
+        chosen, probe = _adaptive.choose(self.config.gamma, state.policy)
+        branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe)
+                    for g in self.config.gamma.gammas]
+        return jax.lax.switch(chosen, branches, state)
+
+    def _policy_round(self, params, sampling, gamma, chosen, probe, state):
+        """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
+        ``probe`` as `_adaptive.choose` gave it), with the round's acceptance folded into the policy."""
+        state, commit, tested_mean, any_tested = self._round(params, sampling, gamma, state)
+        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, tested_mean, any_tested)
+        return self._constrain(state.replace(policy=policy)), commit
 
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
         """(target cache, drafter state or None) after the prompts: every prompt token but the
@@ -824,24 +829,15 @@ class Engine:
             return cond(s) & (_adaptive.choose(policy, s.policy)[0] == 0)
 
         def zero_round(s):
-            s, _, tested_mean, any_tested = self._round(params, sampling, 0, s)
-            return self._constrain(s.replace(policy=_adaptive.update(
-                policy, s.policy, jnp.int32(0), jnp.zeros((), bool), tested_mean, any_tested)))
+            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), s)[0]
 
         def body(s):
             s = jax.lax.while_loop(zero_cond, zero_round, s)
             # Then one round at the gamma the policy chooses now (not 0: a probe or a better
             # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
             chosen, probe = _adaptive.choose(policy, s.policy)
-
-            def at(g):
-                def round_at(s):
-                    s, _, tested_mean, any_tested = self._round(params, sampling, g, s)
-                    return self._constrain(s.replace(policy=_adaptive.update(
-                        policy, s.policy, chosen, probe, tested_mean, any_tested)))
-                return round_at
-
-            branches = [lambda s: s] + [at(g) for g in policy.gammas]
+            branches = [lambda s: s] + [
+                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, s)[0] for g in policy.gammas]
             return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
 
         state = jax.lax.while_loop(cond, body, state)
