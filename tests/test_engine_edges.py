@@ -582,7 +582,12 @@ def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
     for b in range(len(PROMPTS)):
         first_done = next(i for i, e in enumerate(events) if e.done[b])
         assert all(e.new_tokens[b] == [] for e in events[first_done + 1:])
-    # one host copy per round, and it is the round's Commit (never the token buffer or the state)
+    # one host copy per round, and it is the round's Commit (never the token buffer or the
+    # state); under adaptive gamma first the policy's choice for round 1 (a scalar)
+    if engine.config.adaptive:
+        first, copied = copied[0], copied[1:]
+        assert np.shape(first) == () and 0 <= int(first) < len(engine.config.gammas)
+        assert all(c.next_index is not None for c in copied)
     assert len(copied) == len(events)
     assert all(isinstance(c, decoding.Commit) for c in copied)
     K = engine.config.max_gamma + 1

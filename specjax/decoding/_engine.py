@@ -262,11 +262,14 @@ class LoopState:
 @struct.dataclass
 class Commit:
     """What one round wrote: tokens_BK (K = max_gamma + 1; slots >= n_B are padding) at
-    slots [start_B, start_B + n_B) of each row. Small: the stream copies only this to the host."""
+    slots [start_B, start_B + n_B) of each row. Small: the stream copies only this to the host.
+    Under adaptive gamma `stream` also carries the policy's choice for the next round
+    (``next_index``, an index into `GenerationConfig.gammas`), which it dispatches on."""
     tokens_BK: jax.Array
     start_B: jax.Array
     n_B: jax.Array
     done_B: jax.Array
+    next_index: jax.Array | None = None
 
 
 @struct.dataclass
@@ -716,6 +719,20 @@ class Engine:
         policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, tested_mean, any_tested)
         return self._constrain(state.replace(policy=policy)), commit
 
+    def _chosen_round(self, params, sampling, index, state):
+        """`_step`'s adaptive round when the host already knows the policy's choice ``index``
+        (static: the previous round's ``Commit.next_index``, or `_first_choice`): that round
+        alone, compiled without the `lax.switch` over every candidate (whose copies of the
+        caches cost 2-7% per round, see `_run`); the commit carries the next round's choice.
+        Same keys, same policy update, same state as `_step`."""
+        policy = self.config.gamma
+        chosen, probe = _adaptive.choose(policy, state.policy)       # == index
+        state, commit = self._policy_round(params, sampling, policy.gammas[index], chosen, probe, state)
+        return state, commit.replace(next_index=_adaptive.choose(policy, state.policy)[0])
+
+    def _first_choice(self, state):
+        return _adaptive.choose(self.config.gamma, state.policy)[0]
+
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
         """(target cache, drafter state or None) after the prompts: every prompt token but the
         last enters the caches (the last is the first round's input)."""
@@ -873,6 +890,8 @@ class Engine:
     _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
     _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
     _round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_round)
+    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
+    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
     _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_refill)
 
     def _round_time_K(self, round_time_s):
@@ -982,13 +1001,22 @@ class Engine:
                prefill: Prefill | None = None) -> Iterator[StreamEvent]:
         """Yields each round's committed tokens per row with host timestamps; only the round's
         `Commit` is copied to the host. The last event carries the `GenerateOutput`. Times
-        count from the call (prefill included, unless ``prefill`` was made beforehand)."""
+        count from the call (prefill included, unless ``prefill`` was made beforehand).
+
+        Under adaptive gamma the policy's choice comes back with each commit and the host
+        dispatches the chosen round, compiled on its own (`_chosen_round`): the same rounds
+        as `step` and `run`, without `step`'s switch over every candidate."""
         t0 = time.perf_counter()
         state = self.init(params, batch, round_time_s, prefill=prefill)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
+        index = int(jax.device_get(self._first_choice_jit(state))) if self.config.adaptive else None
         for r in range(1, max_rounds + 1):
-            state, commit = self.step(params, sampling, state)
+            if index is None:
+                state, commit = self.step(params, sampling, state)
+            else:
+                state, commit = self._chosen_round_jit(params, sampling, index, state)
             c = jax.device_get(commit)
+            index = None if c.next_index is None else int(c.next_index)
             new_tokens = [c.tokens_BK[b, :c.n_B[b]].tolist() for b in range(c.n_B.shape[0])]
             last = bool(np.all(c.done_B)) or r == max_rounds
             yield StreamEvent(round=r, new_tokens=new_tokens, done=[bool(d) for d in c.done_B],
