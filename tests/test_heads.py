@@ -117,6 +117,8 @@ def _head_config(kind: str, cfg=CFG) -> drafters.HeadConfig:
         return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1))
     if kind == "eagle3_reduced":
         return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1), head_size=40)
+    if kind == "eagle3_norm":
+        return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1), head_size=40, input_norm=True)
     return drafters.HeadConfig.make(kind, cfg)
 
 
@@ -151,6 +153,8 @@ def _own_params(hc: drafters.HeadConfig, mode: str, seed: int = 1, layer_scale: 
                "layers": _np_params(llama_lib.param_specs(hc.layer_config)["layers"], rng, layer_scale)}
         if hc.kind == "eagle3":
             own["fuse"] = (0.02 * rng.standard_normal((F, Dh))).astype(np.float32)
+        if hc.input_norm:
+            own["input_norm"] = (1.0 + 0.1 * rng.standard_normal((2, Dh))).astype(np.float32)
         if mode == "good":
             eye = np.eye(Dh, dtype=np.float32)
             own["fc"][Dh:] += eye
@@ -191,7 +195,7 @@ def _want(manual, layers):
 def test_init_head_params_structure():
     """The hand-made head weights used here have exactly `init_head_params`' structure, shapes
     and dtypes; Medusa's init is W = 0, b = 0 (what test_zero_medusa_* relies on)."""
-    for kind in ("medusa", "eagle", "eagle_reduced", "eagle3", "eagle3_reduced"):
+    for kind in ("medusa", "eagle", "eagle_reduced", "eagle3", "eagle3_reduced", "eagle3_norm"):
         hc = _head_config(kind)
         ids = _head_ids(hc, 1) if hc.head_size else None
         want = jax.eval_shape(lambda k: drafters.init_head_params(hc, k, head_ids=ids), jax.random.key(0))
@@ -422,6 +426,7 @@ GREEDY_CASES = [
     ("eagle3_reduced", True, "adaptive", "random", PIN_G1),
     ("eagle3_reduced", True, "adaptive", "good", PIN_G1),
     ("eagle3_reduced", True, "adaptive", "good", PIN_G3),
+    ("eagle3_norm", False, "adaptive", "random", PIN_G1),
 ]
 
 

@@ -29,16 +29,17 @@ def toy_pair(tmp_path_factory):
     return dict(root=root, target_dir=target_dir, target=target, params=tparams, data_path=data_path, plan=plan)
 
 
-def _objective(target, kind, head_size=None, ttt=None):
-    hc = drafters.HeadConfig.make(kind, target.config, num_heads=3, head_size=head_size)
+def _objective(target, kind, head_size=None, ttt=None, input_norm=False):
+    hc = drafters.HeadConfig.make(kind, target.config, num_heads=3, head_size=head_size, input_norm=input_norm)
     steps = ttt if ttt is not None else (2 if kind == "eagle3" else 1)
     return distill.HeadObjective(hc, target, ttt_steps=steps, feature_weight=1.0 if kind == "eagle" else 0.0)
 
 
-@pytest.mark.parametrize("kind,head_size", [("eagle3", None), ("eagle", 40), ("medusa", None)])
-def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size):
+@pytest.mark.parametrize("kind,head_size,input_norm", [("eagle3", None, False), ("eagle", 40, False),
+                                                       ("eagle", 40, True), ("medusa", None, False)])
+def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size, input_norm):
     target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
-    obj = _objective(target, kind, head_size)
+    obj = _objective(target, kind, head_size, input_norm=input_norm)
     head_ids = np.arange(head_size) if head_size else None
     own = drafters.init_head_params(obj.config, jax.random.key(0), head_ids=head_ids)
     opt, _ = distill.make_optimizer(learning_rate=3e-3, warmup_steps=0, total_updates=40)
@@ -113,12 +114,16 @@ def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
     assert total_accepted > 0          # the check would be vacuous if the head never agreed
 
 
-def test_export_and_reload_draft_identically(toy_pair, tmp_path):
+@pytest.mark.parametrize("input_norm", [False, True], ids=["plain", "input_norm"])
+def test_export_and_reload_draft_identically(toy_pair, tmp_path, input_norm):
     target, tp = toy_pair["target"], toy_pair["params"]
-    hc = drafters.HeadConfig.make("eagle3", target.config, head_size=40)
+    hc = drafters.HeadConfig.make("eagle3", target.config, head_size=40, input_norm=input_norm)
     own = drafters.init_head_params(hc, jax.random.key(3), head_ids=np.arange(10, 50))
+    if input_norm:          # weights other than their init, so that the reload must carry them
+        own["input_norm"] = 1.0 + 0.5 * jax.random.uniform(jax.random.key(4), own["input_norm"].shape)
     desc = drafters.save_head(tmp_path / "h", hc, own, dtype="float32", info={"note": "test"})
-    assert desc["bytes"] > 0 and json.loads((tmp_path / "h" / "head.json").read_text())["head"]["kind"] == "eagle3"
+    head = json.loads((tmp_path / "h" / "head.json").read_text())["head"]
+    assert desc["bytes"] > 0 and head["kind"] == "eagle3" and head["input_norm"] is input_norm
     drafter, hp = drafters.load_head(tmp_path / "h", target, tp)
     mine = drafters.FeatureHeadDrafter(drafters.EagleHead(hc))
     assert drafter == mine
@@ -190,6 +195,35 @@ def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path)
     assert evals and {"alpha_t1", "greedy_agreement_step2", "greedy_tokens_per_pass_g2"} <= set(evals[-1])
     assert s["export"]["bytes"] > 0 and drafters.is_head_dir(tmp_path / "export")
     drafters.load_head(tmp_path / "export", toy_pair["target"], toy_pair["params"])
+    # The workdir's checkpoints hold a head without input norms (the key was absent from its
+    # config): a config that adds them is refused before anything is written.
+    c.head.input_norm = True
+    with pytest.raises(ValueError, match="head.input_norm: false -> true"):
+        distill.train(c, tmp_path / "wd", log=lambda m: None)
+
+
+def test_input_norm_reads_the_feature_direction_and_the_token(toy_pair):
+    """With input_norm, the head's input does not change when the features are scaled (the
+    target's raw residual streams are large; only their direction reaches fc) and does change
+    with the token; without it, scaling the features changes the input. A config or workdir
+    that toggles it is refused: the parameters differ."""
+    target, tp = toy_pair["target"], toy_pair["params"]
+    for kind in ("eagle", "eagle3"):
+        hc_n = drafters.HeadConfig.make(kind, target.config, input_norm=True)
+        hc_p = drafters.HeadConfig.make(kind, target.config)
+        own = drafters.init_head_params(hc_n, jax.random.key(0))
+        assert "input_norm" in hc_n.own_param_names and "input_norm" not in hc_p.own_param_names
+        p_n = drafters.head_params(hc_n, own, tp)
+        p_p = drafters.head_params(hc_p, {k: v for k, v in own.items() if k != "input_norm"}, tp)
+        f = jax.random.normal(jax.random.key(1), (1, 5, hc_n.feature_size))
+        tok = jnp.array([[1, 2, 3, 4, 5]], jnp.int32)
+        x = lambda hc, p, t, f: drafters.eagle_input(hc, p, t, drafters.fuse_features(hc, p, f))  # noqa: E731
+        np.testing.assert_allclose(np.asarray(x(hc_n, p_n, tok, 50.0 * f)), np.asarray(x(hc_n, p_n, tok, f)),
+                                   rtol=0, atol=2e-3)      # float32 rounding (inputs ~0.3)
+        assert not np.allclose(np.asarray(x(hc_n, p_n, tok + 1, f)), np.asarray(x(hc_n, p_n, tok, f)), atol=2e-2)
+        assert not np.allclose(np.asarray(x(hc_p, p_p, tok, 50.0 * f)), np.asarray(x(hc_p, p_p, tok, f)), atol=2e-2)
+    with pytest.raises(ValueError, match="input_norm applies to EAGLE"):
+        drafters.HeadConfig.make("medusa", target.config, input_norm=True)
 
 
 def test_head_settings_are_checked(toy_pair):

@@ -1,12 +1,18 @@
 """Train the feature-level draft heads for SmolLM2-135M-Instruct and export them here (issue 14).
 
     python -m experiments.heads.train [--kinds=eagle3,eagle,medusa] [--budget=N] [--workdir=DIR]
+                                      [--eval_every=STEPS] [--name=NAME --set=KEY=VALUE ...]
+
+A run resumes from its workdir; a larger --budget there continues training (the cosine
+schedule is laid out again over the new budget, so the learning rate restarts near its peak).
 
 Each kind runs `specjax.distill.train` on configs/distill_head.py (EAGLE-3: three layers fused,
 training-time test over 3 steps; EAGLE: last layer, feature regression weight 1; Medusa: 4
 heads), resuming from its workdir, and exports the head to experiments/heads/<kind>/ (own
 weights only, bfloat16) with the held-out evaluation in head.json and metrics in
-experiments/heads/results/train-<kind>.jsonl.
+experiments/heads/results/train-<kind>.jsonl. ``--name`` (one kind) runs a variant beside the
+default one, e.g. ``--kinds=eagle --name=eagle-norm --set=head.input_norm=True``: workdir,
+export and results under that name.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from specjax import distill
 KINDS = flags.DEFINE_list("kinds", list(heads_config.HEADS), "head kinds to train")
 BUDGET = flags.DEFINE_integer("budget", 0, "loss tokens per head (0 = the config's)")
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax-heads", "training workdirs (resumable)")
+NAME = flags.DEFINE_string("name", "", "export to experiments/heads/<name>, results train-<name>.* and workdir "
+                          "<workdir>/<name> ('' = the kind; one kind per run when set)")
+SET = flags.DEFINE_multi_string("set", [], "config overrides KEY=VALUE (after the kind's), e.g. head.input_norm=True")
+EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "steps between held-out evaluations (0 = the config's)")
 SAMPLED = flags.DEFINE_integer("sampled_samples", -1, "target temperature-1 continuations per train prompt "
                                "(-1 = the config's)")
 
@@ -40,22 +50,36 @@ def main(argv):
     del argv
     results = pathlib.Path("experiments/heads/results")
     results.mkdir(parents=True, exist_ok=True)
+    if NAME.value and len(KINDS.value) != 1:
+        raise app.UsageError("--name names one run: give one --kinds")
     for kind in KINDS.value:
+        name = NAME.value or kind
         c = distill_head.get_config()
         c.draft.kind = kind
         distill.with_overrides(c, OVERRIDES[kind])
+        for item in SET.value:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise app.UsageError(f"--set wants KEY=VALUE, got {item!r}")
+            try:
+                parsed = json.loads(value.lower() if value in ("True", "False") else value)
+            except ValueError:
+                parsed = value              # a plain string, e.g. loss.divergence=jsd
+            distill.with_overrides(c, {key: parsed})
         if BUDGET.value:
             c.budget_tokens = BUDGET.value
+        if EVAL_EVERY.value:
+            c.eval.every = EVAL_EVERY.value
         if SAMPLED.value >= 0:
             c.data.sampled_samples = SAMPLED.value
-        c.export_dir = heads_config.head_dir(kind)
+        c.export_dir = heads_config.head_dir(name)
         c.progress = False
-        workdir = pathlib.Path(WORKDIR.value) / kind
-        summary = distill.train(c, workdir, log=lambda m: print(f"[{kind}] {m}", flush=True))
-        shutil.copy(workdir / "metrics.jsonl", results / f"train-{kind}.jsonl")
+        workdir = pathlib.Path(WORKDIR.value) / name
+        summary = distill.train(c, workdir, log=lambda m: print(f"[{name}] {m}", flush=True))
+        shutil.copy(workdir / "metrics.jsonl", results / f"train-{name}.jsonl")
         prov = toolkit.provenance("experiments.heads.train", exclude=[results, pathlib.Path(c.export_dir)],
                                   with_backend=False, config=c.to_dict())
-        (results / f"train-{kind}.json").write_text(json.dumps({"summary": summary, "provenance": prov},
+        (results / f"train-{name}.json").write_text(json.dumps({"summary": summary, "provenance": prov},
                                                                indent=1, default=str))
         print(json.dumps(summary.get("eval"), indent=1), flush=True)
 

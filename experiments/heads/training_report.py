@@ -2,8 +2,8 @@
 
     python -m experiments.heads.training_report [experiments/heads/results] > TRAINING.md
 
-One row per `train-<kind>.json` there: loss tokens and wall time of the run (with the part spent
-generating the target's data and features, which the first run on a fresh cache pays), and its last
+One row per `train-<name>.json` there: head kind, input norm, loss tokens, the median training
+throughput of its steps (from `train-<name>.jsonl`, over every invocation of a resumed run), and its last
 held-out evaluation (Spec-Bench held-out prompts, the target's greedy continuations, teacher
 forced; `specjax.distill` evaluation): alpha at T = 1, greedy agreement of the head's k-th
 autoregressive proposal for k = 1..3, and accepted tokens per target pass of a greedy chain of
@@ -16,9 +16,20 @@ import json
 import pathlib
 import sys
 
+import numpy as np
+
 from experiments import toolkit
 
 ORDER = ("eagle3", "eagle", "medusa")
+
+
+def _history(jsonl: pathlib.Path) -> tuple[float | None, list[dict]]:
+    """(median tokens/s over the run's training steps, its resume events) from its metrics."""
+    if not jsonl.is_file():
+        return None, []
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    rates = [r["tokens_per_s"] for r in recs if r.get("kind") == "train" and r.get("tokens_per_s")]
+    return (float(np.median(rates)) if rates else None), [r for r in recs if r.get("event") == "resume"]
 
 
 def render(results_dir: pathlib.Path) -> str:
@@ -29,21 +40,21 @@ def render(results_dir: pathlib.Path) -> str:
     for k in kinds:
         s, prov = runs[k]["summary"], runs[k]["provenance"]
         e = s["eval"]
+        rate, resumes = _history(results_dir / f"train-{k}.jsonl")
         best_g = max(range(1, 6), key=lambda g: e.get(f"greedy_tokens_per_pass_g{g}", 0.0))
-        rows.append([k, s["tokens"], toolkit.fmt(s["wall_s"] / 60, 1), toolkit.fmt(s.get("target_data_s", 0.0) / 60, 1),
-                     toolkit.fmt(s["train_tokens_per_s"], 0),
-                     toolkit.fmt(e["alpha_t1"]), toolkit.fmt(e["greedy_agreement_step1"]),
+        rows.append([k, s["draft"]["kind"], "yes" if s["draft"].get("input_norm") else "no", s["tokens"],
+                     toolkit.fmt(rate, 0), toolkit.fmt(e["alpha_t1"]), toolkit.fmt(e["greedy_agreement_step1"]),
                      toolkit.fmt(e.get("greedy_agreement_step2")), toolkit.fmt(e.get("greedy_agreement_step3")),
                      toolkit.fmt(e["greedy_tokens_per_pass_g1"]),
                      f"{toolkit.fmt(e[f'greedy_tokens_per_pass_g{best_g}'])} (γ = {best_g})"])
         m = prov["machine"]
-        notes.append(f"- {k}: `{prov['command']}`, commit `{prov['git_commit'][:10]}`, {prov['date_utc']}, "
-                     f"{m['cpu_model']} ({m['cpus_usable']} CPUs, load {m['loadavg_at_start']} at start), "
-                     f"{e['eval_tokens']} held-out tokens evaluated")
+        resumed = "".join(f"; resumed at step {r['step']} ({r['tokens']} tokens)" for r in resumes)
+        notes.append(f"- {k}: last invocation `{prov['command']}`, commit `{prov['git_commit'][:10]}`, "
+                     f"{prov['date_utc']}, {m['cpu_model']} ({m['cpus_usable']} CPUs, load {m['loadavg_at_start']} "
+                     f"at start){resumed}; {e['eval_tokens']} held-out tokens evaluated")
     return "\n".join([
         "# Draft heads: training and held-out evaluation", "",
-        toolkit.table(["head", "loss tokens", "wall (min)", "of which target data (min)",
-                       "train tokens/s", "alpha (T = 1)",
+        toolkit.table(["run", "kind", "input norm", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
                        "greedy agreement k=1", "k=2", "k=3", "tokens/pass γ = 1", "best chain"], rows),
         "", *notes, ""])
 

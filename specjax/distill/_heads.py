@@ -15,7 +15,8 @@ Losses per position (``mask`` marks the positions whose next token is a continua
   head's, over the head's tokens (p restricted to a reduced head and renormalized, as for the
   standalone draft, see `_train`);
 * EAGLE: plus ``feature_weight`` x smooth L1 between the head's output and the target's feature
-  (Li et al. 2024 use regression + 0.1 x classification);
+  (Li et al. 2024 use regression + 0.1 x classification); with ``head.input_norm`` between the
+  two RMS-normalized (the head's output is only ever read through a norm);
 * EAGLE-3: ``ttt_steps`` drafting steps unrolled (training-time test, Li et al. 2025): step j's
   output at origin o is scored against the target's distribution of ``x_{o+j}``; steps weigh
   equally;
@@ -75,7 +76,8 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     h = c.get("head", {})
     layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
     hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
-                                  head_size=int(c.draft.head_vocab) or None, feature_layers=layers)
+                                  head_size=int(c.draft.head_vocab) or None, feature_layers=layers,
+                                  input_norm=bool(h.get("input_norm", False)))
     kind = c.draft.kind
     return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 1 if kind != "eagle3" else 3)),
                          feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)))
@@ -139,8 +141,13 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
     loss = sum(terms) / len(terms)
     aux = {}
     if hc.kind == "eagle" and obj.feature_weight > 0:
-        reg = _divergence.masked_mean(jnp.mean(_smooth_l1(outs[0].astype(jnp.float32) - f_BTF.astype(jnp.float32)),
-                                               axis=-1), mask)
+        out, f = outs[0].astype(jnp.float32), f_BTF.astype(jnp.float32)
+        if hc.input_norm:
+            # The head's output reaches everything through an RMS norm (the next step's input
+            # norm, the final norm), so only its direction counts: regress unit-RMS vectors.
+            ones = jnp.ones((f.shape[-1],), jnp.float32)
+            out, f = (llama_lib.rms_norm(x, ones, obj.target.config.rms_eps) for x in (out, f))
+        reg = _divergence.masked_mean(jnp.mean(_smooth_l1(out - f), axis=-1), mask)
         loss = loss + obj.feature_weight * reg
         aux["feature_loss"] = reg
     p_l, q_l, m = first

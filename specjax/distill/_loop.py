@@ -128,7 +128,10 @@ class Mixture:
 
 # Config keys that fix the shapes / structure of the checkpointed train state (the draft's
 # parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
-STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
+STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate", "head.input_norm", "head.num_heads",
+              "head.feature_layers")
+# What a key absent from an older workdir's config.json meant (keys added since).
+STATE_DEFAULTS = {"head.input_norm": False}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -161,7 +164,7 @@ def check_resume_config(c, workdir) -> None:
     for k in sorted(set(old) | set(new)):
         if not any(k == s or k.startswith(s + ".") for s in STATE_KEYS):
             continue
-        a, b = old.get(k, missing), new.get(k, missing)
+        a, b = old.get(k, STATE_DEFAULTS.get(k, missing)), new.get(k, STATE_DEFAULTS.get(k, missing))
         if a != b:
             diff.append(f"{k}: {'(absent)' if a is missing else json.dumps(a)} -> "
                         f"{'(absent)' if b is missing else json.dumps(b)}")

@@ -1,7 +1,8 @@
 """Drafters: who proposes the tokens the target verifies (one protocol, several kinds)."""
 
 from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadCache, HeadConfig,
-                                     MedusaDrafter, eagle_train_forward, head_logits, head_params, head_scores,
+                                     MedusaDrafter, eagle_input, eagle_train_forward, fuse_features, head_logits,
+                                     head_params, head_scores,
                                      init_head_params, medusa_features, medusa_logits)
 from specjax.drafters._head_artifact import head_kind, is_head_dir, load_head, save_head
 from specjax.drafters._model import (EarlyExitDrafter, ModelDrafter, ModelDraftState, draw, draw_support, rollout,
@@ -9,7 +10,7 @@ from specjax.drafters._model import (EarlyExitDrafter, ModelDrafter, ModelDraftS
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext, Drafter
 
-__all__ = ["head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter",
+__all__ = ["head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter", "eagle_input", "fuse_features",
            "eagle_train_forward", "head_logits", "head_scores", "medusa_features", "head_params", "init_head_params", "medusa_logits",
            "DraftContext", "Drafter", "EarlyExitDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "draw_support", "rollout", "support_scores"]

@@ -74,7 +74,7 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     h = desc["head"]
     try:
         hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
-                             feature_layers=tuple(h["feature_layers"]))
+                             feature_layers=tuple(h["feature_layers"]), input_norm=bool(h.get("input_norm", False)))
         run = dataclasses.replace(hc, packed=bool(tc.packed_projections))   # the target's layout at inference
     except (KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None

@@ -24,6 +24,11 @@ of token ``x_{t+1}``. At a round with L committed tokens the engine knows ``f_0 
   layer, fused by ``fuse`` (3D -> D) before ``fc``; beyond the known prefix the head's own
   output stands in for the fused feature. No feature regression; training-time test unrolls
   several drafting steps so the head learns from its own predictions (`eagle_train_forward`).
+* ``input_norm`` (either EAGLE kind): the embedding and the feature are RMS-normalized, each
+  with its own learned weight, before ``fc`` (EAGLE-3's reference layer normalizes its two
+  inputs separately before concatenating them). The target's features are raw residual
+  streams, far larger than the embedding (SmolLM2-135M: RMS ~30 with a few dimensions in the
+  thousands, against ~0.1), which otherwise drown the token's half of the input.
 
 A reduced-vocabulary head (``head_size``: the target's head rows of the ``head_ids`` tokens,
 -inf logit elsewhere) keeps sampling exact: q is zero off the subset, and the verifier only
@@ -75,6 +80,8 @@ class HeadConfig:
     # target's packed layout (unrolled, fused), as the target runs on the CPU kernel. Set by
     # `load_head` for a packed target; training and export use the plain layout.
     packed: bool = False
+    # EAGLE kinds: RMS-normalize the embedding and the feature before ``fc`` (module doc).
+    input_norm: bool = False
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
@@ -89,16 +96,19 @@ class HeadConfig:
             raise ValueError(f"a Medusa head needs num_heads >= 1, got {self.num_heads}")
         if self.head_size is not None and not 0 < self.head_size <= self.target.vocab_size:
             raise ValueError(f"head_size must be in [1, {self.target.vocab_size}], got {self.head_size}")
+        if self.input_norm and self.kind == "medusa":
+            raise ValueError("input_norm applies to EAGLE heads (their fc input); a Medusa head has none")
         if self.packed and not self.target.packed_projections:
             raise ValueError("a packed head runs beside a packed target (packed_projections=True): "
                              "its full-vocabulary head and its layer use the target's panel layout")
 
     @classmethod
     def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
-             feature_layers: tuple[int, ...] | None = None, packed: bool = False) -> "HeadConfig":
+             feature_layers: tuple[int, ...] | None = None, packed: bool = False,
+             input_norm: bool = False) -> "HeadConfig":
         layers = default_feature_layers(kind, target.num_layers) if feature_layers is None else feature_layers
         return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
-                   head_size=head_size, packed=packed)
+                   head_size=head_size, packed=packed, input_norm=bool(input_norm))
 
     @property
     def hidden_size(self) -> int:
@@ -129,12 +139,13 @@ class HeadConfig:
         if self.kind == "medusa":
             names = ("medusa_w", "medusa_b")
         else:
-            names = ("fc", "layers") + (("fuse",) if self.kind == "eagle3" else ())
+            names = ("fc", "layers") + (("fuse",) if self.kind == "eagle3" else ()) + \
+                (("input_norm",) if self.input_norm else ())
         return names + (("head_ids",) if self.head_size is not None else ())
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "num_heads": self.num_heads,
-                "head_size": self.head_size}
+                "head_size": self.head_size, "input_norm": self.input_norm}
 
 
 def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
@@ -152,6 +163,8 @@ def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
                "layers": Llama(lc).init_params(k2)["layers"]}
         if hc.kind == "eagle3":
             own["fuse"] = (INIT_STD * jax.random.normal(k3, (F, D), jnp.float32)).astype(dtype)
+        if hc.input_norm:       # [embedding's, feature's] RMS-norm weights
+            own["input_norm"] = jnp.ones((2, D), dtype)
     if (hc.head_size is None) != (head_ids is None):
         raise ValueError("head_ids must be given exactly when the head config has a head_size")
     if head_ids is not None:
@@ -337,8 +350,13 @@ def _write_slots(buf_BSD, new_BTD, start_B):
 
 
 def eagle_input(hc: HeadConfig, params: dict, tokens_BT, g_BTD) -> jax.Array:
-    """``fc([embed(x) ; g])``: the head layer's input [B, T, D]."""
+    """``fc([embed(x) ; g])``, each half RMS-normalized first with ``hc.input_norm``: the head
+    layer's input [B, T, D]."""
     e = jnp.take(params["embed"], tokens_BT, axis=0).astype(g_BTD.dtype)
+    if hc.input_norm:
+        w = params["input_norm"]
+        e = llama_lib.rms_norm(e, w[0], hc.target.rms_eps).astype(g_BTD.dtype)
+        g_BTD = llama_lib.rms_norm(g_BTD, w[1], hc.target.rms_eps).astype(g_BTD.dtype)
     return _matmul(jnp.concatenate([e, g_BTD], axis=-1), params["fc"], hc.hidden_size).astype(g_BTD.dtype)
 
 
