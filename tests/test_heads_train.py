@@ -237,6 +237,12 @@ def test_head_settings_are_checked(toy_pair):
     c.data.draft_weight = 0.5
     with pytest.raises(ValueError, match="draft_weight"):
         distill.train(c, toy_pair["root"] / "never", log=lambda m: None)
+    # head.input_norm (on in configs/distill_head.py) is for the EAGLE kinds; Medusa ignores it.
+    import ml_collections
+    c.head = ml_collections.ConfigDict({"input_norm": True})
+    assert distill.objective_from_config(c, target).config.input_norm
+    c.draft.kind = "medusa"
+    assert not distill.objective_from_config(c, target).config.input_norm
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa"])

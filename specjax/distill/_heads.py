@@ -77,7 +77,7 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
     hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
                                   head_size=int(c.draft.head_vocab) or None, feature_layers=layers,
-                                  input_norm=bool(h.get("input_norm", False)))
+                                  input_norm=bool(h.get("input_norm", False)) and c.draft.kind != "medusa")
     kind = c.draft.kind
     return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 1 if kind != "eagle3" else 3)),
                          feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)))
