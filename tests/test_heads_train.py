@@ -163,6 +163,12 @@ def test_broken_head_directories_are_refused_with_the_file_named(toy_pair, tmp_p
     (d / "head.json").write_text(json.dumps(desc))
     with pytest.raises(CheckpointError, match="lacks"):
         drafters.load_head(d, target, tp)
+    # input_norm written as a string ("false" would read as true through bool()).
+    desc = json.loads(good)
+    desc["head"]["input_norm"] = "false"
+    (d / "head.json").write_text(json.dumps(desc))
+    with pytest.raises(CheckpointError, match="'input_norm' must be true or false"):
+        drafters.load_head(d, target, tp)
     # Tensors of a 30-token head under a description that says 40.
     small = drafters.HeadConfig.make("eagle3", target.config, head_size=30)
     drafters.save_head(tmp_path / "small", small, drafters.init_head_params(small, jax.random.key(4),
@@ -200,13 +206,25 @@ def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path)
     c.head.input_norm = True
     with pytest.raises(ValueError, match="head.input_norm: false -> true"):
         distill.train(c, tmp_path / "wd", log=lambda m: None)
+    from specjax.distill import _loop
+    # A Medusa workdir ignores input_norm (configs/distill_head.py turns it on for every kind)
+    # but not num_heads, which shapes its parameters.
+    (tmp_path / "wd_m" / "checkpoints" / "5").mkdir(parents=True)
+    stored = json.loads((tmp_path / "wd" / "config.json").read_text())
+    stored["draft"]["kind"], stored["head"]["num_heads"] = "medusa", 3
+    (tmp_path / "wd_m" / "config.json").write_text(json.dumps(stored))
+    c.draft.kind = "medusa"
+    _loop.check_resume_config(c, tmp_path / "wd_m")
+    c.head.num_heads = 4
+    with pytest.raises(ValueError, match="head.num_heads: 3 -> 4"):
+        _loop.check_resume_config(c, tmp_path / "wd_m")
 
 
 def test_input_norm_reads_the_feature_direction_and_the_token(toy_pair):
     """With input_norm, the head's input does not change when the features are scaled (the
     target's raw residual streams are large; only their direction reaches fc) and does change
-    with the token; without it, scaling the features changes the input. A config or workdir
-    that toggles it is refused: the parameters differ."""
+    with the token; without it, scaling the features changes the input; Medusa has no such
+    input. (Resuming a workdir with it toggled: test_distillation_loop_trains_exports_and_resumes_a_head.)"""
     target, tp = toy_pair["target"], toy_pair["params"]
     for kind in ("eagle", "eagle3"):
         hc_n = drafters.HeadConfig.make(kind, target.config, input_norm=True)

@@ -128,8 +128,12 @@ class Mixture:
 
 # Config keys that fix the shapes / structure of the checkpointed train state (the draft's
 # parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
-STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate", "head.input_norm", "head.num_heads",
-              "head.feature_layers")
+STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
+# The head settings that shape a head kind's parameters (a kind ignores the others, e.g. Medusa
+# the input norm that configs/distill_head.py turns on).
+HEAD_STATE_KEYS = {"medusa": ("head.num_heads", "head.feature_layers"),
+                   "eagle": ("head.input_norm", "head.feature_layers"),
+                   "eagle3": ("head.input_norm", "head.feature_layers")}
 # What a key absent from an older workdir's config.json meant (keys added since).
 STATE_DEFAULTS = {"head.input_norm": False}
 
@@ -147,7 +151,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def check_resume_config(c, workdir) -> None:
     """``ValueError`` naming each differing key (old and new value) when `workdir` already holds
-    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key. Reads only:
+    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key (or a
+    `HEAD_STATE_KEYS` key of its head kind). Reads only:
     called before anything in the workdir is written."""
     workdir = pathlib.Path(workdir)
     stored_path, ckpt_dir = workdir / "config.json", workdir / "checkpoints"
@@ -161,8 +166,9 @@ def check_resume_config(c, workdir) -> None:
     new = flatten(json.loads(c.to_json_best_effort()))
     missing = object()
     diff = []
+    keys = STATE_KEYS + HEAD_STATE_KEYS.get(new.get("draft.kind"), ())
     for k in sorted(set(old) | set(new)):
-        if not any(k == s or k.startswith(s + ".") for s in STATE_KEYS):
+        if not any(k == s or k.startswith(s + ".") for s in keys):
             continue
         a, b = old.get(k, STATE_DEFAULTS.get(k, missing)), new.get(k, STATE_DEFAULTS.get(k, missing))
         if a != b:
