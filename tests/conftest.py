@@ -1,5 +1,5 @@
-"""Shared test setup: CPU only, the main command's XLA options, a per-run compilation cache,
-derandomized hypothesis."""
+"""Shared test setup: CPU only, the main command's XLA options with the backend's code
+generation turned down, a per-run compilation cache, derandomized hypothesis."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,13 +21,28 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# XLA's backend code generation turned down for the whole run (and the subprocesses tests start),
+# as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: the optimized HLO is the same, only LLVM's work on
+# it is cut, so float rounding differs a little from a user's build and every exact comparison
+# in the suite is between programs compiled with the same options. Measured on AMD EPYC, 2
+# cores (two workers): tests/test_heads.py + tests/test_engine_tree.py 581 -> 365 s; the
+# real-model files (test_engine_real, test_long_prompt, test_gguf_parity, test_kernels) 596 ->
+# 534 s, the 135M model's decode steps running a little slower unoptimized. The whole suite went
+# over CI's 25 minutes without it (1737 s here). SPECJAX_TEST_XLA=full keeps XLA's defaults.
+if os.environ.get("SPECJAX_TEST_XLA", "fast") != "full":
+    from _bench_run import FAST_COMPILE_XLA_FLAGS  # noqa: E402
+
+    _have = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(
+        f for f in FAST_COMPILE_XLA_FLAGS.split() if f.split("=", 1)[0] not in _have)]).strip()
+
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from specjax import build  # noqa: E402
 
-# The XLA CPU options of the main command, so tests compile what users run.
+# The XLA CPU options of the main command (beside the fast-compile ones above).
 build.tune_xla_cpu()
 
 # Property tests are derandomized so CI is reproducible; the examples still vary per test.

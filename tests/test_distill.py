@@ -113,8 +113,10 @@ def test_teacher_states_are_the_targets_hidden_states(toy_pair):
         h = np.asarray(t.hidden_states(p, jnp.asarray(toks)[None], None)[0][0])
         P = int(data.seqs.prompt_lengths[i])
         got = np.asarray(data.hidden[data.offsets[i]:data.offsets[i + 1]])
-        # Batched (padded) vs single-row forward: float32 reassociation only.
-        np.testing.assert_allclose(got, h[P - 1:P - 1 + data.counts[i]], rtol=1e-4, atol=1e-4)
+        # Batched (padded) vs single-row forward: float32 reassociation only (up to 1.7e-4 on
+        # these O(1) states with the suite's fast-compile XLA options; a state of another
+        # position or row differs by O(1)).
+        np.testing.assert_allclose(got, h[P - 1:P - 1 + data.counts[i]], rtol=1e-4, atol=5e-4)
 
 
 def test_batch_plan_is_deterministic_and_masks_the_continuation(toy_pair):

@@ -206,7 +206,6 @@ def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path)
     c.head.input_norm = True
     with pytest.raises(ValueError, match="head.input_norm: false -> true"):
         distill.train(c, tmp_path / "wd", log=lambda m: None)
-    from specjax.distill import _loop
     # A Medusa workdir ignores input_norm (configs/distill_head.py turns it on for every kind)
     # but not num_heads, which shapes its parameters.
     (tmp_path / "wd_m" / "checkpoints" / "5").mkdir(parents=True)
@@ -214,10 +213,10 @@ def test_distillation_loop_trains_exports_and_resumes_a_head(toy_pair, tmp_path)
     stored["draft"]["kind"], stored["head"]["num_heads"] = "medusa", 3
     (tmp_path / "wd_m" / "config.json").write_text(json.dumps(stored))
     c.draft.kind = "medusa"
-    _loop.check_resume_config(c, tmp_path / "wd_m")
+    distill.check_resume_config(c, tmp_path / "wd_m")
     c.head.num_heads = 4
     with pytest.raises(ValueError, match="head.num_heads: 3 -> 4"):
-        _loop.check_resume_config(c, tmp_path / "wd_m")
+        distill.check_resume_config(c, tmp_path / "wd_m")
 
 
 def test_input_norm_reads_the_feature_direction_and_the_token(toy_pair):
