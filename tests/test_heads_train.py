@@ -169,6 +169,10 @@ def test_broken_head_directories_are_refused_with_the_file_named(toy_pair, tmp_p
     (d / "head.json").write_text(json.dumps(desc))
     with pytest.raises(CheckpointError, match="'input_norm' must be true or false"):
         drafters.load_head(d, target, tp)
+    desc["head"] = ["eagle"]                              # not an object at all
+    (d / "head.json").write_text(json.dumps(desc))
+    with pytest.raises(CheckpointError, match="'head' must be an object"):
+        drafters.load_head(d, target, tp)
     # Tensors of a 30-token head under a description that says 40.
     small = drafters.HeadConfig.make("eagle3", target.config, head_size=30)
     drafters.save_head(tmp_path / "small", small, drafters.init_head_params(small, jax.random.key(4),

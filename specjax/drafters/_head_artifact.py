@@ -72,9 +72,10 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     if desc["target_dims"] != want:
         raise ValueError(f"head {d} was made for a target with {desc['target_dims']}, this target has {want}")
     h = desc["head"]
-    if not isinstance(h, dict) or not isinstance(h.get("input_norm", False), bool):
-        raise CorruptCheckpointError(f"{d}/head.json: 'input_norm' must be true or false, "
-                                     f"got {h.get('input_norm') if isinstance(h, dict) else h!r}")
+    if not isinstance(h, dict):
+        raise CorruptCheckpointError(f"{d}/head.json: 'head' must be an object, got {h!r}")
+    if not isinstance(h.get("input_norm", False), bool):
+        raise CorruptCheckpointError(f"{d}/head.json: 'input_norm' must be true or false, got {h['input_norm']!r}")
     try:
         hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
                              feature_layers=tuple(h["feature_layers"]), input_norm=h.get("input_norm", False))
