@@ -16,19 +16,29 @@ def get_config():
     # once, as a one-token step does. 'auto': on the CPU backend when the kernel was built for
     # this CPU (unrolled layers, float32); 'on': required; 'off': XLA's matmuls.
     c.cpu_kernel = "auto"
-    # Drafter: 'ngram' (prompt lookup), 'distilled' (the draft shipped for the target, see
-    # experiments/distill), 'head', 'early_exit' (target's first layers), 'model' (draft_model=),
-    # 'none'. Default 'ngram': with the CPU kernel, adaptive prompt lookup is 1.28x target-only
-    # on the held-out prompts at greedy, adaptive distilled 0.89x (experiments/bench_speed/
-    # results/2026-12-01-kernel-amd-epyc); the shipped EAGLE-3 head 1.03x at gamma 1 against
-    # 1.11x for adaptive prompt lookup in one run (results/2026-12-02-head-intel-xeon).
-    c.drafter = "ngram"
+    # Drafter: 'hybrid' (prompt lookup where the text repeats itself, the shipped draft head
+    # elsewhere), 'ngram' (prompt lookup), 'head' (the shipped EAGLE head), 'distilled' (the
+    # draft shipped for the target, see experiments/distill), 'early_exit' (target's first
+    # layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a fixed gamma 3: on the 13
+    # held-out prompts it ran at 1.39x target-only greedy and 1.16x at T = 1, against 1.28x and
+    # 0.99x for adaptive prompt lookup (the default before) and 1.21x / 1.09x for the head alone
+    # in the same run (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc, AMD EPYC).
+    c.drafter = "hybrid"
     c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4
     c.max_ngram = 3
     c.min_ngram = 1
-    c.gamma = 4                             # >= 0; adaptive_gamma overrides
-    c.adaptive_gamma = True                 # gamma per round from acceptance and calibrated round times
+    # drafter='hybrid' (SAM-Decoding's rule, specjax.drafters.HybridDrafter): prompt lookup in the
+    # rounds whose suffix match has at least min_match tokens (0: max_ngram), this drafter in the
+    # others ('head', 'distilled' or 'model').
+    c.hybrid_model = "head"
+    c.min_match = 0
+    c.gamma = 3                             # >= 0; adaptive_gamma overrides
+    # Gamma per round from acceptance and calibrated round times. Off by default: the hybrid's
+    # acceptance mixes two drafters, and the policy, which pools it, fell back to gamma 0 in
+    # over half of the rounds (1.21x against 1.39x at gamma 3, same run); a single drafter
+    # gains from it (prompt lookup alone: 1.28x adaptive, 1.26x at gamma 4).
+    c.adaptive_gamma = False
     c.adaptive_gammas = (0, 1, 2, 3, 4)
     # Adaptive gamma's round times per machine and setting (specjax.calibration): measured once,
     # then reused by later runs; "" = measure every run, nothing stored.

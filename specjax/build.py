@@ -157,18 +157,29 @@ def use_cpu_kernel(c, backend: str | None = None) -> bool:
     return fits and backend == "cpu" and kernels.fast_on_this_cpu() and jax.device_count() == 1
 
 
-DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "none")
+DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "hybrid", "none")
+HYBRID_MODELS = ("head", "distilled", "model")      # the model half of drafter='hybrid'
+
 
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
                  max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
-                 target_name: str = ""):
-    """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'early_exit', 'early_exit_own_cache',
-    'model', 'none'}. 'distilled' and 'head' load a draft or head directory written by
-    `specjax.distill` (`draft_model`, or the one shipped for the target when `draft_model` is
-    empty and `target_name` is a known name)."""
+                 target_name: str = "", hybrid_model: str = "head", min_match: int | None = None):
+    """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'hybrid', 'early_exit',
+    'early_exit_own_cache', 'model', 'none'}. 'distilled' and 'head' load a draft or head
+    directory written by `specjax.distill` (`draft_model`, or the one shipped for the target when
+    `draft_model` is empty and `target_name` is a known name). 'hybrid': prompt lookup where the
+    suffix match has at least ``min_match`` tokens (None or 0: ``max_ngram``), else the drafter
+    ``hybrid_model`` (one of `HYBRID_MODELS`, built as above); see `drafters.HybridDrafter`."""
     if kind == "none":
         return None, None
+    if kind == "hybrid":
+        if hybrid_model not in HYBRID_MODELS:
+            raise ValueError(f"hybrid_model={hybrid_model!r}: expected one of {', '.join(HYBRID_MODELS)}")
+        model, params = make_drafter(hybrid_model, target, target_params, draft_model=draft_model, dtype=dtype,
+                                     scan_layers=scan_layers, target_name=target_name)
+        lookup = drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+        return drafters.HybridDrafter(lookup, model, min_match=int(min_match or max_ngram)), params
     if kind == "distilled":
         from specjax.models.draft_artifact import load_draft
         directory = draft_model or shipped_draft(target_name)
@@ -328,6 +339,26 @@ def check_target_context(c):
     return config
 
 
+def check_hybrid_settings(c) -> None:
+    """``hybrid_model`` and ``min_match`` (read by drafter='hybrid'; checked whatever the drafter)."""
+    model = c.get("hybrid_model", "head")
+    if model not in HYBRID_MODELS:
+        raise ValueError(f"hybrid_model={model!r}: expected one of {', '.join(HYBRID_MODELS)}")
+    if c.drafter == "hybrid" and model == "model" and not c.draft_model:
+        raise ValueError("drafter='hybrid' with hybrid_model='model' needs draft_model (a path or registry name)")
+    shipped = {"head": SHIPPED_HEADS, "distilled": SHIPPED_DRAFTS}.get(model)
+    if c.drafter == "hybrid" and shipped is not None and not c.draft_model and c.target not in shipped:
+        raise ValueError(f"drafter='hybrid' drafts with the {model} shipped for {', '.join(sorted(shipped))}, and none "
+                         f"ships for target {c.target!r}: give draft_model=<a {model} directory written by "
+                         f"specjax.distill>, or use drafter='ngram' (prompt lookup alone)")
+    m = c.get("min_match", 0)
+    if m:
+        _int_setting("min_match", m, 1)
+        if not c.min_ngram <= m <= c.max_ngram:
+            raise ValueError(f"min_match={m!r}: expected an integer in [min_ngram, max_ngram] = "
+                             f"[{c.min_ngram}, {c.max_ngram}]")
+
+
 def check_config(c) -> None:
     """Validate a generation config's settings before anything heavy is loaded (ValueError
     naming the setting and its value). Every decoding setting is checked whichever mode reads
@@ -337,6 +368,7 @@ def check_config(c) -> None:
         raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
     if c.drafter == "model" and not c.draft_model:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    check_hybrid_settings(c)
     from specjax.models.config import SUPPORTED_DTYPES
     if c.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
@@ -360,7 +392,8 @@ def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decod
     `check_config` before loading the target (as `load_generator` does)."""
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
-                                    dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target)
+                                    dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target,
+                                    hybrid_model=c.get("hybrid_model", "head"), min_match=c.get("min_match", None))
     mesh = generation_mesh(c)
     engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
     eparams = decoding.EngineParams(target=params, draft=dparams)

@@ -72,6 +72,8 @@ def calibration_fields(c, batch, config) -> dict:
             "fuse_projections": bool(c.get("fuse_projections", False)), "cpu_kernel": build.use_cpu_kernel(c),
             "drafter": c.drafter, "draft_model": c.draft_model, "early_exit_layers": int(c.early_exit_layers),
             "max_ngram": int(c.max_ngram), "gammas": [str(g) for g in config.gammas],
+            **({"hybrid_model": c.get("hybrid_model", "head"), "min_match": int(c.get("min_match", 0) or 0),
+                "min_ngram": int(c.min_ngram)} if c.drafter == "hybrid" else {}),
             "prompt_shape": list(batch.prompt_BP.shape), "capacity": int(batch.capacity),
             "greedy": c.temperature == 0, "top_k": int(c.top_k), "top_p": float(c.top_p),
             "verifier": c.verifier, "tree": c.get("tree", ""), "adaptive_trees": list(c.get("adaptive_trees", ())),
@@ -127,7 +129,10 @@ def generate_main(c) -> dict:
     print(f"\n>>> {c.prompt}\n", flush=True)
     decoder = tok.incremental_decoder(skip_special_tokens=True)
 
+    round_sizes = []                        # tokens committed per round (the hybrid's replay)
+
     def show(ids):
+        round_sizes.append(len(ids))
         piece = decoder.add(ids)
         if piece:
             print(piece, end="", flush=True)
@@ -159,8 +164,15 @@ def generate_main(c) -> dict:
         "mesh": dict(gen.engine.mesh.shape) if gen.engine.mesh is not None else None,
     }
     stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
+    why = _why(config, stats, m, gen.round_time_s)
+    if c.drafter == "hybrid":
+        dr = gen.engine.drafter
+        lookup = dr.lookup_rounds(list(prompt_ids) + tokens, len(prompt_ids), round_sizes)
+        stats["lookup_rounds"] = sum(lookup)
+        why += (f"; prompt lookup drafts where the last {dr.min_match} tokens occurred earlier ({sum(lookup)} of "
+                f"{len(lookup)} rounds), the {c.get('hybrid_model', 'head')} elsewhere")
     print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
-          + ": " + _why(config, stats, m, gen.round_time_s), file=sys.stderr, flush=True)
+          + ": " + why, file=sys.stderr, flush=True)
     if c.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp, prefill=pre)
         base_tps = base_timing["tokens_per_s"]

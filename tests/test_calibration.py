@@ -111,7 +111,7 @@ def test_main_command_measures_once_then_reuses_the_round_times(tmp_path, capsys
     tok.save(target)
 
     c = generate.get_config()
-    c.update(dict(target=str(target), drafter="ngram", adaptive_gammas=(0, 1), max_new_tokens=2,
+    c.update(dict(target=str(target), drafter="ngram", adaptive_gamma=True, adaptive_gammas=(0, 1), max_new_tokens=2,
                   compare_target_only=False, calibration_cache=str(tmp_path / "cal.json")))
     gen = build.load_generator(c)
     monkeypatch.setattr(build, "load_generator", lambda c, **k: gen)     # one load for the three runs

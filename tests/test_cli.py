@@ -22,12 +22,14 @@ def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys, monkeypa
     jax.clear_caches()
     c = generate.get_config()
     c.max_new_tokens = 12
-    c.adaptive_gammas = (0, 4)      # two branches to compile and calibrate instead of five (CI time)
     c.metrics_jsonl = str(tmp_path / "stats.jsonl")
-    c.calibration_cache = str(tmp_path / "calibration.json")   # measured here, not read from ~/.cache
-    assert c.adaptive_gamma and c.compare_target_only    # the three runs that used to prefill
+    c.calibration_cache = str(tmp_path / "calibration.json")   # (adaptive gamma only: tests/test_calibration.py)
+    # The default: prompt lookup + the shipped head at a fixed gamma; the speculative and the
+    # target-only run share one prefill.
+    assert c.drafter == "hybrid" and not c.adaptive_gamma and c.compare_target_only
     stats = cli.generate_main(c)
-    assert stats["calibration"] == "measured" and (tmp_path / "calibration.json").is_file()
+    assert stats["calibration"] == "none" and not (tmp_path / "calibration.json").exists()
+    assert 0 <= stats["lookup_rounds"] <= stats["target_passes"]
     assert len(traced) == 1, traced
     assert stats["prefill_s_incl_compile"] > 0
     out = capsys.readouterr().out
@@ -73,7 +75,9 @@ def test_importing_specjax_starts_no_backend():
 @pytest.mark.parametrize("override,message", [
     ({"drafter": "bogus"}, "drafter='bogus'"), ({"drafter": "model"}, "draft_model"),
     ({"adaptive_gamma": False, "gamma": -1}, "gamma"), ({"temperature": -1.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p")])
+    ({"top_p": 0.0}, "top_p"), ({"min_match": 5}, r"min_match=5: expected an integer in \[min_ngram, max_ngram\]"),
+    ({"hybrid_model": "early_exit"}, "hybrid_model='early_exit'"),
+    ({"target": "/nowhere/other.gguf"}, "none ships for target '/nowhere/other.gguf'.*drafter='ngram'")])
 def test_bad_settings_fail_before_the_model_loads(monkeypatch, override, message):
     from specjax import build, models
 

@@ -41,6 +41,19 @@ def test_ngram_ignores_tokens_past_the_committed_length():
     assert end == -1
 
 
+def test_ngram_host_match_length_equals_the_jitted_rule():
+    """`host_match_length` (the CLI's replay of the hybrid rule) against `longest_match` on
+    random rows over 3 tokens (matches of every length, and none)."""
+    rng = np.random.default_rng(0)
+    for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
+        d = drafters.NGramDrafter(vocab_size=50, max_ngram=max_ngram, min_ngram=min_ngram)
+        rows = [rng.integers(0, 3, int(n)).tolist() for n in rng.integers(1, 12, 64)]
+        buf = jnp.asarray([r + [7] * (12 - len(r)) for r in rows], jnp.int32)
+        _, n_B = d.longest_match(buf, jnp.asarray([len(r) for r in rows], jnp.int32))
+        assert [d.host_match_length(r) for r in rows] == np.asarray(n_B).tolist()
+        assert len(set(np.asarray(n_B).tolist())) >= 2
+
+
 GREEDY = sampling.SamplingConfig.make(0.0)
 
 

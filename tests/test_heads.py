@@ -367,26 +367,26 @@ def _gen(gamma, max_new=MAX_NEW, chunk=CHUNK):
 
 
 @functools.cache
-def _target_only():
-    """The target's greedy continuations of PROMPTS, MAX_NEW + EXTRA tokens, computed cache-free
-    (a full forward per token, independent of the engine and of any cache): (first MAX_NEW,
-    all). Every chosen token beats the runner-up by > 1e-5 (the logits are ~0.1 in size; rounding
-    differences between cached and cache-free forwards are ~1e-7), so the engine cannot pick
-    another token by rounding."""
+def _target_only(prompts=tuple(map(tuple, PROMPTS))):
+    """The target's greedy continuations of the prompts (PROMPTS), MAX_NEW + EXTRA tokens,
+    computed cache-free (a full forward per token, independent of the engine and of any cache):
+    (first MAX_NEW, all). Every chosen token beats the runner-up by > 1e-5 (the logits are ~0.1
+    in size; rounding differences between cached and cache-free forwards are ~1e-7), so the
+    engine cannot pick another token by rounding."""
     model, tp = _target()
     n = MAX_NEW + EXTRA
-    lens = np.array([len(p) for p in PROMPTS])
-    toks = np.zeros((len(PROMPTS), lens.max() + n), np.int32)
-    for b, p in enumerate(PROMPTS):
+    lens = np.array([len(p) for p in prompts])
+    toks = np.zeros((len(prompts), lens.max() + n), np.int32)
+    for b, p in enumerate(prompts):
         toks[b, :len(p)] = p
-    rows = np.arange(len(PROMPTS))
+    rows = np.arange(len(prompts))
     for _ in range(n):
         last = np.asarray(_jit_apply(model)(tp, toks, None)[0])[rows, lens - 1]
         top2 = np.sort(last, axis=-1)[:, -2:]
         assert (top2[:, 1] - top2[:, 0] > 1e-5).all(), "near-tie in the reference: pick other weights"
         toks[rows, lens] = last.argmax(-1)
         lens += 1
-    full = [toks[b, len(p):len(p) + n].tolist() for b, p in enumerate(PROMPTS)]
+    full = [toks[b, len(p):len(p) + n].tolist() for b, p in enumerate(prompts)]
     return [g[:MAX_NEW] for g in full], full
 
 
@@ -596,21 +596,31 @@ def _head_cache_mismatch(mode, naive=False, gamma=3):
     rounds, _ = _eagle_stepped(mode, naive, gamma)
     worst = 0.0
     for before, st in rounds:
-        L, cache = st.lengths_B, st.draft_state.cache
-        fresh = _fresh_head_init(hc, batch.capacity)(ep.draft, st.tokens_BL, L,
-                                                     _true_features(st.tokens_BL, hc.feature_layers))
-        kept = np.asarray(cache.kv.lengths_B)
         if not naive:
             # cut back to the slots made from target features: those before the round's start
-            np.testing.assert_array_equal(kept, np.minimum(L - 1, before))
-        k, v = (np.asarray(x) for x in cache.kv.layer(0))
-        fk, fv = (np.asarray(x) for x in fresh.kv.layer(0))
-        pred, fpred = np.asarray(cache.pred_BSD), np.asarray(fresh.pred_BSD)
-        for b in range(len(L)):
-            n = kept[b]
-            worst = max(worst, np.abs(k[b, :, :n] - fk[b, :, :n]).max(initial=0),
-                        np.abs(v[b, ..., :n] - fv[b, ..., :n]).max(initial=0),
-                        np.abs(pred[b, :n] - fpred[b, :n]).max(initial=0))
+            np.testing.assert_array_equal(np.asarray(st.draft_state.cache.kv.lengths_B),
+                                          np.minimum(st.lengths_B - 1, before))
+        worst = max(worst, _kept_slots_vs_fresh(hc, ep, batch.capacity, st))
+    return worst
+
+
+def _kept_slots_vs_fresh(hc, ep, capacity, st):
+    """The largest absolute difference between the head cache's kept slots (K/V and output
+    features) in loop state `st` and a fresh head prefill over the committed tokens with their
+    true features."""
+    L, cache = st.lengths_B, st.draft_state.cache
+    fresh = _fresh_head_init(hc, capacity)(ep.draft, st.tokens_BL, L, _true_features(st.tokens_BL, hc.feature_layers))
+    kept = np.asarray(cache.kv.lengths_B)
+    assert (kept <= L - 1).all()
+    k, v = (np.asarray(x) for x in cache.kv.layer(0))
+    fk, fv = (np.asarray(x) for x in fresh.kv.layer(0))
+    pred, fpred = np.asarray(cache.pred_BSD), np.asarray(fresh.pred_BSD)
+    worst = 0.0
+    for b in range(len(L)):
+        n = kept[b]
+        worst = max(worst, np.abs(k[b, :, :n] - fk[b, :, :n]).max(initial=0),
+                    np.abs(v[b, ..., :n] - fv[b, ..., :n]).max(initial=0),
+                    np.abs(pred[b, :n] - fpred[b, :n]).max(initial=0))
     return worst
 
 
@@ -724,8 +734,10 @@ T1 = dict(temperature=1.0)
 T1_FILTERED = dict(temperature=1.0, top_k=3, top_p=0.9)
 D_TREE = trees.TreeShape.from_branching((2, 1))      # sampled tree: 2 children of the root (iid), 1 each
 D_EXACT = {"medusa_T1_topk3_topp0.9": (T1_FILTERED, "medusa"), "eagle_reduced_head_T1": (T1, "eagle_reduced"),
-           "eagle_reduced_head_T1_topk3_tree2x1": (T1_FILTERED, "eagle_reduced", D_TREE)}
-D_NEGATIVE = {"medusa_samples_at_T/2_reports_T": (T1, "misreport")}
+           "eagle_reduced_head_T1_topk3_tree2x1": (T1_FILTERED, "eagle_reduced", D_TREE),
+           "hybrid_lookup_or_eagle_reduced_T1": (T1, "hybrid")}
+D_NEGATIVE = {"medusa_samples_at_T/2_reports_T": (T1, "misreport"),
+              "hybrid_reports_the_head_q_for_lookup_drafts": (T1, "hybrid_misreport")}
 PER_TEST_ALPHA = FAMILY_WISE_ALPHA / len(D_EXACT)
 
 
@@ -742,6 +754,22 @@ class MisreportingMedusa(drafters.MedusaDrafter):
 
 
 D_HEAD_IDS = (0, 2, 4)          # the reduced EAGLE head drafts only these: q = 0 on 1 and 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportingHybrid(drafters.HybridDrafter):
+    """BROKEN: proposes as the hybrid does, but reports the head's q for every row, also for
+    the rows whose tokens came from prompt lookup."""
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        toks, _, st = super().propose(params, state, context, key_B, gamma, cfg)
+        _, q_head, _ = self.model.propose(params, state, context, key_B, gamma, cfg)
+        return toks, q_head, st
+
+
+def _hybrid(model_drafter, cls=drafters.HybridDrafter, max_ngram=2, min_match=1):
+    return cls(drafters.NGramDrafter(model_drafter.vocab_size, max_ngram=max_ngram), model_drafter,
+               min_match=min_match)
 
 
 @functools.cache
@@ -767,8 +795,9 @@ def _dist_run(name):
     """(generated [B, D_NEW], rejection rate) of one configuration (memoised)."""
     samp_kw, kind, *tree = {**D_EXACT, **D_NEGATIVE}[name]
     model, tp, heads = _dist_setup()
-    hc, hp = heads["medusa" if kind == "misreport" else kind]
-    dr = MisreportingMedusa(hc) if kind == "misreport" else _drafter(hc)
+    hc, hp = heads[{"misreport": "medusa", "hybrid": "eagle_reduced", "hybrid_misreport": "eagle_reduced"}.get(kind, kind)]
+    dr = {"misreport": lambda: MisreportingMedusa(hc), "hybrid": lambda: _hybrid(_drafter(hc)),
+          "hybrid_misreport": lambda: _hybrid(_drafter(hc), MisreportingHybrid)}.get(kind, lambda: _drafter(hc))()
     eng = decoding.Engine(model, dr, decoding.GenerationConfig(max_new_tokens=D_NEW, gamma=tree[0] if tree else D_GAMMA))
     batch = decoding.make_batch([list(D_PROMPT)] * D_BATCH, eng.config, jax.random.key(D_SEED))
     out = eng.run(decoding.EngineParams(target=tp, draft=hp), sampling.SamplingConfig.make(**samp_kw), batch)
@@ -828,8 +857,10 @@ def _pvalue(gen_BN, law):
 def test_head_sampling_matches_target_law(name):
     """Distribution exactness of head drafters at T = 1: a Medusa head with top-k 3 + top-p 0.9,
     an EAGLE head with a reduced vocabulary (3 of the 5 tokens: its q is 0 on the others,
-    which the target may still emit) without filters, and that head drafting a sampled token
-    tree (2 iid children of the root, one child each; top-k 3) through the tree verifier.
+    which the target may still emit) without filters, that head drafting a sampled token
+    tree (2 iid children of the root, one child each; top-k 3) through the tree verifier, and
+    the hybrid of prompt lookup (bigrams; used where the last token occurred before, one-hot
+    q) and that head (elsewhere), rows mixing both within and across rounds.
 
     A tiny Llama target (V = 5, 2 layers, weights scaled so that its distributions are peaked
     and prefix dependent); every row generates N = 4 tokens after the prompt (1, 4, 2) with
@@ -840,7 +871,7 @@ def test_head_sampling_matches_target_law(name):
     is compared with the exact target-only law (enumerated with `apply` and
     `sampling.probabilities` under the same `SamplingConfig`) by a pooled chi-square test
     (cells with expected count < 5 pooled; cells of exact probability 0 must stay empty).
-    Family: the 3 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
+    Family: the 4 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
     uses alpha = 5e-5 (Bonferroni). The negative control below must fail the same test."""
     samp_kw = D_EXACT[name][0]
     gen, rejection = _dist_run(name)
@@ -853,10 +884,12 @@ def test_head_sampling_matches_target_law(name):
     assert p > PER_TEST_ALPHA, f"{name}: chi-square p={p:.3g} rejects exactness"
 
 
-def test_head_sampling_negative_control_is_detected():
-    """A Medusa drafter that samples at T/2 but reports the T = 1 q must fail the same test
-    (p < the per-test alpha): the test has power against a misreported q."""
-    (name, (samp_kw, *_)), = D_NEGATIVE.items()
+@pytest.mark.parametrize("name", list(D_NEGATIVE))
+def test_head_sampling_negative_control_is_detected(name):
+    """Broken drafters must fail the same test (p < the per-test alpha): a Medusa drafter that
+    samples at T/2 but reports the T = 1 q, and a hybrid that reports the head's q for its
+    prompt-lookup drafts (whose true q is one-hot): the test has power against a misreported q."""
+    samp_kw = D_NEGATIVE[name][0]
     gen, rejection = _dist_run(name)
     p, _, n_cells = _pvalue(gen, _law(samp_kw))
     print(f"\n[{name}] p={p:.3g} rejection={rejection:.3f} cells={n_cells} (must be below alpha)")
@@ -1096,3 +1129,116 @@ def test_scheduler_refills_head_rows():
     assert [r.counters["accepted"] for r in out.results] == np.asarray(whole.accepted_B).tolist()
     assert [r.counters["proposed"] for r in out.results] == np.asarray(whole.proposed_B).tolist()
     assert sum(r.counters["accepted"] for r in out.results) > 0
+
+
+# ----------------------------------------------------------------------------- 9. hybrid: prompt lookup + head
+
+# Rows 0 and 2 repeat themselves from the start (prompt lookup drafts them at once), rows 1
+# and 3 do not (the head drafts them until the output repeats a bigram).
+HYBRID_PROMPTS = ((5, 6, 5, 6, 5), (3, 4), (7, 8, 9, 7, 8, 9, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9))
+
+
+@functools.cache
+def _hybrid_setup():
+    model, tp = _target()
+    head, hp = _head("eagle", "good")
+    dr = _hybrid(head, max_ngram=3, min_match=2)
+    eng = decoding.Engine(model, dr, _gen(3))
+    ep = decoding.EngineParams(target=tp, draft=hp)
+    return eng, ep, decoding.make_batch([list(p) for p in HYBRID_PROMPTS], eng.config, jax.random.key(2))
+
+
+def test_hybrid_rule_and_proposals():
+    """One `HybridDrafter.propose` (jitted): rows whose longest suffix match has >= min_match
+    tokens get exactly the n-gram drafter's proposal (one-hot q), the others exactly the
+    head's (tokens and q, same key); when every row matches, the head does not run and its
+    state comes back unchanged."""
+    eng, ep, batch = _hybrid_setup()
+    dr = eng.drafter
+    state = eng.init(ep, batch)
+    keys = jax.random.split(jax.random.key(5), len(HYBRID_PROMPTS))
+
+    def context(tokens_BL, lengths_B=state.lengths_B):
+        return drafters.DraftContext(tokens_BL=tokens_BL, lengths_B=lengths_B, target_cache=state.target_cache,
+                                     features=state.features_BLF)
+
+    hybrid = jax.jit(lambda p, s, c, k: dr.propose(p, s, c, k, 3, GREEDY))
+    head = jax.jit(lambda p, s, c, k: dr.model.propose(p, s, c, k, 3, GREEDY))
+    ngram = jax.jit(lambda c: dr.retrieval.propose(None, None, c, None, 3, GREEDY)[:2])
+    rule = jax.jit(dr.uses_lookup)
+    ctx = context(state.tokens_BL)
+    lookup = np.asarray(rule(ctx))
+    assert lookup.tolist() == [True, False, True, False]
+    toks, q, new_state = hybrid(ep.draft, state.draft_state, ctx, keys)
+    h_toks, h_q, h_state = head(ep.draft, state.draft_state, ctx, keys)
+    n_toks, n_q = ngram(ctx)
+    for b, use in enumerate(lookup):
+        want_t, want_q = (n_toks, n_q) if use else (h_toks, h_q)
+        np.testing.assert_array_equal(np.asarray(toks[b]), np.asarray(want_t[b]))
+        np.testing.assert_array_equal(np.asarray(q[b]), np.asarray(want_q[b]))
+    assert np.asarray(n_toks[0]).tolist() == [6, 5, 6] and np.asarray(n_toks[2]).tolist() == [8, 9, 7]
+    for x, y in zip(jax.tree.leaves(new_state), jax.tree.leaves(h_state)):      # the head ran
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Every row repeating (each row given row 0's tokens): lookup only.
+    ctx_all = context(jnp.broadcast_to(state.tokens_BL[:1], state.tokens_BL.shape),
+                      jnp.broadcast_to(state.lengths_B[:1], state.lengths_B.shape))
+    assert np.asarray(rule(ctx_all)).all()
+    toks, q, same = hybrid(ep.draft, state.draft_state, ctx_all, keys)
+    n_toks, n_q = ngram(ctx_all)
+    np.testing.assert_array_equal(np.asarray(toks), np.asarray(n_toks))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(n_q))
+    for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(state.draft_state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # One row (the main command's batch, whose model branch skips the per-row select): each
+    # prompt's proposal equals the row's drafter's.
+    for b, use in ((0, True), (1, False)):
+        one = decoding.make_batch([list(HYBRID_PROMPTS[b])], eng.config, jax.random.key(2), capacity=batch.capacity)
+        st = eng.init(ep, one)
+        c1 = drafters.DraftContext(tokens_BL=st.tokens_BL, lengths_B=st.lengths_B, target_cache=st.target_cache,
+                                   features=st.features_BLF)
+        toks, q, _ = hybrid(ep.draft, st.draft_state, c1, keys[:1])
+        want_t, want_q = ngram(c1) if use else head(ep.draft, st.draft_state, c1, keys[:1])[:2]
+        np.testing.assert_array_equal(np.asarray(toks), np.asarray(want_t))
+        np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+
+
+def test_hybrid_greedy_and_head_cache_after_every_commit():
+    """Prompt lookup + the 'good' EAGLE head, gamma 3, greedy, round by round: the target-only
+    tokens; both drafters draft (lookup rounds and head rounds, also in one batch); after every
+    commit the head's cache, which sits out the lookup rounds, still holds only a prefix of the
+    committed tokens made from their true features (equal to a fresh prefill there), and
+    catches up when the head drafts again."""
+    eng, ep, batch = _hybrid_setup()
+    rounds, final = _step_through(eng, ep, batch, GREEDY)
+    assert decoding.GenerateOutput.from_state(final).generated() == _target_only(HYBRID_PROMPTS)[0]
+    rule = jax.jit(eng.drafter.uses_lookup)
+    init = eng.init(ep, batch)
+    states = [init] + [st for _, st in rounds[:-1]]
+    lookup = np.stack([np.asarray(rule(drafters.DraftContext(tokens_BL=jnp.asarray(s.tokens_BL),
+                                                             lengths_B=jnp.asarray(s.lengths_B), target_cache=None)))
+                       for s in states])
+    live = np.stack([~np.asarray(s.done_B) for s in states])
+    assert (lookup & live).any() and (~lookup & live).any(), lookup
+    assert ((lookup & live).any(axis=1) & (~lookup & live).any(axis=1)).any(), "no round mixed both drafters"
+    # The host replay of the rule (the CLI's report) gives the same rounds.
+    lengths = np.stack([np.asarray(s.lengths_B) for s in [init] + [st for _, st in rounds]])
+    for b, p in enumerate(HYBRID_PROMPTS):
+        sizes = [int(n) for n, a in zip(np.diff(lengths[:, b]), live[:, b]) if a]
+        row = np.asarray(final.tokens_BL)[b, :int(lengths[-1, b])].tolist()
+        assert eng.drafter.lookup_rounds(row, len(p), sizes) == lookup[:len(sizes), b].tolist()
+    m = final.metrics
+    assert int(np.asarray(m.accepted_B).sum()) > 0
+    hc = eng.drafter.model.model.config
+    worst = max(_kept_slots_vs_fresh(hc, ep, batch.capacity, st) for _, st in rounds)
+    assert worst < 1e-4, f"head cache differs from a fresh true-feature prefill by {worst}"
+
+
+def test_hybrid_settings_are_checked():
+    model, tp = _target()
+    head, _ = _head("eagle", "good")
+    with pytest.raises(ValueError, match="min_match"):
+        _hybrid(head, max_ngram=3, min_match=4)
+    with pytest.raises(ValueError, match="vocab mismatch"):
+        drafters.HybridDrafter(drafters.NGramDrafter(V + 1), head)
+    with pytest.raises(ValueError, match="chains"):
+        decoding.Engine(model, _hybrid(head), _gen(trees.TreeShape.from_branching((2, 1))))

@@ -10,7 +10,7 @@ import pathlib
 
 import ml_collections
 
-DRAFTERS = ("ngram", "early_exit", "distilled", "head", "oracle")
+DRAFTERS = ("ngram", "early_exit", "distilled", "head", "hybrid", "oracle")
 METHODS = DRAFTERS + tuple(f"adaptive_{d}" for d in DRAFTERS)
 
 
@@ -35,12 +35,14 @@ def get_config(variant: str = ""):
     c.repeats = 3                          # timed runs per configuration (median)
     c.temperatures = (0.0, 1.0)
     c.methods = ("ngram", "early_exit", "adaptive_ngram")   # target-only always runs; see METHODS
-    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, head=1, oracle=4))
+    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, head=1, hybrid=2, oracle=4))
     c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
     c.early_exit_layers = 4                # 0: max(1, layers // 8)
     c.max_ngram = 3
     c.draft_model = ""                     # distilled: a draft directory ("" = the one shipped for the model)
     c.head_model = ""                      # head: a draft-head directory ("" = the one shipped for the model)
+    c.hybrid_model = "head"                # hybrid: prompt lookup + this drafter ('head' or 'distilled')
+    c.min_match = 0                        # hybrid: prompt lookup where the suffix match has >= this many tokens (0: max_ngram)
     c.verifier = "token"
     c.max_k = 9                            # k-token forward costs for k = 1..max(max_k, gamma + 1)
     c.cost_iters = 30
@@ -87,7 +89,8 @@ def check(c) -> None:
         if name not in workload.LAYOUTS:
             bad("cost_layers", name, list(workload.LAYOUTS))
     for key, allowed in (("layers", workload.LAYOUTS), ("dtype", SUPPORTED_DTYPES),
-                         ("verifier", ("token", "block")), ("memory_drafter", ("auto",) + DRAFTERS[:3])):
+                         ("verifier", ("token", "block")), ("memory_drafter", ("auto",) + DRAFTERS[:3]),
+                         ("hybrid_model", ("head", "distilled"))):
         if c[key] not in allowed:
             bad(key, c[key], list(allowed))
     for key in ("batch_sizes", "adaptive_gammas", "temperatures"):

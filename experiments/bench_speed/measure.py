@@ -76,7 +76,9 @@ def methods(c, w: workload.Workload) -> list[Method]:
     out = [Method("target_only", "none", 0)]
     for name in c.methods:
         kind = name.removeprefix("adaptive_")
-        if not {"distilled": workload.has_distilled, "head": workload.has_head}.get(kind, lambda w, c: True)(w, c):
+        has = {"distilled": workload.has_distilled, "head": workload.has_head,
+               "hybrid": workload.has_head if c.get("hybrid_model", "head") == "head" else workload.has_distilled}
+        if not has.get(kind, lambda w, c: True)(w, c):
             continue
         gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)) if name.startswith("adaptive_") \
             else int(c.gamma[kind])

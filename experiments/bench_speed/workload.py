@@ -207,6 +207,11 @@ def drafter(w: Workload, kind: str, c):
             directory = c.head_model if kind == "head" else kind.split(":", 1)[1]
             w.drafters[kind] = build.make_drafter("head", w.target, w.params, draft_model=directory,
                                                   target_name=w.name)
+        elif kind == "hybrid":      # prompt lookup + the head (head_model) or the distilled draft (draft_model)
+            directory = c.head_model if c.hybrid_model == "head" else c.draft_model
+            w.drafters[kind] = build.make_drafter("hybrid", w.target, w.params, draft_model=directory,
+                                                  max_ngram=c.max_ngram, target_name=w.name,
+                                                  hybrid_model=c.hybrid_model, min_match=c.min_match)
         else:
             w.drafters[kind] = build.make_drafter(kind, w.target, w.params, early_exit_layers=early_exit_layers(w, c),
                                                   max_ngram=c.max_ngram, draft_model=c.draft_model, target_name=w.name)

@@ -7,10 +7,11 @@ from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, 
 from specjax.drafters._head_artifact import head_kind, is_head_dir, load_head, save_head
 from specjax.drafters._model import (EarlyExitDrafter, ModelDrafter, ModelDraftState, draw, draw_support, rollout,
                                      support_scores)
+from specjax.drafters._hybrid import HybridDrafter
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext, Drafter
 
 __all__ = ["head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter", "eagle_input", "fuse_features",
            "eagle_train_forward", "head_logits", "head_scores", "medusa_features", "head_params", "init_head_params", "medusa_logits",
-           "DraftContext", "Drafter", "EarlyExitDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
+           "DraftContext", "Drafter", "EarlyExitDrafter", "HybridDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "draw_support", "rollout", "support_scores"]

@@ -44,12 +44,14 @@ class NGramDrafter:
             m_BL = jnp.where(ok_BL, n, m_BL)
         return m_BL
 
-    def match_end(self, tokens_BL, lengths_B):
-        """Index of the last token of the latest earlier occurrence of the longest matching
-        suffix n-gram (n from max_ngram down to min_ngram); -1 where nothing matches."""
+    def longest_match(self, tokens_BL, lengths_B):
+        """(end_B, n_B): the index of the last token of the latest earlier occurrence of the
+        longest matching suffix n-gram (n from max_ngram down to min_ngram), and that n; -1 and
+        0 where nothing matches."""
         B, Lmax = tokens_BL.shape
         pos_L = jnp.arange(Lmax)
         best_B = jnp.full((B,), -1, jnp.int32)
+        n_B = jnp.zeros((B,), jnp.int32)
         for n in range(self.min_ngram, self.max_ngram + 1):  # longer n overrides shorter
             ok_BL = (pos_L[None, :] >= n - 1) & (pos_L[None, :] < lengths_B[:, None] - 1)
             for k in range(n):
@@ -60,13 +62,29 @@ class NGramDrafter:
             ok_BL &= (lengths_B >= n + 1)[:, None]
             last_B = jnp.max(jnp.where(ok_BL, pos_L[None, :], -1), axis=1).astype(jnp.int32)
             best_B = jnp.where(last_B >= 0, last_B, best_B)
-        return best_B
+            n_B = jnp.where(last_B >= 0, n, n_B)
+        return best_B, n_B
+
+    def host_match_length(self, tokens) -> int:
+        """`longest_match`'s n for one committed sequence (a list of ids), on the host: the
+        longest n in [min_ngram, max_ngram] whose suffix n-gram ends earlier too; 0 if none."""
+        tokens, L = list(tokens), len(tokens)
+        best = 0
+        for n in range(self.min_ngram, min(self.max_ngram, L - 1) + 1):
+            suffix = tokens[L - n:]
+            if any(tokens[i - n + 1:i + 1] == suffix for i in range(n - 1, L - 1)):
+                best = n
+        return best
+
+    def match_end(self, tokens_BL, lengths_B):
+        """The end index of `longest_match` (-1 where nothing matches)."""
+        return self.longest_match(tokens_BL, lengths_B)[0]
 
     def forward_passes(self, gamma: int) -> int:
         return 0     # no model
 
     @staticmethod
-    def _continue(tokens_BL, lengths_B, end_B, gamma):
+    def continuation(tokens_BL, lengths_B, end_B, gamma):
         """gamma tokens after the match ending at end_B (-1: none, repeat the last token),
         continuing cyclically through tokens[start:L]: a repeating pattern keeps repeating."""
         start_B = jnp.where(end_B >= 0, end_B + 1, lengths_B - 1)
@@ -75,7 +93,7 @@ class NGramDrafter:
         return jnp.take_along_axis(tokens_BL, jnp.clip(idx_BG, 0, tokens_BL.shape[1] - 1), axis=1).astype(jnp.int32)
 
     def propose(self, params, state, context, key_B, gamma, cfg):
-        tokens_BG = self._continue(context.tokens_BL, context.lengths_B,
+        tokens_BG = self.continuation(context.tokens_BL, context.lengths_B,
                                    self.match_end(context.tokens_BL, context.lengths_B), gamma)
         q_BGV = jax.nn.one_hot(tokens_BG, self.vocab_size, dtype=jnp.float32)
         return tokens_BG, q_BGV, state
@@ -112,7 +130,7 @@ class NGramDrafter:
         # Branch 0 always exists (no match: repeat the last token, as the linear proposal does).
         end_Bk = jnp.where(found_Bk, end_Bk, -1).astype(jnp.int32)
         branch_ok_Bk = found_Bk.at[:, 0].set(True)
-        toks_BkD = jax.vmap(lambda e: self._continue(tokens_BL, lengths_B, e, D), in_axes=1, out_axes=1)(end_Bk)
+        toks_BkD = jax.vmap(lambda e: self.continuation(tokens_BL, lengths_B, e, D), in_axes=1, out_axes=1)(end_Bk)
         # canon[b, i, d]: the first branch j with the same first d+1 tokens (and a valid branch).
         same_prefix_Bkk = jnp.ones((B, k, k), bool)
         nodes_tok, nodes_par, nodes_ok = [], [], []

@@ -1,0 +1,115 @@
+"""Prompt lookup where the text repeats itself, a model drafter elsewhere.
+
+Retrieval and model drafts win on different text: copying from the prompt is nearly free and
+long-sighted where the output quotes its input (summaries, retrieval-augmented answers, code
+edits), while a draft model or feature head guesses the next words of free text. SAM-Decoding
+(Hu et al., ACL 2025, arXiv:2411.10666) picks between a retrieval draft and a model draft
+(EAGLE-2) each step by the length of the suffix match; `HybridDrafter` applies that rule to
+specjax's n-gram drafter (`NGramDrafter`) and any model drafter (a feature head, the distilled
+draft).
+
+Rule, per row and round: if the longest suffix n-gram (n <= ``retrieval.max_ngram``) that
+occurs earlier in the row's committed tokens has at least ``min_match`` tokens, the row's
+proposal is the n-gram continuation (one-hot q); otherwise it is the model's (q as the model
+sampled it). The choice reads only the committed tokens, never the round's random keys, so each
+row's (tokens, q) is exactly what one of two exact drafters would have proposed: the
+verification stays exact.
+
+The model keeps its own state across rounds it sits out, as it does across adaptive gamma = 0
+rounds: its next ``propose`` catches up on the committed tokens it has not seen. When every
+row takes the n-gram draft the model does not run at all (`lax.cond`); otherwise it runs for
+the batch and the rows that take the n-gram draft discard its proposals (their tentative
+entries are dropped at `commit`, as after any rejection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters._ngram import NGramDrafter
+from specjax.drafters._protocol import DraftContext
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+    """Chains from prompt lookup when the suffix match has >= ``min_match`` tokens, else from
+    ``model`` (a drafter with its own state: `FeatureHeadDrafter`, `MedusaDrafter`,
+    `ModelDrafter`); the params are the model's."""
+    retrieval: NGramDrafter
+    model: Any
+    min_match: int = 3
+
+    def __post_init__(self):
+        if not self.retrieval.min_ngram <= self.min_match <= self.retrieval.max_ngram:
+            raise ValueError(f"min_match={self.min_match} must lie in [min_ngram, max_ngram] = "
+                             f"[{self.retrieval.min_ngram}, {self.retrieval.max_ngram}] of the n-gram drafter")
+        if self.retrieval.vocab_size != self.model.vocab_size:
+            raise ValueError(f"vocab mismatch: n-gram drafter {self.retrieval.vocab_size}, model drafter "
+                             f"{self.model.vocab_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(getattr(self.model, "feature_layers", ()) or ())
+
+    def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
+        if self.feature_layers:
+            return self.model.init(params, prompt_BP, prompt_lengths_B, capacity, features_BPF=features_BPF)
+        return self.model.init(params, prompt_BP, prompt_lengths_B, capacity)
+
+    def uses_lookup(self, context: DraftContext):
+        """[B] bool: the rows whose round drafts by prompt lookup (the rule of the module doc)."""
+        _, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
+        return n_B >= self.min_match
+
+    def lookup_rounds(self, tokens, prompt_length: int, round_sizes) -> list[bool]:
+        """The rule replayed on the host for one row: whether each round drafted by prompt lookup,
+        from the row's tokens (prompt and generated) and the tokens each round committed."""
+        out, L = [], int(prompt_length)
+        for n in round_sizes:
+            out.append(self.retrieval.host_match_length(tokens[:L]) >= self.min_match)
+            L += int(n)
+        return out
+
+    def forward_passes(self, gamma: int) -> int:
+        return self.model.forward_passes(gamma)        # an upper bound: lookup rounds run no model
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        end_B, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
+        lookup_B = n_B >= self.min_match
+        look_BG = self.retrieval.continuation(context.tokens_BL, context.lengths_B, end_B, gamma)
+
+        def one_hot(tok_BG):
+            return jax.nn.one_hot(tok_BG, self.vocab_size, dtype=jnp.float32)
+
+        def lookup_only(state):
+            return look_BG, one_hot(look_BG), state
+
+        def with_model(state):
+            tok_BG, q_BGV, state = self.model.propose(params, state, context, key_B, gamma, cfg)
+            if lookup_B.shape[0] == 1:          # one row, and it drafts by the model in this branch
+                return tok_BG, q_BGV, state
+            return (jnp.where(lookup_B[:, None], look_BG, tok_BG),
+                    jnp.where(lookup_B[:, None, None], one_hot(look_BG), q_BGV), state)
+
+        return jax.lax.cond(jnp.all(lookup_B), lookup_only, with_model, state)
+
+    def commit(self, state, new_lengths_B, accepted=None):
+        return self.model.commit(state, new_lengths_B)
+
+    def check_tree(self, tree) -> None:
+        raise ValueError("the hybrid drafter (prompt lookup + a model) drafts chains: use an integer gamma, "
+                         "or the model drafter on its own for trees")
+
+    def tree_forward_passes(self, tree) -> int:
+        raise ValueError("the hybrid drafter drafts chains only")
+
+    def propose_tree(self, *args, **kwargs):
+        raise NotImplementedError("the hybrid drafter drafts chains only; see check_tree")
