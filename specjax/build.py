@@ -374,6 +374,10 @@ def check_config(c) -> None:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
     use_cpu_kernel(c, backend="")               # the value only; no backend started
     check_generation_settings(c)
+    if c.drafter == "hybrid" and (c.get("tree", "") or tuple(c.get("adaptive_trees", ()) or ())):
+        setting = "tree" if c.get("tree", "") else "adaptive_trees"
+        raise ValueError(f"{setting}={c.get(setting)!r}: drafter='hybrid' (the default) drafts chains only; for "
+                         f"token trees choose a drafter that drafts them (drafter='head', 'ngram', 'distilled', ...)")
     generation_config(c, ())
     check_target_context(c)                     # reads a local target's header, no weights
 

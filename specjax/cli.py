@@ -169,8 +169,8 @@ def generate_main(c) -> dict:
         dr = gen.engine.drafter
         lookup = dr.lookup_rounds(list(prompt_ids) + tokens, len(prompt_ids), round_sizes)
         stats["lookup_rounds"] = sum(lookup)
-        why += (f"; prompt lookup drafts where the last {dr.min_match} tokens occurred earlier ({sum(lookup)} of "
-                f"{len(lookup)} rounds), the {c.get('hybrid_model', 'head')} elsewhere")
+        why += (f"; prompt lookup drafts where the last {dr.min_match} tokens occurred earlier (they did at the "
+                f"start of {sum(lookup)} of {len(lookup)} rounds), the {c.get('hybrid_model', 'head')} elsewhere")
     print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
           + ": " + why, file=sys.stderr, flush=True)
     if c.compare_target_only and c.drafter != "none":

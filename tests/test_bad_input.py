@@ -152,7 +152,7 @@ def test_item4_invalid_settings_are_errors_whichever_mode_reads_them(setting, va
     """With adaptive gamma on, ``gamma = -1`` was silently ignored (and likewise an adaptive or
     tree setting when another mode ran). Each bad setting must raise one ValueError naming it
     and its value, in every mode: fixed gamma, adaptive gamma, a tree, and no drafter."""
-    modes = [{"adaptive_gamma": False}, {"adaptive_gamma": True}, {"tree": "branching:2,1"},
+    modes = [{"adaptive_gamma": False}, {"adaptive_gamma": True}, {"tree": "branching:2,1", "drafter": "ngram"},
              {"drafter": "none"}]
     for mode in modes:
         c = generate.get_config()

@@ -77,7 +77,9 @@ def test_importing_specjax_starts_no_backend():
     ({"adaptive_gamma": False, "gamma": -1}, "gamma"), ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"min_match": 5}, r"min_match=5: expected an integer in \[min_ngram, max_ngram\]"),
     ({"hybrid_model": "early_exit"}, "hybrid_model='early_exit'"),
-    ({"target": "/nowhere/other.gguf"}, "none ships for target '/nowhere/other.gguf'.*drafter='ngram'")])
+    ({"target": "/nowhere/other.gguf"}, "none ships for target '/nowhere/other.gguf'.*drafter='ngram'"),
+    ({"tree": "branching:2,1"}, "tree='branching:2,1': drafter='hybrid' .* drafts chains only"),
+    ({"adaptive_gamma": True, "adaptive_trees": ("branching:2,1",)}, "adaptive_trees=.*drafts chains only")])
 def test_bad_settings_fail_before_the_model_loads(monkeypatch, override, message):
     from specjax import build, models
 

@@ -1134,7 +1134,7 @@ def test_scheduler_refills_head_rows():
 # ----------------------------------------------------------------------------- 9. hybrid: prompt lookup + head
 
 # Rows 0 and 2 repeat themselves from the start (prompt lookup drafts them at once), rows 1
-# and 3 do not (the head drafts them until the output repeats a bigram).
+# and 3 do not (the head drafts them until their last token is one seen before: min_match 1).
 HYBRID_PROMPTS = ((5, 6, 5, 6, 5), (3, 4), (7, 8, 9, 7, 8, 9, 7), (1, 2, 3, 4, 5, 6, 7, 8, 9))
 
 
@@ -1142,7 +1142,7 @@ HYBRID_PROMPTS = ((5, 6, 5, 6, 5), (3, 4), (7, 8, 9, 7, 8, 9, 7), (1, 2, 3, 4, 5
 def _hybrid_setup():
     model, tp = _target()
     head, hp = _head("eagle", "good")
-    dr = _hybrid(head, max_ngram=3, min_match=2)
+    dr = _hybrid(head, max_ngram=3, min_match=1)
     eng = decoding.Engine(model, dr, _gen(3))
     ep = decoding.EngineParams(target=tp, draft=hp)
     return eng, ep, decoding.make_batch([list(p) for p in HYBRID_PROMPTS], eng.config, jax.random.key(2))
@@ -1204,10 +1204,11 @@ def test_hybrid_rule_and_proposals():
 
 def test_hybrid_greedy_and_head_cache_after_every_commit():
     """Prompt lookup + the 'good' EAGLE head, gamma 3, greedy, round by round: the target-only
-    tokens; both drafters draft (lookup rounds and head rounds, also in one batch); after every
-    commit the head's cache, which sits out the lookup rounds, still holds only a prefix of the
-    committed tokens made from their true features (equal to a fresh prefill there), and
-    catches up when the head drafts again."""
+    tokens; both drafters draft (rounds mixing both in one batch, and rounds in which every row
+    drafts by lookup and the head does not run); after every commit the head's cache keeps
+    exactly the slots it should (unchanged after a lookup-only round, else cut back to the
+    round's start) and they equal a fresh prefill over the committed tokens with their true
+    features, so the head catches up correctly after sitting out."""
     eng, ep, batch = _hybrid_setup()
     rounds, final = _step_through(eng, ep, batch, GREEDY)
     assert decoding.GenerateOutput.from_state(final).generated() == _target_only(HYBRID_PROMPTS)[0]
@@ -1220,6 +1221,7 @@ def test_hybrid_greedy_and_head_cache_after_every_commit():
     live = np.stack([~np.asarray(s.done_B) for s in states])
     assert (lookup & live).any() and (~lookup & live).any(), lookup
     assert ((lookup & live).any(axis=1) & (~lookup & live).any(axis=1)).any(), "no round mixed both drafters"
+    assert lookup.all(axis=1).any(), "no round in which the head sat out (every row by lookup)"
     # The host replay of the rule (the CLI's report) gives the same rounds.
     lengths = np.stack([np.asarray(s.lengths_B) for s in [init] + [st for _, st in rounds]])
     for b, p in enumerate(HYBRID_PROMPTS):
@@ -1228,6 +1230,15 @@ def test_hybrid_greedy_and_head_cache_after_every_commit():
         assert eng.drafter.lookup_rounds(row, len(p), sizes) == lookup[:len(sizes), b].tolist()
     m = final.metrics
     assert int(np.asarray(m.accepted_B).sum()) > 0
+    # The head's kept slots, exactly: a round in which every row drafts by lookup leaves the
+    # head's cache as it was (the head does not run); any other round cuts every row back to the
+    # slots before the round's start, as a head-only round does (the head caught up on all rows).
+    kept_before = np.asarray(init.draft_state.cache.kv.lengths_B)
+    for r, (before, st) in enumerate(rounds):
+        kept = np.asarray(st.draft_state.cache.kv.lengths_B)
+        want = kept_before if lookup[r].all() else np.minimum(np.asarray(st.lengths_B) - 1, before)
+        np.testing.assert_array_equal(kept, want, err_msg=f"round {r}, lookup rows {lookup[r]}")
+        kept_before = kept
     hc = eng.drafter.model.model.config
     worst = max(_kept_slots_vs_fresh(hc, ep, batch.capacity, st) for _, st in rounds)
     assert worst < 1e-4, f"head cache differs from a fresh true-feature prefill by {worst}"

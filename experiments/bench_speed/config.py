@@ -35,7 +35,7 @@ def get_config(variant: str = ""):
     c.repeats = 3                          # timed runs per configuration (median)
     c.temperatures = (0.0, 1.0)
     c.methods = ("ngram", "early_exit", "adaptive_ngram")   # target-only always runs; see METHODS
-    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, head=1, hybrid=2, oracle=4))
+    c.gamma = ml_collections.ConfigDict(dict(ngram=4, early_exit=3, distilled=3, head=1, hybrid=3, oracle=4))
     c.adaptive_gammas = (0, 1, 2, 3, 4, 6)
     c.early_exit_layers = 4                # 0: max(1, layers // 8)
     c.max_ngram = 3

@@ -19,7 +19,13 @@ The model keeps its own state across rounds it sits out, as it does across adapt
 rounds: its next ``propose`` catches up on the committed tokens it has not seen. When every
 row takes the n-gram draft the model does not run at all (`lax.cond`); otherwise it runs for
 the batch and the rows that take the n-gram draft discard its proposals (their tentative
-entries are dropped at `commit`, as after any rejection).
+entries are dropped at `commit`, as after any rejection). Finished rows count in that "every
+row" (the context does not say which rows are done), so in a batch with idle or finished rows
+the model usually runs; the rule per row is unchanged. ``forward_passes`` reports the model's
+count for every round, an upper bound.
+
+Adaptive gamma pools the acceptance of the two halves, which differ by round; on SmolLM2 the
+hybrid ran best at a fixed gamma (`configs/generate.py`).
 """
 
 from __future__ import annotations
