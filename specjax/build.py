@@ -164,12 +164,12 @@ HYBRID_MODELS = ("head", "distilled", "model")      # the model half of drafter=
 
 def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
                  max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
-                 target_name: str = "", hybrid_model: str = "head", min_match: int | None = None):
+                 target_name: str = "", hybrid_model: str = "head", min_match: int = 0):
     """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'hybrid', 'early_exit',
     'early_exit_own_cache', 'model', 'none'}. 'distilled' and 'head' load a draft or head
     directory written by `specjax.distill` (`draft_model`, or the one shipped for the target when
     `draft_model` is empty and `target_name` is a known name). 'hybrid': prompt lookup where the
-    suffix match has at least ``min_match`` tokens (None or 0: ``max_ngram``), else the drafter
+    suffix match has at least ``min_match`` tokens (0: ``max_ngram``), else the drafter
     ``hybrid_model`` (one of `HYBRID_MODELS`, built as above); see `drafters.HybridDrafter`."""
     if kind == "none":
         return None, None
@@ -397,7 +397,7 @@ def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decod
     drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
                                     draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
                                     dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target,
-                                    hybrid_model=c.get("hybrid_model", "head"), min_match=c.get("min_match", None))
+                                    hybrid_model=c.get("hybrid_model", "head"), min_match=c.get("min_match", 0))
     mesh = generation_mesh(c)
     engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
     eparams = decoding.EngineParams(target=params, draft=dparams)

@@ -41,17 +41,30 @@ def test_ngram_ignores_tokens_past_the_committed_length():
     assert end == -1
 
 
-def test_ngram_host_match_length_equals_the_jitted_rule():
-    """`host_match_length` (the CLI's replay of the hybrid rule) against `longest_match` on
-    random rows over 3 tokens (matches of every length, and none)."""
+def _longest_match_reference(tokens, max_ngram, min_ngram):
+    """(end, n) by brute force: the longest n whose suffix n-gram also ends at an earlier
+    position, and the latest such position; (-1, 0) if none."""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        ends = [i for i in range(n - 1, L - 1) if tokens[i - n + 1:i + 1] == tokens[L - n:]]
+        if ends:
+            return ends[-1], n
+    return -1, 0
+
+
+def test_ngram_longest_match_equals_a_brute_force_reference():
+    """`longest_match` (the hybrid drafter's rule and the n-gram proposal's match) against a
+    plain-Python search on random rows over 3 tokens (matches of every length, and none),
+    padded past their lengths with a token that would match if it were read."""
     rng = np.random.default_rng(0)
     for max_ngram, min_ngram in ((3, 1), (2, 2), (4, 2)):
         d = drafters.NGramDrafter(vocab_size=50, max_ngram=max_ngram, min_ngram=min_ngram)
         rows = [rng.integers(0, 3, int(n)).tolist() for n in rng.integers(1, 12, 64)]
-        buf = jnp.asarray([r + [7] * (12 - len(r)) for r in rows], jnp.int32)
-        _, n_B = d.longest_match(buf, jnp.asarray([len(r) for r in rows], jnp.int32))
-        assert [d.host_match_length(r) for r in rows] == np.asarray(n_B).tolist()
-        assert len(set(np.asarray(n_B).tolist())) >= 2
+        buf = jnp.asarray([r + [r[-1]] * (12 - len(r)) for r in rows], jnp.int32)
+        end_B, n_B = d.longest_match(buf, jnp.asarray([len(r) for r in rows], jnp.int32))
+        got = list(zip(np.asarray(end_B).tolist(), np.asarray(n_B).tolist()))
+        assert got == [_longest_match_reference(r, max_ngram, min_ngram) for r in rows]
+        assert len({n for _, n in got}) >= 2
 
 
 GREEDY = sampling.SamplingConfig.make(0.0)

@@ -1189,6 +1189,15 @@ def test_hybrid_rule_and_proposals():
     np.testing.assert_array_equal(np.asarray(q), np.asarray(n_q))
     for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(state.draft_state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Rows 1 and 3 finished (`active_B` False): the head does not run for them; the active rows
+    # get their lookup proposals.
+    ctx_idle = ctx.replace(active_B=jnp.asarray(lookup))
+    toks, q, same = hybrid(ep.draft, state.draft_state, ctx_idle, keys)
+    n_toks, n_q = ngram(ctx)
+    np.testing.assert_array_equal(np.asarray(toks)[lookup], np.asarray(n_toks)[lookup])
+    np.testing.assert_array_equal(np.asarray(q)[lookup], np.asarray(n_q)[lookup])
+    for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(state.draft_state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # One row (the main command's batch, whose model branch skips the per-row select): each
     # prompt's proposal equals the row's drafter's.
     for b, use in ((0, True), (1, False)):
@@ -1230,13 +1239,14 @@ def test_hybrid_greedy_and_head_cache_after_every_commit():
         assert eng.drafter.lookup_rounds(row, len(p), sizes) == lookup[:len(sizes), b].tolist()
     m = final.metrics
     assert int(np.asarray(m.accepted_B).sum()) > 0
-    # The head's kept slots, exactly: a round in which every row drafts by lookup leaves the
+    # The head's kept slots, exactly: a round in which every active row drafts by lookup leaves the
     # head's cache as it was (the head does not run); any other round cuts every row back to the
     # slots before the round's start, as a head-only round does (the head caught up on all rows).
     kept_before = np.asarray(init.draft_state.cache.kv.lengths_B)
     for r, (before, st) in enumerate(rounds):
         kept = np.asarray(st.draft_state.cache.kv.lengths_B)
-        want = kept_before if lookup[r].all() else np.minimum(np.asarray(st.lengths_B) - 1, before)
+        head_sat_out = (lookup[r] | ~live[r]).all()          # finished rows do not keep the head running
+        want = kept_before if head_sat_out else np.minimum(np.asarray(st.lengths_B) - 1, before)
         np.testing.assert_array_equal(kept, want, err_msg=f"round {r}, lookup rows {lookup[r]}")
         kept_before = kept
     hc = eng.drafter.model.model.config

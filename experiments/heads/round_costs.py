@@ -1,6 +1,6 @@
 """Where a draft-head round's time goes, chains against token trees: one JSONL record per setting.
 
-    python -m experiments.heads.round_costs [--temperature=0] [--settings=2,3,branching:2,1,1,dynamic:4,2,7]
+    python -m experiments.heads.round_costs [--temperature=0] ["--settings=2;3;branching:2,1,1;dynamic:4,2,7"]
 
 For the shipped head (or ``--head=DIR``) on the packed SmolLM2 target, batch 1, a mid-length
 held-out prompt: the median wall time of one engine round (`Engine.round_times`, donated state,
@@ -13,12 +13,9 @@ forward (acceptance, cache commits, feature bookkeeping). Output:
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from absl import app, flags
 
 from specjax import build, decoding, models, sampling, trees
@@ -29,27 +26,18 @@ from experiments.bench_speed import workload
 from experiments.bench_speed.config import get_config as bench_config
 
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "sampling temperature of the rounds")
-SETTINGS = flags.DEFINE_list("settings", ["1", "2", "3", "branching:2,1,1", "dynamic:4,2,7", "dynamic:5,2,7",
-                                          "branching:2,2,1", "dynamic:4,3,12"],
-                             "chain lengths and tree strings (specjax.trees.parse_tree)")
+SETTINGS = flags.DEFINE_string("settings", "1;2;3;branching:2,1,1;dynamic:4,2,7;dynamic:5,2,7;branching:2,2,1;"
+                               "dynamic:4,3,12",
+                               "chain lengths and tree strings (specjax.trees.parse_tree), separated by ';'")
 HEAD = flags.DEFINE_string("head", "", "a head directory ('' = the one shipped for the target)")
 OUT = flags.DEFINE_string("out", "experiments/heads/results/round_costs.jsonl", "JSONL output")
 REPEATS = flags.DEFINE_integer("repeats", 20, "timed calls per measurement (median)")
 PROMPT_INDEX = 6          # the 7th shortest of the 13 held-out prompts (one per category)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
-
-
 def main(_):
     build.tune_xla_cpu()
+    proposals = [(text, int(text) if text.isdigit() else trees.parse_tree(text)) for text in SETTINGS.value.split(";") if text]
     c = bench_config()
     c.update(num_prompts=13, layers="packed", head_model=HEAD.value)
     prov = toolkit.provenance("experiments.heads.round_costs", exclude=["experiments/heads/results"])
@@ -66,37 +54,40 @@ def main(_):
                                      repeats=REPEATS.value)[0]
     jl.write("target_step", temperature=TEMPERATURE.value, round_ms=step_ms)
     rows = [("target-only step", "1", f"{step_ms:.1f}", "", "", "")]
-    for text in SETTINGS.value:
-        g = int(text) if text.isdigit() else trees.parse_tree(text)
-        children = "deterministic" if TEMPERATURE.value == 0 else "iid"
-        cfg = decoding.GenerationConfig(max_new_tokens=128, gamma=g, eos_ids=w.eos_ids, tree_children=children)
-        eng = decoding.Engine(w.target, drafter, cfg)
-        batch = decoding.make_batch([list(prompt.ids)], cfg, jax.random.key(0), capacity=512)
-        round_ms = 1e3 * eng.round_times(params, samp, batch, repeats=REPEATS.value)[0]
-        state = eng.init(params, batch)
-        state = eng._round_jit(params, samp, g, state)[0]           # mid-generation: after one round
-        ctx = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=state.target_cache,
-                           features=state.features_BLF)
-        if isinstance(g, int):
-            prop = jax.jit(lambda dp, st, cx, k: drafter.propose(dp, st, cx, k, g, samp)[:2])
-            n_tok, block = g + 1, None
-        else:
-            prop = jax.jit(lambda dp, st, cx, k: drafter.propose_tree(dp, st, cx, k, g, samp, children)[:2])
-            n_tok = g.num_nodes + 1
-            block = models.TreeBlock(rel_positions_BT=jnp.arange(n_tok, dtype=jnp.int32)[None],
-                                     visible_BTW=jnp.tril(jnp.ones((n_tok, n_tok), bool))[None])
-        propose_ms = _median_ms(lambda: prop(dparams, state.draft_state, ctx, state.key_B), REPEATS.value)
-        fwd = jax.jit(lambda p, t, cc, b: eng._target_forward(p, t, cc, tree=b)[0])
-        toks = jnp.zeros((1, n_tok), jnp.int32)
-        forward_ms = _median_ms(lambda: fwd(params, toks, state.target_cache, block), REPEATS.value)
-        rest = round_ms - propose_ms - forward_ms
-        jl.write("round", setting=text, temperature=TEMPERATURE.value, block_tokens=n_tok, round_ms=round_ms,
-                 propose_ms=propose_ms, forward_ms=forward_ms, rest_ms=rest, target_step_ms=step_ms)
-        rows.append((text, str(n_tok), f"{round_ms:.1f} ({round_ms / step_ms:.2f})", f"{propose_ms:.1f}",
-                     f"{forward_ms:.1f} ({forward_ms / step_ms:.2f})", f"{rest:.1f}"))
-        print(f"[round_costs] {text}: round {round_ms:.1f} ms, propose {propose_ms:.1f}, forward {forward_ms:.1f}",
-              flush=True)
-        jax.clear_caches()
+    with toolkit.CompileLog() as log:
+        for text, g in proposals:
+            children = "deterministic" if TEMPERATURE.value == 0 else "iid"
+            cfg = decoding.GenerationConfig(max_new_tokens=128, gamma=g, eos_ids=w.eos_ids, tree_children=children)
+            eng = decoding.Engine(w.target, drafter, cfg)
+            batch = decoding.make_batch([list(prompt.ids)], cfg, jax.random.key(0), capacity=512)
+            round_ms = 1e3 * eng.round_times(params, samp, batch, repeats=REPEATS.value)[0]
+            state = eng.step(params, samp, eng.init(params, batch))[0]    # mid-generation: after one round
+            ctx = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=state.target_cache,
+                               features=state.features_BLF)
+            if isinstance(g, int):
+                prop = jax.jit(lambda dp, st, cx, k: drafter.propose(dp, st, cx, k, g, samp)[:2])
+                n_tok, block = g + 1, None
+            else:
+                prop = jax.jit(lambda dp, st, cx, k: drafter.propose_tree(dp, st, cx, k, g, samp, children)[:2])
+                n_tok = g.num_nodes + 1
+                block = models.TreeBlock(rel_positions_BT=jnp.arange(n_tok, dtype=jnp.int32)[None],
+                                         visible_BTW=jnp.tril(jnp.ones((n_tok, n_tok), bool))[None])
+            propose_ms = 1e3 * toolkit.time_calls(prop, dparams, state.draft_state, ctx, state.key_B,
+                                                  iters=REPEATS.value, log=log)["median_s"]
+            # The verification pass as the engine runs it for a head: logits and the head's features.
+            fwd = jax.jit(lambda p, t, cc, b: w.target.apply_with_features(p, t, cc, tree=b,
+                                                                           layers=drafter.feature_layers)[:2])
+            toks = jnp.zeros((1, n_tok), jnp.int32)
+            forward_ms = 1e3 * toolkit.time_calls(fwd, w.params, toks, state.target_cache, block, iters=REPEATS.value,
+                                                  log=log)["median_s"]
+            rest = round_ms - propose_ms - forward_ms
+            jl.write("round", setting=text, temperature=TEMPERATURE.value, block_tokens=n_tok, round_ms=round_ms,
+                     propose_ms=propose_ms, forward_ms=forward_ms, rest_ms=rest, target_step_ms=step_ms)
+            rows.append((text, str(n_tok), f"{round_ms:.1f} ({round_ms / step_ms:.2f})", f"{propose_ms:.1f}",
+                         f"{forward_ms:.1f} ({forward_ms / step_ms:.2f})", f"{rest:.1f}"))
+            print(f"[round_costs] {text}: round {round_ms:.1f} ms, propose {propose_ms:.1f}, forward {forward_ms:.1f}",
+                  flush=True)
+            jax.clear_caches()
     jl.close()
     print(toolkit.table(["setting", "block tokens", "round ms (÷ step)", "propose ms", "target forward ms (÷ step)",
                          "rest ms"], rows))

@@ -452,7 +452,7 @@ class Engine:
             return (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, self.target.vocab_size), jnp.float32),
                     state.draft_state)
         context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
-                               target_cache=state.target_cache, features=state.features_BLF)
+                               target_cache=state.target_cache, features=state.features_BLF, active_B=~state.done_B)
         return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
     def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
@@ -613,7 +613,7 @@ class Engine:
         D = tree.max_depth
         last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
         context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=L_B, target_cache=state.target_cache,
-                               features=state.features_BLF)
+                               features=state.features_BLF, active_B=~state.done_B)
         draft, q_BN1V, draft_state = self.drafter.propose_tree(
             params.draft, state.draft_state, context, draft_key_B, tree, sampling, self.config.tree_children)
         N = draft.num_nodes

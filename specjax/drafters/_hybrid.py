@@ -19,10 +19,10 @@ The model keeps its own state across rounds it sits out, as it does across adapt
 rounds: its next ``propose`` catches up on the committed tokens it has not seen. When every
 row takes the n-gram draft the model does not run at all (`lax.cond`); otherwise it runs for
 the batch and the rows that take the n-gram draft discard its proposals (their tentative
-entries are dropped at `commit`, as after any rejection). Finished rows count in that "every
-row" (the context does not say which rows are done), so in a batch with idle or finished rows
-the model usually runs; the rule per row is unchanged. ``forward_passes`` reports the model's
-count for every round, an upper bound.
+entries are dropped at `commit`, as after any rejection). Finished rows (`DraftContext.active_B`
+False) do not keep the model running: their proposals are never committed, so in the lookup-only
+branch they get the lookup continuation whatever the rule says. ``forward_passes`` reports the
+model's count for every round, an upper bound.
 
 Adaptive gamma pools the acceptance of the two halves, which differ by round; on SmolLM2 the
 hybrid ran best at a fixed gamma (`configs/generate.py`).
@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext
@@ -76,13 +77,13 @@ class HybridDrafter:
         return n_B >= self.min_match
 
     def lookup_rounds(self, tokens, prompt_length: int, round_sizes) -> list[bool]:
-        """The rule replayed on the host for one row: whether each round drafted by prompt lookup,
-        from the row's tokens (prompt and generated) and the tokens each round committed."""
-        out, L = [], int(prompt_length)
-        for n in round_sizes:
-            out.append(self.retrieval.host_match_length(tokens[:L]) >= self.min_match)
-            L += int(n)
-        return out
+        """The rule replayed after a generation for one row (`uses_lookup` itself, one call over
+        all rounds): whether each round started with a suffix match, from the row's tokens
+        (prompt and generated) and the tokens each round committed."""
+        starts = int(prompt_length) + np.concatenate([[0], np.cumsum(round_sizes, dtype=np.int64)[:-1]])
+        tokens_RL = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32)[None], (len(starts), len(tokens)))
+        ctx = DraftContext(tokens_BL=tokens_RL, lengths_B=jnp.asarray(starts, jnp.int32), target_cache=None)
+        return np.asarray(jax.jit(self.uses_lookup)(ctx)).tolist()
 
     def forward_passes(self, gamma: int) -> int:
         return self.model.forward_passes(gamma)        # an upper bound: lookup rounds run no model
@@ -105,7 +106,9 @@ class HybridDrafter:
             return (jnp.where(lookup_B[:, None], look_BG, tok_BG),
                     jnp.where(lookup_B[:, None, None], one_hot(look_BG), q_BGV), state)
 
-        return jax.lax.cond(jnp.all(lookup_B), lookup_only, with_model, state)
+        # Finished rows never commit their proposals: they need not keep the model running.
+        idle_B = jnp.zeros_like(lookup_B) if context.active_B is None else ~context.active_B
+        return jax.lax.cond(jnp.all(lookup_B | idle_B), lookup_only, with_model, state)
 
     def commit(self, state, new_lengths_B, accepted=None):
         return self.model.commit(state, new_lengths_B)

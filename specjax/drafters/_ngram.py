@@ -48,33 +48,11 @@ class NGramDrafter:
         """(end_B, n_B): the index of the last token of the latest earlier occurrence of the
         longest matching suffix n-gram (n from max_ngram down to min_ngram), and that n; -1 and
         0 where nothing matches."""
-        B, Lmax = tokens_BL.shape
-        pos_L = jnp.arange(Lmax)
-        best_B = jnp.full((B,), -1, jnp.int32)
-        n_B = jnp.zeros((B,), jnp.int32)
-        for n in range(self.min_ngram, self.max_ngram + 1):  # longer n overrides shorter
-            ok_BL = (pos_L[None, :] >= n - 1) & (pos_L[None, :] < lengths_B[:, None] - 1)
-            for k in range(n):
-                suffix_B = jnp.take_along_axis(
-                    tokens_BL, jnp.clip(lengths_B - 1 - k, 0, Lmax - 1)[:, None], axis=1)
-                shifted_BL = jnp.roll(tokens_BL, k, axis=1)  # shifted[i] = tokens[i - k]
-                ok_BL &= shifted_BL == suffix_B
-            ok_BL &= (lengths_B >= n + 1)[:, None]
-            last_B = jnp.max(jnp.where(ok_BL, pos_L[None, :], -1), axis=1).astype(jnp.int32)
-            best_B = jnp.where(last_B >= 0, last_B, best_B)
-            n_B = jnp.where(last_B >= 0, n, n_B)
-        return best_B, n_B
-
-    def host_match_length(self, tokens) -> int:
-        """`longest_match`'s n for one committed sequence (a list of ids), on the host: the
-        longest n in [min_ngram, max_ngram] whose suffix n-gram ends earlier too; 0 if none."""
-        tokens, L = list(tokens), len(tokens)
-        best = 0
-        for n in range(self.min_ngram, min(self.max_ngram, L - 1) + 1):
-            suffix = tokens[L - n:]
-            if any(tokens[i - n + 1:i + 1] == suffix for i in range(n - 1, L - 1)):
-                best = n
-        return best
+        m_BL = self._match_lengths(tokens_BL, lengths_B)
+        n_B = jnp.max(m_BL, axis=1)
+        pos_L = jnp.arange(tokens_BL.shape[1])
+        end_B = jnp.max(jnp.where((m_BL == n_B[:, None]) & (n_B[:, None] > 0), pos_L[None, :], -1), axis=1)
+        return end_B.astype(jnp.int32), n_B.astype(jnp.int32)
 
     def match_end(self, tokens_BL, lengths_B):
         """The end index of `longest_match` (-1 where nothing matches)."""

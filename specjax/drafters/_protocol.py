@@ -9,9 +9,9 @@ the first input of the next forward. So every round feeds the target ``[last, d_
 
 Every ``propose`` gets one `DraftContext`, the same object for every kind of drafter: the
 committed tokens and lengths, the target's KV cache (holding the committed prefix minus the
-last token, read-only), and a slot for the target's hidden features of the committed
-positions (``None`` until a drafter needs them). A drafter reads what it needs from it; the
-engine never asks a drafter what kind it is.
+last token, read-only), a slot for the target's hidden features of the committed positions
+(``None`` until a drafter needs them), and which rows are still generating. A drafter reads
+what it needs from it; the engine never asks a drafter what kind it is.
 
 * ``init(params, prompt_BP, prompt_lengths_B, capacity) -> state``: prefill on the prompts.
   The state is batch-major: every array leaf has the batch on axis 0, except `KVCache`s (their
@@ -66,11 +66,14 @@ class DraftContext:
     features: the target's hidden features [B, capacity, F] of the committed positions (those
       ``< lengths_B - 1``), for feature-level draft heads (``None`` unless the drafter names
       ``feature_layers``).
+    active_B: [B] bool, the rows still generating (the others' proposals are never committed);
+      ``None``: all. A drafter may skip work that only finished rows would need.
     """
     tokens_BL: jax.Array
     lengths_B: jax.Array
     target_cache: PyTree
     features: PyTree = None
+    active_B: PyTree = None
 
 
 @runtime_checkable
