@@ -34,10 +34,10 @@ def get_config():
     c.hybrid_model = "head"
     c.min_match = 0
     c.gamma = 3                             # >= 0; adaptive_gamma overrides
-    # Gamma per round from acceptance and calibrated round times. Off by default: the hybrid's
-    # acceptance mixes two drafters, and the policy, which pools it, fell back to gamma 0 in
-    # over half of the rounds (1.21x against 1.39x at gamma 3, same run); a single drafter
-    # gains from it (prompt lookup alone: 1.28x adaptive, 1.26x at gamma 4).
+    # Gamma per round from acceptance and calibrated round times (for the hybrid: an estimate,
+    # a gamma and round times per draft source). Off by default: on the 13 held-out prompts it
+    # ran at 1.33x / 1.06x against 1.34x / 1.08x for the hybrid at gamma 3, and kept every
+    # category at >= 0.95x at T = 0 (experiments/bench_speed/results/2026-12-03-regimes-amd-epyc).
     c.adaptive_gamma = False
     c.adaptive_gammas = (0, 1, 2, 3, 4)
     # Adaptive gamma's round times per machine and setting (specjax.calibration): measured once,

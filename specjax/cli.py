@@ -27,10 +27,12 @@ import numpy as np
 from ml_collections import config_flags
 
 def stream_tokens(gen, batch, samp, on_tokens=None, prefill=None):
-    """Stream row 0 of one generation; returns (tokens, timing summary, GenerateOutput)."""
+    """Stream row 0 of one generation; returns (tokens, timing summary, GenerateOutput). Under
+    adaptive gamma every candidate's round compiles before the first token (its time counts in
+    the time to the first token, not in tokens/s)."""
     from specjax import decoding
     tokens, events = [], []
-    for ev in gen.stream(batch, samp, prefill=prefill):
+    for ev in gen.stream(batch, samp, prefill=prefill, precompile=True):
         events.append(ev)
         tokens.extend(ev.new_tokens[0])
         if on_tokens is not None:
@@ -43,22 +45,43 @@ def _describe(gamma) -> str:
     return gamma.describe() if hasattr(gamma, "describe") else str(gamma)
 
 
-def _why(config, stats, m, round_time_s) -> str:
+def _priced(gammas, round_time_s, alpha) -> str:
+    """Calibrated round times priced at acceptance ``alpha``: expected ms per committed token."""
+    from specjax import analysis
+    alpha = min(alpha, 1 - 1e-6)
+    expected = [analysis.expected_tokens_per_round(alpha, g) if isinstance(g, int) else float(g.expected_tokens(alpha))
+                for g in gammas]
+    per = [1e3 * t / e for t, e in zip(round_time_s, expected)]
+    return (", ".join(f"{_describe(g)}: {p:.1f}" for g, p in zip(gammas, per))
+            + f" (cheapest: {_describe(gammas[int(np.argmin(per))])})")
+
+
+def _why(config, stats, m, round_time_s, policy=None, regime_names=()) -> str:
     """Which proposal lengths (or trees) the run used, and, under adaptive gamma, why: the
-    calibrated round times priced at the acceptance the run measured (first proposals)."""
+    calibrated round times priced at the acceptance the run measured (first proposals), or,
+    for a drafter with several regimes (``regime_names``), each regime's round times priced at
+    the policy's final acceptance estimate for that regime."""
     used = ", ".join(f"{g} in {n} rounds" for g, n in stats["proposal_rounds"].items() if n)
     if not config.adaptive or round_time_s is None:
         return f"gamma {_describe(config.gamma)} ({used})"
-    from specjax import analysis
+    G = len(config.gammas)
+    if len(regime_names) > 1 and policy is not None and len(round_time_s) == len(regime_names) * G:
+        alpha_R = np.asarray(policy.alpha_R)
+        return (f"adaptive gamma used {used}; expected ms per token from the calibrated round times at the "
+                f"policy's final acceptance estimate of each draft source: " + "; ".join(
+                    f"{name} (estimate {alpha_R[r]:.2f}) " + _priced(config.gammas, round_time_s[r * G:(r + 1) * G], alpha_R[r])
+                    for r, name in enumerate(regime_names)))
     tested, accepted = int(m.tested_at_BG[0][0]), int(m.accepted_at_BG[0][0])
-    alpha = min(accepted / tested if tested else config.gamma.initial_alpha, 1 - 1e-6)
-    expected = [analysis.expected_tokens_per_round(alpha, g) if isinstance(g, int) else float(g.expected_tokens(alpha))
-                for g in config.gammas]
-    per = [1e3 * t / e for t, e in zip(round_time_s, expected)]
-    best = _describe(config.gammas[int(np.argmin(per))])
-    return (f"adaptive gamma used {used}; at the measured first-proposal acceptance {alpha:.2f} the calibrated "
-            f"expected ms per token are " + ", ".join(f"{_describe(g)}: {p:.1f}" for g, p in zip(config.gammas, per))
-            + f" (cheapest: {best})")
+    alpha = accepted / tested if tested else config.gamma.initial_alpha
+    return (f"adaptive gamma used {used}; at the measured first-proposal acceptance {min(alpha, 1 - 1e-6):.2f} the "
+            f"calibrated expected ms per token are " + _priced(config.gammas, round_time_s, alpha))
+
+
+def _regime_names(engine) -> tuple[str, ...]:
+    """Names of the drafter's draft sources that adaptive gamma tells apart (one: ``("",)``)."""
+    if engine.regimes == 1:
+        return ("",)
+    return tuple(getattr(engine.drafter, "regime_names", [str(r) for r in range(engine.regimes)]))
 
 
 def calibration_fields(c, batch, config) -> dict:
@@ -94,7 +117,8 @@ def _round_times(c, gen, batch, samp, pre) -> str:
     import jax
     multi = jax.process_count() > 1
     cached = None if c.get("recalibrate", False) or multi else cache.get(key)
-    if cached is not None and len(cached) == len(config.gammas):
+    regimes = gen.engine.regimes
+    if cached is not None and len(cached) == regimes * len(config.gammas):
         gen.round_time_s = cached               # what `calibrate` would have set
         source, head = "cached", f"round times (ms) per gamma from the calibration cache {cache.path}:"
     else:
@@ -102,8 +126,11 @@ def _round_times(c, gen, batch, samp, pre) -> str:
         if not multi:
             cache.put(key, fields, times)
         source, head = "measured", "calibrated round times (ms) per gamma"
-    print(f"[specjax] {head} " + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, gen.round_time_s)),
-          file=sys.stderr)
+    G, names = len(config.gammas), _regime_names(gen.engine)
+    print(f"[specjax] {head} " + "; ".join(
+        (f"{names[r]}: " if regimes > 1 else "")
+        + ", ".join(f"{g}: {1e3 * t:.1f}" for g, t in zip(config.gammas, gen.round_time_s[r * G:(r + 1) * G]))
+        for r in range(regimes)), file=sys.stderr)
     return source
 
 
@@ -164,7 +191,7 @@ def generate_main(c) -> dict:
         "mesh": dict(gen.engine.mesh.shape) if gen.engine.mesh is not None else None,
     }
     stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
-    why = _why(config, stats, m, gen.round_time_s)
+    why = _why(config, stats, m, gen.round_time_s, out.policy, _regime_names(gen.engine))
     if c.drafter == "hybrid":
         dr = gen.engine.drafter
         lookup = dr.lookup_rounds(list(prompt_ids) + tokens, len(prompt_ids), round_sizes)

@@ -552,7 +552,8 @@ def _assert_same_output(a, b):
 
 def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
     """Same keys, same tokens: the concatenated per-round tokens are `run`'s continuation, the
-    last event carries `run`'s output, and the only host copies are the rounds' `Commit`s."""
+    last event carries `run`'s output, and the only host copies are the rounds' `Commit`s (also
+    with every adaptive candidate precompiled on copies of the state)."""
     engine, params, samp, batch, rt = pair
     ref = engine.run(params, samp, batch, round_time_s=rt)
     if engine.config.adaptive:
@@ -567,7 +568,8 @@ def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
         return real_device_get(x)
 
     monkeypatch.setattr(jax, "device_get", spy)
-    events = list(engine.stream(params, samp, batch, round_time_s=rt))
+    # Under adaptive gamma every candidate's round compiles (and runs on a copy) before round 1.
+    events = list(engine.stream(params, samp, batch, round_time_s=rt, precompile=True))
     monkeypatch.undo()
     assert [e.round for e in events] == list(range(1, len(events) + 1))
     assert all(e.output is None for e in events[:-1]) and events[-1].output is not None

@@ -1263,3 +1263,89 @@ def test_hybrid_settings_are_checked():
         drafters.HybridDrafter(drafters.NGramDrafter(V + 1), head)
     with pytest.raises(ValueError, match="chains"):
         decoding.Engine(model, _hybrid(head), _gen(trees.TreeShape.from_branching((2, 1))))
+    with pytest.raises(ValueError, match="force"):
+        dataclasses.replace(_hybrid(head), force=2)
+
+
+def test_adaptive_policy_keeps_an_estimate_per_regime():
+    """`adaptive.update` folds each regime's tested acceptances into that regime's estimate only,
+    and remembers the choice of the round's regime only; `choose` prices a round with its own
+    regime's estimate and round times; the batch regime is the lowest among active rows."""
+    from specjax.decoding import adaptive
+    pol = decoding.AdaptiveGamma(gammas=(0, 1, 3), ema=0.5, hysteresis=0.0, initial_alpha=0.5)
+    st = adaptive.init_policy(pol, [[1.0, 5.0, 9.0], [1.0, 1.0, 1.0]])
+    # At the prior 0.5: gamma 0 is cheapest in regime 0 (a dear draft), gamma 3 in regime 1.
+    assert int(adaptive.choose(pol, st, 0)[0]) == 0 and int(adaptive.choose(pol, st, 1)[0]) == 2
+    new = adaptive.update(pol, st, jnp.int32(2), jnp.zeros((), bool), jnp.asarray([0.0, 2.7]),
+                          jnp.asarray([0, 3]), regime=1)
+    np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5, 0.5 * 0.5 + 0.5 * 0.9], rtol=1e-6)
+    assert np.asarray(new.index_R).tolist() == [2, 2] and np.asarray(new.since_probe_R).tolist() == [0, 0]
+    new = adaptive.update(pol, new, jnp.int32(0), jnp.zeros((), bool), jnp.asarray([0.4, 0.0]),
+                          jnp.asarray([2, 0]), regime=0)
+    np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5 * 0.5 + 0.5 * 0.2, 0.7], rtol=1e-6)
+    assert np.asarray(new.index_R).tolist() == [0, 2] and np.asarray(new.since_probe_R).tolist() == [1, 0]
+    regime = jax.jit(adaptive.batch_regime)
+    assert int(regime(jnp.asarray([1, 0, 1]), jnp.asarray([True, True, True]))) == 0
+    assert int(regime(jnp.asarray([1, 0, 1]), jnp.asarray([True, False, True]))) == 1
+    assert int(regime(jnp.asarray([1, 1]), jnp.asarray([False, False]))) == 0
+
+
+def test_hybrid_adaptive_gamma_per_draft_source():
+    """Adaptive gamma over the hybrid (two rows, greedy) with round times per draft source: the
+    model half's rounds priced so that drafting never pays (gamma 0 but for probes), the lookup
+    half's so that gamma 3 always does. Every round runs the gamma of its own regime (read before
+    the round from the committed tokens: lookup only when every active row drafts by lookup),
+    which one pooled estimate and one row of round times could not do; the tokens equal
+    target-only greedy. (`run` and `stream` share `_choose` with `step`; their rounds equal
+    `step`'s in tests/test_engine_edges.py.)"""
+    eng, ep, _ = _hybrid_setup()
+    prompts = HYBRID_PROMPTS[0::2]      # two rows that repeat themselves
+    policy = decoding.AdaptiveGamma(gammas=(0, 1, 3), probe_every=4)
+    eng = dataclasses.replace(eng, config=_gen(policy))
+    batch = decoding.make_batch([list(p) for p in prompts], eng.config, jax.random.key(2))
+    assert eng.regimes == 2
+    times = (1.0, 5.0, 9.0) + (1.0, 1.0, 1.0)           # (model: gamma 0, 1, 3), (lookup: gamma 0, 1, 3)
+    state = eng.init(ep, batch, round_time_s=times)
+    regime = jax.jit(eng._regime)
+    chosen = []                                  # (batch regime, gamma index) per round
+    for _ in range(MAX_NEW):
+        r = int(regime(state)[0])
+        before = np.asarray(state.metrics.gamma_rounds_K)
+        state, _ = eng.step(ep, GREEDY, state)
+        chosen.append((r, int(np.argmax(np.asarray(state.metrics.gamma_rounds_K) - before))))
+        if np.asarray(state.done_B).all():
+            break
+    assert decoding.GenerateOutput.from_state(state).generated() == _target_only(prompts)[0]
+    lookup = [g for r, g in chosen if r == drafters.HybridDrafter.LOOKUP]
+    model = [g for r, g in chosen if r == drafters.HybridDrafter.MODEL]
+    print("\n(regime, gamma index) per round:", chosen)
+    assert lookup and model, chosen
+    assert set(lookup) == {2}, chosen                     # gamma 3 in every lookup round
+    assert set(model) <= {0, 1} and model.count(0) > model.count(1), chosen   # gamma 0, probes at gamma 1
+    with pytest.raises(ValueError, match="per \\(regime, gamma\\)"):
+        eng.init(ep, batch, round_time_s=(1.0,) * 5)
+
+
+def test_round_times_time_each_draft_source_on_its_own(monkeypatch):
+    """`Engine.round_times` of a drafter with two sources: each source timed by an engine whose
+    drafter is held to it (`for_regime`), with the caller's prefill handed over (its drafter
+    relabelled: same state), regime-major; a held drafter drafts every row from its source."""
+    eng, ep, batch = _hybrid_setup()
+    eng = dataclasses.replace(eng, config=_gen(decoding.AdaptiveGamma(gammas=(0, 3))))
+    calls = []
+
+    def fake(self, params, sampling_cfg, b, repeats, prefill):
+        calls.append((self.drafter, prefill))
+        return [float(len(calls)), 10.0 * len(calls)]
+
+    monkeypatch.setattr(decoding.Engine, "_time_rounds", fake)
+    pre = eng.prefill(ep, batch)
+    assert eng.round_times(ep, GREEDY, batch, prefill=pre) == [1.0, 10.0, 2.0, 20.0]
+    H = drafters.HybridDrafter
+    assert [d for d, _ in calls] == [eng.drafter.for_regime(H.MODEL), eng.drafter.for_regime(H.LOOKUP)]
+    assert all(p.drafter == d and p.draft_state is pre.draft_state for d, p in calls)
+    state = eng.init(ep, batch)
+    ctx = drafters.DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=None)
+    assert np.asarray(eng.drafter.regime_B(ctx)).tolist() == [H.LOOKUP, H.MODEL, H.LOOKUP, H.MODEL]
+    for r in (H.MODEL, H.LOOKUP):
+        assert (np.asarray(eng.drafter.for_regime(r).regime_B(ctx)) == r).all()

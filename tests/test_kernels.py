@@ -46,7 +46,7 @@ Compile budget (the file runs in about a minute on 2 cores): the kernel tests sh
 `matmul` (one small program per shape); the layout tests compile one program per layout
 (prefill, decode and block traced together), and each asserts whether that program calls the
 kernel; the tiny greedy tests share one set of references; the real model is loaded once for
-the module, its references are one batch of 7 and its prompts pad to one width.
+the module, its references are one batch of 4 and its prompts pad to one width.
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ def test_tiny_packed_greedy_speculative_equals_target_only(tiny_packed, kind):
 # ------------------------------------------------------------- the real target (SmolLM2-135M)
 
 REAL_NEW = 32
-REAL_PROMPTS = 7
+REAL_PROMPTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -403,14 +403,14 @@ def test_real_packed_logits_match_fused(real):
 
 @pytest.fixture(scope="module")
 def real_refs(real):
-    """The 7 shortest held-out prompts and their target-only greedy continuations in the packed
+    """The 4 shortest held-out prompts and their target-only greedy continuations in the packed
     layout, shared by the drafters' checks below."""
     _, _, packed, pp = real
     tok = models.load_tokenizer(TARGET_NAME)
     prompts = sorted((decoding.encode_prompt(tok, q.prompt) for q in specbench.load(split="held_out")),
                      key=len)[:REAL_PROMPTS]
-    # All 7 prompts pad to one width (64): one compiled program each for the references (one
-    # batch of 7: the kernel streams the weights once for up to 8 rows) and the speculative run.
+    # All 4 prompts pad to one width (64): one compiled program each for the references (one
+    # batch of 4: the kernel streams the weights once for up to 8 rows) and the speculative run.
     assert max(len(p) for p in prompts) <= 64
     return prompts, reference_greedy(packed, pp, prompts, REAL_NEW, batch_size=REAL_PROMPTS, pad_multiple=64)
 

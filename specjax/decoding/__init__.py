@@ -1,6 +1,7 @@
 """Decoding: the engine (target-only and speculative decoding, one round, jitted end to end)
 and the one request path from prompts to completions."""
 
+from specjax.decoding import _adaptive as adaptive
 from specjax.decoding._adaptive import AdaptiveGamma
 from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
                                       Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
@@ -10,7 +11,7 @@ from specjax.decoding._request import (Completion, Generator, encode_prompt, mak
                                        timing_summary)
 
 __all__ = [
-    "AdaptiveGamma", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
+    "AdaptiveGamma", "adaptive", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
     "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
     "Prefill", "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
     "Completion", "Generator", "encode_prompt", "make_batch", "request_keys", "timing_summary",

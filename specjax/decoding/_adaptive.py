@@ -19,6 +19,18 @@ Static token trees (`specjax.trees.TreeShape`) may be candidates beside the draf
 tree's expected committed tokens under the same estimate are `TreeShape.expected_tokens`
 (every tried child accepted with probability a independently; for a chain it is the formula
 above), and a is measured on the first child tried at each depth.
+
+Draft sources (regimes): a drafter that picks between sources per round from the committed
+tokens (`specjax.drafters.HybridDrafter`: prompt lookup where the text repeats, a model
+elsewhere) names ``regimes`` R > 1 and says, per row, which source drafts this round
+(``regime_B(context)``, read before the round from committed tokens only). The sources differ
+in acceptance (lookup drafts are all-or-nothing copies) and in cost (lookup runs no model), so
+the policy keeps one estimate, one current choice, one probe counter and one row of round times
+per regime, and each round is priced in its batch regime: the lowest-numbered regime among the
+active rows (regime 0 is the source that runs whenever any row needs it). Each regime's
+estimate is updated from the tested positions of the rows that drafted from it. With R = 1
+this is the single-estimate policy above. The choice still reads only what earlier rounds
+committed, so every round is an exact round of a fixed gamma.
 """
 
 from __future__ import annotations
@@ -54,16 +66,22 @@ class AdaptiveGamma:
 
 @struct.dataclass
 class PolicyState:
-    alpha: jnp.ndarray             # float32 scalar: acceptance estimate
-    index: jnp.ndarray             # int32 scalar: the current gamma's index in `gammas`
-    since_probe: jnp.ndarray       # int32 scalar: rounds spent at gamma = 0 since last probe
-    round_time_G: jnp.ndarray      # float32 [len(gammas)]: seconds (or relative cost) of a round
+    """Per regime r (R = 1 unless the drafter has several sources, see the module doc)."""
+    alpha_R: jnp.ndarray           # float32 [R]: acceptance estimate
+    index_R: jnp.ndarray           # int32 [R]: the current gamma's index in `gammas`
+    since_probe_R: jnp.ndarray     # int32 [R]: rounds spent at gamma = 0 since last probe
+    round_time_RG: jnp.ndarray     # float32 [R, len(gammas)]: seconds (or relative cost) of a round
 
 
-def init_policy(policy: AdaptiveGamma, round_time_G) -> PolicyState:
-    """Start at the largest gamma with the prior acceptance estimate."""
-    return PolicyState(alpha=jnp.float32(policy.initial_alpha), index=jnp.int32(len(policy.gammas) - 1),
-                       since_probe=jnp.int32(0), round_time_G=jnp.asarray(round_time_G, jnp.float32))
+def init_policy(policy: AdaptiveGamma, round_time_RG) -> PolicyState:
+    """Start at the largest gamma with the prior acceptance estimate, in every regime."""
+    rt = jnp.asarray(round_time_RG, jnp.float32)
+    if rt.ndim != 2 or rt.shape[1] != len(policy.gammas):
+        raise ValueError(f"round times must be [regimes, {len(policy.gammas)}], got shape {rt.shape}")
+    R = rt.shape[0]
+    return PolicyState(alpha_R=jnp.full((R,), policy.initial_alpha, jnp.float32),
+                       index_R=jnp.full((R,), len(policy.gammas) - 1, jnp.int32),
+                       since_probe_R=jnp.zeros((R,), jnp.int32), round_time_RG=rt)
 
 
 def expected_tokens(alpha, gamma_G):
@@ -84,28 +102,41 @@ def _is_zero(g) -> bool:
     return isinstance(g, int) and g == 0
 
 
-def choose(policy: AdaptiveGamma, state: PolicyState):
-    """(index of the gamma to run this round, whether it is a probe out of gamma = 0)."""
-    per_token_G = state.round_time_G / expected_per_candidate(state.alpha, policy.gammas)
+def batch_regime(regime_B, active_B):
+    """The round's regime: the lowest among the active rows (0 when none is active)."""
+    R_big = jnp.iinfo(jnp.int32).max
+    low = jnp.min(jnp.where(active_B, regime_B, R_big))
+    return jnp.where(low == R_big, 0, low).astype(jnp.int32)
+
+
+def choose(policy: AdaptiveGamma, state: PolicyState, regime=0):
+    """(index of the gamma to run this round, whether it is a probe out of gamma = 0), for a
+    round in ``regime`` (traced int32 scalar)."""
+    alpha, current = state.alpha_R[regime], state.index_R[regime]
+    per_token_G = state.round_time_RG[regime] / expected_per_candidate(alpha, policy.gammas)
     best = jnp.argmin(per_token_G).astype(jnp.int32)
-    keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[state.index]
-    chosen = jnp.where(keep, state.index, best)
+    keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[current]
+    chosen = jnp.where(keep, current, best)
     positive = [i for i, g in enumerate(policy.gammas) if not _is_zero(g)]
     probe = jnp.zeros((), bool)
     if _is_zero(policy.gammas[0]) and positive:
-        probe = (chosen == 0) & (state.since_probe >= policy.probe_every)
+        probe = (chosen == 0) & (state.since_probe_R[regime] >= policy.probe_every)
         chosen = jnp.where(probe, jnp.int32(positive[0]), chosen)
     return chosen, probe
 
 
-def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_mean_accept, any_tested):
-    """Fold this round's mean tested acceptance into the estimate and remember the choice.
+def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_sum_R, tested_n_R, regime=0):
+    """Fold this round's tested acceptance into each regime's estimate (``tested_sum_R``: the
+    sum of min(1, p/q) over the positions tested in rows of that regime, ``tested_n_R`` their
+    count) and remember the choice of the round's ``regime``.
 
     A probe round does not become the current gamma unless the policy would choose it anyway.
     """
-    alpha = jnp.where(any_tested, policy.ema * state.alpha + (1 - policy.ema) * tested_mean_accept,
-                      state.alpha)
+    tested_R = tested_n_R > 0
+    mean_R = tested_sum_R / jnp.maximum(tested_n_R, 1)
+    alpha_R = jnp.where(tested_R, policy.ema * state.alpha_R + (1 - policy.ema) * mean_R, state.alpha_R)
     at_zero = (chosen == 0) & _is_zero(policy.gammas[0])
-    since = jnp.where(at_zero, state.since_probe + 1, 0)
-    index = jnp.where(probe, state.index, chosen)
-    return state.replace(alpha=alpha, index=index.astype(jnp.int32), since_probe=since.astype(jnp.int32))
+    since = jnp.where(at_zero, state.since_probe_R[regime] + 1, 0)
+    index = jnp.where(probe, state.index_R[regime], chosen)
+    return state.replace(alpha_R=alpha_R, index_R=state.index_R.at[regime].set(index.astype(jnp.int32)),
+                         since_probe_R=state.since_probe_R.at[regime].set(since.astype(jnp.int32)))

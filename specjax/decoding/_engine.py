@@ -279,11 +279,12 @@ class GenerateOutput:
     prompt_lengths_B: jax.Array
     status_B: jax.Array
     metrics: Metrics
+    policy: Any = None            # adaptive gamma's final PolicyState (its estimates), or None
 
     @classmethod
     def from_state(cls, state: LoopState) -> "GenerateOutput":
         return cls(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, prompt_lengths_B=state.prompt_lengths_B,
-                   status_B=state.status_B, metrics=state.metrics)
+                   status_B=state.status_B, metrics=state.metrics, policy=state.policy)
 
     def generated(self) -> list[list[int]]:
         toks, lens, plens = (np.asarray(x) for x in (self.tokens_BL, self.lengths_B, self.prompt_lengths_B))
@@ -435,6 +436,24 @@ class Engine:
             return ()
         return tuple(getattr(self.drafter, "feature_layers", ()) or ())
 
+    @property
+    def regimes(self) -> int:
+        """The drafter's draft sources that adaptive gamma tells apart (`_adaptive` module doc): 1
+        unless the drafter names ``regimes`` (and says per row which one drafts, ``regime_B``)."""
+        if self.drafter is None or self.config.max_gamma == 0:
+            return 1
+        return int(getattr(self.drafter, "regimes", 1))
+
+    def _regime(self, state: LoopState):
+        """(the next round's batch regime, each row's regime [B]), from the committed tokens."""
+        B = state.lengths_B.shape[0]
+        if self.regimes == 1:
+            return jnp.int32(0), jnp.zeros((B,), jnp.int32)
+        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=state.target_cache,
+                               features=state.features_BLF, active_B=~state.done_B)
+        regime_B = self.drafter.regime_B(context).astype(jnp.int32)
+        return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
+
     def _target_forward(self, params, block_BT, cache, tree=None):
         """(logits, features or None, cache) of one target pass over a block."""
         if not self.feature_layers:
@@ -525,8 +544,8 @@ class Engine:
         return n_commit_B, status_B, done_B, active_B & ~nan_B
 
     def _bookkeep(self, state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B):
-        """Per-row counters of this round, and the mean tested acceptance min(1, p/q) that
-        feeds adaptive gamma: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al.
+        """Per-row counters of this round, and per row the sum and count of the tested
+        acceptances min(1, p/q) that feed adaptive gamma: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al.
         2023, Def. 3.1), from the sampled draft tokens; independent of which verifier ran."""
         m = state.metrics
         active_B = ~state.done_B
@@ -550,19 +569,19 @@ class Engine:
             invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
             scored_B=m.scored_B + active_B.astype(jnp.int32) * (gamma + 1),
         )
-        n_tested = jnp.sum(tested_at_BG)
         px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
         qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
         ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
-        tested_mean = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0)) / jnp.maximum(n_tested, 1)
-        return metrics, tested_mean, n_tested > 0
+        tested_sum_B = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0), axis=1)
+        return metrics, tested_sum_B, jnp.sum(tested_at_BG, axis=1).astype(jnp.int32)
 
     def _onehot(self, proposal):
         """Counts one round of this candidate (`Metrics.gamma_rounds_K`)."""
         return (jnp.arange(len(self.config.gammas)) == self.config.gammas.index(proposal)).astype(jnp.int32)
 
     def _round(self, params: EngineParams, sampling, gamma, state: LoopState):
-        """One draft-verify round with a static gamma or tree -> (state, Commit, tested_mean, any_tested)."""
+        """One draft-verify round with a static gamma or tree -> (state, Commit, tested_sum_B,
+        tested_n_B): per row, the sum and count of the tested acceptances (see `_bookkeep`)."""
         if not isinstance(gamma, int):
             return self._tree_round(params, sampling, gamma, state)
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
@@ -577,7 +596,7 @@ class Engine:
         p_BG1V, q_BGV, bad_p_BG1, bad_q_B = self._sanitize(logits_BG1V, p_BG1V, draft_BG, q_BGV)
         res = self._verify(sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B)
         n_commit_B, status_B, done_B, live_B = self._truncate(state, res.n_accepted_B, res.committed_BG1, bad_p_BG1)
-        metrics, tested_mean, any_tested = self._bookkeep(
+        metrics, tested_sum_B, tested_n_B = self._bookkeep(
             state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B)
 
         K = self.config.max_gamma + 1
@@ -596,7 +615,7 @@ class Engine:
                           else _write_block(state.features_BLF, f_BG1F, L_B - 1)))
         commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
-        return new_state, commit, tested_mean, any_tested
+        return new_state, commit, tested_sum_B, tested_n_B
 
     # ------------------------------------------------------------------ tree rounds
 
@@ -683,8 +702,8 @@ class Engine:
             invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
             scored_B=m.scored_B + active_B.astype(jnp.int32) * (N + 1),
         )
-        n_tested = jnp.sum(tested_BD)
-        tested_mean = jnp.sum(jnp.where(tested_BD, res.tested_accept_BD, 0.0)) / jnp.maximum(n_tested, 1)
+        tested_sum_B = jnp.sum(jnp.where(tested_BD, res.tested_accept_BD, 0.0), axis=1)
+        tested_n_B = jnp.sum(tested_BD, axis=1).astype(jnp.int32)
 
         K = G + 1
         committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - (D + 1))), constant_values=PAD_ID)
@@ -700,23 +719,33 @@ class Engine:
             key_B=next_key_B, metrics=metrics, round=state.round + 1, features_BLF=features_BLF)
         commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
-        return new_state, commit, tested_mean, n_tested > 0
+        return new_state, commit, tested_sum_B, tested_n_B
 
     def _step(self, params, sampling, state):
         """One round, with gamma fixed or chosen by the adaptive policy."""
         if not self.config.adaptive:
             state, commit, _, _ = self._round(params, sampling, self.config.gamma, state)
             return self._constrain(state), commit
-        chosen, probe = _adaptive.choose(self.config.gamma, state.policy)
-        branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe)
+        chosen, probe, regime, regime_B = self._choose(state)
+        branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe, regime, regime_B)
                     for g in self.config.gamma.gammas]
         return jax.lax.switch(chosen, branches, state)
 
-    def _policy_round(self, params, sampling, gamma, chosen, probe, state):
+    def _choose(self, state):
+        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
+        regime, regime_B = self._regime(state)
+        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime)
+        return chosen, probe, regime, regime_B
+
+    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
         """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
-        ``probe`` as `_adaptive.choose` gave it), with the round's acceptance folded into the policy."""
-        state, commit, tested_mean, any_tested = self._round(params, sampling, gamma, state)
-        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, tested_mean, any_tested)
+        ``probe``, ``regime`` and ``regime_B`` as `_choose` gave them), with the round's
+        acceptance folded into each regime's estimate (its rows' tested positions)."""
+        state, commit, tested_sum_B, tested_n_B = self._round(params, sampling, gamma, state)
+        in_BR = regime_B[:, None] == jnp.arange(self.regimes)[None]
+        sum_R = jnp.sum(jnp.where(in_BR, tested_sum_B[:, None], 0.0), axis=0)
+        n_R = jnp.sum(jnp.where(in_BR, tested_n_B[:, None], 0), axis=0)
+        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, sum_R, n_R, regime)
         return self._constrain(state.replace(policy=policy)), commit
 
     def _chosen_round(self, params, sampling, index, state):
@@ -725,13 +754,13 @@ class Engine:
         alone, compiled without the `lax.switch` over every candidate (whose copies of the
         caches cost 2-7% per round, see `_run`); the commit carries the next round's choice.
         Same keys, same policy update, same state as `_step`."""
-        policy = self.config.gamma
-        chosen, probe = _adaptive.choose(policy, state.policy)       # == index
-        state, commit = self._policy_round(params, sampling, policy.gammas[index], chosen, probe, state)
-        return state, commit.replace(next_index=_adaptive.choose(policy, state.policy)[0])
+        chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
+        state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
+                                           regime, regime_B, state)
+        return state, commit.replace(next_index=self._choose(state)[0])
 
     def _first_choice(self, state):
-        return _adaptive.choose(self.config.gamma, state.policy)[0]
+        return self._choose(state)[0]
 
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
         """(target cache, drafter state or None) after the prompts: every prompt token but the
@@ -843,18 +872,20 @@ class Engine:
         # results/2026-12-02-head-intel-xeon/NOTES.md), and most rounds of a draft that does
         # not pay are at gamma 0.
         def zero_cond(s):
-            return cond(s) & (_adaptive.choose(policy, s.policy)[0] == 0)
+            return cond(s) & (self._choose(s)[0] == 0)
 
         def zero_round(s):
-            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), s)[0]
+            regime, regime_B = self._regime(s)
+            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, s)[0]
 
         def body(s):
             s = jax.lax.while_loop(zero_cond, zero_round, s)
             # Then one round at the gamma the policy chooses now (not 0: a probe or a better
             # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
-            chosen, probe = _adaptive.choose(policy, s.policy)
+            chosen, probe, regime, regime_B = self._choose(s)
             branches = [lambda s: s] + [
-                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, s)[0] for g in policy.gammas]
+                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, s)[0]
+                for g in policy.gammas]
             return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
 
         state = jax.lax.while_loop(cond, body, state)
@@ -895,14 +926,22 @@ class Engine:
     _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_refill)
 
     def _round_time_K(self, round_time_s):
+        """[regimes, gammas] round times for the policy: ``round_time_s`` holds one entry per gamma
+        (every regime alike) or, for a drafter with several regimes, one per (regime, gamma),
+        regime-major, as `round_times` measures them."""
+        G, R = len(self.config.gammas), self.regimes
         if round_time_s is None:
             # Uncalibrated default: a round costs (1 + 0.1 gamma) target tokens (cheap draft).
-            return jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
-                               jnp.float32)
+            rt = jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
+                             jnp.float32)
+            return jnp.broadcast_to(rt, (R, G))
         rt = jnp.asarray(round_time_s, jnp.float32)
-        if rt.shape != (len(self.config.gammas),):
-            raise ValueError(f"round_time_s needs one entry per gamma {self.config.gammas}, got shape {rt.shape}")
-        return rt
+        if rt.shape == (G,):
+            return jnp.broadcast_to(rt, (R, G))
+        if rt.shape != (R * G,):
+            raise ValueError(f"round_time_s needs one entry per gamma {self.config.gammas}"
+                             + (f" or per (regime, gamma), {R} x {G}" if R > 1 else "") + f", got shape {rt.shape}")
+        return rt.reshape(R, G)
 
     def _check(self, batch: Batch):
         """Host-side checks of a batch against this engine before anything runs: XLA clamps
@@ -998,17 +1037,23 @@ class Engine:
                              pre=self._pre(batch, prefill))
 
     def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
-               prefill: Prefill | None = None) -> Iterator[StreamEvent]:
+               prefill: Prefill | None = None, precompile: bool = False) -> Iterator[StreamEvent]:
         """Yields each round's committed tokens per row with host timestamps; only the round's
         `Commit` is copied to the host. The last event carries the `GenerateOutput`. Times
         count from the call (prefill included, unless ``prefill`` was made beforehand).
 
         Under adaptive gamma the policy's choice comes back with each commit and the host
         dispatches the chosen round, compiled on its own (`_chosen_round`): the same rounds
-        as `step` and `run`, without `step`'s switch over every candidate."""
+        as `step` and `run`, without `step`'s switch over every candidate. Each candidate's
+        round compiles when first chosen, in the middle of the stream; ``precompile`` compiles
+        them all before the first round instead (each runs once on a copy of the initial
+        state), so compilation lands in the time to the first token, not between tokens."""
         t0 = time.perf_counter()
         state = self.init(params, batch, round_time_s, prefill=prefill)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
+        if self.config.adaptive and precompile:
+            for i in range(len(self.config.gammas)):
+                jax.block_until_ready(self._chosen_round_jit(params, sampling, i, jax.tree.map(jnp.copy, state)))
         index = int(jax.device_get(self._first_choice_jit(state))) if self.config.adaptive else None
         for r in range(1, max_rounds + 1):
             if index is None:
@@ -1064,13 +1109,26 @@ class Engine:
 
     def round_times(self, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
                     prefill: Prefill | None = None) -> list[float]:
-        """Median wall time of one round for each gamma in `config.gammas`, on this batch.
+        """Median wall time of one round for each gamma in `config.gammas`, on this batch; for a
+        drafter with several regimes (`regimes`), for each (regime, gamma), regime-major, each
+        regime timed with the drafter held to it (``drafter.for_regime(r)``).
 
         Feeds adaptive gamma (``round_time_s=``); run once per model pair and machine. Each
         gamma is compiled and warmed up first. Rounds run as in the loop: the state is donated
         (caches updated in place) and each round continues from the previous one's state, so a
         timed round does exactly the work of a round of `run` (rows that finish keep running
         masked, at the same cost; the capacity check of `init` covers every round's writes)."""
+        if self.regimes > 1:
+            out = []
+            for r in range(self.regimes):
+                held = self.drafter.for_regime(r)      # same state and weights as the drafter's
+                pre = (prefill if prefill is None or prefill.drafter != self.drafter
+                       else dataclasses.replace(prefill, drafter=held))
+                out += dataclasses.replace(self, drafter=held)._time_rounds(params, sampling, batch, repeats, pre)
+            return out
+        return self._time_rounds(params, sampling, batch, repeats, prefill)
+
+    def _time_rounds(self, params, sampling, batch, repeats, prefill):
         state = self.init(params, batch, prefill=prefill)
         out = []
         for g in self.config.gammas:

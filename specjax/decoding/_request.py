@@ -154,8 +154,9 @@ class Generator:
         return self.engine.run(self.params, sampling, batch, self.round_time_s, prefill=prefill)
 
     def stream(self, batch: Batch, sampling: sampling_lib.SamplingConfig,
-               prefill: Prefill | None = None) -> Iterator[StreamEvent]:
-        return self.engine.stream(self.params, sampling, batch, self.round_time_s, prefill=prefill)
+               prefill: Prefill | None = None, precompile: bool = False) -> Iterator[StreamEvent]:
+        return self.engine.stream(self.params, sampling, batch, self.round_time_s, prefill=prefill,
+                                  precompile=precompile)
 
     def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3,
                   prefill: Prefill | None = None) -> tuple[float, ...]:

@@ -24,8 +24,11 @@ False) do not keep the model running: their proposals are never committed, so in
 branch they get the lookup continuation whatever the rule says. ``forward_passes`` reports the
 model's count for every round, an upper bound.
 
-Adaptive gamma pools the acceptance of the two halves, which differ by round; on SmolLM2 the
-hybrid ran best at a fixed gamma (`configs/generate.py`).
+Adaptive gamma tells the two halves apart (`specjax.decoding` adaptive module doc: regimes):
+``regime_B`` says which half drafts each row's next round (``MODEL`` = 0, ``LOOKUP`` = 1; a round
+with any active row on the model is a model round), and the policy keeps an acceptance estimate,
+a current gamma and calibrated round times per half (`for_regime` holds the drafter to one half
+while `Engine.round_times` times it).
 """
 
 from __future__ import annotations
@@ -49,8 +52,16 @@ class HybridDrafter:
     retrieval: NGramDrafter
     model: Any
     min_match: int = 3
+    force: int | None = None       # None: the rule; MODEL or LOOKUP: every row drafts so (calibration)
+
+    MODEL = 0
+    LOOKUP = 1
+    regimes = 2
+    regime_names = ("model", "lookup")
 
     def __post_init__(self):
+        if self.force not in (None, self.MODEL, self.LOOKUP):
+            raise ValueError(f"force must be None, {self.MODEL} (model) or {self.LOOKUP} (lookup), got {self.force!r}")
         if not self.retrieval.min_ngram <= self.min_match <= self.retrieval.max_ngram:
             raise ValueError(f"min_match={self.min_match} must lie in [min_ngram, max_ngram] = "
                              f"[{self.retrieval.min_ngram}, {self.retrieval.max_ngram}] of the n-gram drafter")
@@ -73,8 +84,23 @@ class HybridDrafter:
 
     def uses_lookup(self, context: DraftContext):
         """[B] bool: the rows whose round drafts by prompt lookup (the rule of the module doc)."""
-        _, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
-        return n_B >= self.min_match
+        return self._match(context)[1]
+
+    def _match(self, context: DraftContext):
+        """(end of the longest suffix match [B], whether the row drafts by lookup [B])."""
+        end_B, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
+        if self.force is not None:
+            return end_B, jnp.full(n_B.shape, self.force == self.LOOKUP)
+        return end_B, n_B >= self.min_match
+
+    def regime_B(self, context: DraftContext):
+        """[B] int32: the half that drafts each row's next round (``LOOKUP`` or ``MODEL``)."""
+        return jnp.where(self.uses_lookup(context), self.LOOKUP, self.MODEL).astype(jnp.int32)
+
+    def for_regime(self, regime: int) -> "HybridDrafter":
+        """This drafter with every row drafting from one half (``MODEL`` or ``LOOKUP``): what
+        `Engine.round_times` times for each regime."""
+        return dataclasses.replace(self, force=regime)
 
     def lookup_rounds(self, tokens, prompt_length: int, round_sizes) -> list[bool]:
         """The rule replayed after a generation for one row (`uses_lookup` itself, one call over
@@ -89,8 +115,7 @@ class HybridDrafter:
         return self.model.forward_passes(gamma)        # an upper bound: lookup rounds run no model
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        end_B, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
-        lookup_B = n_B >= self.min_match
+        end_B, lookup_B = self._match(context)
         look_BG = self.retrieval.continuation(context.tokens_BL, context.lengths_B, end_B, gamma)
 
         def one_hot(tok_BG):

@@ -34,6 +34,13 @@ engine then runs the target with ``apply_with_features``, keeps the features of 
 positions and passes them as ``context.features`` [B, capacity, F] (positions
 ``< lengths_B - 1`` valid), and calls ``init(..., features_BPF=)`` with the prompt's features.
 
+Draft sources (optional): a drafter that picks per round between sources that differ in
+acceptance and cost (`HybridDrafter`: prompt lookup or a model) names ``regimes`` (their count),
+``regime_B(context) -> [B] int32`` (the source of each row's next round, from committed tokens
+only; regime 0 is the one that runs whenever any row needs it) and ``for_regime(r)`` (the same
+drafter held to source r, for timing). Adaptive gamma then keeps its estimate, current gamma and
+round times per source (`specjax.decoding` adaptive module doc).
+
 Token trees (`specjax.trees`): ``propose_tree(params, state, context, key_B, tree, sampling,
 children) -> (DraftTree, q_BN1V, state)`` drafts a whole tree for a static ``tree`` setting
 (`TreeShape` or `DynamicTree`); ``children`` is how each node's children are drawn
