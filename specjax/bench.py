@@ -105,7 +105,7 @@ def _run_one(gen, batch, samp) -> tuple[list[int], dict]:
 
     from specjax import decoding
     events, tokens = [], []
-    for ev in gen.stream(batch, samp):
+    for ev in gen.stream(batch, samp, precompile=True):      # adaptive candidates compile before round 1
         events.append(ev)
         tokens.extend(ev.new_tokens[0])
     m = jax.device_get(events[-1].output.metrics)

@@ -120,7 +120,8 @@ class CalibrationCache:
         return {}
 
     def get(self, key: str) -> tuple[float, ...] | None:
-        """The per-gamma median of the runs stored under `key`, or None."""
+        """The per-entry median of the runs stored under `key` (one entry per gamma, or per draft
+        source and gamma), or None."""
         entry = self._load().get(key)
         return None if entry is None else tuple(float(t) for t in np.median(np.asarray(entry["runs"]), axis=0))
 

@@ -1296,8 +1296,9 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     half's so that gamma 3 always does. Every round runs the gamma of its own regime (read before
     the round from the committed tokens: lookup only when every active row drafts by lookup),
     which one pooled estimate and one row of round times could not do; the tokens equal
-    target-only greedy. (`run` and `stream` share `_choose` with `step`; their rounds equal
-    `step`'s in tests/test_engine_edges.py.)"""
+    target-only greedy. `stream` with every candidate precompiled (the main command's path:
+    host dispatch of the chosen round) makes the same rounds and compiles nothing after its
+    first round."""
     eng, ep, _ = _hybrid_setup()
     prompts = HYBRID_PROMPTS[0::2]      # two rows that repeat themselves
     policy = decoding.AdaptiveGamma(gammas=(0, 1, 3), probe_every=4)
@@ -1322,6 +1323,15 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     assert lookup and model, chosen
     assert set(lookup) == {2}, chosen                     # gamma 3 in every lookup round
     assert set(model) <= {0, 1} and model.count(0) > model.count(1), chosen   # gamma 0, probes at gamma 1
+    stream = eng.stream(ep, GREEDY, batch, round_time_s=times, precompile=True)
+    events = [next(stream)]
+    compiled = decoding.Engine._chosen_round_jit._cache_size()
+    events += list(stream)
+    assert decoding.Engine._chosen_round_jit._cache_size() == compiled, "a round compiled mid-stream"
+    last = events[-1].output
+    assert [sum((e.new_tokens[b] for e in events), []) for b in range(len(prompts))] == _target_only(prompts)[0]
+    np.testing.assert_array_equal(np.asarray(last.metrics.gamma_rounds_K), np.asarray(state.metrics.gamma_rounds_K))
+    np.testing.assert_allclose(np.asarray(last.policy.alpha_R), np.asarray(state.policy.alpha_R), rtol=1e-6)
     with pytest.raises(ValueError, match="per \\(regime, gamma\\)"):
         eng.init(ep, batch, round_time_s=(1.0,) * 5)
 

@@ -444,7 +444,8 @@ def test_real_packed_greedy_with_the_shipped_head_matches_target_only(real, real
     shipped EAGLE head with input norms has held-out greedy agreement 0.38 at the first step and
     0.28, 0.26 at the next two (experiments/heads/results/TRAINING.md); at least 5% of gamma-3
     proposals accepted is asserted (the EAGLE-3 head shipped before, at 0.27, 0.19, 0.16, had
-    8.8% accepted here, and 2.7% when fed its features reversed in time)."""
+    8.8% accepted on the 7 prompts this test used then, and 2.7% when fed its features reversed in
+    time)."""
     _, _, packed, pp = real
     drafter, dparams = build.make_drafter("head", packed, pp, target_name=TARGET_NAME)
     assert drafter.model.config.packed

@@ -7,8 +7,9 @@ unchanged across branches.
 
 Decision rule (Leviathan et al. 2023, §3.3, with measured instead of modelled costs): with an
 acceptance estimate a, the expected committed tokens of a gamma-round are
-(1 - a^(gamma+1)) / (1 - a), and its time is round_time_s[gamma], calibrated on the host
-once per model pair and carried in the policy state. The policy picks the gamma with the least predicted time per token.
+(1 - a^(gamma+1)) / (1 - a), and its time is the calibrated round time of that gamma (per
+draft source, see below), measured on the host once per model pair and carried in the policy
+state. The policy picks the gamma with the least predicted time per token.
 Hysteresis: it moves away from the current gamma only when the best one is predicted at
 least `hysteresis` (relative) cheaper. The estimate a is an exponential moving average of the
 mean acceptance probability min(1, p/q) at the draft positions actually tested this round,

@@ -808,12 +808,19 @@ class Engine:
                          policy=policy, round=jnp.int32(0), features_BLF=features_BLF))
 
     def _constrain(self, state):
-        """The loop state pinned to the mesh (identity without one)."""
+        """The loop state pinned to the mesh (identity without one). The batch-wide entries (the
+        adaptive policy, the per-candidate round counts) are replicated: `row_shardings` would
+        put any array whose first dimension equals the batch size on "data"."""
         if self.mesh is None:
             return state
+        from jax.sharding import NamedSharding, PartitionSpec
+
         from specjax import sharding
-        return sharding.constrain_rows(state, state.lengths_B.shape[0], self.mesh,
-                                       self.rules or sharding.DEFAULT_RULES)
+        shared = (state.policy, state.metrics.gamma_rounds_K)
+        rows = sharding.constrain_rows(state.replace(policy=None, metrics=state.metrics.replace(gamma_rounds_K=None)),
+                                       state.lengths_B.shape[0], self.mesh, self.rules or sharding.DEFAULT_RULES)
+        policy, counts = jax.lax.with_sharding_constraint(shared, NamedSharding(self.mesh, PartitionSpec()))
+        return rows.replace(policy=policy, metrics=rows.metrics.replace(gamma_rounds_K=counts))
 
     def place(self, params: "EngineParams", batch: "Batch") -> tuple["EngineParams", "Batch"]:
         """Weights and batch on this engine's mesh: a Llama target's (and a model draft's)
@@ -1047,7 +1054,8 @@ class Engine:
         as `step` and `run`, without `step`'s switch over every candidate. Each candidate's
         round compiles when first chosen, in the middle of the stream; ``precompile`` compiles
         them all before the first round instead (each runs once on a copy of the initial
-        state), so compilation lands in the time to the first token, not between tokens."""
+        state, so the state's memory is briefly held twice), so compilation lands in the time
+        to the first token, not between tokens."""
         t0 = time.perf_counter()
         state = self.init(params, batch, round_time_s, prefill=prefill)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens

@@ -160,7 +160,8 @@ class Generator:
 
     def calibrate(self, batch: Batch, sampling: sampling_lib.SamplingConfig, repeats: int = 3,
                   prefill: Prefill | None = None) -> tuple[float, ...]:
-        """Measure one round per gamma on `batch` (adaptive gamma's costs) and keep them."""
+        """Measure one round per gamma (per draft source and gamma, for a drafter with several:
+        `Engine.round_times`) on `batch` (adaptive gamma's costs) and keep them."""
         times = self.engine.round_times(self.params, sampling, batch, repeats, prefill=prefill)
         if jax.process_count() > 1:     # every process must choose the same gammas: process 0's times
             from jax.experimental import multihost_utils
