@@ -1334,6 +1334,14 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     np.testing.assert_allclose(np.asarray(last.policy.alpha_R), np.asarray(state.policy.alpha_R), rtol=1e-6)
     with pytest.raises(ValueError, match="per \\(regime, gamma\\)"):
         eng.init(ep, batch, round_time_s=(1.0,) * 5)
+    for bad in ((1.0, float("nan"), 1.0), (1.0, 0.0, 1.0) * 2, (1.0, -2.0, 1.0)):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            eng.init(ep, batch, round_time_s=bad)
+    head = eng.drafter.model                    # a drafter that names two regimes but cannot say which drafts
+    two = type("TwoSources", (type(head),), {"regimes": 2})(
+        **{f.name: getattr(head, f.name) for f in dataclasses.fields(head) if f.init})
+    with pytest.raises(ValueError, match="lacks regime_B or for_regime"):
+        decoding.Engine(eng.target, two, eng.config)
 
 
 def test_round_times_time_each_draft_source_on_its_own(monkeypatch):

@@ -425,6 +425,9 @@ class Engine:
         for g in self.config.gammas:
             if not isinstance(g, int):
                 self.drafter.check_tree(g)
+        if self.regimes > 1 and not all(hasattr(self.drafter, a) for a in ("regime_B", "for_regime")):
+            raise ValueError(f"the drafter names {self.regimes} regimes but lacks regime_B or for_regime (see the "
+                             f"drafter protocol: draft sources)")
         if self.feature_layers and not hasattr(self.target, "apply_with_features"):
             raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
                              f"but the target model {type(self.target).__name__} cannot return them")
@@ -784,7 +787,7 @@ class Engine:
             return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity, features_BPF=f_BPF)
         return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
 
-    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
+    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity, pre=None):
         """The loop state after prefill; ``pre`` = (target cache, drafter state or None) from
         `prefill` skips the target's prefill (and the drafter's, when its state is given)."""
         B, P = prompt_BP.shape
@@ -800,7 +803,7 @@ class Engine:
                 draft_state = self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
             if not self.feature_layers:
                 features_BLF = None
-        policy = _adaptive.init_policy(self.config.gamma, round_time_K) if self.config.adaptive else None
+        policy = _adaptive.init_policy(self.config.gamma, round_time_RG) if self.config.adaptive else None
         return self._constrain(LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
                          draft_state=draft_state, key_B=key_B,
@@ -859,8 +862,8 @@ class Engine:
         prompt, lengths, keys = sharding.put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
         return Batch(prompt, lengths, keys, batch.capacity)
 
-    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity, pre=None):
-        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_K, capacity=capacity, pre=pre)
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity, pre=None):
+        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity=capacity, pre=pre)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
 
         def cond(s):
@@ -932,7 +935,7 @@ class Engine:
     _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
     _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_refill)
 
-    def _round_time_K(self, round_time_s):
+    def _round_time_RG(self, round_time_s):
         """[regimes, gammas] round times for the policy: ``round_time_s`` holds one entry per gamma
         (every regime alike) or, for a drafter with several regimes, one per (regime, gamma),
         regime-major, as `round_times` measures them."""
@@ -942,7 +945,10 @@ class Engine:
             rt = jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
                              jnp.float32)
             return jnp.broadcast_to(rt, (R, G))
-        rt = jnp.asarray(round_time_s, jnp.float32)
+        rt = np.asarray(round_time_s, np.float32)
+        if not (np.all(np.isfinite(rt)) and np.all(rt > 0)):
+            raise ValueError(f"round_time_s must be finite and > 0 (seconds per round), got {list(rt.ravel())}")
+        rt = jnp.asarray(rt)
         if rt.shape == (G,):
             return jnp.broadcast_to(rt, (R, G))
         if rt.shape != (R * G,):
@@ -1028,7 +1034,7 @@ class Engine:
         `step` advances."""
         self._check(batch)
         return self._init_jit(params, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                              self._round_time_K(round_time_s), capacity=batch.capacity,
+                              self._round_time_RG(round_time_s), capacity=batch.capacity,
                               pre=self._pre(batch, prefill))
 
     def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
@@ -1040,7 +1046,7 @@ class Engine:
         """The whole generation in one jitted `lax.while_loop`, fully on device."""
         self._check(batch)
         return self._run_jit(params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                             self._round_time_K(round_time_s), capacity=batch.capacity,
+                             self._round_time_RG(round_time_s), capacity=batch.capacity,
                              pre=self._pre(batch, prefill))
 
     def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
