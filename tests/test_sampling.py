@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from specjax.sampling import SamplingConfig, log_probabilities, probabilities, sample
+from specjax.sampling import SamplingConfig, argmax, categorical, log_probabilities, probabilities, sample
 
 
 def reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -166,3 +166,52 @@ def test_sample_frequencies_match_probs():
     assert counts[4] == 0
     pvalue = scipy.stats.chisquare(counts[:4], 50000 * np.array([0.1, 0.2, 0.3, 0.4])).pvalue
     assert pvalue > 1e-4
+
+
+def _argmax_cases():
+    """Float rows that probe every rule of ``jnp.argmax``: ties (first index), NaN (first NaN
+    wins over any number, +inf included), all -inf, +inf, signed zeros, subnormals, a
+    49,152-wide vocabulary row and several leading dims."""
+    rng = np.random.default_rng(0)
+    inf, nan = np.inf, np.nan
+    small = [[1.0, 3.0, 3.0, 2.0], [3.0, 1.0, 3.0, 3.0], [-inf, -inf, -inf, -inf], [0.0, inf, 1.0, inf],
+             [1.0, nan, 3.0, nan], [inf, 2.0, nan, inf], [nan, nan, nan, nan], [-0.0, 0.0, -0.0, 0.0],
+             [0.0, -0.0, 0.0, -0.0], [1e-45, 0.0, 2e-45, 2e-45], [-1.0, -2.0, -1.0, -3.0], [-inf, nan, inf, 0.0]]
+    wide = rng.standard_normal((3, 49152)).astype(np.float32)
+    wide[1, [7, 40000]] = wide[1].max() + 1.0            # a tie far apart
+    wide[2, 12345] = np.nan
+    batched = rng.integers(-3, 3, size=(2, 5, 17)).astype(np.float32)   # many ties
+    return [np.asarray(small, np.float32), wide, batched, batched.astype(jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_argmax_is_jnp_argmax_bit_for_bit(case):
+    x = jnp.asarray(_argmax_cases()[case])
+    want = jnp.argmax(x, axis=-1)
+    for got in (argmax(x), jax.jit(argmax)(x)):
+        assert got.dtype == jnp.int32 and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_argmax_of_integers_and_booleans_is_jnp_argmax():
+    b = jnp.asarray([[False, True, True], [False, False, False]])
+    np.testing.assert_array_equal(np.asarray(argmax(b)), [1, 0])
+    i = jnp.asarray([[3, 7, 7, -1]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(argmax(i)), [1])
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 49152), (2, 3, 64)])
+def test_categorical_is_jax_random_categorical_bit_for_bit(shape):
+    """Same key, same token: the sampler swaps only the argmax (the Gumbel noise is jax's), so
+    every seeded run of specjax draws exactly what it drew with ``jax.random.categorical``.
+    Log-probabilities with -inf entries included (top-k/top-p zeros)."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal(shape).astype(np.float32)
+    logits[..., ::3] = -np.inf
+    logits = jnp.asarray(logits)
+    for seed in range(20):
+        key = jax.random.key(seed)
+        want = jax.random.categorical(key, logits, axis=-1)
+        got = jax.jit(categorical)(key, logits)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert not np.isin(np.asarray(got), np.arange(0, shape[-1], 3)).any()

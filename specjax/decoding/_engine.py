@@ -341,6 +341,19 @@ class Prefill:
                                    features_BLF=_repeat_rows(self.features_BLF, n))
 
 
+def _fresh_tokens(sampling, verify_key_B, p0_BV, bad_q_B):
+    """The gamma = 0 outcome for rows whose draft q was not finite: one token from p_0 with the
+    row's own key (``fold_in(verify key, 1)``), int32 [B]. Drawn only in rounds where some row
+    needs it (a draw over the whole vocabulary per row; rows with a finite q ignore the value,
+    so skipping it changes nothing else)."""
+    def draw(_):
+        if sampling.greedy:
+            return sampling_lib.argmax(p0_BV)
+        keys_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
+        return jax.vmap(sampling_lib.sample)(keys_B, p0_BV).astype(jnp.int32)
+    return jax.lax.cond(bad_q_B.any(), draw, lambda _: jnp.zeros(bad_q_B.shape, jnp.int32), None)
+
+
 def _map_rows(fn, *trees):
     """``fn(axis, *leaves)`` over matching leaves of state trees, with ``axis`` the batch axis of
     each array: a `KVCache`'s buffers on theirs (1 for stacked layers, 0 per layer, its lengths
@@ -503,9 +516,7 @@ class Engine:
             verify_key_B, draft_BG, q_BGV, p_BG1V)
         if gamma == 0:
             return res
-        fresh_key_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
-        fresh_B = (jnp.argmax(p_BG1V[:, 0], -1) if sampling.greedy
-                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_BG1V[:, 0]))
+        fresh_B = _fresh_tokens(sampling, verify_key_B, p_BG1V[:, 0], bad_q_B)
         fresh_BG1 = jnp.full_like(res.committed_BG1, verify_lib.PAD_TOKEN).at[:, 0].set(
             fresh_B.astype(res.committed_BG1.dtype))
         return res.replace(n_accepted_B=jnp.where(bad_q_B, 0, res.n_accepted_B),
@@ -658,9 +669,7 @@ class Engine:
         one = lambda x: x[None]
         res = jax.vmap(lambda k, t, q, p: jax.tree.map(lambda x: x[0], verifier(k, jax.tree.map(one, t), q[None], p[None])))(
             verify_key_B, draft, q_BN1V, p_BTV)
-        fresh_key_B = jax.vmap(lambda k: jax.random.fold_in(k, 1))(verify_key_B)
-        fresh_B = (jnp.argmax(p_BTV[:, 0], -1) if sampling.greedy
-                   else jax.vmap(sampling_lib.sample)(fresh_key_B, p_BTV[:, 0])).astype(jnp.int32)
+        fresh_B = _fresh_tokens(sampling, verify_key_B, p_BTV[:, 0], bad_q_B)
         fresh_BD1 = jnp.full((B, D + 1), verify_lib.PAD_TOKEN, jnp.int32).at[:, 0].set(fresh_B)
         n_acc_B = jnp.where(bad_q_B, 0, res.n_accepted_B)
         path_BD = jnp.where(bad_q_B[:, None], -1, res.path_BD)

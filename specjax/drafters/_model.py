@@ -33,7 +33,7 @@ def expand(model, params, cache, root_logits_BV, key_B, tree, sampling, children
 def draw(key_B, probs_BV, cfg: sampling_lib.SamplingConfig):
     """One token per row from probs, each row with its own key (argmax when greedy)."""
     if cfg.greedy:
-        return jnp.argmax(probs_BV, axis=-1).astype(jnp.int32)
+        return sampling_lib.argmax(probs_BV)
     return jax.vmap(sampling_lib.sample)(key_B, probs_BV).astype(jnp.int32)
 
 

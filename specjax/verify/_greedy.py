@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.sampling import argmax
 from specjax.verify._result import VerifyResult, assemble_result
 
 
@@ -24,7 +25,7 @@ class GreedyVerifier:
         del key, q_BGV
         batch, gamma = draft_tokens_BG.shape
         vocab = p_BG1V.shape[-1]
-        choice_BG1 = jnp.argmax(p_BG1V, axis=-1).astype(jnp.int32)
+        choice_BG1 = argmax(p_BG1V)
         match_BG = draft_tokens_BG.astype(jnp.int32) == choice_BG1[:, :gamma]
         n_accepted_B = jnp.sum(jnp.cumprod(match_BG.astype(jnp.int32), axis=1), axis=1)
         next_token_B = jnp.take_along_axis(choice_BG1, n_accepted_B[:, None], axis=1)[:, 0]

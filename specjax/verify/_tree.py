@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.sampling import argmax
 from specjax.trees import CHILDREN_MODES, DraftTree, path_nodes
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
 from specjax.verify._result import PAD_TOKEN, row_keys, row_uniforms, sample_rows
@@ -252,7 +253,7 @@ class GreedyTreeVerifier(TreeWalkVerifier):
         del u_BN, q_BN1V
         B, N = tree.tokens_BN.shape
         V = p_BN1V.shape[-1]
-        choice_BS = jnp.argmax(p_BN1V, axis=-1).astype(jnp.int32)
+        choice_BS = argmax(p_BN1V)
         tok_BN, par_BN, valid_BN = _node_inputs(tree, V)
 
         def row(choice_S, tok_N, par_N, valid_N):
@@ -274,12 +275,12 @@ class GreedyTreeVerifier(TreeWalkVerifier):
                         accept_prob_BN=passed_BN.astype(jnp.float32), passed_BN=passed_BN)
 
     def final_token(self, replace_keys_B, final_dist_BV):
-        return jnp.argmax(final_dist_BV, axis=-1).astype(jnp.int32)
+        return argmax(final_dist_BV)
 
     def first_child_accept(self, tree: DraftTree, q_BN1V, p_BN1V):
         first_BS, has_BS = first_children(tree)
         x_BS = jnp.take_along_axis(tree.tokens_BN.astype(jnp.int32), first_BS, axis=1)
-        match_BS = x_BS == jnp.argmax(p_BN1V, axis=-1).astype(jnp.int32)
+        match_BS = x_BS == argmax(p_BN1V)
         return jnp.where(has_BS, match_BS.astype(jnp.float32), 0.0), has_BS
 
 
