@@ -44,7 +44,13 @@ def get_config():
     # then reused by later runs; "" = measure every run, nothing stored.
     c.calibration_cache = "~/.cache/specjax/calibration.json"
     c.recalibrate = False                   # measure even when the cache has the setting, then store
-    c.verifier = "token"                    # 'token' or 'block'; greedy uses the greedy verifier
+    # Linear drafts at T > 0: 'block' (Sun et al. 2025) keeps at least as many drafted tokens as
+    # 'token' (Leviathan et al. 2023) in expectation for the same chain, for ~1% more per round
+    # (34.9 -> 35.5 ms at gamma 3, interleaved A/B); on the 13 held-out prompts at T = 1 the
+    # hybrid ran at 1.17x target-only with it, 1.65 tokens per pass, against 1.14x and 1.61 with
+    # 'token' (experiments/bench_speed/results/2026-12-03-sampler-amd-epyc). Greedy decoding uses
+    # the greedy verifier either way.
+    c.verifier = "block"
     # Token trees (specjax.trees): "" = linear drafts; 'branching:2,2,1', 'paths:0;1;0.0',
     # 'dynamic:depth,topk,budget' (EAGLE-2). A tree replaces gamma (and adaptive_gamma, unless
     # adaptive_trees lists static trees for the adaptive policy to choose among beside gammas).

@@ -403,6 +403,8 @@ def test_on_policy_mixture_run(toy_pair, tmp_path):
     c.data.gen_batch_size = 4
     summary = distill.train(c, tmp_path / "work", log=lambda *_: None)
     assert summary["tokens"] >= 3000
+    # The fixed data set's size is reported (epochs = tokens / size); on-policy data has none.
+    assert summary["data_loss_tokens"] == {"fixed": toy_pair["data"].num_loss_tokens}
     recs = [json.loads(l) for l in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     refreshes = [r for r in recs if r.get("event") == "onpolicy_refresh"]

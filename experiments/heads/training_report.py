@@ -8,6 +8,10 @@ held-out evaluation (Spec-Bench held-out prompts, the target's greedy continuati
 forced; `specjax.distill` evaluation): alpha at T = 1, greedy agreement of the head's k-th
 autoregressive proposal for k = 1..3, and accepted tokens per target pass of a greedy chain of
 length gamma simulated on those continuations; each run's command, commit and machine below.
+
+A second table sets each held-out evaluation of a run beside the head's agreement on its own
+training batches since the evaluation before (``agreement_on_head``: teacher-forced, over the
+head's vocabulary): a head that learns its data and not the task shows the gap.
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ def _history(jsonl: pathlib.Path) -> tuple[float | None, list[dict]]:
     return (float(np.median(rates)) if rates else None), [r for r in recs if r.get("event") == "resume"]
 
 
+def generalization(jsonl: pathlib.Path) -> list[list]:
+    """Rows [loss tokens, training agreement since the previous evaluation, held-out greedy
+    agreement] for every held-out evaluation after the first of a run's metrics."""
+    if not jsonl.is_file():
+        return []
+    recs = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    rows, window = [], []
+    for r in recs:
+        if r.get("kind") == "train" and "agreement_on_head" in r:
+            window.append(r["agreement_on_head"])
+        elif r.get("kind") == "eval" and window:
+            rows.append([r["tokens"], float(np.mean(window)), r["greedy_agreement_step1"]])
+            window = []
+    return rows
+
+
 def render(results_dir: pathlib.Path) -> str:
     runs = {p.stem.removeprefix("train-"): json.loads(p.read_text())
             for p in sorted(results_dir.glob("train-*.json"))}
@@ -52,11 +72,16 @@ def render(results_dir: pathlib.Path) -> str:
         notes.append(f"- {k}: last invocation `{prov['command']}`, commit `{prov['git_commit'][:10]}`, "
                      f"{prov['date_utc']}, {m['cpu_model']} ({m['cpus_usable']} CPUs, load {m['loadavg_at_start']} "
                      f"at start){resumed}; {e['eval_tokens']} held-out tokens evaluated")
+    gen_rows = [[k, t, toolkit.fmt(tr), toolkit.fmt(ho), toolkit.fmt(tr - ho)]
+                for k in kinds for t, tr, ho in generalization(results_dir / f"train-{k}.jsonl")]
     return "\n".join([
         "# Draft heads: training and held-out evaluation", "",
         toolkit.table(["run", "kind", "input norm", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
                        "greedy agreement k=1", "k=2", "k=3", "tokens/pass γ = 1", "best chain"], rows),
-        "", *notes, ""])
+        "", *notes, "",
+        "## Training batches against held-out prompts", "",
+        toolkit.table(["run", "loss tokens", "agreement on training batches (since the last evaluation)",
+                       "held-out greedy agreement k=1", "gap"], gen_rows), ""])
 
 
 if __name__ == "__main__":
