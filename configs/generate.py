@@ -22,7 +22,9 @@ def get_config():
     # layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a fixed gamma 3: on the 13
     # held-out prompts it ran at 1.39x target-only greedy and 1.16x at T = 1, against 1.28x and
     # 0.99x for adaptive prompt lookup (the default before) and 1.21x / 1.09x for the head alone
-    # in the same run (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc, AMD EPYC).
+    # in the same run (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc, AMD EPYC; the
+    # token-level verifier at T = 1 then; with the block verifier below and the cheaper sampler:
+    # 1.37-1.45x greedy and 1.17-1.23x at T = 1 over two runs, 2026-12-03-sampler-amd-epyc).
     c.drafter = "hybrid"
     c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4

@@ -401,10 +401,15 @@ def test_on_policy_mixture_run(toy_pair, tmp_path):
     c.data.draft_prompts = 6
     c.data.draft_max_new_tokens = 10
     c.data.gen_batch_size = 4
+    data = toy_pair["data"]
+    c.data.max_prompt_tokens = int(np.median(data.seqs.prompt_lengths))     # leaves some sequences out
     summary = distill.train(c, tmp_path / "work", log=lambda *_: None)
     assert summary["tokens"] >= 3000
-    # The fixed data set's size is reported (epochs = tokens / size); on-policy data has none.
-    assert summary["data_loss_tokens"] == {"fixed": toy_pair["data"].num_loss_tokens}
+    # One pass over the fixed data as trained on (long prompts left out) is reported; on-policy
+    # data has no fixed size.
+    used = sum(int(n) for n, p in zip(data.counts, data.seqs.prompt_lengths) if p <= c.data.max_prompt_tokens)
+    assert 0 < used < data.num_loss_tokens
+    assert summary["data_loss_tokens"] == {"fixed": used}
     recs = [json.loads(l) for l in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     refreshes = [r for r in recs if r.get("event") == "onpolicy_refresh"]

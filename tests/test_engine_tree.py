@@ -246,8 +246,9 @@ def _fresh_kv(model, params, tokens):
 # Both cache layouts (per-layer and stacked) for the shared-cache drafter; the model drafter's
 # static tree on one layout and its dynamic tree on the other.
 @pytest.mark.parametrize("scan_layers,kind,tree", [
-    (False, "early_exit", BRANCHING), (False, "model", UNEVEN), (True, "model", DYNAMIC)],
-    ids=["unrolled-early_exit-branching", "unrolled-model-uneven", "scan-model-dynamic"])
+    (False, "early_exit", BRANCHING), (False, "model", UNEVEN),
+    (True, "early_exit", BRANCHING), (True, "model", DYNAMIC)],
+    ids=["unrolled-early_exit-branching", "unrolled-model-uneven", "scan-early_exit-branching", "scan-model-dynamic"])
 def test_caches_hold_exactly_the_committed_prefix_after_every_round(scan_layers, kind, tree):
     """Greedy tree rounds on a random tiny Llama, rows of different lengths: after every round the
     target's cache (and a model draft's) holds exactly the committed prefix minus its last token,

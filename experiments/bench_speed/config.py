@@ -43,7 +43,7 @@ def get_config(variant: str = ""):
     c.head_model = ""                      # head: a draft-head directory ("" = the one shipped for the model)
     c.hybrid_model = "head"                # hybrid: prompt lookup + this drafter ('head' or 'distilled')
     c.min_match = 0                        # hybrid: prompt lookup where the suffix match has >= this many tokens (0: max_ngram)
-    c.verifier = "token"
+    c.verifier = "block"                   # linear drafts at T > 0, as the main command ('token' before 2026-12-03)
     c.max_k = 9                            # k-token forward costs for k = 1..max(max_k, gamma + 1)
     c.cost_iters = 30
     c.bandwidth_gib = 1.0

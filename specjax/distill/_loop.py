@@ -504,8 +504,9 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     summary = {"steps": step, "tokens": tokens_done, "train_tokens_per_s": tok_loop / max(time.perf_counter() - t_loop, 1e-9),
                "wall_s": time.perf_counter() - t_start, **timings, "divergence": spec.divergence,
                "skipped_steps": skipped,
-               # Loss tokens each fixed data set holds: `tokens` / these = epochs over the data.
-               "data_loss_tokens": {name: int(plan.data.num_loss_tokens) for name, plan in sources.items()
+               # Loss tokens of one pass over each fixed data set that is trained on (prompts longer than
+               # max_prompt_tokens left out, as the batches leave them); on-policy data has no fixed size.
+               "data_loss_tokens": {name: plan.loss_tokens_used() for name, plan in sources.items()
                                     if name in weights},
                "draft": ({"kind": c.draft.kind, **draft.config.to_dict(), "ttt_steps": draft.ttt_steps,
                           "feature_weight": draft.feature_weight} if is_head else

@@ -50,9 +50,10 @@ def draw_children(key_B, q_BPV, k: int, mode: str):
         vals, toks = jax.lax.top_k(logq + g, k)
         return toks.astype(jnp.int32), vals > -jnp.inf
     if mode == "iid":
-        toks = jax.vmap(lambda key, lq: jax.random.categorical(key, lq[:, None, :], axis=-1, shape=(P, k)))(
+        # = jax.random.categorical(key, lq[:, None, :], shape=(P, k)) bit for bit (noise [P, k, V]).
+        toks = jax.vmap(lambda key, lq: sampling_lib.categorical(key, jnp.broadcast_to(lq[:, None, :], (P, k, V))))(
             key_B, logq)
-        return toks.astype(jnp.int32), jnp.ones((B, P, k), bool)
+        return toks, jnp.ones((B, P, k), bool)
     raise ValueError(f"children must be one of {trees_lib.CHILDREN_MODES}, got {mode!r}")
 
 
