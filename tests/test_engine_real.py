@@ -50,9 +50,9 @@ def real():
 # compiled program per case.
 SHORT = ("translation", "math", "math_reasoning", "writing")
 # (drafter, gamma or tree, batch, categories): the linear draft and the dynamic tree at batch 4, the
-# static tree at batch 1 (one call per prompt).
+# static tree at batch 1 (one call per prompt, two prompts).
 CASES = [("ngram", 4, 4, SHORT),
-         ("ngram", trees.TreeShape.from_branching((3, 1, 1, 1)), 1, SHORT[-3:]),
+         ("ngram", trees.TreeShape.from_branching((3, 1, 1, 1)), 1, SHORT[-2:]),
          ("distilled", trees.DynamicTree(depth=3, topk=3, node_budget=8), 4, SHORT)]
 
 

@@ -216,17 +216,3 @@ def test_categorical_is_jax_random_categorical_bit_for_bit(shape):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert not np.isin(np.asarray(got), np.arange(0, shape[-1], 3)).any()
 
-
-def test_iid_tree_children_are_jax_random_categorical_draws():
-    """A sampled tree's k i.i.d. children of each parent (`drafters._tree.draw_children`, mode
-    'iid') are the tokens ``jax.random.categorical(key, logq[:, None, :], shape=(P, k))`` draws."""
-    from specjax.drafters import _tree
-    rng = np.random.default_rng(2)
-    logits = rng.standard_normal((2, 3, 50)).astype(np.float32)
-    logits[..., ::4] = -np.inf
-    q = jax.nn.softmax(jnp.asarray(logits), axis=-1)
-    keys = jax.random.split(jax.random.key(3), 2)
-    toks, ok = jax.jit(lambda k, q: _tree.draw_children(k, q, 4, "iid"))(keys, q)
-    want = jax.vmap(lambda k, lq: jax.random.categorical(k, lq[:, None, :], axis=-1, shape=(3, 4)))(keys, jnp.log(q))
-    assert toks.dtype == jnp.int32 and bool(ok.all())
-    np.testing.assert_array_equal(np.asarray(toks), np.asarray(want))
