@@ -46,11 +46,10 @@ def _describe(gamma) -> str:
 
 
 def _priced(gammas, round_time_s, alpha) -> str:
-    """Calibrated round times priced at acceptance ``alpha``: expected ms per committed token."""
-    from specjax import analysis
-    alpha = min(alpha, 1 - 1e-6)
-    expected = [analysis.expected_tokens_per_round(alpha, g) if isinstance(g, int) else float(g.expected_tokens(alpha))
-                for g in gammas]
+    """Calibrated round times priced at acceptance ``alpha``: expected ms per committed token,
+    with the adaptive policy's own expected tokens per candidate (what it compares)."""
+    from specjax.decoding import adaptive
+    expected = np.asarray(adaptive.expected_per_candidate(float(alpha), gammas), np.float64)
     per = [1e3 * t / e for t, e in zip(round_time_s, expected)]
     return (", ".join(f"{_describe(g)}: {p:.1f}" for g, p in zip(gammas, per))
             + f" (cheapest: {_describe(gammas[int(np.argmin(per))])})")
