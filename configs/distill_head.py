@@ -32,6 +32,8 @@ def get_config():
     c.head = ml_collections.ConfigDict()
     c.head.ttt_steps = 3                # EAGLE-3 training-time test: drafting steps unrolled (1 for eagle/medusa)
     c.head.feature_weight = 0.0         # EAGLE: weight of the smooth-L1 feature regression (1.0 in the paper)
+    c.head.feature_noise = 0.0          # > 0: train on features + U(-a, a) x their RMS (EAGLE's augmentation;
+                                        # `specjax.distill.noisy_features`), a = this
     c.head.num_heads = 4                # Medusa heads
     c.head.input_norm = True            # EAGLE kinds (Medusa ignores it): RMS-normalize the embedding and the
                                         # feature before fc (held-out agreement 0.23 -> 0.29 for EAGLE at 280k

@@ -6,7 +6,8 @@
     make_train_step / LossSpec    the pure jitted step and its loss
     divergence / forward_kl / reverse_kl / generalized_jsd / total_variation
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
-    HeadObjective / head_loss / evaluate_head   feature-level draft heads (EAGLE-3, EAGLE, Medusa)
+    HeadObjective / head_loss / evaluate_head / noisy_features   feature-level draft heads (EAGLE-3, EAGLE,
+                                  Medusa; noisy_features: their training-time feature noise)
     SequenceSet / TeacherData / BatchPlan / generate / teacher_states / feature_states / from_jsonl   data
     eval_plan                     a training config's held-out evaluation set
     generated_data / second_turn_prompts / with_features / feature_file   data sets on disk
@@ -18,7 +19,8 @@ from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
-from specjax.distill._heads import HeadObjective, evaluate_head, head_eval_batch, head_loss, objective_from_config
+from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batch, head_loss, noisy_features,
+                                   objective_from_config)
 from specjax.distill._loop import check_resume_config, flatten, train, with_overrides
 from specjax.distill._prepare import eval_plan, feature_file, with_features
 from specjax.distill._sources import generated_data, second_turn_prompts, spec_bench_prompts
@@ -31,7 +33,7 @@ __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
-    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
+    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
     "feature_file", "with_features", "generated_data", "second_turn_prompts", "spec_bench_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",

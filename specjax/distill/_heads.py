@@ -22,6 +22,9 @@ Losses per position (``mask`` marks the positions whose next token is a continua
   equally;
 * Medusa: head k on ``f_s`` against the target's distribution of ``x_{s+k+1}``.
 
+With ``feature_noise`` > 0 the head reads the target's features with uniform noise added
+(`noisy_features`, EAGLE's augmentation), drawn from the key the train step passes.
+
 Evaluation (held-out target-greedy continuations): temperature-1 acceptance sum_x min(p, q) of
 the first draft step, greedy agreement per draft step, and the greedy chain's accepted tokens
 per target pass, simulated exactly along each sequence with the head's multi-step outputs (a
@@ -51,6 +54,7 @@ class HeadObjective:
     target: Llama
     ttt_steps: int = 1
     feature_weight: float = 0.0
+    feature_noise: float = 0.0
 
     def __post_init__(self):
         if self.ttt_steps < 1:
@@ -59,6 +63,8 @@ class HeadObjective:
             raise ValueError("Medusa heads are not autoregressive: head.ttt_steps must be 1")
         if not self.feature_weight >= 0:
             raise ValueError(f"head.feature_weight must be >= 0, got {self.feature_weight}")
+        if not 0 <= self.feature_noise < 10:
+            raise ValueError(f"head.feature_noise must be in [0, 10), got {self.feature_noise}")
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -80,7 +86,8 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
                                   input_norm=bool(h.get("input_norm", False)) and c.draft.kind != "medusa")
     kind = c.draft.kind
     return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 1 if kind != "eagle3" else 3)),
-                         feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)))
+                         feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)),
+                         feature_noise=float(h.get("feature_noise", 0.0)))
 
 
 def _shift(x, k: int):
@@ -109,10 +116,24 @@ def _smooth_l1(x):
     return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
 
 
-def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
+def noisy_features(f_BTF, num_layers: int, noise: float, key):
+    """``f + noise * rms(f) * u``, u ~ U(-1, 1) per element, the RMS taken per fused layer (each
+    of the `num_layers` equal slices of the last axis, so every layer is perturbed relative to its
+    own scale). EAGLE (Li et al. 2024) trains on features with uniform noise U(-0.1, 0.1) added,
+    so the head meets slightly-off features, as its own predicted ones are at later steps; here
+    the width is relative, as the scale of a target's features is its own."""
+    B, T, F = f_BTF.shape
+    f = f_BTF.astype(jnp.float32).reshape(B, T, num_layers, F // num_layers)
+    rms = jnp.sqrt(jnp.mean(f * f, axis=-1, keepdims=True))
+    u = jax.random.uniform(key, f.shape, jnp.float32, -1.0, 1.0)
+    return (f + noise * rms * u).reshape(B, T, F).astype(f_BTF.dtype)
+
+
+def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec, key=None):
     """The head's loss on one batch (see the module doc); ``frozen`` = {"target": target params,
     plus the head's non-trainable own params (``head_ids``)}; ``head_SD``: the rows of the
-    target's output layer over the head's tokens."""
+    target's output layer over the head's tokens; ``key``: the noise of ``feature_noise`` > 0
+    (`noisy_features` on the features the head reads; the regression target stays clean)."""
     obj, hc = draft, draft.config
     tp = frozen["target"]
     own = {**trainable, **{k: v for k, v in frozen.items() if k != "target"}}
@@ -123,13 +144,18 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec):
     else:
         h_BTD, f_BTF = _target_pass(obj, tp, tokens)
     p_logits = teacher_logits(head_SD, h_BTD)
+    f_in = f_BTF
+    if obj.feature_noise > 0:
+        if key is None:
+            raise ValueError("head.feature_noise > 0 needs a key (make_train_step passes one)")
+        f_in = noisy_features(f_BTF, len(hc.feature_layers), obj.feature_noise, key)
     terms, first = [], None
     if hc.kind == "medusa":
-        h_BTKD = drafters.medusa_features(hc, params, f_BTF)
+        h_BTKD = drafters.medusa_features(hc, params, f_in)
         outs = [h_BTKD[:, :, k] for k in range(hc.num_heads)]
         shifts = [k + 1 for k in range(hc.num_heads)]
     else:
-        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens, f_BTF, obj.ttt_steps,
+        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens, f_in, obj.ttt_steps,
                                                           with_logits=False)]
         shifts = list(range(len(outs)))
     for out, k in zip(outs, shifts):

@@ -509,7 +509,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                "data_loss_tokens": {name: plan.loss_tokens_used() for name, plan in sources.items()
                                     if name in weights},
                "draft": ({"kind": c.draft.kind, **draft.config.to_dict(), "ttt_steps": draft.ttt_steps,
-                          "feature_weight": draft.feature_weight} if is_head else
+                          "feature_weight": draft.feature_weight, "feature_noise": draft.feature_noise} if is_head else
                          {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")}),
                "eval": last_eval}
     # Host copies of the parameters in every process (gathering them is a collective), then
@@ -525,7 +525,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         desc = drafters.save_head(c.export_dir, draft.config, own, dtype=c.export_dtype, info={
             "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
             "ttt_steps": draft.ttt_steps, "feature_weight": draft.feature_weight,
-            "tokens": tokens_done, "steps": step, "eval": last_eval})
+            "feature_noise": draft.feature_noise, "tokens": tokens_done, "steps": step, "eval": last_eval})
         summary["export"] = {"dir": str(c.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
         log(f"exported the head to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
     elif tokens_done >= c.budget_tokens and c.export_dir:

@@ -145,7 +145,8 @@ def teacher_logits(head_SD, hidden_BTD):
                                             preferred_element_type=jnp.float32))
 
 
-def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec):
+def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec, key=None):
+    del key                  # deterministic (the step's key is for losses that draw noise)
     params = merge_params(trainable, frozen)
     q_logits = student_logits(draft, params, batch["tokens"])
     p_logits = teacher_logits(head_SD, batch["teacher_hidden"])
@@ -178,6 +179,9 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+_LOSS_STREAM = 0x6C6F7373      # "loss": the losses' stream of the state's key (on-policy refreshes fold in small ints)
+
+
 def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False, loss=None,
                     state_shardings=None):
     """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated.
@@ -187,14 +191,17 @@ def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = 
     optimizer state as they were (only the step counter advances); without it the caller must
     stop (the returned state then holds the non-finite values). ``loss``: the loss function
     (default `loss_fn`; feature heads pass `specjax.distill._heads.head_loss`), called as
-    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec) -> (loss, aux)``.
+    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec, key=key) -> (loss, aux)``,
+    ``key`` = the state's key folded with the step counter (a fresh stream per micro-step, the
+    same one on resume).
     ``state_shardings`` (a `TrainState` of `NamedSharding`s, `sharding.train_state_shardings`):
     the updated state keeps exactly that placement on its mesh (the metrics come back
     replicated); the inputs' placements are their own (placed beforehand)."""
     objective = loss_fn if loss is None else loss
     def step(state: TrainState, frozen, head_SD, batch):
         grad_fn = jax.value_and_grad(objective, has_aux=True)
-        (loss, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec)
+        key = jax.random.fold_in(jax.random.fold_in(rng(state), _LOSS_STREAM), state.step)
+        (loss, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec, key=key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         aux["grad_norm"] = optax.tree.norm(grads)
