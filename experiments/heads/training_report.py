@@ -2,7 +2,10 @@
 
     python -m experiments.heads.training_report [experiments/heads/results] > TRAINING.md
 
-One row per `train-<name>.json` there: head kind, input norm, loss tokens, the median training
+One row per `train-<name>.json` there: head kind, input norm, training-time feature noise, the
+training data (the target's greedy / temperature-1 continuations per train prompt and whether the
+second turns are in, from the run's config; its loss tokens where the summary records them),
+loss tokens trained on, the median training
 throughput of its steps (from `train-<name>.jsonl`, over every invocation of a resumed run), and its last
 held-out evaluation (Spec-Bench held-out prompts, the target's greedy continuations, teacher
 forced; `specjax.distill` evaluation): alpha at T = 1, greedy agreement of the head's k-th
@@ -52,6 +55,15 @@ def generalization(jsonl: pathlib.Path) -> list[list]:
     return rows
 
 
+def data_of(summary: dict, config: dict) -> tuple[str, str]:
+    """(the training data's composition "greedy/sampled/second turns", its target loss tokens or
+    '–' where the summary predates that record) of one run."""
+    d = config.get("data", {})
+    mix = f"{d.get('greedy_samples', '?')}/{d.get('sampled_samples', '?')}/{'yes' if d.get('second_turns') else 'no'}"
+    counts = summary.get("data_loss_tokens")
+    return mix, (str(sum(counts.values())) if counts else "–")
+
+
 def render(results_dir: pathlib.Path) -> str:
     runs = {p.stem.removeprefix("train-"): json.loads(p.read_text())
             for p in sorted(results_dir.glob("train-*.json"))}
@@ -62,7 +74,9 @@ def render(results_dir: pathlib.Path) -> str:
         e = s["eval"]
         rate, resumes = _history(results_dir / f"train-{k}.jsonl")
         best_g = max(range(1, 6), key=lambda g: e.get(f"greedy_tokens_per_pass_g{g}", 0.0))
-        rows.append([k, s["draft"]["kind"], "yes" if s["draft"].get("input_norm") else "no", s["tokens"],
+        mix, data_tokens = data_of(s, prov.get("config", {}))
+        rows.append([k, s["draft"]["kind"], "yes" if s["draft"].get("input_norm") else "no",
+                     toolkit.fmt(float(s["draft"].get("feature_noise", 0.0)), 1), mix, data_tokens, s["tokens"],
                      toolkit.fmt(rate, 0), toolkit.fmt(e["alpha_t1"]), toolkit.fmt(e["greedy_agreement_step1"]),
                      toolkit.fmt(e.get("greedy_agreement_step2")), toolkit.fmt(e.get("greedy_agreement_step3")),
                      toolkit.fmt(e["greedy_tokens_per_pass_g1"]),
@@ -76,8 +90,11 @@ def render(results_dir: pathlib.Path) -> str:
                 for k in kinds for t, tr, ho in generalization(results_dir / f"train-{k}.jsonl")]
     return "\n".join([
         "# Draft heads: training and held-out evaluation", "",
-        toolkit.table(["run", "kind", "input norm", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
+        toolkit.table(["run", "kind", "input norm", "feature noise", "data: greedy/sampled/2nd turns",
+                       "data tokens", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
                        "greedy agreement k=1", "k=2", "k=3", "tokens/pass γ = 1", "best chain"], rows),
+        "", "Data tokens \"–\": the run's summary predates that record (before 2026-12-04); its data came "
+        "from the same configuration as the later runs with the same composition (1/2/yes: 146,703 tokens).",
         "", *notes, "",
         "## Training batches against held-out prompts", "",
         toolkit.table(["run", "loss tokens", "agreement on training batches (since the last evaluation)",
