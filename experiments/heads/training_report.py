@@ -4,7 +4,8 @@
 
 One row per `train-<name>.json` there: head kind, input norm, training-time feature noise, the
 training data (the target's greedy / temperature-1 continuations per train prompt and whether the
-second turns are in, from the run's config; its loss tokens where the summary records them),
+second turns are in, from the run's config; its loss tokens from the summary, or for summaries
+older than that record from a run with the same data settings, named),
 loss tokens trained on, the median training
 throughput of its steps (from `train-<name>.jsonl`, over every invocation of a resumed run), and its last
 held-out evaluation (Spec-Bench held-out prompts, the target's greedy continuations, teacher
@@ -55,18 +56,63 @@ def generalization(jsonl: pathlib.Path) -> list[list]:
     return rows
 
 
-def data_of(summary: dict, config: dict) -> tuple[str, str]:
-    """(the training data's composition "greedy/sampled/second turns", its target loss tokens or
-    '–' where the summary predates that record) of one run."""
+# The settings the target's training data is generated and cached under (`specjax.distill`'s
+# target data: its cache key), with that code's defaults for keys older configs lack.
+DATA_SETTINGS = ("target", "dtype", "seed", "data.greedy_samples", "data.sampled_samples", "data.temperature",
+                 "data.second_turns", "data.max_new_tokens", "data.widths", "data.max_prompt_tokens",
+                 "data.per_category")
+DATA_DEFAULTS = {"data.second_turns": False, "data.max_prompt_tokens": 0, "data.per_category": 0}
+
+
+def data_settings(config: dict) -> tuple | None:
+    """The run's `DATA_SETTINGS` values, or None when its config lacks one without a default."""
+    out = []
+    for key in DATA_SETTINGS:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        node = DATA_DEFAULTS.get(key) if node is None else node
+        if node is None:
+            return None
+        out.append(json.dumps(node, sort_keys=True))
+    return tuple(out)
+
+
+def data_tokens(runs: dict) -> dict:
+    """{run: (target loss tokens of its training data, the run they were recorded by)}: the run's
+    own record, else that of a run with the same `data_settings` (whose data is the same cached
+    set), else (None, None)."""
+    own = {name: (sum(run["summary"]["data_loss_tokens"].values()) if run["summary"].get("data_loss_tokens") else None,
+                  data_settings(run["provenance"].get("config", {}))) for name, run in runs.items()}
+    recorded = {}
+    for name, (size, key) in own.items():
+        if size is not None and key is not None:
+            recorded.setdefault(key, (size, name))
+    return {name: (size, name) if size is not None else recorded.get(key, (None, None))
+            for name, (size, key) in own.items()}
+
+
+def data_mix(config: dict) -> str:
+    """'greedy/sampled/second turns' continuations per train prompt ('?' where the config lacks it)."""
     d = config.get("data", {})
-    mix = f"{d.get('greedy_samples', '?')}/{d.get('sampled_samples', '?')}/{'yes' if d.get('second_turns') else 'no'}"
-    counts = summary.get("data_loss_tokens")
-    return mix, (str(sum(counts.values())) if counts else "–")
+    turns = {True: "yes", False: "no"}.get(d.get("second_turns", DATA_DEFAULTS["data.second_turns"]), "?")
+    return f"{d.get('greedy_samples', '?')}/{d.get('sampled_samples', '?')}/{turns}"
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        run = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(run, dict) or not {"summary", "provenance"} <= run.keys():
+        raise ValueError(f"{path}: not a training summary written by experiments.heads.train "
+                         f"(no 'summary' and 'provenance')")
+    return run
 
 
 def render(results_dir: pathlib.Path) -> str:
-    runs = {p.stem.removeprefix("train-"): json.loads(p.read_text())
-            for p in sorted(results_dir.glob("train-*.json"))}
+    runs = {p.stem.removeprefix("train-"): _read(p) for p in sorted(results_dir.glob("train-*.json"))}
+    sizes = data_tokens(runs)
     kinds = [k for k in ORDER if k in runs] + sorted(set(runs) - set(ORDER))
     rows, notes = [], []
     for k in kinds:
@@ -74,9 +120,11 @@ def render(results_dir: pathlib.Path) -> str:
         e = s["eval"]
         rate, resumes = _history(results_dir / f"train-{k}.jsonl")
         best_g = max(range(1, 6), key=lambda g: e.get(f"greedy_tokens_per_pass_g{g}", 0.0))
-        mix, data_tokens = data_of(s, prov.get("config", {}))
+        size, source = sizes[k]
+        size_text = "–" if size is None else (str(size) if source == k else f"{size} ({source})")
         rows.append([k, s["draft"]["kind"], "yes" if s["draft"].get("input_norm") else "no",
-                     toolkit.fmt(float(s["draft"].get("feature_noise", 0.0)), 1), mix, data_tokens, s["tokens"],
+                     toolkit.fmt(float(s["draft"].get("feature_noise", 0.0)), 1), data_mix(prov.get("config", {})),
+                     size_text, s["tokens"],
                      toolkit.fmt(rate, 0), toolkit.fmt(e["alpha_t1"]), toolkit.fmt(e["greedy_agreement_step1"]),
                      toolkit.fmt(e.get("greedy_agreement_step2")), toolkit.fmt(e.get("greedy_agreement_step3")),
                      toolkit.fmt(e["greedy_tokens_per_pass_g1"]),
@@ -93,8 +141,9 @@ def render(results_dir: pathlib.Path) -> str:
         toolkit.table(["run", "kind", "input norm", "feature noise", "data: greedy/sampled/2nd turns",
                        "data tokens", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
                        "greedy agreement k=1", "k=2", "k=3", "tokens/pass γ = 1", "best chain"], rows),
-        "", "Data tokens \"–\": the run's summary predates that record (before 2026-12-04); its data came "
-        "from the same configuration as the later runs with the same composition (1/2/yes: 146,703 tokens).",
+        "", "Data tokens: the target loss tokens of the run's training data; \"N (run)\": the run's summary "
+        "predates that record, and N is the record of that run, whose data settings (target, dtype, seed and "
+        "every data setting the cached set is keyed by) are the same; \"–\": no such run.",
         "", *notes, "",
         "## Training batches against held-out prompts", "",
         toolkit.table(["run", "loss tokens", "agreement on training batches (since the last evaluation)",
