@@ -41,7 +41,7 @@ class OptionalBuildExt(build_ext):
 # specjax.kernels opens with ctypes; built with the extension suffix so pip places it in the package.
 KERNEL = setuptools.Extension(
     "specjax.kernels._panel_matmul",
-    sources=["specjax/kernels/panel_matmul.cc"],
+    sources=["specjax/kernels/panel_matmul.cc", "specjax/kernels/decode_attention.cc"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
     optional=True,

@@ -384,10 +384,23 @@ def check_config(c) -> None:
 
 def load_target_with_tokenizer(c):
     """(target, params, tokenizer) of a generation config, from one read of the checkpoint, in
-    the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``)."""
-    return models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
-                                      fuse_projections=c.get("fuse_projections", False),
-                                      packed_projections=use_cpu_kernel(c))
+    the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``: the
+    panel matmul and, with it, the attention kernel, see `use_cpu_attention`)."""
+    packed = use_cpu_kernel(c)
+    target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
+                                                           fuse_projections=c.get("fuse_projections", False),
+                                                           packed_projections=packed)
+    if packed and use_cpu_attention():
+        target = type(target)(target.config.replace(cpu_attention=True))
+    return target, params, tokenizer
+
+
+def use_cpu_attention() -> bool:
+    """Whether a target that runs on the CPU kernel's matmul (`use_cpu_kernel`) also attends
+    through `specjax.kernels.decode_attention`: when that kernel was built with its AVX-512 body
+    (its portable body is slower than XLA's einsum)."""
+    from specjax import kernels
+    return kernels.attention_fast_on_this_cpu()
 
 
 def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decoding.Generator:

@@ -272,6 +272,19 @@ def distill_main(c, workdir: str) -> dict:
     return train(c, workdir)
 
 
+def data_main(c, workdir: str) -> dict:
+    """`specjax data`: run or resume (same command) the data engine in `workdir`."""
+    from specjax import build, distill
+    config = distill.data_config(c)          # the typed settings, checked before anything loads
+    build.check_config(c.generate)
+    generator = build.load_generator(c.generate)
+    report = distill.generate_data(config, generator, workdir)
+    print(f"[specjax] data in {workdir}: " + ", ".join(
+        f"{k} {v.get('sequences', 0)} seqs / {v.get('loss_tokens', 0)} loss tokens" for k, v in report["stages"].items()),
+        flush=True)
+    return report
+
+
 EVAL_DRAFTERS = ("distilled", "model", "early_exit")
 
 
@@ -361,6 +374,9 @@ COMMANDS = {c.name: c for c in (
             "configs/bench.py"),
     Command("distill", "train a draft (DistillSpec) or a feature head into --workdir; the same command resumes",
             "configs/distill.py", workdir=True),
+    Command("data", "the data engine: prompts the target writes itself (Magpie), cleaned, and its greedy and "
+            "sampled answers, as resumable sha256'd shards in --workdir; the same command resumes",
+            "configs/data.py", workdir=True),
     Command("eval", "teacher-forced alpha, greedy agreement and tokens per target pass of a draft/target pair "
             "(no wall-clock)", "configs/eval.py"),
     Command("export", "a model or a draft as a Hugging Face checkpoint directory", "configs/export.py"),
@@ -374,7 +390,7 @@ def usage() -> str:
     lines += [f"  {c.name:<{width}}  {c.summary} (e.g. --config={c.config})" for c in COMMANDS.values()]
     lines += ["", "specjax <command> --help lists that command's config keys. --config.KEY=VALUE overrides one key "
               "(nested keys with dots: --config.eval.per_category=2); --verbose prints tracebacks of errors.",
-              "distill also takes --workdir=DIR."]
+              "distill and data also take --workdir=DIR."]
     return "\n".join(lines)
 
 
@@ -529,6 +545,8 @@ def dispatch(argv: list[str]) -> int:
             bench_main(c, " ".join(["specjax", name, *rest]))
         elif name == "distill":
             distill_main(c, workdir.value)
+        elif name == "data":
+            data_main(c, workdir.value)
         elif name == "eval":
             eval_main(c)
         else:

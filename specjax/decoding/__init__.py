@@ -3,6 +3,8 @@ and the one request path from prompts to completions."""
 
 from specjax.decoding import _adaptive as adaptive
 from specjax.decoding._adaptive import AdaptiveGamma
+from specjax.decoding._batched import (MAX_CACHE_BYTES, BatchReport, RequestResult, cache_bytes_per_row,
+                                       generate_batched, plan_batches)
 from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
                                       Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
                                       Prefill, StreamEvent)
@@ -14,5 +16,7 @@ __all__ = [
     "AdaptiveGamma", "adaptive", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
     "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
     "Prefill", "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
+    "MAX_CACHE_BYTES", "BatchReport", "RequestResult", "cache_bytes_per_row", "generate_batched",
+    "plan_batches",
     "Completion", "Generator", "encode_prompt", "make_batch", "request_keys", "timing_summary",
 ]

@@ -12,8 +12,16 @@
     eval_plan                     a training config's held-out evaluation set
     generated_data / second_turn_prompts / with_features / feature_file   data sets on disk
     spec_bench_prompts            chat-templated Spec-Bench prompts of a split (length and per-category subsets)
+    generate_data / DataConfig / data_config   the data engine (`specjax data`): Magpie prompts, cleaned
+                                  (build_corpus, near_duplicates, template_prefix), answers as `shards`
 """
 
+from specjax.distill import _shards as shards
+from specjax.distill._corpus import build_corpus, near_duplicates, template_prefix
+from specjax.distill._datagen import STAGES as DATA_STAGES
+from specjax.distill._datagen import DataConfig, StageSettings
+from specjax.distill._datagen import config_from_dict as data_config
+from specjax.distill._datagen import run as generate_data
 from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_states, from_jsonl, generate,
                                    teacher_states)
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
@@ -30,6 +38,8 @@ from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass,
                                     teacher_head)
 
 __all__ = [
+    "shards", "build_corpus", "near_duplicates", "template_prefix", "DataConfig", "StageSettings", "data_config", "DATA_STAGES",
+    "generate_data",
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",

@@ -42,6 +42,9 @@ from specjax import sampling as sampling_lib
 from specjax.models.llama import rms_norm
 
 DEFAULT_WIDTHS = (256, 512, 1024)
+# Prompt tokens per prefill call when generating data: smaller chunks mask less of each chunk's
+# causal block (experiments/batch_decode).
+GENERATION_PREFILL_CHUNK = 128
 
 
 @dataclasses.dataclass
@@ -137,57 +140,42 @@ def _round_up(x: int, m: int) -> int:
 def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: sampling_lib.SamplingConfig,
              max_new_tokens: int, batch_size: int = 32, eos_ids: tuple[int, ...] = (),
              samples_per_prompt: int = 1, width_multiple: int = 128, source: str = "generated",
-             log: Callable[[str], None] | None = None, slots: bool = False) -> SequenceSet:
+             log: Callable[[str], None] | None = None, slots: bool = False,
+             prefill_chunk: int | None = GENERATION_PREFILL_CHUNK) -> SequenceSet:
     """Continuations of `prompts` by `model` (the target, or a draft: on-policy data).
+
+    Default: `specjax.decoding.generate_batched`: requests sorted by prompt length, batches of
+    up to `batch_size` rows padded to a multiple of `width_multiple`, each with its own cache
+    capacity (rows cut only where a batch's cache would pass `decoding.MAX_CACHE_BYTES`), the
+    prompts prefilled in chunks of `prefill_chunk` tokens.
 
     With ``slots`` the requests go through `specjax.serving.Scheduler` with up to `batch_size`
     rows per prompt-width group: a row whose request ends (EOS or max_new_tokens) is refilled
     with the next request at once, so no row idles until the longest of its batch ends; the
     same sequences, but one host round trip per round (on 48 prompts x 128 tokens, 32 rows, it
     ran at 0.82x of the batched path: experiments/load_study/results/datagen.jsonl), so it is
-    not the default. Otherwise (default):
+    not the default.
 
-    Prompts are sorted by length and cut into batches of `batch_size` rows (fewer for prompts
-    wider than 2 x `width_multiple`, to bound the prefill's memory), padded to a multiple of
-    `width_multiple` (so a handful of programs get compiled); a short batch is filled with
-    repeats that are dropped. Request r (prompt r // samples_per_prompt) samples with
-    ``fold_in(key, r)``, so the data does not depend on the batching. Returns prompt +
-    continuation (EOS included when reached).
+    Request r (prompt r // samples_per_prompt) samples with ``fold_in(key, r)``, so the data
+    does not depend on the batching. Returns prompt + continuation (EOS included when reached).
     """
-    config = decoding.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, eos_ids=tuple(eos_ids))
+    config = decoding.GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, eos_ids=tuple(eos_ids),
+                                       prefill_chunk=prefill_chunk)
     engine, params = decoding.Engine(model, None, config), decoding.EngineParams(target=params)
     reqs = [(i, s) for i in range(len(prompts)) for s in range(samples_per_prompt)]
     if slots:
         return _generate_in_slots(engine, params, prompts, reqs, key=key, sampling=sampling, slots=batch_size,
                                   width_multiple=width_multiple, source=source, log=log)
-    order = sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]]))
     out: dict[int, np.ndarray] = {}
     t0, n_new = time.perf_counter(), 0
-    start = 0
-    while start < len(order):
-        # Rows shrink with the padded width (prefill attention memory grows as rows x width^2);
-        # prompts are sorted, so a chunk's width is its last prompt's.
-        def width_of(r):
-            return _round_up(len(prompts[reqs[order[min(start + r, len(order)) - 1]][0]]), width_multiple)
-
-        rows = batch_size
-        while rows > 1 and rows > max(1, batch_size * width_multiple * 2 // max(width_of(rows), width_multiple * 2)):
-            rows -= 1
-        chunk = order[start:start + rows]
-        width = width_of(rows)
-        ids = chunk + [chunk[-1]] * (rows - len(chunk))
-        batch = decoding.make_batch([list(prompts[reqs[r][0]]) for r in ids], config, key, request_ids=ids,
-                                    pad_multiple=width_multiple)
-        res = engine.run(params, sampling, batch)
-        plens_B = np.asarray(batch.prompt_lengths_B)
-        toks, lens = np.asarray(res.tokens_BL), np.asarray(res.lengths_B)
-        for j, r in enumerate(chunk):
-            out[r] = toks[j, :lens[j]].copy()
-            n_new += int(lens[j] - plens_B[j])
-        start += len(chunk)
+    for results, report in decoding.generate_batched(engine, params, [prompts[i] for i, _ in reqs], sampling, key,
+                                                     batch_size=batch_size, pad_multiple=width_multiple):
+        for res in results:
+            out[res.index] = np.asarray(list(prompts[reqs[res.index][0]]) + res.tokens, np.int32)
+        n_new += report.new_tokens
         if log:
             dt = time.perf_counter() - t0
-            log(f"{source}: {start}/{len(order)} sequences (batch {rows} x width {width}), "
+            log(f"{source}: {len(out)}/{len(reqs)} sequences (batch {report.rows} x width {report.width}), "
                 f"{n_new} tokens, {n_new / dt:.0f} tokens/s")
     seqs = [out[r] for r in range(len(reqs))]
     plens = [len(prompts[i]) for i, _ in reqs]

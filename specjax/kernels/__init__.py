@@ -1,4 +1,5 @@
-"""CPU kernels through XLA's FFI: the panel matrix product of the target's projections.
+"""CPU kernels through XLA's FFI: the panel matrix product of the target's projections, and
+attention of a few new tokens over a KV cache (`decode_attention`).
 
 ``matmul(x, panels, n)`` computes ``x @ W`` for ``W = unpack(panels, n)`` of shape [D, n],
 stored as 32-column panels ``[ceil(n / 32), D, 32]`` (`pack`). On the CPU backend, with the
@@ -26,6 +27,13 @@ import numpy as np
 
 PANEL = 32
 TARGET = "specjax_panel_matmul"
+ATTENTION_TARGET = "specjax_decode_attention"
+# The most new tokens per row `decode_attention` takes (decode steps and verification blocks;
+# a prefill chunk is a matrix product XLA's own library does better).
+ATTENTION_MAX_TOKENS = 16
+# The fewest rows `decode_attention` takes by default: below it XLA's einsum over a few rows is
+# as fast (experiments/batch_decode/results).
+ATTENTION_MIN_ROWS = 16
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
@@ -41,6 +49,8 @@ def _library():
             except OSError:
                 return None
             lib.SpecjaxKernelIsa.restype = ctypes.c_int
+            if hasattr(lib, "SpecjaxAttentionIsa"):
+                lib.SpecjaxAttentionIsa.restype = ctypes.c_int
             return lib
     return None
 
@@ -51,6 +61,8 @@ def _registered() -> bool:
     if lib is None:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
+    if hasattr(lib, "SpecjaxDecodeAttention"):
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxDecodeAttention), platform="cpu")
     return True
 
 
@@ -130,3 +142,38 @@ def matmul(x, panels_PDC, n: int, use_kernel: bool = True):
         return _einsum(x, panels_PDC, n)
     return jax.lax.platform_dependent(
         x, panels_PDC, cpu=functools.partial(_custom_call, n=n), default=functools.partial(_einsum, n=n))
+
+
+# ----------------------------------------------------------------------------- attention
+
+def attention_built() -> bool:
+    """Whether the library holds the attention kernel (built from decode_attention.cc)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, "SpecjaxDecodeAttention")
+
+
+def attention_fast_on_this_cpu() -> bool:
+    """The attention kernel is built with its AVX-512 body for this CPU (its portable body is
+    correct but slower than XLA's einsum, so ``cpu_kernel='auto'`` uses it only here)."""
+    return attention_built() and int(_library().SpecjaxAttentionIsa()) == 2
+
+
+def _attention_call(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B):
+    B, T, N, H = q_BTNH.shape
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, N * H), jnp.float32),
+                            vmap_method="sequential")(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B)
+
+
+def decode_attention(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B, reference,
+                     min_rows: int = ATTENTION_MIN_ROWS):
+    """Causal grouped-query attention of T <= `ATTENTION_MAX_TOKENS` new tokens over a cache
+    (the rule of `specjax.models.llama.attention` without a tree; see decode_attention.cc):
+    [B, T, N * H] float32. ``reference()`` gives the same result where the kernel does not run
+    (not built, another backend, another dtype, a longer block, fewer than ``min_rows`` rows)."""
+    args = (q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS)
+    if (q_BTNH.shape[1] > ATTENTION_MAX_TOKENS or q_BTNH.shape[0] < min_rows
+            or any(x.dtype != jnp.float32 for x in args)
+            or not attention_built() or not _registered()):
+        return reference()
+    lengths_B = jnp.asarray(lengths_B, jnp.int32)
+    return jax.lax.platform_dependent(*args, lengths_B, cpu=_attention_call, default=lambda *_: reference())

@@ -50,6 +50,10 @@ class ModelConfig:
     # projections (and a copy of the head) stored as 32-column panels for specjax.kernels'
     # CPU matmul; needs scan_layers=False (see specjax.models.llama, "Layout")
     packed_projections: bool = False
+    # decode steps and verification blocks (<= kernels.ATTENTION_MAX_TOKENS new tokens, no tree)
+    # attend through specjax.kernels.decode_attention: reads each cached key and value once per
+    # key/value head and only the committed slots; off: the reference einsum over the capacity
+    cpu_attention: bool = False
     max_position: int = 8192
     arch: str = "llama"                   # "llama" | "qwen2" (what the exporter writes)
     bos_token_id: int | None = None

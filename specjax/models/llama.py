@@ -343,7 +343,7 @@ def apply_rope(x_BTNH, cos_BTH, sin_BTH):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, tree_mask=None):
+def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, tree_mask=None, kernel: bool = False):
     """Grouped-query attention of T queries over cached slots and the T new tokens.
 
     ``past`` is None (plain causal attention over the new tokens) or
@@ -356,7 +356,15 @@ def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, tree_mask=None):
 
     ``tree_mask`` (tree blocks; needs ``past``) is ``(visible_past_BTS, visible_new_BTT)`` from
     `tree_attention_mask`: it replaces both rules above (``visible_past`` may be [B, 1, S]).
+
+    ``kernel``: with ``past``, no tree and a short block, `specjax.kernels.decode_attention`
+    computes the same rule (where it can run; this function otherwise).
     """
+    if kernel and past is not None and tree_mask is None:
+        v_safe = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
+        return kernels.decode_attention(
+            q_BTNH, k_new_BTKH, v_safe, *past,
+            reference=lambda: attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, tree_mask)).astype(q_BTNH.dtype)
     B, T, N, H = q_BTNH.shape
     K = k_new_BTKH.shape[2]
     G = N // K
@@ -451,7 +459,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
-    attn = attention(q, k, v, past, tree_mask)
+    attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention)
     h_BTD = h_BTD + _linear(attn, p["wo"], width=width("wo"))
     x = rms_norm(h_BTD, p["mlp_norm"], c.rms_eps)
     if c.fuse_projections:

@@ -1,0 +1,327 @@
+"""The data engine (`specjax data --config=configs/data.py --workdir=DIR`): prompts the target
+writes itself, cleaned, and the target's answers to them, as resumable shards.
+
+Stages, each a shard directory under the workdir (`specjax.distill._shards`; one command runs
+the missing ones and resumes a stopped one at its last complete shard):
+
+1. ``instructions``: Magpie requests (`_corpus`): per request, a seed task's steering system
+   message and the template's opening of a user turn; the target completes the turn.
+2. ``corpus.jsonl`` + ``corpus_report.json`` / ``.md``: the Spec-Bench training split's first
+   turns and the finished Magpie requests, cleaned (`_corpus.build_corpus`: rejects, exact and
+   near duplicates, leaks into the held-out Spec-Bench questions and the evaluation texts).
+3. ``responses_greedy`` and ``responses_sampled``: the target's answer to every corpus prompt,
+   greedy and at the sampled setting (default T = 1, top-p 0.95); loss on the answer's tokens.
+4. ``followups``: for the first ``followups.n`` corpus prompts, the target writes the user's
+   next turn after its own greedy answer (Magpie again, over the conversation);
+   ``followup_responses``: its greedy answer to that turn (finished follow-ups only), loss on
+   that last answer.
+
+Every request of a stage is keyed by ``fold_in(stage key, request id)``, so a stage's output
+does not depend on its shard or batch layout (at a fixed gamma; see `decoding.generate_batched`).
+With a drafter (the engine's, e.g. the shipped head) generation is speculative and still the
+target's distribution exactly. Batches are sorted by prompt length within a shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import platform
+import sys
+import time
+import zlib
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from specjax import decoding, specbench
+from specjax import sampling as sampling_lib
+from specjax.distill import _corpus, _shards
+
+STAGES = ("instructions", "corpus", "responses_greedy", "responses_sampled", "followups", "followup_responses")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSettings:
+    """How one generation stage samples: temperature (0 = greedy), top-p, new tokens per request."""
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The data command's settings (`configs/data.py`), checked once."""
+    target: str
+    seed: int
+    batch_size: int
+    shard_requests: int
+    pad_multiple: int
+    prefill_chunk: int
+    magpie_requests: int
+    magpie: StageSettings
+    spec_bench_train: bool
+    spec_bench_per_category: int
+    responses: StageSettings
+    sampled_responses: bool
+    followups: int
+    followup: StageSettings
+    followup_response: StageSettings
+    eval_texts: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("batch_size", "shard_requests", "pad_multiple", "prefill_chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 1")
+        for name in ("magpie_requests", "followups", "spec_bench_per_category"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
+        for name in ("magpie", "responses", "followup", "followup_response"):
+            s = getattr(self, name)
+            sampling_lib.SamplingConfig.make(temperature=s.temperature, top_p=s.top_p)     # raises on bad values
+            if s.max_new_tokens < 1:
+                raise ValueError(f"{name}.max_new_tokens={s.max_new_tokens!r}: expected >= 1")
+
+
+@dataclasses.dataclass
+class Request:
+    ids: list[int]           # prompt token ids
+    source: str
+    category: str
+
+
+def _digest(requests: Sequence[Request]) -> str:
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(np.asarray(r.ids, np.int64).tobytes() + b"|" + r.source.encode() + b"|" + r.category.encode() + b"\n")
+    return h.hexdigest()
+
+
+def _stage_key(seed: int, stage: str) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), zlib.crc32(stage.encode()))
+
+
+@dataclasses.dataclass
+class Context:
+    """What every stage shares: the generator (target, drafter, tokenizer), the config, a log."""
+    generator: decoding.Generator
+    config: DataConfig
+    workdir: pathlib.Path
+    log: Callable[[str], None]
+    throughput: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def tokenizer(self):
+        return self.generator.tokenizer
+
+
+def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: StageSettings,
+              progress: bool = True) -> _shards.ShardDir:
+    """Generate the missing shards of one stage (request k * shard_requests .. of shard k)."""
+    c = ctx.config
+    sources = sorted({r.source for r in requests}) or ["none"]
+    shard_settings = {"stage": stage, "target": c.target, "seed": c.seed, **dataclasses.asdict(settings),
+                      "requests": len(requests), "requests_sha256": _digest(requests),
+                      "shard_requests": c.shard_requests,
+                      "drafter": type(ctx.generator.engine.drafter).__name__ if ctx.generator.engine.drafter else "none"}
+    sd = _shards.ShardDir(ctx.workdir / stage, shard_settings, vocab_size=ctx.generator.engine.target.vocab_size,
+                          sources=sources, log=ctx.log)
+    num_shards = -(-len(requests) // c.shard_requests)
+    todo = [k for k in range(num_shards) if not sd.done(k)]
+    if not todo:
+        ctx.log(f"{stage}: complete ({sd.totals()})")
+        return sd
+    engine = dataclasses.replace(ctx.generator.engine, config=dataclasses.replace(
+        ctx.generator.engine.config, max_new_tokens=settings.max_new_tokens, prefill_chunk=c.prefill_chunk))
+    samp = sampling_lib.SamplingConfig.make(temperature=settings.temperature, top_p=settings.top_p)
+    key = _stage_key(c.seed, stage)
+    done_requests = sum(min(c.shard_requests, len(requests) - k * c.shard_requests)
+                        for k in range(num_shards) if sd.done(k))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), initial=done_requests, unit="req", desc=stage, file=sys.stderr,
+                   dynamic_ncols=True)
+    stats = ctx.throughput.setdefault(stage, {"new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "batches": []})
+    t_start = time.perf_counter()
+    for k in todo:
+        lo, hi = k * c.shard_requests, min(len(requests), (k + 1) * c.shard_requests)
+        chunk = requests[lo:hi]
+        out: dict[int, list[int]] = {}
+        for results, rep in decoding.generate_batched(engine, ctx.generator.params, [r.ids for r in chunk], samp, key,
+                                                      batch_size=c.batch_size, pad_multiple=c.pad_multiple,
+                                                      request_ids=list(range(lo, hi))):
+            out.update((res.index, res.tokens) for res in results)
+            stats["new_tokens"] += rep.new_tokens
+            stats["prompt_tokens"] += rep.prompt_tokens
+            stats["seconds"] += rep.seconds
+            stats["batches"].append({"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
+                                     "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
+            if bar is not None:
+                bar.update(len(results))
+                rate = stats["new_tokens"] / max(time.perf_counter() - t_start, 1e-9)
+                bar.set_postfix_str(f"{rate:.0f} tok/s, {stats['new_tokens']} new tokens")
+        seqs = _shards.Sequences(
+            tokens=[np.asarray(chunk[i].ids + out[i], np.int32) for i in range(len(chunk))],
+            loss_masks=[np.asarray([False] * len(chunk[i].ids) + [True] * len(out[i])) for i in range(len(chunk))],
+            sources=[r.source for r in chunk], requests=list(range(lo, hi)))
+        sd.write(k, seqs, requests=[lo, hi])
+    if bar is not None:
+        bar.close()
+    ctx.log(f"{stage}: {sd.totals()}")
+    return sd
+
+
+def _stage_texts(sd: _shards.ShardDir, num_shards: int, stop_ids: Sequence[int]):
+    """Per request of a stage (in order): (prompt ids, generated ids without the stop token, finished)."""
+    out = []
+    for k in range(num_shards):
+        seqs = sd.read(k)
+        for toks, mask in zip(seqs.tokens, seqs.loss_masks):
+            n_prompt = int(np.argmax(mask)) if mask.any() else len(toks)
+            gen = toks[n_prompt:].tolist()
+            finished = bool(gen) and gen[-1] in stop_ids
+            out.append((toks[:n_prompt].tolist(), gen[:-1] if finished else gen, finished))
+    return out
+
+
+def magpie_requests(tokenizer, n: int) -> list[Request]:
+    """Request i: seed task i mod len(SEED_TASKS), its steering message, the user-turn opening."""
+    prefixes = [(cat, _corpus.template_prefix(tokenizer, [{"role": "system", "content": msg}]))
+                for cat, msg in _corpus.SEED_TASKS]
+    return [Request(ids=list(prefixes[i % len(prefixes)][1]), source="magpie", category=prefixes[i % len(prefixes)][0])
+            for i in range(n)]
+
+
+def _chat(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def run(config: DataConfig, generator: decoding.Generator, workdir, *, log: Callable[[str], None] = print,
+        progress: bool = True) -> dict:
+    """Every stage (see the module docstring); returns the report also written to
+    ``report.json`` and ``REPORT.md`` in the workdir."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = Context(generator, config, workdir, log)
+    tok, c = generator.tokenizer, config
+    stop_ids = tuple(generator.config.eos_ids)
+    if not stop_ids:
+        raise ValueError("the data engine needs the target's end-of-turn ids (the generator's eos_ids) to tell "
+                         "finished requests and answers")
+
+    # 1. Magpie requests
+    magpie = magpie_requests(tok, c.magpie_requests)
+    candidates = []
+    if c.spec_bench_train:
+        taken: dict[str, int] = {}
+        for q in specbench.load(split="train"):
+            taken[q.category] = taken.get(q.category, 0) + 1
+            if not c.spec_bench_per_category or taken[q.category] <= c.spec_bench_per_category:
+                candidates.append(_corpus.Candidate(q.prompt, "spec_bench_train", q.category))
+    if magpie:
+        sd = run_stage(ctx, "instructions", magpie, c.magpie, progress)
+        for req, (_, gen, finished) in zip(magpie, _stage_texts(sd, sd.totals()["shards"], stop_ids)):
+            candidates.append(_corpus.Candidate(tok.decode(gen, skip_special_tokens=False), "magpie", req.category,
+                                                finished=finished))
+
+    # 2. the cleaned corpus
+    banned = [q.prompt for q in specbench.load(split="held_out")] + list(c.eval_texts)
+    kept, corpus_report = _corpus.build_corpus(candidates, banned)
+    with open(workdir / "corpus.jsonl.tmp", "w", encoding="utf-8") as f:
+        for cand in kept:
+            f.write(json.dumps({"text": cand.text, "source": cand.source, "category": cand.category}) + "\n")
+    pathlib.Path(workdir / "corpus.jsonl.tmp").replace(workdir / "corpus.jsonl")
+    (workdir / "corpus_report.json").write_text(json.dumps(corpus_report, indent=1) + "\n")
+    log(f"corpus: {corpus_report['total']}")
+
+    # 3. answers
+    asks = [Request(_chat(tok, [{"role": "user", "content": k.text}]), k.source, k.category) for k in kept]
+    greedy = run_stage(ctx, "responses_greedy", asks, dataclasses.replace(c.responses, temperature=0.0), progress)
+    if c.sampled_responses:
+        run_stage(ctx, "responses_sampled", asks, c.responses, progress)
+
+    # 4. follow-up turns on the greedy answers, then the answers to them
+    n_follow = min(c.followups, len(kept))
+    if n_follow:
+        answers = _stage_texts(greedy, greedy.totals()["shards"], stop_ids)[:n_follow]
+        convs = [[{"role": "user", "content": k.text}, {"role": "assistant", "content": tok.decode(a[1])}]
+                 for k, a in zip(kept, answers)]
+        follow_reqs = [Request(_corpus.template_prefix(tok, conv), f"followup:{k.source}", k.category)
+                       for conv, k in zip(convs, kept)]
+        fsd = run_stage(ctx, "followups", follow_reqs, c.followup, progress)
+        turns = _stage_texts(fsd, fsd.totals()["shards"], stop_ids)
+        second = []
+        for conv, req, (_, gen, finished) in zip(convs, follow_reqs, turns):
+            text = tok.decode(gen).strip()
+            if finished and len(text.split()) >= _corpus.MIN_WORDS and "<|" not in text:
+                second.append(Request(_chat(tok, conv + [{"role": "user", "content": text}]), req.source, req.category))
+        corpus_report["followups"] = {"asked": n_follow, "finished_and_kept": len(second)}
+        if second:
+            run_stage(ctx, "followup_responses", second, c.followup_response, progress)
+
+    report = {"config": dataclasses.asdict(c) | {"eval_texts": len(c.eval_texts)}, "corpus": corpus_report,
+              "stages": {}, "machine": {"cpu": _cpu_model(), "backend": jax.default_backend()}}
+    for stage in STAGES:
+        d = workdir / stage
+        if (d / _shards.MANIFEST).is_file():
+            m = json.loads((d / _shards.MANIFEST).read_text())
+            e = m["shards"].values()
+            report["stages"][stage] = {k: int(sum(x[k] for x in e)) for k in ("sequences", "tokens", "loss_tokens",
+                                                                               "bytes")}
+    for stage, s in ctx.throughput.items():
+        report["stages"].setdefault(stage, {})["this_run"] = {
+            "new_tokens": s["new_tokens"], "prompt_tokens": s["prompt_tokens"], "seconds": round(s["seconds"], 2),
+            "new_tokens_per_s": s["new_tokens"] / s["seconds"] if s["seconds"] else None}
+    (workdir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (workdir / "REPORT.md").write_text(report_markdown(report))
+    return report
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report_markdown(report: dict) -> str:
+    lines = ["# Data engine report", "", f"Machine: {report['machine']['cpu']} ({report['machine']['backend']}).", "",
+             "## Corpus", "", _corpus.report_markdown(report["corpus"])]
+    if "followups" in report["corpus"]:
+        f = report["corpus"]["followups"]
+        lines += [f"Follow-up turns: {f['finished_and_kept']} of {f['asked']} finished and kept.", ""]
+    lines += ["## Stages", "", "| stage | sequences | tokens | loss tokens | MB | this run: new tokens/s |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for stage, s in report["stages"].items():
+        rate = s.get("this_run", {}).get("new_tokens_per_s")
+        lines.append(f"| {stage} | {s.get('sequences', 0)} | {s.get('tokens', 0)} | {s.get('loss_tokens', 0)} | "
+                     f"{s.get('bytes', 0) / 1e6:.2f} | {'' if rate is None else f'{rate:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def config_from_dict(c) -> DataConfig:
+    """A `DataConfig` from ``configs/data.py``'s ConfigDict (the CLI's one reading of it)."""
+    def stage(d):
+        return StageSettings(temperature=float(d.temperature), top_p=float(d.top_p), max_new_tokens=int(d.max_new_tokens))
+    eval_texts = ()
+    if c.eval_prompts:
+        path = pathlib.Path(c.eval_prompts).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"eval_prompts={c.eval_prompts!r}: no such file")
+        eval_texts = tuple(json.loads(line)["turns"][0] if "turns" in json.loads(line) else json.loads(line)["text"]
+                           for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return DataConfig(target=c.generate.target, seed=int(c.seed), batch_size=int(c.batch_size),
+                      shard_requests=int(c.shard_requests), pad_multiple=int(c.pad_multiple),
+                      prefill_chunk=int(c.prefill_chunk), magpie_requests=int(c.magpie.requests),
+                      magpie=stage(c.magpie), spec_bench_train=bool(c.spec_bench_train),
+                      spec_bench_per_category=int(c.spec_bench_per_category), responses=stage(c.responses),
+                      sampled_responses=bool(c.responses.sampled), followups=int(c.followup.requests),
+                      followup=stage(c.followup), followup_response=stage(c.followup.response),
+                      eval_texts=eval_texts)

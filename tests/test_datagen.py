@@ -1,0 +1,124 @@
+"""The data engine (`specjax data`, `specjax.distill.generate_data`) on a tiny random target with
+SmolLM2's tokenizer: every stage's shards and manifest, the corpus report, determinism, and
+resumption (a run stopped mid-stage, a shard written but not listed, a damaged shard)."""
+
+import json
+import shutil
+
+import jax
+import pytest
+
+from specjax import build, decoding, distill
+
+from _cli_tiny import write_pair
+
+
+@pytest.fixture(scope="module")
+def tiny_generator(tmp_path_factory):
+    from configs import data
+    target_dir, _ = write_pair(tmp_path_factory.mktemp("pair"))
+    c = data.get_config()
+    c.generate.target = str(target_dir)
+    c.generate.cpu_kernel = "off"
+    return c, build.load_generator(c.generate)
+
+
+def _config(c, **kw):
+    c = c.copy_and_resolve_references()
+    c.spec_bench_per_category = 1
+    c.batch_size, c.shard_requests, c.pad_multiple, c.prefill_chunk = 4, 5, 32, 64
+    c.magpie.requests, c.magpie.max_new_tokens = 6, 6
+    c.responses.max_new_tokens = 5
+    c.followup.requests, c.followup.max_new_tokens, c.followup.response.max_new_tokens = 3, 4, 4
+    for k, v in kw.items():
+        c[k] = v
+    return distill.data_config(c)
+
+
+def _manifests(d):
+    return {s: json.loads((d / s / "manifest.json").read_text())["shards"]
+            for s in distill.DATA_STAGES if (d / s / "manifest.json").is_file()}
+
+
+def test_stages_shards_and_report(tiny_generator, tmp_path):
+    c, gen = tiny_generator
+    report = distill.generate_data(_config(c), gen, tmp_path, progress=False, log=lambda s: None)
+    corpus = [json.loads(line) for line in (tmp_path / "corpus.jsonl").read_text().splitlines()]
+    total = report["corpus"]["total"]
+    assert total["offered"] == 13 + 6 and total["kept"] == len(corpus) >= 13 - total["leaks"]
+    assert {r["source"] for r in report["corpus"]["rows"]} >= {"spec_bench_train", "magpie"}
+    assert total["offered"] == sum(total[k] for k in ("rejected", "exact_duplicates", "near_duplicates", "leaks",
+                                                        "kept"))
+    for stage in ("instructions", "responses_greedy", "responses_sampled", "followups"):
+        seqs = [s for s in distill.shards.read_dir(tmp_path / stage)]
+        n = sum(len(s) for s in seqs)
+        assert n == report["stages"][stage]["sequences"] > 0
+        for s in seqs:
+            for toks, mask in zip(s.tokens, s.loss_masks):
+                # the loss covers exactly the generated tail: a prefix of False, then True
+                k = int(mask.argmax())
+                assert not mask[:k].any() and mask[k:].all() and 1 <= mask.sum() <= 6
+    assert report["stages"]["responses_greedy"]["sequences"] == len(corpus)
+    assert (tmp_path / "REPORT.md").read_text().startswith("# Data engine report")
+
+
+def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch):
+    c, gen = tiny_generator
+    cfg = _config(c)
+    whole = tmp_path / "whole"
+    distill.generate_data(cfg, gen, whole, progress=False, log=lambda s: None)
+    # A run that dies in its third batch of generation ...
+    resumed = tmp_path / "resumed"
+    real, calls = decoding.generate_batched, [0]
+
+    def dying(*a, **k):
+        for out in real(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt("killed")
+            yield out
+    monkeypatch.setattr(decoding, "generate_batched", dying)
+    with pytest.raises(KeyboardInterrupt):
+        distill.generate_data(cfg, gen, resumed, progress=False, log=lambda s: None)
+    monkeypatch.setattr(decoding, "generate_batched", real)
+    assert len(_manifests(resumed).get("instructions", {})) >= 1
+    # ... and a shard written but never listed (a kill between the file and the manifest)
+    d = resumed / "instructions"
+    m = json.loads((d / "manifest.json").read_text())
+    last = sorted(m["shards"])[-1]
+    del m["shards"][last]
+    (d / "manifest.json").write_text(json.dumps(m))
+    logs = []
+    distill.generate_data(cfg, gen, resumed, progress=False, log=logs.append)
+    assert (d / (last + ".unlisted")).is_file() and any("set aside" in s for s in logs)
+    a, b = _manifests(whole), _manifests(resumed)
+    assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()} == \
+        {s: {k: v["sha256"] for k, v in e.items()} for s, e in b.items()}
+    # a damaged shard is named, not trusted
+    shard = resumed / "responses_greedy" / "shard-00000.npz"
+    shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
+    with pytest.raises(ValueError, match="shard-00000.npz.*sha256"):
+        distill.generate_data(cfg, gen, resumed, progress=False, log=lambda s: None)
+    # other settings in the same directory are refused, naming the setting
+    shutil.rmtree(resumed / "responses_greedy")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        distill.generate_data(_with(cfg, magpie_tokens=7), gen, resumed,
+                              progress=False, log=lambda s: None)
+
+
+def _with(cfg, magpie_tokens):
+    import dataclasses
+    return dataclasses.replace(cfg, magpie=dataclasses.replace(cfg.magpie, max_new_tokens=magpie_tokens))
+
+
+def test_bad_settings_fail_before_loading(tiny_generator):
+    c, _ = tiny_generator
+    for key, value, match in (("batch_size", 0, "batch_size"), ("shard_requests", -1, "shard_requests")):
+        bad = c.copy_and_resolve_references()
+        bad[key] = value
+        with pytest.raises(ValueError, match=match):
+            distill.data_config(bad)
+    bad = c.copy_and_resolve_references()
+    bad.responses.top_p = 1.5
+    with pytest.raises(ValueError, match="top_p"):
+        distill.data_config(bad)
