@@ -42,6 +42,7 @@ class OptionalBuildExt(build_ext):
 KERNEL = setuptools.Extension(
     "specjax.kernels._panel_matmul",
     sources=["specjax/kernels/panel_matmul.cc", "specjax/kernels/decode_attention.cc"],
+    depends=["specjax/kernels/shared_work.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
     optional=True,
@@ -78,7 +79,7 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["specjax", "specjax.*"]),
-    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*/*", "kernels/*.cc"]},
+    package_data={"specjax": ["data/*.jsonl", "data/*.md", "artifacts/*/*", "kernels/*.cc", "kernels/*.h"]},
     ext_modules=[KERNEL],
     cmdclass={"build_ext": OptionalBuildExt},
     python_requires=">=3.10",

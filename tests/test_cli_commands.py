@@ -40,7 +40,7 @@ def test_help_lists_every_command():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     listed = [ln.split()[0] for ln in out.stdout.split("commands:")[1].strip().splitlines()[:len(cli.COMMANDS)]]
-    assert listed == ["generate", "bench", "distill", "eval", "export"]
+    assert listed == ["generate", "bench", "distill", "data", "eval", "export"]
     for c in cli.COMMANDS.values():
         assert f"--config={c.config}" in out.stdout and os.path.isfile(os.path.join(REPO, c.config))
 
@@ -60,7 +60,7 @@ def test_command_help_lists_the_config_keys(capsys):
 
 @pytest.mark.parametrize("args,message", [
     ((), "usage: specjax <command>"),
-    (("gen",), "unknown command 'gen': expected one of generate, bench, distill, eval, export"),
+    (("gen",), "unknown command 'gen': expected one of generate, bench, distill, data, eval, export"),
     (("--config=configs/generate.py",), "name a command before the flags, e.g. specjax generate --config="),
     (("generate",), "--config is required, e.g. --config=configs/generate.py"),
     (("generate", "--config=configs/nope.py"), "--config=configs/nope.py: no such file"),
@@ -287,3 +287,24 @@ def test_generate_on_two_host_devices_uses_the_mesh_and_prints_the_same_answer(p
     assert outs[2][1]["mesh"] == {"data": 1, "fsdp": 1, "model": 2}
     assert outs[2][0] == outs[1][0] and outs[2][0].strip()
     assert outs[2][1]["same_tokens_as_target_only"] is True and outs[2][1]["new_tokens"] == 10
+
+
+def test_data_command_writes_resumable_shards(pair, tmp_path, capsys):
+    """`specjax data` end to end (13 Spec-Bench prompts, 2 Magpie requests, 2-token answers); run
+    again, it finds every stage complete and generates nothing."""
+    target, _ = pair
+    args = ["data", "--config=configs/data.py", f"--workdir={tmp_path}", f"--config.generate.target={target}",
+            "--config.generate.cpu_kernel=off", "--config.spec_bench_per_category=1", "--config.magpie.requests=2",
+            "--config.magpie.max_new_tokens=3", "--config.responses.max_new_tokens=2", "--config.responses.sampled=False",
+            "--config.followup.requests=0", "--config.batch_size=8"]
+    assert _dispatch(*args) == 0
+    out = capsys.readouterr().out
+    kept = json.loads((tmp_path / "corpus_report.json").read_text())["total"]["kept"]
+    assert kept >= 12 and f"responses_greedy {kept} seqs" in out and "instructions 2 seqs" in out
+    manifest = json.loads((tmp_path / "responses_greedy" / "manifest.json").read_text())
+    assert sum(e["sequences"] for e in manifest["shards"].values()) == kept
+    before = (tmp_path / "responses_greedy" / "manifest.json").read_bytes()
+    assert _dispatch(*args) == 0
+    assert (tmp_path / "responses_greedy" / "manifest.json").read_bytes() == before
+    assert _dispatch("data", "--config=configs/data.py") == 2          # --workdir is required
+    assert "--workdir is required" in capsys.readouterr().err

@@ -37,9 +37,10 @@ def plot(records: list[dict], path) -> pathlib.Path:
     for p in sorted({r["path"] for r in rows}):
         pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["path"] == p)
         ax.plot(*zip(*pts), marker="o", label=p)
-    bound = sorted((r["batch_size"], r["flop_bound_tokens_per_s"]) for r in rows
-                   if r["path"] == rows[-1]["path"])
-    ax.plot(*zip(*bound), ls="--", color="grey", label="FLOP bound (GEMM rate)")
+    bound = {}
+    for r in rows:                   # one prompt set per batch size: the bound of its first record
+        bound.setdefault(r["batch_size"], r["flop_bound_tokens_per_s"])
+    ax.plot(*zip(*sorted(bound.items())), ls="--", marker="x", color="grey", label="FLOP bound (GEMM rate)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (rows)")

@@ -18,15 +18,12 @@
 // reference's softmax does).
 //
 // Threads: (row, key/value head) pairs are shared out between the calling thread and XLA's own
-// intra-op pool (as in panel_matmul.cc).
+// intra-op pool (shared_work.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -35,6 +32,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "shared_work.h"
 
 namespace ffi = xla::ffi;
 
@@ -206,24 +204,6 @@ void Pair(const Attn& a, int64_t b, int64_t kv, int isa, std::vector<float>& w) 
   }
 }
 
-struct Work {
-  Attn a;
-  int isa;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void TakeItems(Work& w) {
-  std::vector<float> scratch;
-  for (;;) {
-    const int64_t i = w.next.fetch_add(1, std::memory_order_relaxed);
-    if (i >= w.items) return;
-    Pair(w.a, i / w.a.K, i % w.a.K, w.isa, scratch);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache,
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> lengths,
@@ -245,20 +225,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   a.k_cache = k_cache.typed_data(); a.v_cache = v_cache.typed_data(); a.lengths = lengths.typed_data();
   a.out = out->typed_data();
   if (a.B == 0 || a.T == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->a = a;
-  work->isa = ActiveIsa();
-  work->items = a.B * a.K;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min<int64_t>(threads - 1, work->items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { TakeItems(*work); });
-  TakeItems(*work);
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->items; ++spins) {
-#ifdef SPECJAX_X86
-    if (spins < 4096) { _mm_pause(); continue; }
-#endif
-    std::this_thread::yield();
-  }
+  const int isa = ActiveIsa();
+  specjax_kernels::ShareOut(pool, a.B * a.K, [a, isa](int64_t i) {
+    thread_local std::vector<float> scratch;
+    Pair(a, i / a.K, i % a.K, isa, scratch);
+  });
   return ffi::Error::Success();
 }
 

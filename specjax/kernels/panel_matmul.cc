@@ -15,17 +15,12 @@
 // verification block scores each position exactly as a one-token step would (up to the
 // attention part, which XLA computes).
 //
-// Threads. Panels are split into chunks that the calling thread and XLA's own intra-op thread
-// pool (the FFI ThreadPool context) take from a shared counter; no thread of our own is made.
-// The caller waits only for chunks that were taken, so a pool task that starts late finds
-// nothing to do and cannot deadlock the call.
+// Threads. Panels are split into chunks shared out between the calling thread and XLA's own
+// intra-op thread pool (shared_work.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <string>
-#include <thread>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -33,6 +28,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "shared_work.h"
 
 namespace ffi = xla::ffi;
 
@@ -181,25 +177,6 @@ void Rows(const Problem& p, int64_t j, int64_t m0, int64_t rows, int isa) {
   RowsScalar(p, j, m0, rows);
 }
 
-struct Work {
-  Problem p;
-  int isa;
-  int64_t chunk;     // panels per chunk
-  int64_t chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void TakeChunks(Work& w) {
-  for (;;) {
-    const int64_t c = w.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= w.chunks) return;
-    const int64_t j1 = std::min(w.p.panels, (c + 1) * w.chunk);
-    for (int64_t j = c * w.chunk; j < j1; ++j) Rows(w.p, j, 0, w.p.m, w.isa);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -228,22 +205,15 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   p.y = y->typed_data();
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
 
-  auto work = std::make_shared<Work>();
-  work->p = p;
-  work->isa = ActiveIsa();
+  const int isa = ActiveIsa();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // About four chunks per thread: the caller and the pool share them out as they come free.
-  work->chunk = std::max<int64_t>(1, (p.panels + 4 * threads - 1) / (4 * threads));
-  work->chunks = (p.panels + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min<int64_t>(threads - 1, work->chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { TakeChunks(*work); });
-  TakeChunks(*work);
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
-#ifdef SPECJAX_X86
-    if (spins < 4096) { _mm_pause(); continue; }
-#endif
-    std::this_thread::yield();
-  }
+  // About four chunks of panels per thread: the caller and the pool share them out as they come free.
+  const int64_t chunk = std::max<int64_t>(1, (p.panels + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (p.panels + chunk - 1) / chunk;
+  specjax_kernels::ShareOut(pool, chunks, [p, isa, chunk](int64_t c) {
+    const int64_t j1 = std::min(p.panels, (c + 1) * chunk);
+    for (int64_t j = c * chunk; j < j1; ++j) Rows(p, j, 0, p.m, isa);
+  });
   return ffi::Error::Success();
 }
 
