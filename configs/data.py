@@ -28,8 +28,9 @@ def get_config():
     c.prefill_chunk = 128                  # prompt tokens per prefill call
     c.spec_bench_train = True              # the Spec-Bench training split's first turns join the corpus
     c.spec_bench_per_category = 0          # at most this many of them per category (0 = all 360)
-    # Magpie requests: seed task i % 12 steers request i (specjax.distill._corpus.SEED_TASKS)
-    c.magpie = ml_collections.ConfigDict(dict(requests=6000, temperature=1.0, top_p=1.0, max_new_tokens=160))
+    # Magpie requests: seed task i % 12 steers request i (specjax.distill._corpus.SEED_TASKS); the
+    # sampling settings of the requests (compared in experiments/data_engine/README.md)
+    c.magpie = ml_collections.ConfigDict(dict(requests=6000, temperature=0.7, top_p=0.9, max_new_tokens=160))
     # Answers to every corpus prompt: greedy, and (sampled=True) once more at temperature / top_p
     c.responses = ml_collections.ConfigDict(dict(sampled=True, temperature=1.0, top_p=0.95, max_new_tokens=512))
     # Follow-up turns on the first `requests` greedy answers, and the greedy answers to them
