@@ -168,7 +168,8 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
             tokens=[np.asarray(chunk[i].ids + out[i], np.int32) for i in range(len(chunk))],
             loss_masks=[np.asarray([False] * len(chunk[i].ids) + [True] * len(out[i])) for i in range(len(chunk))],
             sources=[r.source for r in chunk], requests=list(range(lo, hi)))
-        sd.write(k, seqs, requests=[lo, hi])
+        sd.write(k, seqs, requests=[lo, hi], cpu=_cpu_model(), backend=jax.default_backend(),
+                 made_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if bar is not None:
         bar.close()
     ctx.log(f"{stage}: {sd.totals()}")
