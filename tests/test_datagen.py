@@ -122,3 +122,22 @@ def test_bad_settings_fail_before_loading(tiny_generator):
     bad.responses.top_p = 1.5
     with pytest.raises(ValueError, match="top_p"):
         distill.data_config(bad)
+
+
+def test_corpus_rules():
+    """The cleaning steps in order, each counted: a long curated prompt is kept, a long generated
+    one rejected; exact and near duplicates and 8-gram leaks dropped."""
+    long_text = " ".join(f"word{i}" for i in range(900))           # > MAX_CHARS characters
+    base = "please write a short poem about the quiet sea at night under the stars"
+    cands = [distill.Candidate(long_text, "spec_bench_train", "summarization"),
+             distill.Candidate(long_text + " more", "magpie", "writing", generated=True),
+             distill.Candidate(base, "magpie", "writing", generated=True),
+             distill.Candidate(base.upper() + "!", "magpie", "writing", generated=True),           # exact (normalized)
+             distill.Candidate(base + " please", "magpie", "writing", generated=True),             # near duplicate
+             distill.Candidate("unfinished request text here", "magpie", "qa", finished=False, generated=True),
+             distill.Candidate("tell me how the held out question about rivers and lakes is answered", "magpie",
+                               "qa", generated=True)]
+    kept, report = distill.build_corpus(cands, ["the held out question about rivers and lakes is answered well"])
+    assert [c.text for c in kept] == [long_text, base]
+    t = report["total"]
+    assert (t["rejected"], t["exact_duplicates"], t["near_duplicates"], t["leaks"], t["kept"]) == (2, 1, 1, 1, 2)

@@ -17,7 +17,7 @@
 """
 
 from specjax.distill import _shards as shards
-from specjax.distill._corpus import build_corpus, near_duplicates, template_prefix
+from specjax.distill._corpus import Candidate, build_corpus, near_duplicates, template_prefix
 from specjax.distill._datagen import STAGES as DATA_STAGES
 from specjax.distill._datagen import DataConfig, StageSettings
 from specjax.distill._datagen import config_from_dict as data_config
@@ -38,7 +38,7 @@ from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass,
                                     teacher_head)
 
 __all__ = [
-    "shards", "build_corpus", "near_duplicates", "template_prefix", "DataConfig", "StageSettings", "data_config", "DATA_STAGES",
+    "shards", "Candidate", "build_corpus", "near_duplicates", "template_prefix", "DataConfig", "StageSettings", "data_config", "DATA_STAGES",
     "generate_data",
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",

@@ -10,7 +10,8 @@ template's default system prompt, as a user would send it). Follow-up turns are 
 way after a first exchange (`template_prefix` over the conversation so far).
 
 Cleaning (`build_corpus`), in this order, each step counted per source and category:
-1. rejected: empty, fewer than `MIN_WORDS` words, longer than `MAX_CHARS` characters, a
+1. rejected: empty, fewer than `MIN_WORDS` words, a generated request longer than `MAX_CHARS`
+   characters (curated prompts, e.g. Spec-Bench's long summarization inputs, are kept), a
    request the target did not finish (no end-of-turn token), or one that contains template
    markers;
 2. exact duplicates: the same text after `normalize` (lower case, words only);
@@ -130,6 +131,7 @@ class Candidate:
     source: str
     category: str
     finished: bool = True
+    generated: bool = False     # written by the model (the length rule applies), not a curated prompt
 
 
 def build_corpus(candidates: Sequence[Candidate], banned_texts: Sequence[str]) -> tuple[list[Candidate], dict]:
@@ -145,7 +147,7 @@ def build_corpus(candidates: Sequence[Candidate], banned_texts: Sequence[str]) -
     for c in candidates:
         note(c, "offered")
         t = c.text.strip()
-        if (not c.finished or len(t.split()) < MIN_WORDS or len(t) > MAX_CHARS or "<|" in t
+        if (not c.finished or len(t.split()) < MIN_WORDS or (c.generated and len(t) > MAX_CHARS) or "<|" in t
                 or SENTINEL in t):
             note(c, "rejected")
         else:

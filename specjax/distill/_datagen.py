@@ -227,7 +227,7 @@ def run(config: DataConfig, generator: decoding.Generator, workdir, *, log: Call
         sd = run_stage(ctx, "instructions", magpie, c.magpie, progress)
         for req, (_, gen, finished) in zip(magpie, _stage_texts(sd, sd.totals()["shards"], stop_ids)):
             candidates.append(_corpus.Candidate(tok.decode(gen, skip_special_tokens=False), "magpie", req.category,
-                                                finished=finished))
+                                                finished=finished, generated=True))
 
     # 2. the cleaned corpus
     banned = [q.prompt for q in specbench.load(split="held_out")] + list(c.eval_texts)
