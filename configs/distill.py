@@ -45,6 +45,14 @@ def get_config():
     c.data.draft_prompts = 64           # train prompts per refresh
     c.data.draft_max_prompt_tokens = 384  # on-policy prompts: the shorter ones (teacher cost grows with length)
     c.data.draft_max_new_tokens = 128
+    # Streamed data-engine shards (`specjax data`; feature heads only): read from disk in a seeded
+    # order, a window of shards at a time (specjax.distill.ShardStream); the target's features
+    # are computed in each step.
+    c.data.shards = ml_collections.ConfigDict()
+    c.data.shards.dirs = ()             # shard directories, e.g. ("WORKDIR/responses_greedy", "WORKDIR/responses_sampled")
+    c.data.shards.weight = 0.0          # mixture weight of the streamed shards
+    c.data.shards.window = 8            # shards shuffled together (at most this many held decoded)
+    c.data.shards.max_loss_tokens = 0   # > 0: only the first N loss tokens of the shards' canonical order
 
     c.draft = ml_collections.ConfigDict()
     c.draft.kind = "target_layers"      # 'target_layers' (init from the target's layers) or 'fresh'

@@ -14,6 +14,8 @@
     spec_bench_prompts            chat-templated Spec-Bench prompts of a split (length and per-category subsets)
     generate_data / DataConfig / data_config   the data engine (`specjax data`): Magpie prompts, cleaned
                                   (build_corpus, near_duplicates, template_prefix), answers as `shards`
+    ShardStream                   training batches streamed from shard directories (bounded memory,
+                                  seeded shuffle, length buckets, nested data-size cuts, mid-epoch resume)
 """
 
 from specjax.distill import _shards as shards
@@ -22,6 +24,7 @@ from specjax.distill._datagen import STAGES as DATA_STAGES
 from specjax.distill._datagen import DataConfig, StageSettings
 from specjax.distill._datagen import config_from_dict as data_config
 from specjax.distill._datagen import run as generate_data
+from specjax.distill._stream import ShardStream
 from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_states, from_jsonl, generate,
                                    teacher_states)
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
@@ -39,7 +42,7 @@ from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass,
 
 __all__ = [
     "shards", "Candidate", "build_corpus", "near_duplicates", "template_prefix", "DataConfig", "StageSettings", "data_config", "DATA_STAGES",
-    "generate_data",
+    "generate_data", "ShardStream",
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",

@@ -37,7 +37,7 @@ import numpy as np
 
 from specjax import checkpoint as ckpt_lib
 from specjax import distributed, drafters, models, sharding
-from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _train
+from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _stream, _train
 
 MIX_STREAM = 7     # a fixed stream id for the per-step source choice
 
@@ -279,6 +279,23 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         timings["fixed_data_s"] = time.perf_counter() - t0
     if c.data.draft_weight > 0:
         weights["draft"] = c.data.draft_weight
+    sh = c.data.get("shards", None)
+    if sh is not None and sh.weight > 0:
+        if not sh.dirs:
+            raise ValueError("data.shards.weight > 0 but data.shards.dirs is empty: name the data engine's answer "
+                             "directories (e.g. WORKDIR/responses_greedy)")
+        if not is_head:
+            raise ValueError(f"data.shards (streamed shards, tokens only) trains feature heads; draft.kind="
+                             f"{c.draft.kind!r} needs the teacher's states of its data: use target or fixed data")
+        t0 = time.perf_counter()
+        sources["shards"] = _stream.ShardStream(
+            list(sh.dirs), seed=c.seed + 2, tokens_per_batch=c.data.tokens_per_batch, widths=widths,
+            window=int(sh.window), max_prompt=max_prompt, max_loss_tokens=int(sh.max_loss_tokens))
+        weights["shards"] = sh.weight
+        st = sources["shards"]
+        log(f"shards: {st.num_sequences} sequences, {st.loss_tokens_used()} loss tokens in {len(st.shards)} shards of "
+            f"{', '.join(map(str, sh.dirs))} (the target's features computed in each step)")
+        timings["shards_index_s"] = time.perf_counter() - t0
     if primary:
         distributed.barrier("specjax-distill-data")
     if not weights:
@@ -292,12 +309,14 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     choice = _drafts.DraftChoice.from_config(c.draft)
     head_ids = None
     if choice.head_vocab:
-        eos = _prepare.eos_ids(target, tok) if tok is not None else ()
-        datas = [p.data for p in sources.values()]
-        if not datas:
-            raise ValueError("a reduced head needs target or fixed data to pick its tokens from")
-        head_ids = _prepare.head_vocabulary(datas, target.vocab_size, choice.head_vocab, always=eos)
-        cover = _head_coverage(datas, head_ids)
+        # (streamed answers end in the stop token and count it among their loss tokens)
+        eos = _prepare.eos_ids(target, tok) if tok is not None or "shards" in sources else ()
+        if not sources:
+            raise ValueError("a reduced head needs target, fixed or shard data to pick its tokens from")
+        counts = sum(p.token_counts(target.vocab_size) if isinstance(p, _stream.ShardStream)
+                     else _sources.token_frequencies([p.data], target.vocab_size) for p in sources.values())
+        head_ids = _prepare.head_vocabulary(counts, choice.head_vocab, always=eos)
+        cover = counts[head_ids].sum() / max(int(counts.sum()), 1)
         log(f"reduced head: {len(head_ids)} tokens cover {cover:.4f} of the training continuations")
     if is_head:
         # The "draft" of the step is the head's static objective; its trainable params are the
@@ -349,7 +368,17 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep_checkpoints, async_save=c.async_checkpoints)
     meta = {"tokens": 0, "elapsed_s": 0.0}
     restored = ckpt.restore_latest(state)
+    # Streamed shards are read in an order fixed by their contents: a resumed run must see the same ones.
+    fingerprints = {n: p.fingerprint() for n, p in sources.items() if isinstance(p, _stream.ShardStream)}
     if restored is not None:
+        old = restored.meta.get("data_fingerprints", {})
+        changed = [n for n, f in fingerprints.items() if n in old and old[n] != f]
+        if changed:
+            ckpt.close()
+            raise ValueError(f"{workdir}: the checkpoints were trained on other shards than data.shards names now "
+                             f"({', '.join(f'{n}: {old[n]} -> {fingerprints[n]}' for n in changed)}: shards added, "
+                             f"removed or remade, or another max_loss_tokens); resuming would not continue the same "
+                             f"data order. Use a new workdir, or restore the shards")
         state, meta = restored.state, restored.meta
         for s, err in restored.skipped:
             writer.write({"kind": "event", "event": "unreadable_checkpoint", "step": s, "error": err})
@@ -494,7 +523,8 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=step)
         done = tokens_done >= c.budget_tokens
         if step % c.checkpoint_every == 0 or done:
-            meta = {"tokens": tokens_done, "elapsed_s": elapsed0 + time.perf_counter() - t_start}
+            meta = {"tokens": tokens_done, "elapsed_s": elapsed0 + time.perf_counter() - t_start,
+                    "data_fingerprints": fingerprints}
             ckpt.save(step, state, meta, force=True)
         if c.eval.every > 0 and (step % c.eval.every == 0 or done):
             last_eval = run_eval(step, state)
@@ -583,19 +613,6 @@ def _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target):
     head_sh = jax.sharding.NamedSharding(
         mesh, sharding.logical_to_spec(("vocab", "embed"), sharding.TRAIN_RULES, mesh, np.shape(head_SD)))
     return state_sh, frozen_sh, head_sh
-
-
-def _head_coverage(datas, head_ids) -> float:
-    inside = total = 0
-    s = set(int(i) for i in head_ids)
-    mask = np.zeros((max(s) + 1,), bool)
-    mask[list(s)] = True
-    for d in datas:
-        for t, p in zip(d.seqs.tokens, d.seqs.prompt_lengths):
-            cont = t[p:]
-            total += len(cont)
-            inside += int(mask[cont[cont < len(mask)]].sum())
-    return inside / max(total, 1)
 
 
 def _target_sha(name: str) -> str:

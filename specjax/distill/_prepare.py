@@ -156,10 +156,11 @@ def fixed_data(c, target, target_params, tokenizer, log=None, path=None, feature
                          tuple(c.data.widths), c.data.tokens_per_batch, log)
 
 
-def head_vocabulary(datas, vocab_size: int, size: int, always=()) -> np.ndarray:
-    """The `size` most frequent continuation tokens (ties by id), plus `always` (e.g. EOS),
-    sorted ascending."""
-    counts = _sources.token_frequencies(datas, vocab_size).astype(np.float64)
+def head_vocabulary(counts, size: int, always=()) -> np.ndarray:
+    """The `size` most frequent continuation tokens by `counts` (per token id, e.g.
+    `_sources.token_frequencies`; ties by id), plus `always` (e.g. EOS), sorted ascending."""
+    counts = np.asarray(counts, np.float64).copy()
+    vocab_size = len(counts)
     counts[list(always)] = np.inf
     order = np.lexsort((np.arange(vocab_size), -counts))
     return np.sort(order[:size]).astype(np.int32)
