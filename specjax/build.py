@@ -14,6 +14,16 @@ ARTIFACTS = pathlib.Path(__file__).with_name("artifacts")
 # The most new tokens a config may ask for before any model is read: above every released
 # model's context; the target's own context length is checked once its header is read.
 MAX_NEW_TOKENS_LIMIT = 1 << 22
+# The longest draft a config may ask for (gamma, each of adaptive_gammas; a tree's depth is
+# bounded alike, `trees.MAX_TREE_DEPTH`). A round verifies gamma + 1 tokens in one target pass
+# and its cost grows with them, while the expected tokens per round saturate at 1 / (1 - alpha):
+# the papers use gamma <= ~10 (Leviathan et al. 2023, Chen et al. 2023). Trees: at most
+# `trees.MAX_TREE_NODES` nodes. Within these, a round's estimated memory (`round_memory`) is
+# checked against the machine before the model loads (`check_round_memory`).
+MAX_GAMMA = trees.MAX_TREE_DEPTH                # 64
+# Prompts are padded and cache capacities rounded up to this many tokens (`decoding.Generator`'s
+# default pad_multiple), as the memory estimate assumes.
+PAD_MULTIPLE = 64
 SHIPPED_DRAFTS = {"smollm2-135m-instruct": ARTIFACTS / "smollm2-135m-instruct-draft"}
 # Feature-level draft heads shipped with the package (see experiments/heads: trained by
 # `experiments.heads.train`, copied here by `experiments.heads.ship`).
@@ -243,6 +253,9 @@ def check_generation_settings(c) -> None:
         raise ValueError(f"max_new_tokens={c.max_new_tokens!r}: expected at most {MAX_NEW_TOKENS_LIMIT:,} "
                          f"(no model's context is longer; the target's own limit applies too)")
     _int_setting("gamma", c.gamma, 0)
+    if c.gamma > MAX_GAMMA:
+        raise ValueError(f"gamma={c.gamma!r}: expected at most {MAX_GAMMA} (a round verifies gamma + 1 tokens in one "
+                         f"target pass; papers use gamma <= ~10)")
     raw_gammas = c.adaptive_gammas
     if isinstance(raw_gammas, (str, bytes)) or not hasattr(raw_gammas, "__iter__"):
         raise ValueError(f"adaptive_gammas={raw_gammas!r}: expected a tuple of integers >= 0")
@@ -250,6 +263,9 @@ def check_generation_settings(c) -> None:
     for g in gammas:
         if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
             raise ValueError(f"adaptive_gammas={gammas!r}: expected integers >= 0, got {g!r}")
+        if g > MAX_GAMMA:
+            raise ValueError(f"adaptive_gammas={gammas!r}: expected integers <= {MAX_GAMMA} (a round verifies "
+                             f"gamma + 1 tokens in one target pass), got {g!r}")
     tree = c.get("tree", "")
     if tree:
         _tree_setting("tree", tree)
@@ -309,17 +325,32 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
 
 def check_target_context(c):
     """Check ``max_new_tokens`` against the target's context length from its header only
-    (``config.json`` of a Hugging Face directory, the metadata of a GGUF file), before any
-    weights load: a prompt has at least one token, so ``max_new_tokens + 1`` positions must fit.
-    A registry name is not looked at here (resolving it may fetch and hash the file; the engine
-    checks each batch against the loaded config). Returns the target's `ModelConfig` or None.
-    Raises ValueError (numbers in the message), FileNotFoundError / ModelFetchError for a path
-    that does not exist, CheckpointError for a header that does not parse."""
-    import json
-    from specjax.models import gguf_loader, hf_loader, registry
+    (``config.json`` of a Hugging Face directory, the metadata of a GGUF file, the recorded
+    header of a registry name, `registry.known_config`), before any weights load: a prompt has
+    at least one token, so ``max_new_tokens + 1`` positions must fit. A registry name's file is
+    not looked at here (resolving it may fetch and hash it; the engine checks each batch against
+    the loaded config). Returns the target's `ModelConfig` or None. Raises ValueError (numbers in
+    the message), FileNotFoundError / ModelFetchError for a path that does not exist,
+    CheckpointError for a header that does not parse."""
+    from specjax.models import registry
     if c.target in registry.KNOWN:
-        return None
-    path = registry.resolve(c.target)           # an existing path, else ModelFetchError
+        config = registry.known_config(c.target)
+    else:
+        config = _header_config(c, registry.resolve(c.target))   # an existing path, else ModelFetchError
+    if config is None:
+        return None                              # no recorded header, another layout: the loader decides
+    if c.max_new_tokens + 1 > config.max_position:
+        raise ValueError(f"max_new_tokens={c.max_new_tokens}: with a prompt of at least 1 token this exceeds "
+                         f"the target's context length {config.max_position} ({c.target}); "
+                         f"use max_new_tokens <= {config.max_position - 1} minus the prompt's tokens")
+    return config
+
+
+def _header_config(c, path):
+    """The `ModelConfig` of a local target ``path`` from its header (HF ``config.json`` or GGUF
+    metadata), no weights; None for another layout."""
+    import json
+    from specjax.models import gguf_loader, hf_loader
     if path.is_dir() or path.name == "config.json":
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.exists():
@@ -331,12 +362,140 @@ def check_target_context(c):
     elif path.suffix == ".gguf":
         config = gguf_loader.config_from_gguf(gguf_loader.open_gguf(path), path=path)
     else:
-        return None                              # other layouts: the loader decides
-    if c.max_new_tokens + 1 > config.max_position:
-        raise ValueError(f"max_new_tokens={c.max_new_tokens}: with a prompt of at least 1 token this exceeds "
-                         f"the target's context length {config.max_position} ({c.target}); "
-                         f"use max_new_tokens <= {config.max_position - 1} minus the prompt's tokens")
+        config = None
     return config
+
+
+def param_count(config) -> int:
+    """The parameters of a Llama-family target with `config` (a `models.ModelConfig`): the
+    embedding (and an untied head), per layer the q/k/v/o projections (with Qwen2's biases),
+    the gated MLP and two norms, and the final norm."""
+    D, F, L = config.hidden_size, config.ffn_size, config.num_layers
+    q, kv = config.q_size, config.kv_size
+    per_layer = D * (q + 2 * kv) + q * D + 3 * D * F + 2 * D + ((q + 2 * kv) if config.attention_bias else 0)
+    return config.vocab_size * D * (1 if config.tie_embeddings else 2) + L * per_layer + D
+
+
+def round_memory(config, *, block: int, capacity: int, draft_rows: int, batch: int = 1, tree: bool = False,
+                 dtype: str = "float32") -> dict[str, int]:
+    """Bytes of the largest buffers alive in one speculative round of a target with `config`
+    (a `models.ModelConfig`), by item: a verification ``block`` of tokens (gamma + 1, or a
+    tree's nodes + 1) over a cache of ``capacity`` slots, ``batch`` rows, ``draft_rows`` drafted
+    distributions over the vocabulary, weights and cache in ``dtype``:
+
+    * ``weights``: the target's parameters (`param_count`);
+    * ``kv_cache``: keys and values of every layer over the capacity;
+    * ``attention_scores``: one layer's float32 scores of the block's queries (every head) over
+      capacity + block keys, three times: the scores, their concatenation with the block's own
+      and the softmax, as `models.llama.attention` materialises them (layers run in turn);
+    * ``tree_mask``: the block's visibility over capacity + block slots, one byte each (trees);
+    * ``logits``: the target's float32 logits over the vocabulary for the block, and the
+      verifier's probabilities from them;
+    * ``draft_q``: the drafter's float32 q over the vocabulary, ``draft_rows`` per row.
+
+    A lower bound of the peak: the drafter's weights and cache and XLA's other temporaries are
+    not counted."""
+    width = {"float32": 4, "bfloat16": 2}[dtype]
+    B, T, S, V = int(batch), int(block), int(capacity), config.vocab_size
+    return {
+        "weights": param_count(config) * width,
+        "kv_cache": config.num_layers * 2 * B * config.kv_size * S * width,
+        "attention_scores": 3 * B * config.num_heads * T * (S + T) * 4,
+        "tree_mask": B * T * (S + T) if tree else 0,
+        "logits": 2 * B * T * V * 4,
+        "draft_q": B * int(draft_rows) * V * 4,
+    }
+
+
+def draft_rows(gamma) -> int:
+    """The distributions over the vocabulary a drafter holds for one proposal: gamma for a
+    chain, the nodes and the root for a static tree, and for a dynamic tree also every
+    candidate it scored (`trees.dynamic_candidates`)."""
+    if isinstance(gamma, int):
+        return gamma
+    if isinstance(gamma, trees.DynamicTree):
+        return trees.dynamic_candidates(gamma.depth, gamma.topk) + gamma.num_nodes + 1
+    return gamma.num_nodes + 1
+
+
+def round_capacity(config: decoding.GenerationConfig, prompt_tokens: int = 1, pad_multiple: int = PAD_MULTIPLE) -> int:
+    """The cache capacity a batch gets for a prompt of ``prompt_tokens`` under `config`
+    (`decoding.make_batch`: the slots it needs rounded up to ``pad_multiple``, at least the
+    padded prompt)."""
+    up = lambda x: -(-int(x) // pad_multiple) * pad_multiple
+    return max(up(config.slots_needed(prompt_tokens)), up(prompt_tokens))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this host can give a new process now: ``MemAvailable`` of /proc/meminfo
+    (Linux), else the free physical pages (``os.sysconf``); None where neither is known."""
+    import os
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _block_setting(c, config: decoding.GenerationConfig) -> tuple[str, object]:
+    """The setting that decides a config's largest verification block, with its value."""
+    if c.drafter == "none":
+        return "max_new_tokens", c.max_new_tokens
+    if c.get("tree", ""):
+        return "tree", c.tree
+    if config.adaptive:
+        largest = max(config.gammas, key=lambda g: g if isinstance(g, int) else g.num_nodes)
+        if not isinstance(largest, int):
+            return "adaptive_trees", tuple(c.get("adaptive_trees", ()))
+        return "adaptive_gammas", tuple(c.adaptive_gammas)
+    return "gamma", c.gamma
+
+
+def check_round_memory(c, target, batch: int = 1, available: int | None = None) -> dict[str, int]:
+    """Refuse a generation config whose round cannot fit in memory, before the model loads:
+    `round_memory` of the target's `ModelConfig` ``target`` (from its header) for the config's
+    largest block, a prompt of one token and ``batch`` rows, against ``available`` bytes
+    (default: `available_memory` of this host, where the CPU backend runs the round; no backend
+    is started to ask an accelerator). ValueError naming the setting that decides the block,
+    with the estimate by item and the memory available; returns the estimate."""
+    config = generation_config(c, ())
+    block, capacity = config.max_block + 1, round_capacity(config)
+    estimate = round_memory(target, block=block, capacity=capacity, batch=batch, tree=config.has_trees,
+                            draft_rows=max(draft_rows(g) for g in config.gammas), dtype=c.dtype)
+    total = sum(estimate.values())
+    available = available_memory() if available is None else available
+    if available is None or total <= available:
+        return estimate
+    name, value = _block_setting(c, config)
+    items = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.2f} GB" for k, v in estimate.items() if v)
+    raise ValueError(f"{name}={value!r}: a round needs an estimated {total / 1e9:.2f} GB ({items}; a block of "
+                     f"{block} tokens over a cache of {capacity:,} slots, batch {batch}, target {c.target}) but "
+                     f"{available / 1e9:.2f} GB of memory is available: use a smaller {name}, a smaller "
+                     f"max_new_tokens or a machine with more memory")
+
+
+def check_drafter_trees(c, config: decoding.GenerationConfig) -> None:
+    """Refuse, before any model loads, a tree the configured drafter cannot draft where that
+    needs no weights: the n-gram drafter drafts k chains from the root only
+    (`drafters.NGramDrafter.check_tree`). Other drafters check their trees when the engine is
+    built. ValueError naming ``tree`` or ``adaptive_trees``."""
+    if c.drafter != "ngram":
+        return
+    lookup = drafters.NGramDrafter(vocab_size=1)
+    name = "tree" if c.get("tree", "") else "adaptive_trees"
+    for g in config.gammas:
+        if not isinstance(g, int):
+            try:
+                lookup.check_tree(g)
+            except ValueError as e:
+                value = c.tree if name == "tree" else tuple(c.get("adaptive_trees", ()))
+                raise ValueError(f"{name}={value!r}: {e}") from None
 
 
 def check_hybrid_settings(c) -> None:
@@ -362,8 +521,11 @@ def check_hybrid_settings(c) -> None:
 def check_config(c) -> None:
     """Validate a generation config's settings before anything heavy is loaded (ValueError
     naming the setting and its value). Every decoding setting is checked whichever mode reads
-    it (`check_generation_settings`); a local target's header is read for its context length
-    (`check_target_context`)."""
+    it (`check_generation_settings`: gamma and trees within `MAX_GAMMA` and
+    `trees.MAX_TREE_NODES`); a tree the n-gram drafter cannot draft is refused
+    (`check_drafter_trees`); the target's header gives its context length
+    (`check_target_context`) and a round's estimated memory, refused when this host has less
+    available (`check_round_memory`)."""
     if c.drafter not in DRAFTER_KINDS:
         raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
     if c.drafter == "model" and not c.draft_model:
@@ -378,8 +540,10 @@ def check_config(c) -> None:
         setting = "tree" if c.get("tree", "") else "adaptive_trees"
         raise ValueError(f"{setting}={c.get(setting)!r}: drafter='hybrid' (the default) drafts chains only; for "
                          f"token trees choose a drafter that drafts them (drafter='head', 'ngram', 'distilled', ...)")
-    generation_config(c, ())
-    check_target_context(c)                     # reads a local target's header, no weights
+    check_drafter_trees(c, generation_config(c, ()))
+    target = check_target_context(c)            # reads a local target's header, no weights
+    if target is not None:
+        check_round_memory(c, target)           # the round's estimated memory against this host's
 
 
 def load_target_with_tokenizer(c):

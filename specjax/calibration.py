@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import numbers
 import os
 import pathlib
 import platform
+import stat
 import sys
 import tempfile
 
@@ -62,23 +63,84 @@ def setting_key(**fields) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _valid_times(times) -> bool:
-    return (isinstance(times, list) and len(times) > 0
-            and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-                    for t in times))
+ROUND_TIME_DTYPE = np.float32     # the dtype adaptive gamma keeps round times in (`decoding.PolicyState`)
 
 
-def _valid(data) -> bool:
-    """A cache file's structure: {key: {"fields": ..., "runs": [[t, ...], ...]}}, every run of
-    an entry of one length, every time finite and > 0."""
-    if not isinstance(data, dict):
+def valid_round_time(t) -> bool:
+    """Whether `t` is a round time adaptive gamma can use: a real number (not a bool) that is still
+    finite and > 0 once cast to `ROUND_TIME_DTYPE`, the engine's dtype (a time that fits float64
+    but overflows it to inf, or rounds to 0 in it, is not). The one check of the cache and the
+    engine."""
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Real):
         return False
+    try:
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            v = np.asarray(t).astype(ROUND_TIME_DTYPE)
+    except (OverflowError, TypeError, ValueError):      # an int too large for any float
+        return False
+    return bool(np.isfinite(v) and v > 0)
+
+
+def _valid_times(times) -> bool:
+    return isinstance(times, list) and len(times) > 0 and all(valid_round_time(t) for t in times)
+
+
+def _problem(data) -> str | None:
+    """What keeps a cache file's data from the structure {key: {"fields": ..., "runs": [[t, ...],
+    ...]}}, every run of an entry of one length, every time a `valid_round_time`; None if nothing."""
+    if not isinstance(data, dict):
+        return "not a calibration cache"
     for entry in data.values():
         if not (isinstance(entry, dict) and set(entry) == {"fields", "runs"} and isinstance(entry["runs"], list)
-                and entry["runs"] and all(_valid_times(r) for r in entry["runs"])
+                and entry["runs"] and all(isinstance(r, list) and r for r in entry["runs"])
                 and len({len(r) for r in entry["runs"]}) == 1):
-            return False
-    return True
+            return "not a calibration cache"
+        bad = [t for r in entry["runs"] for t in r if not valid_round_time(t)]
+        if bad:
+            return (f"a round time that is not a number finite and > 0 in {np.dtype(ROUND_TIME_DTYPE).name} "
+                    f"(the engine's dtype): {_short(bad[0])}")
+    return None
+
+
+def _short(value) -> str:
+    """`value` as a short string for a message (a huge integer by its number of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _not_regular(path: pathlib.Path) -> str | None:
+    """What `path` is when it exists (following symlinks) and is not a regular file, e.g. "a
+    character device"; None for a regular file, an absent path, or one that cannot be examined
+    (reading it then reports why)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return _kind(mode)
+
+
+def _kind(mode: int) -> str | None:
+    """None for a regular file's st_mode, else what kind of file it is."""
+    for test, name in ((stat.S_ISREG, None), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+class _NotRegular(OSError):
+    """The opened path turned out not to be a regular file (it changed after the stat check)."""
+
+
+def _read_regular(path: pathlib.Path) -> bytes:
+    """The bytes of the regular file at `path`. Opening never blocks (a FIFO without a writer
+    would block a plain open for ever) and anything but a regular file raises `_NotRegular`."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    with os.fdopen(fd, "rb") as f:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise _NotRegular(kind)
+        return f.read()
 
 
 class CalibrationCache:
@@ -89,28 +151,46 @@ class CalibrationCache:
     Writes are atomic (a temporary file in the same directory, then `os.replace`): a reader sees
     the old file or the new one, and of two concurrent writers the last one wins. A file that
     cannot be read or does not hold the structure above (not JSON, another shape, a time that
-    is not finite and > 0, runs of different lengths) is never an error: it is renamed to
-    ``<name>.corrupt`` (one line on stderr) and the cache starts empty. A file that cannot be
-    written is one line on stderr as well."""
+    is not a `valid_round_time`, runs of different lengths) is never an error: it is renamed to
+    ``<name>.corrupt`` (one line on stderr naming it and the problem) and the cache starts empty,
+    so the times are measured again. A path that exists and is not a regular file (a device
+    such as /dev/null, a FIFO, a directory; symlinks followed) turns the cache off: one line on
+    stderr naming it, and it is never read, renamed or replaced. A file that cannot be written
+    is one line on stderr as well."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path).expanduser() if str(path) else None
+        self._off_said = False
 
     def _say(self, message: str) -> None:
         print(f"[specjax] calibration cache {self.path}: {message}", file=sys.stderr, flush=True)
 
+    def _off(self, kind: str | None) -> bool:
+        """True when the path is `kind` of file (not a regular one): the cache is off, said once."""
+        if kind is None:
+            return False
+        if not self._off_said:
+            self._say(f"{kind}, not a regular file: cache off (nothing read, written or renamed there)")
+            self._off_said = True
+        return True
+
     def _load(self) -> dict:
-        if self.path is None:
+        if self.path is None or self._off(_not_regular(self.path)):
             return {}
         try:
-            data = json.loads(self.path.read_bytes())
-            if _valid(data):
+            data = json.loads(_read_regular(self.path))
+            problem = _problem(data)
+            if problem is None:
                 return data
-            problem = "not a calibration cache"
         except FileNotFoundError:
+            return {}
+        except _NotRegular as e:                # changed into a FIFO, device... since the check
+            self._off(str(e))
             return {}
         except (OSError, ValueError) as e:      # unreadable, not UTF-8, not JSON
             problem = f"unreadable ({type(e).__name__})"
+        if self._off(_not_regular(self.path)):
+            return {}
         aside = self.path.with_name(self.path.name + ".corrupt")
         try:
             os.replace(self.path, aside)
@@ -126,14 +206,22 @@ class CalibrationCache:
         return None if entry is None else tuple(float(t) for t in np.median(np.asarray(entry["runs"]), axis=0))
 
     def put(self, key: str, fields: dict, round_times) -> None:
-        """Add one calibration (seconds per gamma, each finite and > 0) under `key`, with the
-        fields it was measured for; keeps the last `KEEP_RUNS` runs of the key."""
-        times = [float(t) for t in round_times]
+        """Add one calibration (seconds per gamma, each a `valid_round_time`) under `key`, with
+        the fields it was measured for; keeps the last `KEEP_RUNS` runs of the key. Stores nothing
+        when the cache is off (no path, or a path that is not a regular file)."""
+        round_times = list(round_times)
+        try:
+            times = [float(t) for t in round_times]
+        except (TypeError, ValueError, OverflowError):
+            times = None
         if not _valid_times(times):
-            raise ValueError(f"round times must be finite and > 0, got {times}")
+            raise ValueError(f"round times must be finite and > 0 in {np.dtype(ROUND_TIME_DTYPE).name} "
+                             f"(the engine's dtype), got {[_short(t) for t in round_times]}")
         if self.path is None:
             return
         data = self._load()
+        if self._off(_not_regular(self.path)):
+            return
         runs = [r for r in data.get(key, {}).get("runs", []) if len(r) == len(times)] + [times]
         data[key] = {"fields": fields, "runs": runs[-KEEP_RUNS:]}
         tmp = None

@@ -183,6 +183,7 @@ def generate_main(c) -> dict:
         "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
         "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
         "degenerate_residuals": int(m.degenerate_residual_B[0]),
+        "invalid_draft_rounds": int(m.invalid_draft_rounds_B[0]),
         "status": out.statuses()[0],
         "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
         "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
@@ -199,6 +200,11 @@ def generate_main(c) -> dict:
                 f"start of {sum(lookup)} of {len(lookup)} rounds), the {c.get('hybrid_model', 'head')} elsewhere")
     print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
           + ": " + why, file=sys.stderr, flush=True)
+    if stats["invalid_draft_rounds"]:
+        print(f"[specjax] warning: in {stats['invalid_draft_rounds']} of {rounds} rounds the drafter's q was not a "
+              f"distribution over the vocabulary (NaN, negative, or not summing to 1): those proposals were "
+              f"discarded and the target sampled alone (exact, but no speedup); the draft is broken",
+              file=sys.stderr, flush=True)
     if c.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp, prefill=pre)
         base_tps = base_timing["tokens_per_s"]

@@ -39,6 +39,17 @@ from flax import struct
 
 CHILDREN_MODES = ("iid", "without_replacement", "deterministic")
 ROOT = -1
+# The largest trees a tree string (`parse_tree`) may ask for. A round scores every node in one
+# target pass: its attention scores grow with nodes x cache slots, its tree mask and q over the
+# vocabulary with the nodes, while it commits at most depth + 1 tokens. Published trees are
+# smaller: Medusa, EAGLE-1/2 and SpecInfer use up to about a hundred nodes and depths <= 10;
+# Sequoia's offloading runs, the largest, budget several hundred. The depth is a draft length
+# (the drafter runs once per depth), bounded as gamma is (`specjax.build.MAX_GAMMA`). A dynamic
+# tree's drafter also holds q over the vocabulary for each of its topk + (depth - 1) topk^2
+# candidates (EAGLE-2's settings, top-10 up to depth 8, have at most 710).
+MAX_TREE_NODES = 1024
+MAX_TREE_DEPTH = 64
+MAX_DYNAMIC_CANDIDATES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,20 +203,61 @@ class DynamicTree:
 TreeSpec = Union[TreeShape, DynamicTree]
 
 
+def branching_nodes(branching: Sequence[int]) -> int:
+    """The node count of `TreeShape.from_branching(branching)`, counted without building it:
+    the sum over depths of the product of the counts down to that depth."""
+    total, width = 0, 1
+    for k in branching:
+        width *= int(k)
+        total += width
+    return total
+
+
+def dynamic_candidates(depth: int, topk: int) -> int:
+    """The candidates a `DynamicTree` drafter scores before it keeps ``node_budget`` of them:
+    ``topk`` children of the root, then ``topk`` children of each of ``topk`` frontier nodes per
+    further depth."""
+    return topk + (depth - 1) * topk * topk
+
+
+def check_tree_size(nodes: int, depth: int, candidates: int | None = None) -> None:
+    """Refuse a tree above `MAX_TREE_NODES` nodes or `MAX_TREE_DEPTH` depth (or, for a dynamic
+    tree, above `MAX_DYNAMIC_CANDIDATES` candidates): ValueError with the count and the maximum."""
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"{nodes:,} nodes, expected at most {MAX_TREE_NODES} (every node is scored in one "
+                         f"target pass: the round's memory and time grow with the node count)")
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"depth {depth:,}, expected at most {MAX_TREE_DEPTH} (the drafter runs once per depth)")
+    if candidates is not None and candidates > MAX_DYNAMIC_CANDIDATES:
+        raise ValueError(f"{candidates:,} candidates (topk + (depth - 1) topk^2), expected at most "
+                         f"{MAX_DYNAMIC_CANDIDATES} (the drafter holds q over the vocabulary for each)")
+
+
 def parse_tree(text: str) -> TreeSpec:
     """A tree from a command-line string: ``"branching:2,2,1"``, ``"chain:4"``,
-    ``"dynamic:depth,topk,budget"`` or ``"paths:0;1;0.0;0.1"`` (ranks joined by dots)."""
+    ``"dynamic:depth,topk,budget"`` or ``"paths:0;1;0.0;0.1"`` (ranks joined by dots). Its size
+    is checked (`check_tree_size`) before a static tree is built; a bad or too large tree is a
+    ValueError naming the string."""
     kind, _, arg = text.partition(":")
     try:
         if kind == "branching":
-            return TreeShape.from_branching([int(x) for x in arg.split(",")])
+            branching = [int(x) for x in arg.split(",")]
+            if all(k >= 1 for k in branching):          # else from_branching names the bad count
+                check_tree_size(branching_nodes(branching), len(branching))
+            return TreeShape.from_branching(branching)
         if kind == "chain":
-            return TreeShape.chain(int(arg))
+            n = int(arg)
+            check_tree_size(n, n)
+            return TreeShape.chain(n)
         if kind == "dynamic":
             d, k, b = (int(x) for x in arg.split(","))
-            return DynamicTree(depth=d, topk=k, node_budget=b)
+            tree = DynamicTree(depth=d, topk=k, node_budget=b)
+            check_tree_size(b, d, dynamic_candidates(d, k))
+            return tree
         if kind == "paths":
-            return TreeShape.from_paths([tuple(int(r) for r in p.split(".")) for p in arg.split(";")])
+            tree = TreeShape.from_paths([tuple(int(r) for r in p.split(".")) for p in arg.split(";")])
+            check_tree_size(tree.num_nodes, tree.max_depth)
+            return tree
     except ValueError as e:
         raise ValueError(f"bad tree {text!r}: {e}") from None
     raise ValueError(f"bad tree {text!r}: expected 'branching:2,2,1', 'chain:4', 'dynamic:5,4,24' or "

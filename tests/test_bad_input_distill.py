@@ -112,3 +112,34 @@ def test_item9_changed_draft_config_refused_before_writing(toy_env, tmp_path):
     assert "draft.layers: [0] -> [0, 1]" in msg and "optim.accumulate: 1 -> 2" in msg, msg
     assert "draft.head_vocab" not in msg
     assert snapshot() == before
+
+
+def test_a_torn_metrics_line_is_set_aside_on_resume_and_rewound_steps_are_marked(toy_env, tmp_path):
+    """Issue 39, defect 4: a run that dies mid-write (disk full, `ulimit -f`) leaves a torn last
+    line in metrics.jsonl; before, every later run on the workdir failed parsing it. Now the next
+    run keeps the complete records, sets the torn bytes aside (named in the log and in a
+    `torn_metrics` event) and resumes; the steps logged after the last checkpoint (6, 7) run
+    again after a `rewind` event. Every line of the file is JSON again."""
+    work = tmp_path / "work"
+    c = _cfg(toy_env, **{"checkpoint_every": 5, "budget_tokens": 3000})
+    with deadline(120):
+        distill.train(c, work, log=lambda s: None, stop_after_steps=7)
+    metrics = work / "metrics.jsonl"
+    whole = metrics.read_bytes()
+    with open(metrics, "ab") as f:
+        f.write(b'{"kind": "train", "step": 8, "lo')                 # the torn write
+    logs = []
+    with deadline(120):
+        s = distill.train(c, work, log=logs.append)
+    aside = work / "metrics.jsonl.torn-0"
+    assert aside.read_bytes() == b'{"kind": "train", "step": 8, "lo'
+    assert any("torn" in m and aside.name in m for m in logs)
+    data = metrics.read_bytes()
+    assert data.startswith(whole)
+    [json.loads(l) for l in data.decode().splitlines()]                          # all whole again
+    recs = [json.loads(l) for l in data[len(whole):].decode().splitlines()]     # this run's
+    events = [r for r in recs if r["kind"] == "event" and r["event"] != "onpolicy_refresh"]
+    assert [e["event"] for e in events[:3]] == ["torn_metrics", "resume", "rewind"]
+    assert events[2]["step"] == 5 and events[2]["logged_up_to"] == 7
+    after = [r["step"] for r in recs[recs.index(events[2]):] if r["kind"] == "train"]
+    assert after[0] == 6 and after[-1] == s["steps"]

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import models
+from specjax import calibration, models
 from specjax import sampling as sampling_lib
 from specjax import trees as trees_lib
 from specjax import verify as verify_lib
@@ -201,7 +201,7 @@ class Metrics:
     accepted_at_BG: jax.Array     # accepted at draft position j
     tested_at_BG: jax.Array       # draft position j reached verification
     gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
-    invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not finite (proposals discarded)
+    invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not a distribution (proposals discarded)
     scored_B: jax.Array
 
     @classmethod
@@ -491,9 +491,11 @@ class Engine:
         return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
     def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
-        """Non-finite inputs. (a) A draft q that is not finite (NaN included) cannot be
-        verified: the row's proposals are discarded and the round commits one token sampled
-        from p_0, exactly a gamma = 0 round for that row. (b) A bad target position -- NaN or
+        """Unusable inputs. (a) A draft q that is not a distribution over the vocabulary (a NaN or
+        inf or negative entry, or a row that does not sum to 1 within `P_SUM_TOL`, e.g. a head
+        whose vocabulary map repeats ids) cannot be verified: the row's proposals are discarded,
+        the round commits one token sampled from p_0, exactly a gamma = 0 round for that row, and
+        it is counted in ``invalid_draft_rounds``. (b) A bad target position -- NaN or
         +inf logits, or a p the verifier could not use (`_bad_probabilities`: a non-finite or
         negative entry, or a row that does not sum to 1, e.g. NaN from a temperature that
         bypassed `SamplingConfig.make`) -- and every later position are replaced by a uniform
@@ -503,7 +505,7 @@ class Engine:
         bad_p_BG1 = (jnp.isnan(logits_BG1V) | jnp.isposinf(logits_BG1V)).any(axis=-1)   # -inf is a legal mask
         bad_p_BG1 = jnp.cumsum(bad_p_BG1 | _bad_probabilities(p_BG1V), axis=1) > 0
         p_safe_BG1V = jnp.where(bad_p_BG1[..., None], 1.0 / V, p_BG1V)
-        bad_q_B = ~jnp.isfinite(q_BGV).all(axis=(1, 2))     # all True-free for gamma = 0
+        bad_q_B = _bad_probabilities(q_BGV).any(axis=1)     # False for gamma = 0 (no rows)
         q_safe_BGV = jnp.where(bad_q_B[:, None, None], jax.nn.one_hot(draft_BG, V, dtype=q_BGV.dtype), q_BGV)
         return p_safe_BG1V, q_safe_BGV, bad_p_BG1, bad_q_B
 
@@ -954,10 +956,12 @@ class Engine:
             rt = jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
                              jnp.float32)
             return jnp.broadcast_to(rt, (R, G))
-        rt = np.asarray(round_time_s, np.float32)
-        if not (np.all(np.isfinite(rt)) and np.all(rt > 0)):
-            raise ValueError(f"round_time_s must be finite and > 0 (seconds per round), got {list(rt.ravel())}")
-        rt = jnp.asarray(rt)
+        given = np.asarray(round_time_s)
+        if given.dtype.kind not in "iuf" or not all(calibration.valid_round_time(t) for t in given.ravel()):
+            dtype = np.dtype(calibration.ROUND_TIME_DTYPE).name
+            raise ValueError(f"round_time_s must be finite and > 0 in {dtype} (seconds per round, "
+                             f"`specjax.calibration.valid_round_time`), got {given.ravel().tolist()}")
+        rt = jnp.asarray(given.astype(calibration.ROUND_TIME_DTYPE))
         if rt.shape == (G,):
             return jnp.broadcast_to(rt, (R, G))
         if rt.shape != (R * G,):

@@ -18,7 +18,9 @@ onto any mesh. Only process 0 writes metrics, logs, ``final.json`` and the expor
 cache by the others, so the workdir and ``data_root`` must be one file system all processes share.
 
 Outputs in the workdir: ``metrics.jsonl`` (one JSON line per logged step, per evaluation, and
-per event such as a resume), TensorBoard events when `tensorboardX` or `torch` with
+per event such as a resume; a run that died mid-write leaves a torn last line, which the next
+run sets aside as ``metrics.jsonl.torn-<k>`` with a ``torn_metrics`` event; steps logged after
+the last checkpoint run again after a ``rewind`` event, whose later records supersede them), TensorBoard events when `tensorboardX` or `torch` with
 tensorboard is installed, ``final.json``, and the draft artifact when ``export_dir`` is set.
 """
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint as ckpt_lib
-from specjax import distributed, drafters, models, sharding
+from specjax import distributed, drafters, files, models, sharding
 from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _stream, _train
 
 MIX_STREAM = 7     # a fixed stream id for the per-step source choice
@@ -54,13 +56,30 @@ def with_overrides(config, overrides: dict):
     return config
 
 
+def _last_logged_step(path: pathlib.Path) -> int:
+    """The largest step of a train record in a metrics file (0 when there is none)."""
+    last = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind") == "train":
+                last = max(last, int(rec.get("step", 0)))
+    return last
+
+
 def _last_eval_at(path: pathlib.Path, step: int) -> dict | None:
     """The last evaluation record of `step` in a metrics file (None when there is none)."""
     if not path.is_file():
         return None
     found = None
     for line in path.read_text().splitlines():
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except ValueError:      # a torn record (recover_jsonl sets those aside when a run starts)
+            continue
         if rec.get("kind") == "eval" and rec.get("step") == step:
             found = rec
     return found
@@ -364,7 +383,14 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         return sharding.put(b, sharding.batch_shardings(b, mesh))
 
     # ---- resume --------------------------------------------------------------------------
+    if primary:     # a run that died mid-write left a torn last record: keep the whole ones
+        kept, aside = files.recover_jsonl(workdir / "metrics.jsonl")
+        if aside is not None:
+            log(f"{workdir / 'metrics.jsonl'}: its last record was torn (a run stopped mid-write); kept {kept} "
+                f"complete records, set the rest aside as {aside.name}")
     writer = MetricsWriter(workdir) if primary else _NullWriter(workdir)
+    if primary and aside is not None:
+        writer.write({"kind": "event", "event": "torn_metrics", "set_aside": aside.name, "records_kept": kept})
     ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep_checkpoints, async_save=c.async_checkpoints)
     meta = {"tokens": 0, "elapsed_s": 0.0}
     restored = ckpt.restore_latest(state)
@@ -386,6 +412,11 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         log(f"resumed from step {restored.step} ({meta['tokens']} tokens)")
     start = int(state.step)
     tokens_done = int(meta["tokens"])
+    logged = _last_logged_step(writer.path) if primary else 0
+    if logged > start:      # steps after the checkpoint run again: mark where the old records stop counting
+        writer.write({"kind": "event", "event": "rewind", "step": start, "logged_up_to": logged})
+        log(f"steps {start + 1}..{logged} were logged by an earlier run after its last checkpoint; they run again "
+            f"(the records before the 'rewind' event are superseded)")
 
     # ---- evaluation ----------------------------------------------------------------------
     eval_plan = None

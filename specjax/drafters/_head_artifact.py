@@ -23,6 +23,7 @@ from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, 
                                      init_head_params)
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
 from specjax.models.draft_artifact import read_description, read_tensors, write_tensors
+from specjax.models.reduced_head import check_vocab_map
 
 FORMAT = "specjax-head-1"
 
@@ -98,6 +99,8 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
         if tuple(w.shape) != tuple(np.shape(g)):
             raise CorruptCheckpointError(f"{blob_path}: tensor {jax.tree_util.keystr(path)} has shape "
                                          f"{tuple(np.shape(g))}, a {hc.kind} head for this target needs {tuple(w.shape)}")
+    if hc.head_size is not None:
+        check_vocab_map(np.asarray(own["head_ids"]), tc.vocab_size, hc.head_size, f"{blob_path} 'head_ids'")
     params = head_params(run, own, target_params)
     drafter = MedusaDrafter(run) if run.kind == "medusa" else FeatureHeadDrafter(EagleHead(run))
     return drafter, params

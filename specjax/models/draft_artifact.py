@@ -24,7 +24,7 @@ import numpy as np
 from specjax.files import file_sha256
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig
 from specjax.models.llama import Llama, canonical_params
-from specjax.models.reduced_head import ReducedHeadLlama
+from specjax.models.reduced_head import ReducedHeadLlama, check_vocab_map
 
 FORMAT = "specjax-draft-1"
 SHARED_NAMES = ("embed", "head_from_embed")
@@ -146,7 +146,10 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
         raise CheckpointError(f"{d} holds no draft.json (not a draft directory)")
     desc = read_description(d / "draft.json", FORMAT, ("config", "sha256", "shared", "head_size"))
     cfg_d = dict(desc["config"])
-    cfg = ModelConfig(**cfg_d)
+    try:
+        cfg = ModelConfig(**cfg_d)
+    except TypeError as e:      # an unknown or a missing key
+        raise CorruptCheckpointError(f"{d}/draft.json: its 'config' is not a model config ({e})") from None
     compute_dtype = dtype or target.config.dtype
     cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers, fuse_projections=not scan_layers,
                       packed_projections=False)
@@ -164,6 +167,8 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
     if desc["head_size"]:
         if "head_ids" not in params:
             raise MissingTensorError(f"{d}/draft.safetensors has no 'head_ids' for its reduced head")
+        check_vocab_map(np.asarray(params["head_ids"]), target.vocab_size, int(desc["head_size"]),
+                        f"{d}/draft.safetensors 'head_ids'")
         if "head_from_embed" in shared:
             params["head"] = jnp.take(params["embed"], params["head_ids"], axis=0)
         return ReducedHeadLlama(cfg, int(desc["head_size"])), params

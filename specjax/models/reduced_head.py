@@ -19,7 +19,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.config import ModelConfig
+from specjax.models.config import CorruptCheckpointError, ModelConfig
 from specjax.models.kv_cache import KVCache
 from specjax.models.llama import Llama
 
@@ -58,6 +58,29 @@ class ReducedHeadLlama:
     def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
         h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree=tree)
         return self.scatter(params, self.head_logits(params, h)), cache
+
+
+def check_vocab_map(ids, vocab_size: int, size: int, where: str) -> np.ndarray:
+    """`ids` (int64) when it is a vocabulary map a draft can score through: one dimension of
+    `size` integers, each in [0, vocab_size), none repeated. Else `CorruptCheckpointError` naming
+    `where` and the fault: a repeated id would give the draft a q that sums to less than 1 (its
+    probability split between two rows, one of them read), an id outside the vocabulary a NaN q."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.shape[0] != size:
+        raise CorruptCheckpointError(f"{where}: a vocabulary map of shape {a.shape}, the draft declares {size} ids")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        if not np.all(np.isfinite(a)) or np.any(a != np.round(a)):
+            raise CorruptCheckpointError(f"{where}: the vocabulary map holds non-integer ids ({a.dtype})")
+    a = a.astype(np.int64)
+    bad = a[(a < 0) | (a >= vocab_size)]
+    if bad.size:
+        raise CorruptCheckpointError(f"{where}: {bad.size} vocabulary-map ids outside [0, {vocab_size}) "
+                                     f"(e.g. {int(bad[0])})")
+    uniq, counts = np.unique(a, return_counts=True)
+    if uniq.size != a.size:
+        raise CorruptCheckpointError(f"{where}: {a.size - uniq.size} repeated vocabulary-map ids "
+                                     f"(e.g. {int(uniq[counts > 1][0])}); each token must appear once")
+    return a
 
 
 def reduce_head(model: Llama, params, head_ids) -> tuple[ReducedHeadLlama, dict]:

@@ -43,6 +43,24 @@ KNOWN = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The header of each known model's file (the `ModelConfig` fields `gguf_loader.config_from_gguf`
+# reads from the file with the recorded sha256; tests/test_round_bounds.py compares them when
+# the file is cached): settings are checked against the target before the file is fetched,
+# hashed or opened.
+KNOWN_HEADERS = {
+    "smollm2-135m-instruct": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                                  head_dim=64, ffn_size=1536, rope_theta=100000.0, rms_eps=1e-05,
+                                  tie_embeddings=True, max_position=8192, bos_token_id=1, eos_token_id=2),
+}
+
+
+def known_config(name: str):
+    """The `ModelConfig` of a known model's file (layout fields at their defaults) from
+    `KNOWN_HEADERS`, without fetching or reading it; None for any other name or path."""
+    if name not in KNOWN_HEADERS:
+        return None
+    from specjax.models.config import ModelConfig
+    return ModelConfig(**KNOWN_HEADERS[name])
 
 
 class ModelFetchError(RuntimeError):
