@@ -32,6 +32,24 @@ def write_data(path, n: int = 48, seed: int = 0) -> pathlib.Path:
     return pathlib.Path(path)
 
 
+def write_shards(root, data_path, per_shard=6) -> list[str]:
+    """The toy data set as two data-engine stages (shard directories ``stage0``, ``stage1``),
+    alternate sequences in each, loss bits after each prompt."""
+    from specjax.distill import shards
+    recs = [json.loads(line) for line in pathlib.Path(data_path).read_text().splitlines()]
+    dirs = []
+    for d, part in enumerate((recs[0::2], recs[1::2])):
+        sd = shards.ShardDir(pathlib.Path(root) / f"stage{d}", {"stage": d}, vocab_size=VOCAB, sources=["toy"])
+        for k in range(0, len(part), per_shard):
+            chunk = part[k:k + per_shard]
+            sd.write(k // per_shard, shards.Sequences(
+                [np.asarray(r["tokens"]) for r in chunk],
+                [np.arange(len(r["tokens"])) >= r["prompt_length"] for r in chunk], ["toy"] * len(chunk),
+                list(range(k, k + len(chunk)))))
+        dirs.append(str(pathlib.Path(root) / f"stage{d}"))
+    return dirs
+
+
 def overrides(target_dir, data_path, data_root, *, budget=4000, head_vocab=0, divergence="fkl",
               checkpoint_every=5, export_dir="") -> dict:
     return {

@@ -497,29 +497,13 @@ def test_the_shipped_head_is_complete_and_found_by_name(toy_pair):
         build.make_drafter("head", toy_pair["target"], toy_pair["params"], target_name="elsewhere")
 
 
-def _write_shards(root, data_path, per_shard=6):
-    """The toy data set as two data-engine stages (shard directories), alternate sequences in each."""
-    recs = [json.loads(l) for l in data_path.read_text().splitlines()]
-    dirs = []
-    for d, part in enumerate((recs[0::2], recs[1::2])):
-        sd = distill.shards.ShardDir(root / f"stage{d}", {"stage": d}, vocab_size=toy.VOCAB, sources=["toy"])
-        for k in range(0, len(part), per_shard):
-            chunk = part[k:k + per_shard]
-            sd.write(k // per_shard, distill.shards.Sequences(
-                [np.asarray(r["tokens"]) for r in chunk],
-                [np.arange(len(r["tokens"])) >= r["prompt_length"] for r in chunk], ["toy"] * len(chunk),
-                list(range(k, k + len(chunk)))))
-        dirs.append(str(root / f"stage{d}"))
-    return dirs
-
-
 def test_a_head_trains_from_streamed_shards_and_resumes_mid_epoch_to_the_same_losses(toy_pair, tmp_path):
     """A head trained on shards (data.shards: 2 directories, 4 shards each, window 2, so an epoch
     is 4 groups), stopped at step 7 and resumed (checkpoint at step 5, mid-epoch), takes the same
     batches and reaches the same losses as an uninterrupted run; a corpus that changed under the
     checkpoints is refused, naming the shards."""
     import ml_collections
-    dirs = _write_shards(tmp_path / "corpus", toy_pair["data_path"])
+    dirs = toy.write_shards(tmp_path / "corpus", toy_pair["data_path"])
 
     def cfg():
         c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"],
@@ -560,7 +544,7 @@ def test_a_head_trains_from_streamed_shards_and_resumes_mid_epoch_to_the_same_lo
 
 
 def test_streamed_shards_are_for_heads_only(toy_pair, tmp_path):
-    dirs = _write_shards(tmp_path / "corpus", toy_pair["data_path"])
+    dirs = toy.write_shards(tmp_path / "corpus", toy_pair["data_path"])
     c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache")
     c.data.shards.update(dirs=tuple(dirs), weight=1.0)
     with pytest.raises(ValueError, match="data.shards .*trains feature heads"):

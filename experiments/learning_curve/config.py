@@ -1,0 +1,49 @@
+"""Settings of the heads' learning curve (`python -m experiments.learning_curve.run --config=<this file>[:tiny]`).
+
+Each point trains one head kind on the first `size` loss tokens of the data engine's answer
+shards (nested prefixes, `specjax.distill.ShardStream`) for the same budget as the other kinds
+at that size, from configs/distill_head.py, and evaluates it on the held-out Spec-Bench
+continuations at the end. Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
+passes a toy target, shards and evaluation set through `set`).
+"""
+
+import ml_collections
+
+CORPUS = "experiments/data_engine/corpus"
+
+
+def get_config(variant: str = ""):
+    c = ml_collections.ConfigDict()
+    # Answer stages of `specjax data` (the user-turn stages, instructions and followups, are not
+    # the target's answers and are left out).
+    c.shard_dirs = tuple(f"{CORPUS}/{s}" for s in ("responses_greedy", "responses_sampled", "followup_responses"))
+    c.sizes = (150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
+    c.kinds = ("eagle", "eagle3")
+    # Per-kind settings over configs/distill_head.py: EAGLE with input norms and the feature
+    # regression, EAGLE-3 with a training-time test of 7 steps.
+    c.kind_overrides = ml_collections.ConfigDict({
+        "eagle": {"head": {"ttt_steps": 1, "feature_weight": 1.0, "input_norm": True}},
+        "eagle3": {"head": {"ttt_steps": 7, "input_norm": True}},
+    })
+    # Training tokens per point: epochs x size, clipped to [min_budget, max_budget]; the same
+    # for every kind at a size.
+    c.epochs = 3.0
+    c.min_budget = 300_000
+    c.max_budget = 3_000_000
+    c.window = 8                         # shards shuffled together
+    c.eval_gamma = 5                     # simulated chains gamma = 1..eval_gamma
+    c.workdir = "/tmp/specjax-learning-curve"   # one resumable training workdir per point
+    c.out = "experiments/heads/results/learning_curve.jsonl"
+    c.set = ml_collections.ConfigDict()  # overrides of every point's training config (nested, as in
+                                         # configs/distill.py), applied last
+    c.progress = True
+    if variant == "tiny":
+        c.sizes = (300, 900)
+        c.kind_overrides.eagle3.head.ttt_steps = 2
+        c.epochs, c.min_budget, c.max_budget = 2.0, 600, 2000
+        c.window, c.eval_gamma, c.progress = 2, 2, False
+        c.out = "/tmp/specjax-learning-curve-tiny/learning_curve.jsonl"
+        c.workdir = "/tmp/specjax-learning-curve-tiny/work"
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")
+    return c

@@ -1,0 +1,96 @@
+"""Table, fit and plot of the heads' learning curve, from its JSONL alone.
+
+    python -m experiments.learning_curve.report [experiments/heads/results/learning_curve.jsonl]
+
+Writes beside the JSONL: ``learning_curve.md`` (one row per point: data tokens, training tokens,
+held-out greedy agreement at steps 1..3, alpha at T = 1, simulated chain tokens per pass at the
+best gamma; then per kind the least-squares fit agreement_1 = a + b log2(data tokens) and the
+data it puts at agreement 0.6) and ``learning_curve.png`` (agreement at steps 1..3 and chain
+tokens per pass against data tokens, log axis).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import numpy as np
+
+from experiments import toolkit
+
+DEFAULT = "experiments/heads/results/learning_curve.jsonl"
+AIM = 0.6
+
+
+def _best_chain(ev: dict) -> tuple[float, int]:
+    gs = [int(k.rsplit("_g", 1)[1]) for k in ev if k.startswith("greedy_tokens_per_pass_g")]
+    g = max(gs, key=lambda g: ev[f"greedy_tokens_per_pass_g{g}"])
+    return ev[f"greedy_tokens_per_pass_g{g}"], g
+
+
+def fit(points: list[dict]) -> dict | None:
+    """Least squares agreement_1 = a + b log2(data tokens) over one kind's points (None below 2
+    distinct sizes) and the data tokens at which it reaches `AIM` (None when b <= 0)."""
+    xs = np.log2([p["data_loss_tokens"] for p in points])
+    ys = np.asarray([p["eval"]["greedy_agreement_step1"] for p in points])
+    if len(set(xs.tolist())) < 2:
+        return None
+    b, a = np.polyfit(xs, ys, 1)
+    need = 2.0 ** ((AIM - a) / b) if b > 0 else None
+    return {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": need}
+
+
+def write(path=DEFAULT) -> pathlib.Path:
+    path = pathlib.Path(path)
+    recs = [r for r in toolkit.read_jsonl(path) if r.get("kind") == "point"]
+    if not recs:
+        raise ValueError(f"{path}: no learning-curve points")
+    recs.sort(key=lambda r: (r["kind_of_head"], r["data_loss_tokens"]))
+    rows = []
+    for r in recs:
+        ev = r["eval"] or {}
+        chain, g = _best_chain(ev) if ev else (float("nan"), 0)
+        rows.append([r["kind_of_head"], f"{r['data_loss_tokens']:,}", f"{r['train_tokens']:,}",
+                     *(toolkit.fmt(ev.get(f"greedy_agreement_step{k}"), 3) for k in (1, 2, 3)),
+                     toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})"])
+    kinds = sorted({r["kind_of_head"] for r in recs})
+    fits = {k: fit([r for r in recs if r["kind_of_head"] == k and r["eval"]]) for k in kinds}
+    prov = recs[-1]["provenance"]
+    lines = ["# Learning curve of the feature heads", "",
+             f"`python -m experiments.learning_curve.run --config=experiments/learning_curve/config.py`; "
+             f"{toolkit.run_caption(prov)}; {len(recs)} points.", "",
+             toolkit.table(["head", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
+                            "chain tokens / pass"], rows), "",
+             f"Fit per kind, agreement at k = 1 = a + b log2(data tokens); data for {AIM}:", ""]
+    for k, f in fits.items():
+        if f is None:
+            lines.append(f"- {k}: fewer than two data sizes")
+        else:
+            need = "not reached (b <= 0)" if f["tokens_for_aim"] is None else f"{f['tokens_for_aim']:,.0f} tokens"
+            lines.append(f"- {k}: a = {f['a']:.3f}, b = {f['b_per_doubling']:+.4f} per doubling; {AIM}: {need}")
+    md = path.with_name("learning_curve.md")
+    md.write_text("\n".join(lines) + "\n")
+    plt = toolkit.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for k in kinds:
+        pts = [r for r in recs if r["kind_of_head"] == k and r["eval"]]
+        x = [p["data_loss_tokens"] for p in pts]
+        for step, style in ((1, "-o"), (2, "--s"), (3, ":^")):
+            ax1.plot(x, [p["eval"].get(f"greedy_agreement_step{step}", math.nan) for p in pts], style,
+                     label=f"{k} k={step}")
+        ax2.plot(x, [_best_chain(p["eval"])[0] for p in pts], "-o", label=k)
+    for ax, ylabel in ((ax1, "held-out greedy agreement"), (ax2, "chain tokens / target pass (best gamma)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("data (loss tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Feature heads on SmolLM2-135M-Instruct data, {toolkit.run_caption(prov)}", fontsize=9)
+    toolkit.save_figure(fig, path.with_name("learning_curve.png"))
+    print(f"wrote {md} and {path.with_name('learning_curve.png')}")
+    return md
+
+
+if __name__ == "__main__":
+    write(sys.argv[1] if len(sys.argv) > 1 else DEFAULT)

@@ -1,0 +1,91 @@
+"""Learning curve of the feature heads against data size (issue 38 item 4); see config.py.
+
+    python -m experiments.learning_curve.run --config=experiments/learning_curve/config.py
+
+For each data size (loss tokens, nested prefixes of the shards) and head kind: a training run
+(`specjax.distill.train`, resumable in ``workdir/<kind>-<size>``) and its held-out evaluation
+at the end: greedy agreement of the k-th drafted token, alpha at T = 1 and simulated chain
+tokens per target pass. One record per point is appended to ``out`` as soon as the point ends,
+so a stopped run started again skips the points it has and resumes the one it was in. The
+table, the fit and the plot: `python -m experiments.learning_curve.report OUT`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from experiments import toolkit
+
+
+def budget(c, size: int) -> int:
+    """Training tokens of a point: epochs x size within [min_budget, max_budget]."""
+    return int(min(max(c.epochs * size, c.min_budget), c.max_budget))
+
+
+def point_config(c, kind: str, size: int):
+    """The training config of one point: configs/distill_head.py, the kind's overrides, the
+    shards as the only data (cut at `size` loss tokens), evaluation at the end only, `c.set`."""
+    from configs import distill_head
+    from specjax import distill
+
+    h = distill_head.get_config()
+    h.draft.kind = kind
+    distill.with_overrides(h, c.kind_overrides[kind].to_dict())
+    h.data.target_weight = 0.0
+    h.data.shards.update(dirs=tuple(c.shard_dirs), weight=1.0, window=int(c.window), max_loss_tokens=int(size))
+    h.budget_tokens = budget(c, size)
+    h.eval.every = 1 << 40               # only the evaluation at the end
+    h.eval.at_start = False
+    h.eval.gamma = int(c.eval_gamma)
+    h.export_dir = ""
+    h.progress = bool(c.progress)
+    distill.with_overrides(h, c.set.to_dict())
+    return h
+
+
+def done_points(path) -> set[tuple[str, int]]:
+    """(kind, size) of the points already in the results file (a torn last line set aside)."""
+    from specjax import files
+    path = pathlib.Path(path)
+    files.recover_jsonl(path)
+    return {(r["kind_of_head"], int(r["size"])) for r in toolkit.read_jsonl(path)} if path.is_file() else set()
+
+
+def run(c, log=print) -> list[dict]:
+    """Train and evaluate every missing point; returns this call's records."""
+    from specjax import distill
+
+    out = pathlib.Path(c.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    have = done_points(out)
+    prov = toolkit.provenance("experiments.learning_curve.run", exclude=[out.parent], with_backend=False,
+                              config=c.to_dict())
+    made = []
+    for size in sorted(int(s) for s in c.sizes):
+        for kind in c.kinds:
+            if (kind, size) in have:
+                log(f"{kind} at {size:,} loss tokens: in {out} already")
+                continue
+            h = point_config(c, kind, size)
+            log(f"{kind} at {size:,} loss tokens of data, {h.budget_tokens:,} training tokens")
+            s = distill.train(h, pathlib.Path(c.workdir) / f"{kind}-{size}", log=lambda m: log(f"[{kind} {size}] {m}"))
+            rec = {"kind": "point", "kind_of_head": kind, "size": size,
+                   "data_loss_tokens": s["data_loss_tokens"]["shards"], "budget_tokens": h.budget_tokens,
+                   "steps": s["steps"], "train_tokens": s["tokens"], "wall_s": s["wall_s"],
+                   "train_tokens_per_s": s["train_tokens_per_s"], "eval": s["eval"],
+                   "head": s["draft"], "provenance": prov}
+            with open(out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(toolkit._clean(rec)) + "\n")
+            made.append(rec)
+    return made
+
+
+def main(c):
+    run(c)
+    from experiments.learning_curve import report
+    report.write(c.out)
+
+
+if __name__ == "__main__":
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"), "learning-curve settings")

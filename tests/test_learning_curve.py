@@ -1,0 +1,60 @@
+"""The heads' learning curve (experiments/learning_curve, issue 38 item 4) on the toy target:
+nested data sizes, equal budgets per size, one evaluated record per (kind, size), a rerun that
+skips finished points, and the report's table, fit and plot from the JSONL alone."""
+import json
+
+import pytest
+
+from experiments import toolkit
+from experiments.learning_curve import report, run
+
+import _distill_toy as toy
+
+
+@pytest.fixture(scope="module")
+def curve(tmp_path_factory):
+    root = tmp_path_factory.mktemp("curve")
+    target_dir = toy.write_target(root / "target")
+    data = toy.write_data(root / "data.jsonl", n=64)
+    dirs = toy.write_shards(root / "corpus", data)
+    c = toolkit.load_config("experiments/learning_curve/config.py", "tiny")
+    c.shard_dirs = tuple(dirs)
+    c.out = str(root / "results" / "learning_curve.jsonl")
+    c.workdir = str(root / "work")
+    c.set.update({"target": str(target_dir), "data_root": str(root / "cache"), "checkpoint_every": 5,
+                  "data": {"widths": (32, 64), "tokens_per_batch": 256}, "draft": {"head_vocab": 40},
+                  "head": {"feature_cache": ""}, "optim": {"learning_rate": 3e-3, "warmup_steps": 3},
+                  "eval": {"data_jsonl": str(toy.write_data(root / "eval.jsonl", n=8, seed=1))}})
+    recs = run.run(c, log=lambda m: None)
+    return c, recs
+
+
+def test_points_are_nested_sizes_at_equal_budgets(curve):
+    c, recs = curve
+    assert [(r["kind_of_head"], r["size"]) for r in recs] == [("eagle", 300), ("eagle3", 300),
+                                                              ("eagle", 900), ("eagle3", 900)]
+    for size in (300, 900):
+        pts = [r for r in recs if r["size"] == size]
+        assert len({r["budget_tokens"] for r in pts}) == 1 == len({r["data_loss_tokens"] for r in pts})
+        assert pts[0]["budget_tokens"] == run.budget(c, size) == min(max(2 * size, 600), 2000)
+        assert pts[0]["data_loss_tokens"] >= size
+        assert all(r["train_tokens"] >= r["budget_tokens"] for r in pts)
+    small, large = recs[0]["data_loss_tokens"], recs[2]["data_loss_tokens"]
+    assert small < large
+    for r in recs:
+        assert {"greedy_agreement_step1", "greedy_agreement_step2", "alpha_t1",
+                "greedy_tokens_per_pass_g2"} <= set(r["eval"])
+    assert recs[1]["head"]["ttt_steps"] == 2 and recs[0]["head"]["ttt_steps"] == 1
+
+
+def test_a_rerun_skips_finished_points_and_the_report_reads_the_jsonl(curve, tmp_path):
+    c, recs = curve
+    assert run.run(c, log=lambda m: None) == []
+    lines = [json.loads(l) for l in open(c.out)]
+    assert len(lines) == 4
+    md = report.write(c.out)
+    text = md.read_text()
+    assert text.count("| eagle") == 4 and "per doubling" in text
+    assert md.with_name("learning_curve.png").stat().st_size > 0
+    f = report.fit([r for r in lines if r["kind_of_head"] == "eagle"])
+    assert f is not None and set(f) == {"a", "b_per_doubling", "tokens_for_aim"}
