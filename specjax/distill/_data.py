@@ -337,6 +337,33 @@ def _width_for(n: int, widths: Sequence[int]) -> int:
     return max(widths)
 
 
+def locate_in_epochs(epoch: Callable[[int], list], i: int) -> tuple[int, int]:
+    """(epoch, index within it) of the i-th batch of a stream whose epoch e is ``epoch(e)``
+    (epochs may differ in length: they are walked; each must be non-empty)."""
+    e = 0
+    while i >= len(epoch(e)):
+        i -= len(epoch(e))
+        e += 1
+    return e, i
+
+
+def fill_buckets(items: Sequence, lengths: Sequence[int], widths: Sequence[int],
+                 rows_for: Callable[[int], int]) -> list[tuple[int, list]]:
+    """Batches of `items` in their order: each goes to the narrowest width that holds its length
+    (cut at the widest); a width's bucket is emitted when it has ``rows_for(width)`` items, and
+    the partly filled buckets are emitted at the end. Returns [(width, items)] in emission order."""
+    widths = tuple(sorted(widths))
+    open_: dict[int, list] = {w: [] for w in widths}
+    batches = []
+    for item, n in zip(items, lengths):
+        w = _width_for(int(n), widths)
+        open_[w].append(item)
+        if len(open_[w]) == rows_for(w):
+            batches.append((w, open_[w]))
+            open_[w] = []
+    return batches + [(w, rows) for w, rows in open_.items() if rows]
+
+
 def _clipped_loss_counts(seqs: SequenceSet, max_width: int) -> np.ndarray:
     n = np.minimum(seqs.lengths, max_width)
     return np.maximum(n - seqs.prompt_lengths, 0)
@@ -453,18 +480,9 @@ class BatchPlan:
         while len(self._epochs) <= e:
             k = len(self._epochs)
             perm = np.random.default_rng([self.seed, k]).permutation(len(self.data.seqs))
-            open_: dict[int, list[int]] = {w: [] for w in self.widths}
-            batches = []
-            for i in perm:
-                if not self._used(i):
-                    continue
-                w = _width_for(len(self.data.seqs.tokens[i]), self.widths)
-                open_[w].append(int(i))
-                if len(open_[w]) == self.rows_for(w):
-                    batches.append((w, open_[w]))
-                    open_[w] = []
-            batches += [(w, rows) for w, rows in open_.items() if rows]
-            self._epochs.append(batches)
+            used = [int(i) for i in perm if self._used(i)]
+            self._epochs.append(fill_buckets(used, [len(self.data.seqs.tokens[i]) for i in used], self.widths,
+                                             self.rows_for))
         return self._epochs[e]
 
     def locate(self, i: int) -> tuple[int, int]:
@@ -472,11 +490,7 @@ class BatchPlan:
             raise ValueError(f"batch index {i} < 0")
         if not self.epoch(0):      # every epoch has the same (non-empty) set of sequences
             raise ValueError(f"no batches in the plan over {self.data.seqs.source or 'unnamed data'}")
-        e = 0
-        while i >= len(self.epoch(e)):
-            i -= len(self.epoch(e))
-            e += 1
-        return e, i
+        return locate_in_epochs(self.epoch, i)
 
     def batch(self, i: int) -> dict:
         e, j = self.locate(i)

@@ -182,20 +182,33 @@ class ShardDir:
         return decode_shard(self._check(name, self.manifest["shards"][name]), self.sources, str(self.dir / name))
 
 
-def read_dir(directory) -> Iterator[Sequences]:
-    """Every shard of a directory, in shard order, each checked against the manifest's sha256."""
-    d = pathlib.Path(directory)
-    path = d / MANIFEST
+def read_manifest(directory) -> dict:
+    """A shard directory's manifest (FileNotFoundError when there is none, ValueError naming the
+    file when it does not parse or is another format)."""
+    path = pathlib.Path(directory) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no shard manifest (run the data command first)")
+        raise FileNotFoundError(f"{path}: no shard manifest (run the data command into {path.parent.parent} first)")
     try:
         m = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a shard manifest ({e})") from None
     if m.get("format") != FORMAT:
         raise ValueError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
-    for name, entry in m["shards"].items():
-        data = (d / name).read_bytes() if (d / name).is_file() else None
-        if data is None or _sha256(data) != entry["sha256"]:
-            raise ValueError(f"{d / name}: missing or its sha256 differs from the manifest's (a damaged shard)")
-        yield decode_shard(data, m["sources"], str(d / name))
+    return m
+
+
+def read_listed(directory, manifest: dict, name: str) -> Sequences:
+    """One shard a manifest lists, checked against its sha256 (ValueError naming the file)."""
+    p = pathlib.Path(directory) / name
+    data = p.read_bytes() if p.is_file() else None
+    if data is None or _sha256(data) != manifest["shards"][name]["sha256"]:
+        raise ValueError(f"{p}: missing or its sha256 differs from the manifest's (a damaged shard): delete it "
+                         f"and its manifest entry to make it again")
+    return decode_shard(data, manifest["sources"], str(p))
+
+
+def read_dir(directory) -> Iterator[Sequences]:
+    """Every shard of a directory, in shard order, each checked against the manifest's sha256."""
+    m = read_manifest(directory)
+    for name in m["shards"]:
+        yield read_listed(directory, m, name)

@@ -33,16 +33,9 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax.distill import _shards
+from specjax.distill import _data, _shards
 
 DEFAULT_WINDOW = 8
-
-
-def _width_for(n: int, widths: Sequence[int]) -> int:
-    for w in widths:
-        if n <= w:
-            return w
-    return widths[-1]
 
 
 class ShardStream:
@@ -64,7 +57,7 @@ class ShardStream:
         self.seed, self.tokens_per_batch = int(seed), int(tokens_per_batch)
         self.widths = tuple(sorted(int(w) for w in widths))
         self.window, self.max_prompt, self.max_loss_tokens = int(window), int(max_prompt), int(max_loss_tokens)
-        manifests = [self._manifest(d) for d in self.dirs]
+        manifests = [_shards.read_manifest(d) for d in self.dirs]
         # canonical order: shard 0 of every directory, then shard 1, ...
         names = [sorted(m["shards"]) for m in manifests]
         self.shards: list[tuple[int, str]] = [(di, names[di][k]) for k in range(max(map(len, names), default=0))
@@ -104,29 +97,9 @@ class ShardStream:
         self._cache: collections.OrderedDict[int, _shards.Sequences] = collections.OrderedDict()
 
     # ----------------------------------------------------------------------------- reading
-    @staticmethod
-    def _manifest(d: pathlib.Path) -> dict:
-        path = d / _shards.MANIFEST
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no shard manifest (run `specjax data` into {d.parent} first)")
-        try:
-            m = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a shard manifest ({e})") from None
-        if m.get("format") != _shards.FORMAT:
-            raise ValueError(f"{path}: format {m.get('format')!r}, expected {_shards.FORMAT!r}")
-        return m
-
     def _read(self, s: int) -> _shards.Sequences:
         di, name = self.shards[s]
-        m, path = self._manifests[di], self.dirs[di] / name
-        data = path.read_bytes() if path.is_file() else None
-        if data is None:
-            raise ValueError(f"{path}: listed in {self.dirs[di] / _shards.MANIFEST} but missing")
-        if hashlib.sha256(data).hexdigest() != m["shards"][name]["sha256"]:
-            raise ValueError(f"{path}: its sha256 differs from the manifest's (a damaged shard); make it again "
-                             f"with the data command after deleting it and its manifest entry")
-        return _shards.decode_shard(data, m["sources"], str(path))
+        return _shards.read_listed(self.dirs[di], self._manifests[di], name)
 
     def _shard(self, s: int) -> _shards.Sequences:
         if s in self._cache:
@@ -160,15 +133,9 @@ class ShardStream:
                 group = [int(s) for s in order[g:g + self.window]]
                 rows = [(s, j) for s in group for j in np.flatnonzero(self._index[s][2] > 0).tolist()]
                 perm = np.random.default_rng([self.seed, e, g // self.window]).permutation(len(rows))
-                open_: dict[int, list[tuple[int, int]]] = {w: [] for w in self.widths}
-                for r in perm:
-                    s, j = rows[r]
-                    w = _width_for(int(self._index[s][0][j]), self.widths)
-                    open_[w].append((s, j))
-                    if len(open_[w]) == self.rows_for(w):
-                        batches.append((w, open_[w]))
-                        open_[w] = []
-                batches += [(w, b) for w, b in open_.items() if b]
+                picked = [rows[r] for r in perm]
+                batches += _data.fill_buckets(picked, [self._index[s][0][j] for s, j in picked], self.widths,
+                                              self.rows_for)
             self._epochs[e] = batches
         return self._epochs[e]
 
@@ -177,15 +144,11 @@ class ShardStream:
         return len(self.epoch(0))
 
     def locate(self, i: int) -> tuple[int, int]:
-        """(epoch, batch within it) of batch i; every epoch has the same number of batches per
-        group size, but not in total (partial buckets differ), so epochs are walked."""
+        """(epoch, batch within it) of batch i (epochs differ in length by their partly filled
+        buckets)."""
         if i < 0:
             raise ValueError(f"batch index {i} < 0")
-        e = 0
-        while i >= len(self.epoch(e)):
-            i -= len(self.epoch(e))
-            e += 1
-        return e, i
+        return _data.locate_in_epochs(self.epoch, i)
 
     def batch(self, i: int) -> dict:
         e, j = self.locate(i)
