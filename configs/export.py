@@ -20,6 +20,6 @@ def get_config():
     c.what = "model"                    # 'model' or 'draft'
     c.source = "smollm2-135m-instruct"  # what='model': the model; what='draft': the draft directory ("" = shipped)
     c.target = "smollm2-135m-instruct"  # what='draft': the target the draft was made for
-    c.dtype = "float32"                 # dtype of the written tensors: float32 | bfloat16 | float16
+    c.dtype = "float32"                 # dtype of the written tensors: float32 | bfloat16 (what specjax loads)
     c.out = ""                          # the output directory (required; must not exist or be empty)
     return c

@@ -49,6 +49,18 @@ def _commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+def read_utf8(path: pathlib.Path) -> str:
+    """The text of a UTF-8 file; a byte that is not UTF-8 is a one-line ValueError naming the
+    file, its line and the byte's offset in the file (not a bare UnicodeDecodeError)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: byte 0x{data[e.start]:02x} at byte offset {e.start} is not UTF-8 "
+                         f"({e.reason}); the file must be UTF-8") from None
+
+
 def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list[dict]:
     """The prompts of a bench run as ``{"id", "category", "prompt"}``.
 
@@ -57,8 +69,9 @@ def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list
     ``turns``: the first turn is sent) or ``{"prompt": ...}`` with optional ``id`` and
     ``category`` (default ``"all"``). ``per_category`` > 0 keeps the first that many of each
     category (file order), ``num_prompts`` > 0 the first that many overall, after that.
-    A malformed line is a ValueError naming the file and line."""
-    from specjax import specbench
+    A malformed line, a byte that is not UTF-8 or a prompt that cannot be encoded as UTF-8 (a
+    lone surrogate escape) is a ValueError naming the file and line, before any model loads."""
+    from specjax import decoding, specbench
     if not path:
         rows = [{"id": q.question_id, "category": q.category, "prompt": q.prompt}
                 for q in specbench.load(split="held_out")]
@@ -67,7 +80,9 @@ def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list
         if not p.is_file():
             raise FileNotFoundError(f"prompts={path!r}: no such file")
         rows = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        # Lines end at "\n" only: str.splitlines would also split inside a JSON string at a raw
+        # U+2028, U+2029 or U+0085 (legal there), and give line numbers that differ from an editor's.
+        for n, line in enumerate(read_utf8(p).split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -82,6 +97,7 @@ def load_prompts(path: str, per_category: int = 0, num_prompts: int = 0) -> list
                 text = d["prompt"]
             else:
                 raise ValueError(f"{p}:{n}: expected 'turns' (a list of strings) or 'prompt' (a string)")
+            decoding.check_text(text, f"{p}:{n}", escaped_bytes=False)
             rows.append({"id": d.get("question_id", d.get("id", n)), "category": str(d.get("category", "all")),
                          "prompt": text})
     if per_category > 0:

@@ -155,6 +155,7 @@ def use_cpu_kernel(c, backend: str | None = None) -> bool:
         if not fits:
             raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
                              f"{c.scan_layers}, dtype={c.dtype!r})")
+        kernels.check_library()         # a foreign file in the library's place: named
         if not kernels.built():
             raise ValueError("cpu_kernel='on': specjax's CPU kernel was not built at install time (a C++ "
                              "compiler and jaxlib are needed; reinstall with `pip install -e .`), or use 'auto'")

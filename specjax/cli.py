@@ -220,17 +220,42 @@ def generate_main(c) -> dict:
     print(line, flush=True)
     from specjax import distributed
     if c.metrics_jsonl and distributed.is_primary():
-        with open(c.metrics_jsonl, "a") as f:
+        import pathlib
+        with open(pathlib.Path(c.metrics_jsonl).expanduser(), "a") as f:
             f.write(json.dumps(stats) + "\n")
     return stats
+
+
+def check_output_file(setting: str, path: str) -> None:
+    """A file a command will write at its end (``metrics_jsonl``) can be: its directory exists
+    and is writable and the path is not a directory. Checked before the model loads, so a typo
+    fails at once, not after the whole run; a ValueError naming the setting. "" is off."""
+    import os
+    import pathlib
+    if not path:
+        return
+    p = pathlib.Path(path).expanduser()
+    parent = p.parent
+    if p.is_dir():
+        problem = f"{p} is a directory"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist" if not parent.exists() else f"{parent} is not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        problem = f"{p if p.exists() else parent} is not writable"
+    else:
+        return
+    raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
 
 
 def main(c) -> dict:
     """The main command on a config: XLA options, the settings checked (before anything heavy),
     optional multi-host start, caches, generation."""
-    from specjax import build
+    from specjax import build, decoding
     build.tune_xla_cpu()                  # before any backend starts
+    decoding.check_text(c.get("prompt", ""), "prompt")     # bytes that are not UTF-8, before anything loads
+    decoding.check_text(c.get("system", ""), "system")
     build.check_config(c)                 # settings, and a local target's context length
+    check_output_file("metrics_jsonl", c.get("metrics_jsonl", ""))
     if c.get("distributed", False):
         from specjax import distributed
         distributed.initialize()
@@ -243,8 +268,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that are a user's mistake (a bad setting, a missing or broken file, a
     prompt too long for the cache): shown as one line, not a traceback."""
     from specjax import models
+    from specjax.models.export import ExportError
     from specjax.models.registry import ModelFetchError
-    return (ValueError, FileNotFoundError, models.CheckpointError, models.CacheCapacityError, ModelFetchError)
+    return (ValueError, FileNotFoundError, models.CheckpointError, models.CacheCapacityError, ModelFetchError,
+            ExportError)
 
 
 def _quiet_backend_probe() -> None:
@@ -332,17 +359,23 @@ def eval_main(c) -> dict:
 
 
 EXPORT_KINDS = ("model", "draft")
+# The dtypes `export` writes: those specjax loads again (`models.config.SUPPORTED_DTYPES`); not
+# float16 (the model config refuses it, and weights past 65504 would become inf).
+EXPORT_DTYPES = ("float32", "bfloat16")
 
 
 def export_main(c):
-    """`specjax export`: a model or a draft as a Hugging Face checkpoint directory."""
+    """`specjax export`: a model or a draft as a Hugging Face checkpoint directory, written into
+    a temporary directory beside ``out`` and renamed into place at the end (a failure, such as a
+    full disk, leaves ``out`` as it was: `models.export.write_directory`)."""
     import pathlib
 
     from specjax import build, models
+    from specjax.models.export import write_directory
     if c.what not in EXPORT_KINDS:
         raise ValueError(f"what={c.what!r}: expected one of {', '.join(EXPORT_KINDS)}")
-    if c.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype={c.dtype!r}: expected one of float32, bfloat16")
+    if c.dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
     if not c.out:
         raise ValueError("out='': name the directory to write the checkpoint into")
     out = pathlib.Path(c.out).expanduser()
@@ -352,13 +385,18 @@ def export_main(c):
         if not c.source:
             raise ValueError("source='': name the model to export (registry name, GGUF file or HF directory)")
         model, params, tokenizer = models.load_with_tokenizer(c.source, dtype="float32")
-        models.export_hf(model, params, out, dtype=c.dtype)
-        if tokenizer is not None:
-            tokenizer.save(out)
+
+        def write(d):
+            models.export_hf(model, params, d, dtype=c.dtype)
+            if tokenizer is not None:
+                tokenizer.save(d)
     else:
         from specjax.models.draft_artifact import export_draft_hf
         target, params = build.load_target(c.target, "float32", True)
-        export_draft_hf(c.source or build.shipped_draft(c.target), target, params, out, dtype=c.dtype)
+
+        def write(d):
+            export_draft_hf(c.source or build.shipped_draft(c.target), target, params, d, dtype=c.dtype)
+    write_directory(out, write)
     print(f"[specjax] wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})", flush=True)
     return out
 

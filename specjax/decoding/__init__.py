@@ -9,8 +9,8 @@ from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNI
                                       Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
                                       Prefill, StreamEvent)
 from specjax.decoding._greedy_check import NEAR_TIE_EPS, RowReport, greedy_check, reference_greedy
-from specjax.decoding._request import (Completion, Generator, encode_prompt, make_batch, request_keys,
-                                       timing_summary)
+from specjax.decoding._request import (REQUEST_ID_LIMIT, Completion, Generator, check_request_id, check_text,
+                                       encode_prompt, make_batch, request_keys, timing_summary, token_ids)
 
 __all__ = [
     "AdaptiveGamma", "adaptive", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
@@ -19,4 +19,5 @@ __all__ = [
     "MAX_CACHE_BYTES", "BatchReport", "RequestResult", "cache_bytes_per_row", "generate_batched",
     "plan_batches",
     "Completion", "Generator", "encode_prompt", "make_batch", "request_keys", "timing_summary",
+    "REQUEST_ID_LIMIT", "check_request_id", "check_text", "token_ids",
 ]

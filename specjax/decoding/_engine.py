@@ -990,6 +990,10 @@ class Engine:
         # the end (up to a verification block) are scratch whose outputs are discarded.
         context = getattr(getattr(self.target, "config", None), "max_position", None)
         longest = int(lengths_B.max())
+        if context is not None and longest >= context:
+            b = int(lengths_B.argmax())
+            raise ValueError(f"prompt {b} is too long: {longest} tokens, the target's context length is {context} "
+                             f"(no position is left for a new token); shorten it to at most {context - 1} tokens")
         if context is not None and longest + self.config.max_new_tokens > context:
             b = int(lengths_B.argmax())
             raise ValueError(

@@ -11,6 +11,7 @@ anything runs (XLA clamps out-of-range writes silently).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -22,18 +23,88 @@ from specjax.decoding._engine import (PAD_ID, STATUS_NAMES, Batch, Engine, Engin
                                       GenerationConfig, Prefill, StreamEvent)
 
 
+REQUEST_ID_LIMIT = 2 ** 32      # a request's key is fold_in(key, id) with a uint32 id
+
+
+def check_request_id(request_id) -> int:
+    """A request id as an int; ValueError naming it unless it is an integer in [0, 2**32).
+
+    A request's key is ``fold_in(key, id)`` with a uint32 id: an id outside that range is
+    refused rather than wrapped, since wrapping (-1 -> 2**32 - 1) would give two distinct ids
+    one key (the same samples) and hashing would change the keys of valid ids."""
+    if not isinstance(request_id, (bool, np.bool_)):
+        try:
+            value = operator.index(request_id)
+        except TypeError:
+            value = None
+        if value is not None and 0 <= value < REQUEST_ID_LIMIT:
+            return value
+    raise ValueError(f"request id {request_id!r}: expected an integer in [0, 2**32) = [0, {REQUEST_ID_LIMIT}) "
+                     f"(a request's key is fold_in(key, id) with a uint32 id)")
+
+
 def request_keys(key: jax.Array, request_ids) -> jax.Array:
-    """One key per request, folded from its id: samples do not depend on batch layout."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(request_ids, jnp.uint32))
+    """One key per request, folded from its id: samples do not depend on batch layout. Ids
+    outside [0, 2**32) are refused (`check_request_id`)."""
+    ids = np.asarray(request_ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= REQUEST_ID_LIMIT)):
+        ids = [check_request_id(i) for i in np.asarray(request_ids, object).ravel()]
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids, jnp.uint32))
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-int(x) // multiple) * multiple
 
 
+def check_text(text: str, what: str, escaped_bytes: bool = True) -> str:
+    """``text`` when it can be encoded as UTF-8, else a one-line ValueError naming ``what`` and
+    the byte offset of the first character that cannot: a byte that was not UTF-8 (Python keeps
+    one as a surrogate U+DC80..U+DCFF in a command-line argument, an environment variable or a
+    file read with errors='surrogateescape'; ``escaped_bytes=False`` for text that cannot hold
+    such bytes, e.g. parsed JSON), or another lone surrogate (e.g. a JSON escape such as
+    "\\ud800"). The tokenizer would otherwise fail on it with a TypeError after the model has
+    loaded."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        offset, code = len(text[:e.start].encode("utf-8")), ord(text[e.start])
+    if escaped_bytes and 0xDC80 <= code <= 0xDCFF:
+        problem = f"byte 0x{code - 0xDC00:02x} at byte offset {offset} is not UTF-8"
+    else:
+        problem = f"a lone surrogate U+{code:04X} at byte offset {offset} cannot be encoded as UTF-8"
+    raise ValueError(f"{what}: {problem}; give the text as UTF-8")
+
+
+def token_ids(prompt, what: str = "prompt") -> list[int]:
+    """A prompt given as token ids, as a list of ints; ValueError naming ``what`` and the first
+    value that is not an integer (a float, even 2.0, a bool, a nested list) or, for text, that
+    text must be encoded first. Integer numpy / jax arrays are read whole."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"{what}: expected token ids, got text {prompt[:20]!r}; encode it first "
+                         f"(decoding.encode_prompt)")
+    if hasattr(prompt, "__array__"):
+        arr = np.asarray(prompt)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            return arr.tolist()
+    out = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"{what}: token ids must be integers, got {t!r} at position {i}") from None
+    return out
+
+
 def encode_prompt(tokenizer, prompt: str, *, chat: bool = True, system: str = "") -> list[int]:
     """The token ids of one user prompt: in the tokenizer's chat template (a first user turn,
-    with an optional system message, ready for the assistant's answer), or as plain text."""
+    with an optional system message, ready for the assistant's answer), or as plain text.
+    Text that is not UTF-8 is a ValueError naming 'prompt' or 'system' and the byte offset
+    (`check_text`)."""
+    check_text(prompt, "prompt")
+    check_text(system, "system")
     if not chat:
         return list(tokenizer.encode(prompt))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -59,7 +130,7 @@ def make_batch(prompts: Sequence[Sequence[int]], config: GenerationConfig, key: 
     width = _round_up(lens.max(), pad_multiple)
     prompt_BP = np.full((len(prompts), width), PAD_ID, np.int64)
     for b, p in enumerate(prompts):
-        prompt_BP[b, :len(p)] = np.asarray(p, np.int64)
+        prompt_BP[b, :len(p)] = np.asarray(token_ids(p, f"prompt {b}"), np.int64)
     if prompt_BP.min() < np.iinfo(np.int32).min or prompt_BP.max() > np.iinfo(np.int32).max:
         raise ValueError("token ids must fit in int32")
     if capacity is None:
@@ -132,7 +203,7 @@ class Generator:
 
     def encode(self, prompt: str | Sequence[int], *, chat: bool = True, system: str = "") -> list[int]:
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return token_ids(prompt)
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer")
         return encode_prompt(self.tokenizer, prompt, chat=chat, system=system)

