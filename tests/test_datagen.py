@@ -8,7 +8,7 @@ import shutil
 import jax
 import pytest
 
-from specjax import build, decoding, distill
+from specjax import build, decoding, distill, serving
 
 from _cli_tiny import write_pair
 
@@ -62,25 +62,36 @@ def test_stages_shards_and_report(tiny_generator, tmp_path):
     assert (tmp_path / "REPORT.md").read_text().startswith("# Data engine report")
 
 
-def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch):
+@pytest.mark.parametrize("refill_rounds", [0, 3])
+def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch, refill_rounds):
+    """Length-sorted batches (refill_rounds 0) and slot refilling (3 rounds per host trip):
+    a run killed mid-stage and resumed writes the shards of an uninterrupted run, and both
+    generation paths write the same shards (each request keyed by its id)."""
     c, gen = tiny_generator
-    cfg = _config(c)
+    cfg = _config(c, refill_rounds=refill_rounds)
     whole = tmp_path / "whole"
     distill.generate_data(cfg, gen, whole, progress=False, log=lambda s: None)
-    # A run that dies in its third batch of generation ...
+    # A run that dies in its third call of generation ...
     resumed = tmp_path / "resumed"
-    real, calls = decoding.generate_batched, [0]
+    module, name = (serving, "generate_offline") if refill_rounds else (decoding, "generate_batched")
+    real, calls = getattr(module, name), [0]
 
-    def dying(*a, **k):
+    def dying_batches(*a, **k):
         for out in real(*a, **k):
             calls[0] += 1
             if calls[0] == 3:
                 raise KeyboardInterrupt("killed")
             yield out
-    monkeypatch.setattr(decoding, "generate_batched", dying)
+
+    def dying_call(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **k)
+    monkeypatch.setattr(module, name, dying_call if refill_rounds else dying_batches)
     with pytest.raises(KeyboardInterrupt):
         distill.generate_data(cfg, gen, resumed, progress=False, log=lambda s: None)
-    monkeypatch.setattr(decoding, "generate_batched", real)
+    monkeypatch.setattr(module, name, real)
     assert len(_manifests(resumed).get("instructions", {})) >= 1
     # ... and a shard written but never listed (a kill between the file and the manifest)
     d = resumed / "instructions"
@@ -94,6 +105,11 @@ def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch):
     a, b = _manifests(whole), _manifests(resumed)
     assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()} == \
         {s: {k: v["sha256"] for k, v in e.items()} for s, e in b.items()}
+    if refill_rounds:           # the other path, uninterrupted: the same shards
+        other = tmp_path / "batched"
+        distill.generate_data(_config(c, refill_rounds=0), gen, other, progress=False, log=lambda s: None)
+        assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in _manifests(other).items()} == \
+            {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()}
     # a damaged shard is named, not trusted
     shard = resumed / "responses_greedy" / "shard-00000.npz"
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")

@@ -103,6 +103,23 @@ def test_refilled_slots_equal_requests_alone(kind, temperature):
     assert s["requests"] == len(PROMPTS)
 
 
+@pytest.mark.parametrize("kind, temperature", [("target", 0.0), ("draft", 1.0)])
+@pytest.mark.parametrize("rounds_per_sync", [2, 5])
+def test_several_rounds_per_sync_give_each_request_what_it_gets_alone(kind, temperature, rounds_per_sync):
+    """`Scheduler(rounds_per_sync=n)` runs n rounds per host round trip (`Engine.steps`): a
+    finished row's slot idles until the call ends and is refilled after, and every request still
+    gets exactly the tokens, status and counters it gets alone."""
+    engine, params = _toy(kind)
+    sched = serving.Scheduler(engine, params, slots=3, pad_multiple=PAD, capacity=CAPACITY,
+                              rounds_per_sync=rounds_per_sync)
+    out = sched.run(_requests(PROMPTS), GREEDY if temperature == 0 else T1, KEY, warmup=True)
+    assert [r.id for r in out.results] == [100 + i for i in range(len(PROMPTS))]
+    assert {r.slot for r in out.results} == {0, 1, 2}
+    _check_against_alone(out, kind, temperature)
+    with pytest.raises(ValueError, match="rounds_per_sync"):
+        serving.Scheduler(engine, params, slots=3, rounds_per_sync=0)
+
+
 # ----------------------------------------------------------------------------- tiny Llama
 
 LLAMA_CAPACITY = 48

@@ -941,6 +941,11 @@ class Engine:
     _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
     _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
     _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
+
+    def _steps(self, params, sampling, state, n: int):
+        return jax.lax.scan(lambda s, _: self._step(params, sampling, s), state, None, length=n)
+
+    _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(_steps)
     _round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_round)
     _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
     _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
@@ -1057,6 +1062,14 @@ class Engine:
     def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
         """One round; ``state`` is donated (its buffers are updated in place, do not reuse it)."""
         return self._step_jit(params, sampling, state)
+
+    def steps(self, params: EngineParams, sampling, state: LoopState, n: int) -> tuple[LoopState, Commit]:
+        """`n` rounds in one jitted call (one host round trip instead of `n`): the same rounds as
+        `n` calls of `step`, their commits stacked on a leading axis ([n, B, ...]); a row that is
+        done commits nothing in the later ones. ``state`` is donated."""
+        if n < 1:
+            raise ValueError(f"steps: n must be >= 1, got {n}")
+        return self._steps_jit(params, sampling, state, int(n))
 
     def run(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
             prefill: Prefill | None = None) -> GenerateOutput:

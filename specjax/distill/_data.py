@@ -149,12 +149,10 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
     capacity (rows cut only where a batch's cache would pass `decoding.MAX_CACHE_BYTES`), the
     prompts prefilled in chunks of `prefill_chunk` tokens.
 
-    With ``slots`` the requests go through `specjax.serving.Scheduler` with up to `batch_size`
-    rows per prompt-width group: a row whose request ends (EOS or max_new_tokens) is refilled
-    with the next request at once, so no row idles until the longest of its batch ends; the
-    same sequences, but one host round trip per round (on 48 prompts x 128 tokens, 32 rows, it
-    ran at 0.82x of the batched path: experiments/load_study/results/datagen.jsonl), so it is
-    not the default.
+    With ``slots`` the requests go through `specjax.serving.generate_offline` with up to
+    `batch_size` rows per prompt-width group: a row whose request ends (EOS or max_new_tokens)
+    is refilled with the next request after at most 16 rounds (one host round trip per 16), so
+    no row idles until the longest of its batch ends; the same sequences.
 
     Request r (prompt r // samples_per_prompt) samples with ``fold_in(key, r)``, so the data
     does not depend on the batching. Returns prompt + continuation (EOS included when reached).
@@ -184,33 +182,23 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
 
 def _generate_in_slots(engine, params, prompts, reqs, *, key, sampling, slots: int, width_multiple: int,
                        source: str, log) -> SequenceSet:
-    """`generate` through the slot-refilling scheduler: request r = (prompt i, sample s) keyed
-    ``fold_in(key, r)`` as in the batched path. Requests are grouped by padded prompt width
-    (multiples of `width_multiple`), one scheduler per group with the group's own cache capacity
-    and as many slots as the batched path gives rows of that width, so a few long prompts do
-    not size every row's cache and attention."""
+    """`generate` through slot-refilling schedulers (`serving.generate_offline`, one per padded
+    prompt width): request r = (prompt i, sample s) keyed ``fold_in(key, r)`` as in the batched
+    path."""
     from specjax import serving
-    groups: dict[int, list[int]] = {}
-    for r in sorted(range(len(reqs)), key=lambda r: len(prompts[reqs[r][0]])):
-        groups.setdefault(_round_up(len(prompts[reqs[r][0]]), width_multiple), []).append(r)
     t0, done, n_new = time.perf_counter(), [0], [0]
     every = max(1, len(reqs) // 20)
-    tokens: dict[int, list[int]] = {}
-    for width, rs in sorted(groups.items()):
-        rows = max(1, min(slots, slots * width_multiple * 2 // max(width, width_multiple * 2), len(rs)))
 
-        def progress(res, rows=rows):
-            done[0] += 1
-            n_new[0] += len(res.tokens)
-            if log and (done[0] % every == 0 or done[0] == len(reqs)):
-                dt = time.perf_counter() - t0
-                log(f"{source}: {done[0]}/{len(reqs)} sequences ({rows} slots, width {width}), {n_new[0]} tokens, "
-                    f"{n_new[0] / dt:.0f} tokens/s")
+    def progress(res):
+        done[0] += 1
+        n_new[0] += len(res.tokens)
+        if log and (done[0] % every == 0 or done[0] == len(reqs)):
+            dt = time.perf_counter() - t0
+            log(f"{source}: {done[0]}/{len(reqs)} sequences, {n_new[0]} tokens, {n_new[0] / dt:.0f} tokens/s")
 
-        sched = serving.Scheduler(engine, params, slots=rows, pad_multiple=width_multiple)
-        out = sched.run([serving.Request(id=r, prompt=prompts[reqs[r][0]]) for r in rs], sampling, key,
-                        warmup=False, on_finish=progress)
-        tokens.update({res.id: res.tokens for res in out.results})
+    tokens = serving.generate_offline(engine, params, [prompts[i] for i, _ in reqs], sampling, key,
+                                      request_ids=list(range(len(reqs))), slots=slots, pad_multiple=width_multiple,
+                                      on_finish=progress)
     seqs = [np.asarray(list(prompts[i]) + tokens[r], np.int32) for r, (i, _) in enumerate(reqs)]
     return SequenceSet(seqs, [len(prompts[i]) for i, _ in reqs], source)
 

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from specjax import decoding, specbench
+from specjax import decoding, serving, specbench
 from specjax import sampling as sampling_lib
 from specjax.distill import _corpus, _shards
 
@@ -71,12 +71,13 @@ class DataConfig:
     followup: StageSettings
     followup_response: StageSettings
     eval_texts: tuple[str, ...] = ()
+    refill_rounds: int = 16
 
     def __post_init__(self):
         for name in ("batch_size", "shard_requests", "pad_multiple", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 1")
-        for name in ("magpie_requests", "followups", "spec_bench_per_category"):
+        for name in ("magpie_requests", "followups", "spec_bench_per_category", "refill_rounds"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 0")
         for name in ("magpie", "responses", "followup", "followup_response"):
@@ -147,23 +148,42 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
                    dynamic_ncols=True)
     stats = ctx.throughput.setdefault(stage, {"new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "batches": []})
     t_start = time.perf_counter()
+    shown = [0]
+
+    def show(n_requests: int, new_tokens: int):
+        shown[0] += new_tokens
+        if bar is not None:
+            bar.update(n_requests)
+            bar.set_postfix_str(f"{shown[0] / max(time.perf_counter() - t_start, 1e-9):.0f} tok/s, "
+                                f"{shown[0]} new tokens")
+
     for k in todo:
         lo, hi = k * c.shard_requests, min(len(requests), (k + 1) * c.shard_requests)
         chunk = requests[lo:hi]
         out: dict[int, list[int]] = {}
-        for results, rep in decoding.generate_batched(engine, ctx.generator.params, [r.ids for r in chunk], samp, key,
-                                                      batch_size=c.batch_size, pad_multiple=c.pad_multiple,
-                                                      request_ids=list(range(lo, hi))):
-            out.update((res.index, res.tokens) for res in results)
-            stats["new_tokens"] += rep.new_tokens
-            stats["prompt_tokens"] += rep.prompt_tokens
-            stats["seconds"] += rep.seconds
-            stats["batches"].append({"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
-                                     "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
-            if bar is not None:
-                bar.update(len(results))
-                rate = stats["new_tokens"] / max(time.perf_counter() - t_start, 1e-9)
-                bar.set_postfix_str(f"{rate:.0f} tok/s, {stats['new_tokens']} new tokens")
+        if c.refill_rounds:
+            def group_done(g):
+                stats["new_tokens"] += g["new_tokens"]
+                stats["seconds"] += g["seconds"]
+                stats["batches"].append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
+
+            toks = serving.generate_offline(engine, ctx.generator.params, [r.ids for r in chunk], samp, key,
+                                            request_ids=list(range(lo, hi)), slots=c.batch_size,
+                                            pad_multiple=c.pad_multiple, rounds_per_sync=c.refill_rounds,
+                                            on_finish=lambda res: show(1, len(res.tokens)), on_group=group_done)
+            out = {rid - lo: t for rid, t in toks.items()}
+            stats["prompt_tokens"] += sum(len(r.ids) for r in chunk)
+        else:
+            for results, rep in decoding.generate_batched(engine, ctx.generator.params, [r.ids for r in chunk], samp,
+                                                          key, batch_size=c.batch_size, pad_multiple=c.pad_multiple,
+                                                          request_ids=list(range(lo, hi))):
+                out.update((res.index, res.tokens) for res in results)
+                stats["new_tokens"] += rep.new_tokens
+                stats["prompt_tokens"] += rep.prompt_tokens
+                stats["seconds"] += rep.seconds
+                stats["batches"].append({"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
+                                         "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
+                show(len(results), rep.new_tokens)
         seqs = _shards.Sequences(
             tokens=[np.asarray(chunk[i].ids + out[i], np.int32) for i in range(len(chunk))],
             loss_masks=[np.asarray([False] * len(chunk[i].ids) + [True] * len(out[i])) for i in range(len(chunk))],
@@ -325,4 +345,4 @@ def config_from_dict(c) -> DataConfig:
                       spec_bench_per_category=int(c.spec_bench_per_category), responses=stage(c.responses),
                       sampled_responses=bool(c.responses.sampled), followups=int(c.followup.requests),
                       followup=stage(c.followup), followup_response=stage(c.followup.response),
-                      eval_texts=eval_texts)
+                      eval_texts=eval_texts, refill_rounds=int(c.get("refill_rounds", 0)))

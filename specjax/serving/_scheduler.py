@@ -181,10 +181,16 @@ class Scheduler:
     pad_multiple: int = 64
     capacity: int | None = None
     round_time_s: tuple[float, ...] | None = None
+    # Rounds per host round trip (`Engine.steps`): commits come back every this many rounds, a
+    # finished row's slot idles until then and is refilled after; 1 = every round (serving
+    # latency), more for throughput (offline generation).
+    rounds_per_sync: int = 1
 
     def __post_init__(self):
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.rounds_per_sync < 1:
+            raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
 
     def _batch(self, requests: Sequence[Request], key, capacity: int | None) -> decoding.Batch:
         """`decoding.make_batch` of these requests (padding, per-request keys, and by default the
@@ -235,7 +241,15 @@ class Scheduler:
             widths.setdefault(-(-len(r.prompt) // self.pad_multiple), r)
         for r in widths.values():
             state = self.engine.refill(self.params, state, 0, self._batch([r], key, capacity))
-        jax.block_until_ready(self.engine.step(self.params, sampling, state))
+        jax.block_until_ready(self._advance(sampling, state)[0])
+
+    def _advance(self, sampling, state):
+        """`rounds_per_sync` rounds: (state, commits with a leading round axis, on the host)."""
+        if self.rounds_per_sync == 1:
+            state, commit = self.engine.step(self.params, sampling, state)
+            return state, jax.tree.map(lambda x: np.asarray(x)[None], jax.device_get(commit))
+        state, commits = self.engine.steps(self.params, sampling, state, self.rounds_per_sync)
+        return state, jax.device_get(commits)
 
     def run(self, requests: Sequence[Request], sampling: sampling_lib.SamplingConfig, key, *,
             clock: str = "virtual", warmup: bool = True,
@@ -273,21 +287,27 @@ class Scheduler:
             if not active:
                 clk.wait_until(queue[0].arrival_s)      # nothing to do until the next arrival
                 continue
-            state, commit = engine.step(params, sampling, state)
-            c = jax.device_get(commit)
+            state, c = self._advance(sampling, state)
             t = clk.now()
-            steps.append((t, len(active)))
-            finished = []
-            for s in active:
-                o = occupant[s]
-                n = int(c.n_B[s])
-                if n:
-                    o["tokens"].extend(int(x) for x in c.tokens_BK[s, :n])
-                    if o["first"] is None:
-                        o["first"] = t
-                o["rounds"] += 1
-                if bool(c.done_B[s]) or (max_rounds is not None and o["rounds"] >= max_rounds):
-                    finished.append(s)
+            finished, live = [], active
+            for i in range(c.n_B.shape[0]):         # the rounds of this call, in order
+                if not live:
+                    break
+                steps.append((t, len(live)))
+                still = []
+                for s in live:
+                    o = occupant[s]
+                    n = int(c.n_B[i, s])
+                    if n:
+                        o["tokens"].extend(int(x) for x in c.tokens_BK[i, s, :n])
+                        if o["first"] is None:
+                            o["first"] = t
+                    o["rounds"] += 1
+                    if bool(c.done_B[i, s]) or (max_rounds is not None and o["rounds"] >= max_rounds):
+                        finished.append(s)
+                    else:
+                        still.append(s)
+                live = still
             if finished:
                 status_B, m = jax.device_get((state.status_B, state.metrics))
                 for s in finished:
@@ -307,3 +327,35 @@ class Scheduler:
         ordered = [results[i] for i in sorted(results)]
         return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),
                            steps=steps)
+
+
+def generate_offline(engine: decoding.Engine, params: decoding.EngineParams, prompts: Sequence[Sequence[int]],
+                     sampling: sampling_lib.SamplingConfig, key, *, request_ids: Sequence[int], slots: int,
+                     pad_multiple: int = 64, rounds_per_sync: int = 16,
+                     on_finish: Callable[[RequestResult], None] | None = None,
+                     on_group: Callable[[dict], None] | None = None) -> dict[int, list[int]]:
+    """Every prompt generated through slot-refilling schedulers (offline: all requests arrive
+    at once), one per padded prompt width, so a few long prompts do not size every row's cache:
+    a group of width W gets ``slots * 2 * pad_multiple // max(W, 2 * pad_multiple)`` slots (at
+    least 1, at most its requests), its own cache capacity, and `rounds_per_sync` rounds per host
+    round trip. Request ``request_ids[i]`` samples with ``fold_in(key, id)``, so what it gets
+    does not depend on the grouping. Returns {id: generated tokens}; ``on_group`` gets each
+    group's ``{"rows", "width", "requests", "new_tokens", "seconds"}``."""
+    if len(request_ids) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(request_ids)} request ids")
+    groups: dict[int, list[int]] = {}
+    for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+        groups.setdefault(-(-len(prompts[i]) // pad_multiple) * pad_multiple, []).append(i)
+    tokens: dict[int, list[int]] = {}
+    for width, idx in sorted(groups.items()):
+        rows = max(1, min(slots, slots * 2 * pad_multiple // max(width, 2 * pad_multiple), len(idx)))
+        t0 = time.perf_counter()
+        sched = Scheduler(engine, params, slots=rows, pad_multiple=pad_multiple, rounds_per_sync=rounds_per_sync)
+        out = sched.run([Request(id=request_ids[i], prompt=prompts[i]) for i in idx], sampling, key,
+                        warmup=False, on_finish=on_finish)
+        new = {res.id: res.tokens for res in out.results}
+        tokens.update(new)
+        if on_group is not None:
+            on_group({"rows": rows, "width": width, "requests": len(idx),
+                      "new_tokens": sum(len(t) for t in new.values()), "seconds": time.perf_counter() - t0})
+    return tokens
