@@ -145,8 +145,12 @@ def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, tmp_path):
     assert _events(killed_dir, "unreadable_checkpoint") == []
     assert "unreadable" not in resumed.stdout
     # The resumed process started right after the checkpoint (it did not redo the steps before it).
+    # Steps the killed run logged after that checkpoint run again, after a `rewind` marker.
     recs = _metrics(killed_dir)
     after = recs[recs.index(resumes[0]) + 1:]
+    if after[0].get("event") == "rewind":
+        assert after[0]["step"] == resumes[0]["step"] and after[0]["logged_up_to"] > resumes[0]["step"]
+        after = after[1:]
     assert after[0]["kind"] == "train" and after[0]["step"] == resumes[0]["step"] + 1
     assert not _events(ref_dir, "resume")
 
@@ -212,7 +216,8 @@ def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run
     assert len(resumes) == 1 and resumes[0]["step"] == 2 * every
     recs = _metrics(work)
     after = recs[recs.index(resumes[0]) + 1:]
-    assert after[0]["kind"] == "train" and after[0]["step"] == 2 * every + 1
+    assert after[0]["event"] == "rewind" and after[0]["step"] == 2 * every     # steps past it were logged
+    assert after[1]["kind"] == "train" and after[1]["step"] == 2 * every + 1
 
     # It finished, saving over the skipped step numbers again, and the last checkpoint is its end.
     final = json.loads((work / "final.json").read_text())
