@@ -27,8 +27,9 @@ def get_config():
     c.pad_multiple = 64                    # prompt widths and cache capacities round up to this
     c.prefill_chunk = 128                  # prompt tokens per prefill call
     # > 0: slot refilling (`serving.generate_offline`): a row whose answer ends takes the next
-    # request after at most this many rounds; 0: length-sorted batches that run to their longest row
-    c.refill_rounds = 16
+    # request after at most this many rounds; 0: length-sorted batches that run to their longest
+    # row (`decoding.generate_batched`)
+    c.refill_rounds = 0
     c.spec_bench_train = True              # the Spec-Bench training split's first turns join the corpus
     c.spec_bench_per_category = 0          # at most this many of them per category (0 = all 360)
     # Magpie requests: seed task i % 12 steers request i (specjax.distill._corpus.SEED_TASKS); the
