@@ -318,3 +318,35 @@ def test_sampled_tree_on_llama_commits_only_in_support_tokens_with_top_k():
                 pos = len(prompt) + i - 1
                 top3 = np.argsort(-logits[pos])[:3]
                 assert tok in top3, (children, verifier, i, tok, top3)
+
+
+# ----------------------------------------------------------------------------- q rows that verification reads
+
+@dataclasses.dataclass(frozen=True)
+class _HalfMassTreeDrafter(drafters.ModelDrafter):
+    """Batch row 0's q rows carry half the probability mass (a repeated vocabulary-map id)."""
+
+    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
+        draft, q_BN1V, state = super().propose_tree(params, state, context, key_B, tree, cfg, children)
+        return draft, q_BN1V.at[0].multiply(0.5), state
+
+
+@pytest.mark.parametrize("label, tree, children, tree_verifier", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+def test_tree_rounds_verify_only_distributions(label, tree, children, tree_verifier):
+    """Every tree drafter's q rows that verification reads (children drawn from q: the root's,
+    and those of nodes with a child; a leaf's row may be zeros) are distributions: no round of a
+    sound drafter is discarded. A drafter whose rows sum to 0.5 has every round of that row
+    discarded (gamma = 0, counted), never verified; with deterministic children the rows are
+    not read (each child carries its own one-hot q), so nothing is discarded."""
+    prompts = [[2, 1], [0, 1, 2, 2], [1]]
+    for temp in (0.0, 1.0):
+        out = _run(_engine(tree, children, tree_verifier), prompts, sampling.SamplingConfig.make(temp))
+        m = jax.device_get(out.metrics)
+        assert m.invalid_draft_rounds_B.sum() == 0 and m.accepted_B.sum() > 0, (label, temp)
+    bad = _engine(tree, children, tree_verifier, drafter=_HalfMassTreeDrafter(TabularModel(V)))
+    m = jax.device_get(_run(bad, prompts, sampling.SamplingConfig.make(1.0)).metrics)
+    if children == "deterministic":
+        assert m.invalid_draft_rounds_B.sum() == 0
+    else:
+        assert m.invalid_draft_rounds_B[0] == m.rounds_B[0] > 0 and m.accepted_B[0] == 0
+        assert m.invalid_draft_rounds_B[1:].sum() == 0

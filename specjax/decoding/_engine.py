@@ -660,11 +660,18 @@ class Engine:
                                                                tree=models.TreeBlock(rel_BT, visible_BTT))
         p_BTV = sampling_lib.probabilities(logits_BTV, sampling)
         # _sanitize's rules per node: non-finite target logits or an unusable p -> uniform
-        # stand-in (never committed from, see below); a non-finite (or NaN) q -> the row's
-        # round becomes gamma = 0.
+        # stand-in (never committed from, see below); a non-finite (or NaN) q, or a q row the
+        # verifier reads that is not a distribution -> the row's round becomes gamma = 0.
         bad_p_BT = (jnp.isnan(logits_BTV) | jnp.isposinf(logits_BTV)).any(axis=-1) | _bad_probabilities(p_BTV)
         p_BTV = jnp.where(bad_p_BT[..., None], 1.0 / V, p_BTV)
         bad_q_B = ~jnp.isfinite(q_BN1V).all(axis=(1, 2))
+        if draft.mode != "deterministic":
+            # Children drawn from q: the verifier reads the rows of the root and of the nodes with
+            # a valid child (a leaf's row may be zeros); one that is not a distribution -> gamma = 0.
+            # (Deterministic children carry their own one-hot q; the rows are not read.)
+            parent_BN = jnp.where(draft.valid_BN, draft.parents_BN + 1, -1)      # row of each node's parent
+            read_BN1 = (parent_BN[:, :, None] == jnp.arange(N + 1)[None, None]).any(axis=1).at[:, 0].set(True)
+            bad_q_B |= (_bad_probabilities(q_BN1V) & read_BN1).any(axis=1)
         q_BN1V = jnp.where(bad_q_B[:, None, None], 1.0 / V, q_BN1V)
 
         verifier = self.config.tree_verifier_for(sampling)
