@@ -62,3 +62,55 @@ def right_padded(prompts):
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = p
     return tokens, lengths
+
+
+# ---------------------------------------------------------------------------------------
+# The families of issue 41: tiny configs whose features all bite within 40 tokens (windows of
+# 6 positions, soft-caps near the scores' size, a scaled global RoPE beside a local one).
+# ---------------------------------------------------------------------------------------
+FAMILY_KINDS = ("qwen3", "mistral", "gemma2", "gemma3", "qwen2_window")
+WINDOW = 6
+
+
+def family_config(kind: str):
+    import transformers as tf
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, initializer_range=0.15, attn_implementation="eager")
+    if kind == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if kind == "qwen2_window":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=True,
+                              sliding_window=WINDOW, max_window_layers=1,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    if kind == "mistral":
+        return tf.MistralConfig(**common, head_dim=16, tie_word_embeddings=False, sliding_window=WINDOW,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    if kind == "gemma2":
+        # (untied heads: with a tied one these tiny models only repeat their last token)
+        return tf.Gemma2Config(**common, head_dim=16, tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                               attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    if kind == "gemma3":
+        return tf.Gemma3TextConfig(**common, head_dim=16, tie_word_embeddings=False, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={
+                                       "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    raise ValueError(kind)
+
+
+def family_model(kind: str, seed: int = 0):
+    """A tiny random transformers model of `kind` with non-trivial norms (and biases)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(kind), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:       # Gemma's norms scale by (1 + w): keep w around 0
+                p.uniform_(-0.5, 0.5) if kind.startswith("gemma") else p.uniform_(0.5, 1.5)
+    return model

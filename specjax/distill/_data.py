@@ -39,7 +39,6 @@ import numpy as np
 
 from specjax import decoding
 from specjax import sampling as sampling_lib
-from specjax.models.llama import rms_norm
 
 DEFAULT_WIDTHS = (256, 512, 1024)
 # Prompt tokens per prefill call when generating data: smaller chunks mask less of each chunk's
@@ -255,7 +254,7 @@ def _final_hidden(target, params, tokens_BT):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _features_and_final_hidden(target, layers, params, tokens_BT):
     h, feats, _ = target.trunk(params, tokens_BT, None, collect=layers)
-    return jnp.concatenate(feats, axis=-1), rms_norm(h, params["final_norm"], target.config.rms_eps)
+    return jnp.concatenate(feats, axis=-1), target.final_norm(params, h)
 
 
 def _teacher_sink(target, seqs: SequenceSet, max_width: int):

@@ -62,7 +62,7 @@ def select_layers(params, config: ModelConfig, layer_ids) -> tuple[dict, ModelCo
     p = dict(params)
     layers = stack_layers(p["layers"])
     p["layers"] = jax.tree.map(lambda x: x[jnp.asarray(ids)], layers)
-    return p, config.replace(num_layers=len(ids), scan_layers=True, packed_projections=False)
+    return p, config.layers_config(ids, scan_layers=True, packed_projections=False)
 
 
 def build_draft(choice: DraftChoice, target: Llama, target_params, *, key, head_ids=None):

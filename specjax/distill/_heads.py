@@ -102,12 +102,12 @@ def _target_pass(obj: HeadObjective, tp, tokens_BT):
     """(final normed hidden [B, T, D], features [B, T, F]) of the target, outside the gradient."""
     hc = obj.config
     h, feats, _ = obj.target.trunk(tp, tokens_BT, None, collect=hc.feature_layers)
-    h = llama_lib.rms_norm(h, tp["final_norm"], obj.target.config.rms_eps)
+    h = llama_lib.norm(obj.target.config, h, tp["final_norm"])
     return jax.lax.stop_gradient(h), jax.lax.stop_gradient(jnp.concatenate(feats, axis=-1))
 
 
 def _student_logits(obj: HeadObjective, params, head_SD, h_BTD):
-    x = llama_lib.rms_norm(h_BTD, params["final_norm"], obj.target.config.rms_eps)
+    x = llama_lib.norm(obj.target.config, h_BTD, params["final_norm"])
     return jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32)
 
 

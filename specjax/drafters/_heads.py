@@ -223,7 +223,7 @@ def _matmul(x, w, width: int):
 def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
     """(float32 logits [B, T, S] of a feature through the target's final norm and the head's
     rows, the token ids of those rows [S] or None for the full vocabulary (S = V))."""
-    x = llama_lib.rms_norm(h_BTD, params["final_norm"], hc.target.rms_eps)
+    x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
     if hc.head_size is not None:
         if jnp.ndim(params["head"]) == 3:                                   # packed: panels
             return kernels.matmul(x, params["head"], hc.head_size), params["head_ids"]

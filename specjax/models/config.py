@@ -1,4 +1,5 @@
-"""`ModelConfig`: the static description of a Llama-family decoder (Llama, SmolLM2, Qwen2).
+"""`ModelConfig`: the static description of a decoder of any supported family (Llama, SmolLM2,
+Qwen2/3, Mistral, Gemma 2/3).
 
 The config is a frozen, hashable dataclass so a model built from it can be a static argument
 of `jax.jit`. Everything that changes the traced computation lives here (shapes, RoPE
@@ -13,9 +14,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _freeze(value: Any) -> Any:
@@ -54,8 +56,25 @@ class ModelConfig:
     # attend through specjax.kernels.decode_attention: reads each cached key and value once per
     # key/value head and only the committed slots; off: the reference einsum over the capacity
     cpu_attention: bool = False
+    # the op that computes attention (`specjax.models.attention.ATTENTION_OPS`): "reference" (einsums,
+    # every feature) | "dot_product" (jax.nn.dot_product_attention) | a registered one
+    attention_op: str = "reference"
     max_position: int = 8192
-    arch: str = "llama"                   # "llama" | "qwen2" (what the exporter writes)
+    arch: str = "llama"                   # the family (`specjax.models.families`): what the exporter writes
+    # ---- family features (the defaults are Llama's; `specjax.models.families` sets them) ----
+    qk_norm: bool = False                 # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0              # norms scale by (norm_offset + w), computed in float32 (Gemma: 1)
+    sandwich_norms: bool = False          # norms on the attention and MLP outputs too (Gemma 2/3)
+    mlp_activation: str = "silu"          # the gate's activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False        # the embedding times sqrt(hidden_size), in the model dtype (Gemma)
+    query_pre_attn_scalar: float | None = None   # attention scores scaled by this**-0.5 (None: head_dim**-0.5)
+    attn_softcap: float | None = None     # attention scores -> cap * tanh(score / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None    # the same on the output logits (Gemma 2)
+    # sliding-window attention: a query at position i sees keys at positions j with
+    # i - window < j <= i, in the layers `window_layers` marks (None: every layer); 0 = none
+    sliding_window: int = 0
+    window_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
 
@@ -64,6 +83,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.window_layers, list):
+            object.__setattr__(self, "window_layers", tuple(bool(w) for w in self.window_layers))
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.arch not in SUPPORTED_ARCHS:
@@ -77,10 +98,32 @@ class ModelConfig:
             raise ValueError("packed_projections=True needs scan_layers=False (per-layer params): a scan "
                              "would slice every layer's panels out of stacked arrays inside the step")
         _ = self.rope_type  # validates rope_scaling
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
+        if self.window_layers is not None and len(self.window_layers) != self.num_layers:
+            raise ValueError(f"window_layers has {len(self.window_layers)} entries for {self.num_layers} layers")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be positive or None, got {v}")
 
     # ---- derived -------------------------------------------------------------------------
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes`; a new ``num_layers`` keeps the first layers' windows unless
+        ``window_layers`` is given too (`layers_config` picks other layers)."""
+        n = changes.get("num_layers", self.num_layers)
+        if "window_layers" not in changes and self.window_layers is not None and n != self.num_layers:
+            changes["window_layers"] = tuple(self.window_layers[i] if i < self.num_layers else False
+                                             for i in range(n))
         return dataclasses.replace(self, **changes)
+
+    def layers_config(self, layer_ids, **changes) -> "ModelConfig":
+        """The config of a model made of the given layers of this one (their windows kept)."""
+        ids = [int(i) for i in layer_ids]
+        windows = None if self.window_layers is None else tuple(self.window_layers[i] for i in ids)
+        return self.replace(num_layers=len(ids), window_layers=windows, **changes)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -97,6 +140,31 @@ class ModelConfig:
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         return kind
 
+    def layer_window(self, i: int) -> int:
+        """Layer i's attention window (0 = the whole prefix)."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window if self.window_layers is None or self.window_layers[i] else 0
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def has_local_rope(self) -> bool:
+        """The windowed layers use their own RoPE (Gemma 3)."""
+        return self.local_rope_theta is not None and any(self.layer_windows)
+
+    @property
+    def attention_scale(self) -> float:
+        return float((self.query_pre_attn_scalar or self.head_dim) ** -0.5)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Causal softmax attention over the whole prefix at 1/sqrt(head_dim): what
+        `specjax.kernels.decode_attention` computes."""
+        return not any(self.layer_windows) and self.attn_softcap is None and self.query_pre_attn_scalar is None
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -110,7 +178,7 @@ class ModelConfig:
         import jax.numpy as jnp
         return jnp.dtype(self.dtype)
 
-    def inv_freq(self) -> np.ndarray:
+    def inv_freq(self, local: bool = False) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2] in float32, with the checkpoint's scaling.
 
         Follows the Hugging Face conventions (rotate_half pairing of dims i and i+head_dim/2):
@@ -120,6 +188,8 @@ class ModelConfig:
         """
         d = self.head_dim
         exps = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        if local and self.local_rope_theta is not None:      # the windowed layers' own, unscaled RoPE
+            return (1.0 / (np.float32(self.local_rope_theta) ** exps)).astype(np.float32)
         inv = (1.0 / (np.float32(self.rope_theta) ** exps)).astype(np.float32)
         kind = self.rope_type
         sc = self.rope_scaling_dict or {}
@@ -143,6 +213,7 @@ class ModelConfig:
     def num_params(self) -> int:
         D, F, L, V = self.hidden_size, self.ffn_size, self.num_layers, self.vocab_size
         per_layer = 2 * D + D * self.q_size + 2 * D * self.kv_size + self.q_size * D + 3 * D * F
+        per_layer += 2 * self.head_dim * self.qk_norm + 2 * D * self.sandwich_norms
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         return V * D * (1 if self.tie_embeddings else 2) + D + L * per_layer

@@ -1,7 +1,7 @@
 """Write a specjax model as a Hugging Face checkpoint directory (config.json + safetensors).
 
-The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` as
-LlamaForCausalLM (arch "llama") or Qwen2ForCausalLM (arch "qwen2"), and with
+The result loads with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` as the
+family's class (`specjax.models.families`: LlamaForCausalLM for arch "llama", ...), and with
 `specjax.models.load` again. `write_directory` writes a whole checkpoint directory into a
 temporary directory beside the destination and renames it into place at the end (the command
 line's `specjax export`), so a full disk never leaves a partial checkpoint behind.
@@ -17,28 +17,17 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from specjax.models.config import ModelConfig, UnsupportedArchitectureError
+from specjax.models import families
+from specjax.models.config import ModelConfig
 from specjax.models.llama import canonical_params
 from specjax.models.names import tensor_names
 
-_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-
-
 def hf_config_dict(config: ModelConfig) -> dict:
-    if config.arch not in _ARCH:
-        raise UnsupportedArchitectureError(f"cannot export architecture {config.arch!r}")
-    if config.arch == "qwen2" and not config.attention_bias:
-        raise UnsupportedArchitectureError(
-            "Qwen2ForCausalLM always has q/k/v biases; export this model with arch='llama'")
-    arch_name, model_type = _ARCH[config.arch]
-    rope = {"rope_theta": float(config.rope_theta), "rope_type": "default"}
-    if config.rope_scaling is not None:
-        scaling = dict(config.rope_scaling_dict)
-        scaling.setdefault("rope_type", scaling.pop("type", "default"))
-        rope.update(scaling)
+    """config.json for `config`: the entries every family shares, then the family's own."""
+    family = families.get(config.arch)
     d = {
-        "architectures": [arch_name],
-        "model_type": model_type,
+        "architectures": [family.hf_architectures[0]],
+        "model_type": family.model_types[0],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn_size,
@@ -49,16 +38,13 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": config.max_position,
         "rms_norm_eps": float(config.rms_eps),
-        "rope_parameters": rope,
+        "rope_parameters": families.rope_to_hf(config.rope_theta, config.rope_scaling_dict),
         "tie_word_embeddings": bool(config.tie_embeddings),
         "dtype": config.dtype,
         "use_cache": True,
         "attention_dropout": 0.0,
     }
-    if config.arch == "llama":
-        d.update(attention_bias=bool(config.attention_bias), mlp_bias=False)
-    else:
-        d.update(use_sliding_window=False, sliding_window=None)
+    d.update(family.write_config(config))
     if config.bos_token_id is not None:
         d["bos_token_id"] = config.bos_token_id
     if config.eos_token_id is not None:

@@ -1,8 +1,8 @@
 """Read a Hugging Face checkpoint directory (config.json + safetensors): its `ModelConfig` and
 canonical params.
 
-Supports LlamaForCausalLM and Qwen2ForCausalLM (and configs whose ``model_type`` is llama /
-qwen2), single-file ``model.safetensors`` or sharded via ``model.safetensors.index.json``.
+Reads every architecture of `specjax.models.families` (by ``architectures``, else by
+``model_type``), single-file ``model.safetensors`` or sharded via ``model.safetensors.index.json``.
 Tensors are found by their Hugging Face names (`specjax.models.names`).
 """
 
@@ -11,67 +11,35 @@ from __future__ import annotations
 import json
 import pathlib
 
-from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
-                                   UnsupportedArchitectureError)
+from specjax.models import families
+from specjax.models.config import CorruptCheckpointError, MissingTensorError, ModelConfig
 from specjax.models.names import TensorName, assemble
 
-HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
 
 
 # ---------------------------------------------------------------------------------------
 # config.json -> ModelConfig
 # ---------------------------------------------------------------------------------------
 def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
-    """The model's configuration from a parsed config.json (layout fields at their defaults)."""
-    archs = cfg.get("architectures") or []
-    arch = None
-    for a in archs:
-        if a in HF_ARCHS:
-            arch = HF_ARCHS[a]
-            break
-    if arch is None and not archs:
-        arch = MODEL_TYPES.get(cfg.get("model_type", ""))
-    if arch is None:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}: specjax loads "
-            f"{', '.join(HF_ARCHS)}")
+    """The model's configuration from a parsed config.json (layout fields at their defaults):
+    the entries every family shares here, the family's own from `specjax.models.families`."""
+    family = families.for_hf_config(cfg)
     H = int(cfg["num_attention_heads"])
     D = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or D // H)
     # transformers 5 writes RoPE settings as `rope_parameters`; older files use
     # `rope_theta` + `rope_scaling`.
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if rope and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("linear", "llama3"):
-            raise UnsupportedArchitectureError(f"unsupported rope scaling type {kind!r}")
-    if arch == "qwen2":
-        bias = True
-    else:
-        bias = bool(cfg.get("attention_bias", False))
-    if arch == "qwen2" and cfg.get("use_sliding_window"):
-        raise UnsupportedArchitectureError(
-            "Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
-    if cfg.get("mlp_bias"):
-        raise UnsupportedArchitectureError("mlp_bias=True is not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedArchitectureError(f"unsupported activation {act!r} (SwiGLU/silu only)")
-    return ModelConfig(
+    theta, scaling = families.rope_from_hf(cfg.get("rope_parameters"), cfg)
+    fields = dict(
         vocab_size=int(cfg["vocab_size"]), hidden_size=D, num_layers=int(cfg["num_hidden_layers"]),
         num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
-        ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling or None,
+        ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=bias,
-        dtype=dtype, max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=dtype, max_position=int(cfg.get("max_position_embeddings", 8192)), arch=family.name,
         bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
+    fields.update(family.read_config(cfg))
+    return ModelConfig(**fields)
 
 
 # ---------------------------------------------------------------------------------------

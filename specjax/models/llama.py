@@ -67,8 +67,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels
+from specjax.models.attention import AttentionSpec, attention, tree_attention_mask, window_mask
+from specjax.models.attention import causal_mask as causal_mask_for
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, TreeBlock, write_kv
+
+__all__ = ["Llama", "attention", "tree_attention_mask"]    # attention lives in specjax.models.attention
 
 INIT_STD = 0.02
 # fused projection -> its parts, concatenated in this order along the output axis
@@ -96,6 +100,15 @@ def param_specs(config: ModelConfig) -> dict:
         "w_up": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
         "w_down": ((L, F, D), ("layers", "mlp", "embed"), "normal"),
     }
+    norm = "zeros" if c.norm_offset else "ones"       # (offset + w): zeros are a unit scale
+    for name in ("attn_norm", "mlp_norm"):
+        layers[name] = layers[name][:2] + (norm,)
+    if c.qk_norm:
+        layers["q_norm"] = ((L, c.head_dim), ("layers", None), norm)
+        layers["k_norm"] = ((L, c.head_dim), ("layers", None), norm)
+    if c.sandwich_norms:
+        layers["post_attn_norm"] = ((L, D), ("layers", "embed"), norm)
+        layers["post_mlp_norm"] = ((L, D), ("layers", "embed"), norm)
     if c.attention_bias:
         layers["bq"] = ((L, Q), ("layers", "heads"), "normal")
         layers["bk"] = ((L, KV), ("layers", "kv"), "normal")
@@ -103,7 +116,7 @@ def param_specs(config: ModelConfig) -> dict:
     specs = {
         "embed": ((V, D), ("vocab", "embed"), "normal"),
         "layers": layers,
-        "final_norm": ((D,), ("embed",), "ones"),
+        "final_norm": ((D,), ("embed",), norm),
     }
     if not c.tie_embeddings:
         specs["lm_head"] = ((D, V), ("embed", "vocab"), "normal")
@@ -173,6 +186,8 @@ def _init_canonical(config: ModelConfig, key, std: float = INIT_STD) -> dict:
             shape, _, kind = spec
             if kind == "ones":
                 out[name] = jnp.ones(shape, dtype)
+            elif kind == "zeros":
+                out[name] = jnp.zeros(shape, dtype)
             else:
                 k = jax.random.fold_in(key, drawn)
                 drawn += 1
@@ -327,9 +342,20 @@ def rms_norm(x, weight, eps: float):
     return weight * x32.astype(dtype)
 
 
-def rope_cos_sin(config: ModelConfig, positions_BT):
-    """cos, sin [B, T, head_dim] in float32 for integer positions [B, T]."""
-    inv = jnp.asarray(config.inv_freq())                                   # [hd/2]
+def norm(config: ModelConfig, x, weight):
+    """The family's RMSNorm: `rms_norm`, or with ``config.norm_offset`` (Gemma) x * rsqrt(mean(x^2)
+    + eps) * (offset + weight) computed in float32, then cast."""
+    if not config.norm_offset:
+        return rms_norm(x, weight, config.rms_eps)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_eps)
+    return (x32 * (config.norm_offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_cos_sin(config: ModelConfig, positions_BT, local: bool = False):
+    """cos, sin [B, T, head_dim] in float32 for integer positions [B, T] (``local``: the
+    windowed layers' RoPE, `ModelConfig.inv_freq`)."""
+    inv = jnp.asarray(config.inv_freq(local))                              # [hd/2]
     freqs = positions_BT.astype(jnp.float32)[..., None] * inv[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -343,89 +369,6 @@ def apply_rope(x_BTNH, cos_BTH, sin_BTH):
     return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, tree_mask=None, kernel: bool = False):
-    """Grouped-query attention of T queries over cached slots and the T new tokens.
-
-    ``past`` is None (plain causal attention over the new tokens) or
-    ``(k_BKSH, v_BKHS, lengths_B)``: the layer's cache *before* this call (layouts: see
-    `specjax.models.kv_cache`); slot s of row b
-    is visible iff ``s < lengths_B[b]``. New token t' is visible to query t iff t' <= t.
-    Query t therefore sees exactly positions < lengths_B[b] + t + 1. The cache is only
-    read here; the caller writes the new entries afterwards (`write_kv`: per layer right after
-    this read, or once for all layers after a `lax.scan`), an in-place update when donated. Returns [B, T, N*H].
-
-    ``tree_mask`` (tree blocks; needs ``past``) is ``(visible_past_BTS, visible_new_BTT)`` from
-    `tree_attention_mask`: it replaces both rules above (``visible_past`` may be [B, 1, S]).
-
-    ``kernel``: with ``past``, no tree and a short block, `specjax.kernels.decode_attention`
-    computes the same rule (where it can run; this function otherwise).
-    """
-    if kernel and past is not None and tree_mask is None:
-        v_safe = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
-        return kernels.decode_attention(
-            q_BTNH, k_new_BTKH, v_safe, *past,
-            reference=lambda: attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, tree_mask)).astype(q_BTNH.dtype)
-    B, T, N, H = q_BTNH.shape
-    K = k_new_BTKH.shape[2]
-    G = N // K
-    # A causally masked position gets weight exactly 0, but 0 * NaN = NaN: a NaN value vector
-    # at a later (e.g. rejected draft) position would poison every earlier query. Zero it; a
-    # position whose own state is NaN still yields NaN logits through the residual stream.
-    v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
-    neg = jnp.finfo(jnp.float32).min
-    q = q_BTNH.reshape(B, T, K, G, H)
-    scale = 1.0 / np.sqrt(H)
-    s_new = jnp.einsum("btkgh,bskh->bkgts", q, k_new_BTKH,
-                       preferred_element_type=jnp.float32) * scale
-    if tree_mask is None:
-        t_T = jnp.arange(T)
-        s_new = jnp.where((t_T[None, :] <= t_T[:, None])[None, None, None], s_new, neg)
-    else:
-        s_new = jnp.where(tree_mask[1][:, None, None], s_new, neg)
-    if past is None:
-        probs = jax.nn.softmax(s_new, axis=-1)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_new_BTKH.dtype), v_new_BTKH,
-                         preferred_element_type=jnp.float32)
-        return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
-    k_BKSH, v_BKHS, lengths_B = past
-    S = k_BKSH.shape[2]
-    s_past = jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH,
-                        preferred_element_type=jnp.float32) * scale
-    if tree_mask is None:
-        visible_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
-        s_past = jnp.where(visible_BS[:, None, None, None, :], s_past, neg)
-    else:
-        s_past = jnp.where(tree_mask[0][:, None, None], s_past, neg)
-    probs = jax.nn.softmax(jnp.concatenate([s_past, s_new], axis=-1), axis=-1)
-    p_past, p_new = probs[..., :S], probs[..., S:]
-    out = jnp.einsum("bkgts,bkhs->btkgh", p_past.astype(v_BKHS.dtype), v_BKHS,
-                     preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bkgts,bskh->btkgh", p_new.astype(v_new_BTKH.dtype), v_new_BTKH,
-                           preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
-
-
-def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
-    """(visible_past_BTS, visible_new_BTT) of a tree block (see `TreeBlock`).
-
-    Query t of row b sees cache slot s iff ``s < lengths_B[b]`` (committed) or s is in the
-    window, ``0 <= w = s - lengths_B[b] < offset``, with ``visible_BTW[b, t, w]``; it sees the
-    block's token t' iff ``visible_BTW[b, t, offset + t']``. ``visible_past`` is [B, 1, S] when
-    the window is empty (offset 0), [B, T, S] otherwise (one gather of the window's columns).
-    """
-    B, T = tree.rel_positions_BT.shape
-    offset = tree.offset
-    visible_BTW = tree.visible_BTW.astype(bool)
-    rel_BS = jnp.arange(capacity, dtype=jnp.int32)[None, :] - lengths_B[:, None]
-    past_BTS = (rel_BS < 0)[:, None, :]
-    if offset > 0:
-        in_window_BS = (rel_BS >= 0) & (rel_BS < offset)
-        w_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, offset - 1)[:, None, :], (B, T, capacity))
-        window_BTS = jnp.take_along_axis(visible_BTW[:, :, :offset], w_BTS, axis=2)
-        past_BTS = past_BTS | (window_BTS & in_window_BS[:, None, :])
-    return past_BTS, visible_BTW[:, :, offset:]
-
-
 def _linear(x, w, b=None, width: int | None = None):
     """x @ w (+ b); ``w`` a matrix [in, out], or `specjax.kernels` panels of ``width`` columns."""
     if jnp.ndim(w) == 3:
@@ -437,16 +380,22 @@ def _linear(x, w, b=None, width: int | None = None):
     return y.astype(x.dtype)
 
 
+def _activation(config: ModelConfig, x):
+    if config.mlp_activation == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
 def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
-    ``tree_mask`` as in `attention`.
+    ``tree_mask``: the queries' `specjax.models.attention` visibility (None: plain causal).
 
     Returns the new hidden states and this call's (k, v) [B, T, K, H] in the cache dtype.
     """
     c = config
     B, T, _ = h_BTD.shape
     kv_dtype = c.jnp_dtype
-    x = rms_norm(h_BTD, p["attn_norm"], c.rms_eps)
+    x = norm(c, h_BTD, p["attn_norm"])
     width = lambda name: _proj_width(name, c)     # noqa: E731  (the panels' column count)
     if c.fuse_projections:
         qkv = _linear(x, p["wqkv"], p["bqkv"] if c.attention_bias else None, width("wqkv"))
@@ -456,18 +405,24 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     q = q.reshape(B, T, c.num_heads, c.head_dim)
     k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
     v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q, k = norm(c, q, p["q_norm"]), norm(c, k, p["k_norm"])
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
-    attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention)
-    h_BTD = h_BTD + _linear(attn, p["wo"], width=width("wo"))
-    x = rms_norm(h_BTD, p["mlp_norm"], c.rms_eps)
+    spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
+    attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention and c.plain_attention, spec=spec,
+                     op=c.attention_op)
+    out = _linear(attn, p["wo"], width=width("wo"))
+    h_BTD = h_BTD + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
+    x = norm(c, h_BTD, p["mlp_norm"])
     if c.fuse_projections:
         gate_up = _linear(x, p["w_gate_up"], width=width("w_gate_up"))
         gate, up = gate_up[..., :c.ffn_size], gate_up[..., c.ffn_size:]
     else:
         gate, up = _linear(x, p["w_gate"], width=width("w_gate")), _linear(x, p["w_up"], width=width("w_up"))
-    h_BTD = h_BTD + _linear(jax.nn.silu(gate) * up, p["w_down"], width=width("w_down"))
+    out = _linear(_activation(c, gate) * up, p["w_down"], width=width("w_down"))
+    h_BTD = h_BTD + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
     return h_BTD, (k, v)
 
 
@@ -521,7 +476,7 @@ class Llama:
         the order given, in the model's dtype. One forward: the same program as `apply` with
         the chosen layers' outputs kept."""
         h, feats, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree, collect=layers)
-        h = rms_norm(h, params["final_norm"], self.config.rms_eps)
+        h = self.final_norm(params, h)
         return self.logits_from_hidden(params, h), jnp.concatenate(feats, axis=-1), cache
 
     # -- parameters -----------------------------------------------------------------------
@@ -598,7 +553,11 @@ class Llama:
         """Final hidden states [B, T, D] (after the final RMSNorm) and the updated cache; see
         `trunk`."""
         h, _, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree)
-        return rms_norm(h, params["final_norm"], self.config.rms_eps), cache
+        return self.final_norm(params, h), cache
+
+    def final_norm(self, params, h_BTD):
+        """The final norm of the trunk's output (what the LM head reads)."""
+        return norm(self.config, h_BTD, params["final_norm"])
 
     def trunk(self, params, tokens_BT, cache, num_valid_B=None, tree=None, collect: tuple[int, ...] = (),
               inputs_BTD=None):
@@ -645,6 +604,8 @@ class Llama:
                                  f"{pos_shape} and {vis_shape}")
         if inputs_BTD is None:
             h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+            if c.scale_embeddings:
+                h = h * jnp.asarray(np.sqrt(c.hidden_size), c.jnp_dtype)
         else:
             h = jnp.asarray(inputs_BTD).astype(c.jnp_dtype)
         t_T = jnp.arange(T, dtype=jnp.int32)
@@ -673,26 +634,60 @@ class Llama:
         if tree is not None:
             tree_mask = tree_attention_mask(tree, lengths, cache.capacity)
             write_at = lengths + tree.offset
-        cos, sin = rope_cos_sin(c, positions)
+        # Layer variants: (window, local RoPE) per layer; each distinct one gets its visibility
+        # and RoPE tables once. A model without windows has one variant: the plain program.
+        windows = c.layer_windows
+        variant_of = [(w, bool(w) and c.has_local_rope) for w in windows]
+        variants = sorted(set(variant_of))
+        past_capacity = None if cache is None or limit == 0 else (cache.capacity if limit is None else limit)
+        masks, ropes = [], []
+        for w, local in variants:
+            if w:
+                masks.append(window_mask(tree_mask, positions, lengths if past_capacity else None,
+                                         past_capacity, w))
+            else:
+                masks.append(tree_mask)
+            ropes.append(rope_cos_sin(c, positions, local))
+        layer_variant = [variants.index(v) for v in variant_of]
         layers = params["layers"]
 
-        def run_layer(lp, h, k_BKSH, v_BKHS):
+        def run_layer(lp, h, k_BKSH, v_BKHS, mask, cos_sin):
             if cache is None or limit == 0:       # nothing committed to attend to
                 past = None
             elif limit is not None:
                 past = (k_BKSH[:, :, :limit], v_BKHS[..., :limit], lengths)
             else:
                 past = (k_BKSH, v_BKHS, lengths)
-            return _layer(c, lp, h, cos, sin, past, tree_mask)
+            return _layer(c, lp, h, *cos_sin, past, mask)
 
         collected = {}
         if c.scan_layers:
+            if len(variants) == 1:
+                pick = lambda i: (masks[0], ropes[0])      # noqa: E731
+                index_L = None
+            else:        # per-layer variants inside the scan: stack them, index by layer
+                T_vis = positions.shape[1]
+                full = [m if m is not None else causal_mask_for(lengths if past_capacity else None, T_vis,
+                                                                past_capacity)
+                        for m in masks]
+                stacked_past = None if past_capacity is None else jnp.stack(
+                    [jnp.broadcast_to(m[0], (B, T_vis, past_capacity)) for m in full])
+                stacked_new = jnp.stack([jnp.broadcast_to(m[1], (B, T_vis, T_vis)) for m in full])
+                stacked_cos = jnp.stack([r[0] for r in ropes])
+                stacked_sin = jnp.stack([r[1] for r in ropes])
+                index_L = jnp.asarray(layer_variant, jnp.int32)
+
+                def pick(i):
+                    mask = (None if stacked_past is None else stacked_past[i], stacked_new[i])
+                    return mask, (stacked_cos[i], stacked_sin[i])
+
             def body(h, xs):
-                lp, k_BKSH, v_BKHS = xs
-                h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS)
+                lp, k_BKSH, v_BKHS, i = xs
+                mask, cos_sin = pick(i)
+                h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS, mask, cos_sin)
                 return h, (new_kv, h) if collect else new_kv
 
-            xs = (layers, None, None) if cache is None else (layers, cache.k, cache.v)
+            xs = (layers, None, None, index_L) if cache is None else (layers, cache.k, cache.v, index_L)
             h, ys = jax.lax.scan(body, h, xs)      # kv: [L, B, T, K, H]
             (k_new, v_new), h_L = ys if collect else (ys, None)
             for i in collect:
@@ -702,11 +697,12 @@ class Llama:
         else:
             ks, vs = [], []
             for i, lp in enumerate(layers):
+                mask, cos_sin = masks[layer_variant[i]], ropes[layer_variant[i]]
                 if cache is None:
-                    h, _ = run_layer(lp, h, None, None)
+                    h, _ = run_layer(lp, h, None, None, mask, cos_sin)
                 else:
                     k_i, v_i = cache.layer(i)
-                    h, (k, v) = run_layer(lp, h, k_i, v_i)
+                    h, (k, v) = run_layer(lp, h, k_i, v_i, mask, cos_sin)
                     # Each layer writes its own buffer after reading it: in place when donated.
                     k_i, v_i = write_kv(k_i, v_i, k, v, write_at)
                     ks.append(k_i)
@@ -725,7 +721,13 @@ class Llama:
         return h, feats, cache
 
     def logits_from_hidden(self, params, h_BTD):
-        """The LM head: float32 logits [B, T, V] from final hidden states."""
+        """The LM head: float32 logits [B, T, V] from final hidden states (soft-capped with
+        ``final_softcap``)."""
+        logits = self._head(params, h_BTD)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def _head(self, params, h_BTD):
         if self.config.packed_projections:
             if "head_panels" not in params:
                 raise ValueError("a packed model's head needs params['head_panels'] (model.prepare_params)")

@@ -23,6 +23,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import families
 from specjax.models.config import ModelConfig, TensorShapeError
 from specjax.models.llama import param_shapes
 
@@ -56,14 +57,21 @@ TENSORS: tuple[TensorName, ...] = (
     TensorName("w_gate", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", True),
     TensorName("w_up", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", True),
     TensorName("w_down", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", True),
+    TensorName("q_norm", _HF + "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", False),
+    TensorName("k_norm", _HF + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", False),
+    TensorName("post_attn_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight", False),
+    TensorName("post_mlp_norm", _HF + "post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight", False),
 )
 
 
 def tensor_names(config: ModelConfig) -> tuple[TensorName, ...]:
     """The tensors a model of `config` has: those of `param_specs` (q/k/v biases only with
-    ``attention_bias``, an ``lm_head`` only when the head is not tied to the embedding)."""
+    ``attention_bias``, an ``lm_head`` only when the head is not tied to the embedding), with
+    the Hugging Face names of its family (`specjax.models.families`)."""
     shapes = param_shapes(config)
-    return tuple(t for t in TENSORS if t.key in (shapes["layers"] if t.per_layer else shapes))
+    renamed = families.get(config.arch).hf_names
+    return tuple(dataclasses.replace(t, hf=renamed.get(t.key, t.hf)) for t in TENSORS
+                 if t.key in (shapes["layers"] if t.per_layer else shapes))
 
 
 def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[np.ndarray, str]]) -> dict:

@@ -1,0 +1,212 @@
+"""Attention: the visibility rules and the ops that apply them, one seam for every kernel.
+
+A layer hands an op the queries of its T new tokens, their keys and values, the layer's cache
+*before* this call (``past = (k_BKSH, v_BKHS, lengths_B)`` or None; layouts in
+`specjax.models.kv_cache`) and which keys each query sees, as a `Visibility`:
+
+* ``None``: the plain causal rule. Cache slot s of row b is visible iff ``s < lengths_B[b]``,
+  new token t' to query t iff ``t' <= t``.
+* ``(visible_past_BTS, visible_new_BTT)`` (``visible_past`` may be [B, 1, S]): any other rule.
+  `tree_attention_mask` gives a token tree's (a node sees its ancestors), `window_mask` narrows
+  a rule to a sliding window.
+
+Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
+holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
+query at position i (Mistral, Gemma 2/3, the Hugging Face rule). Tentative tree entries of
+earlier calls of a round (``TreeBlock.offset > 0``) are taken at their slot: they are ancestors
+within the tree's depth of the query, so the window is exact while the tree is shallower than
+the window.
+
+Ops (`ATTENTION_OPS`, chosen by ``ModelConfig.attention_op``):
+
+* ``reference``: einsums over the cache and the block with float32 scores; every feature
+  (scale, soft-capping, any visibility). The CPU default.
+* ``dot_product``: `jax.nn.dot_product_attention` over the concatenated keys with a boolean
+  mask (XLA's fused attention; cuDNN on a GPU where the shapes allow). No soft-capping.
+
+Both are pure functions of the same arguments and agree within float tolerance
+(`tests/test_attention_ops.py`). A new op is one function added with `register_attention_op`.
+``ModelConfig.cpu_attention`` routes plain causal decode steps to `specjax.kernels`' CPU kernel
+instead, which reads only the committed slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kernels
+from specjax.models.kv_cache import TreeBlock
+
+NEG = float(jnp.finfo(jnp.float32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What an op computes besides the mask: scores = cap * tanh(q.k * scale / cap) (no cap: q.k * scale)."""
+    scale: float
+    softcap: float | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Visibility
+# ---------------------------------------------------------------------------------------
+def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
+    """(visible_past_BTS, visible_new_BTT) of a tree block (see `TreeBlock`).
+
+    Query t of row b sees cache slot s iff ``s < lengths_B[b]`` (committed) or s is in the
+    window, ``0 <= w = s - lengths_B[b] < offset``, with ``visible_BTW[b, t, w]``; it sees the
+    block's token t' iff ``visible_BTW[b, t, offset + t']``. ``visible_past`` is [B, 1, S] when
+    the window is empty (offset 0), [B, T, S] otherwise (one gather of the window's columns).
+    """
+    B, T = tree.rel_positions_BT.shape
+    offset = tree.offset
+    visible_BTW = tree.visible_BTW.astype(bool)
+    rel_BS = jnp.arange(capacity, dtype=jnp.int32)[None, :] - lengths_B[:, None]
+    past_BTS = (rel_BS < 0)[:, None, :]
+    if offset > 0:
+        in_window_BS = (rel_BS >= 0) & (rel_BS < offset)
+        w_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, offset - 1)[:, None, :], (B, T, capacity))
+        window_BTS = jnp.take_along_axis(visible_BTW[:, :, :offset], w_BTS, axis=2)
+        past_BTS = past_BTS | (window_BTS & in_window_BS[:, None, :])
+    return past_BTS, visible_BTW[:, :, offset:]
+
+
+def causal_mask(lengths_B, T: int, capacity: int | None):
+    """The plain causal rule as a `Visibility`: ([B, 1, S] or None without a cache, [1, T, T])."""
+    t_T = jnp.arange(T)
+    new_1TT = (t_T[None, :] <= t_T[:, None])[None]
+    if lengths_B is None:
+        return None, new_1TT
+    return (jnp.arange(capacity)[None, :] < lengths_B[:, None])[:, None, :], new_1TT
+
+
+def window_mask(visibility, positions_BT, lengths_B, capacity: int | None, window):
+    """`visibility` (None = causal) narrowed to a sliding window of ``window`` positions
+    (an int or a traced int32 scalar; 0 = no window): key position j stays visible to the
+    query at position i iff ``i - j < window``. ``capacity`` None: no cache (only the block)."""
+    T = positions_BT.shape[1]
+    if visibility is None:
+        visibility = causal_mask(lengths_B, T, capacity)
+    past, new = visibility
+    window = jnp.asarray(window, jnp.int32)
+    open_ = window <= 0
+    pos_BT = positions_BT.astype(jnp.int32)
+    near_new = open_ | (pos_BT[:, :, None] - pos_BT[:, None, :] < window)
+    new = new & near_new
+    if past is not None:
+        near_past = open_ | (pos_BT[:, :, None] - jnp.arange(capacity, dtype=jnp.int32)[None, None, :] < window)
+        past = past & near_past
+    return past, new
+
+
+# ---------------------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------------------
+def _scores(s, spec: AttentionSpec):
+    s = s * spec.scale
+    if spec.softcap is not None:
+        s = spec.softcap * jnp.tanh(s / spec.softcap)
+    return s
+
+
+def reference_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
+    """Grouped-query attention of T queries over cached slots and the T new tokens: [B, T, N*H]."""
+    B, T, N, H = q_BTNH.shape
+    K = k_new_BTKH.shape[2]
+    G = N // K
+    # A masked position gets weight exactly 0, but 0 * NaN = NaN: a NaN value vector at a later
+    # (e.g. rejected draft) position would poison every earlier query. Zero it; a position whose
+    # own state is NaN still yields NaN logits through the residual stream.
+    v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
+    q = q_BTNH.reshape(B, T, K, G, H)
+    s_new = _scores(jnp.einsum("btkgh,bskh->bkgts", q, k_new_BTKH, preferred_element_type=jnp.float32), spec)
+    if visibility is None:
+        t_T = jnp.arange(T)
+        s_new = jnp.where((t_T[None, :] <= t_T[:, None])[None, None, None], s_new, NEG)
+    else:
+        s_new = jnp.where(visibility[1][:, None, None], s_new, NEG)
+    if past is None:
+        probs = jax.nn.softmax(s_new, axis=-1)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_new_BTKH.dtype), v_new_BTKH,
+                         preferred_element_type=jnp.float32)
+        return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+    k_BKSH, v_BKHS, lengths_B = past
+    S = k_BKSH.shape[2]
+    s_past = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH,
+                                preferred_element_type=jnp.float32), spec)
+    if visibility is None:
+        visible_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
+        s_past = jnp.where(visible_BS[:, None, None, None, :], s_past, NEG)
+    else:
+        s_past = jnp.where(visibility[0][:, None, None], s_past, NEG)
+    probs = jax.nn.softmax(jnp.concatenate([s_past, s_new], axis=-1), axis=-1)
+    p_past, p_new = probs[..., :S], probs[..., S:]
+    out = jnp.einsum("bkgts,bkhs->btkgh", p_past.astype(v_BKHS.dtype), v_BKHS,
+                     preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgts,bskh->btkgh", p_new.astype(v_new_BTKH.dtype), v_new_BTKH,
+                           preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+
+
+def dot_product_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
+    """The same rule through `jax.nn.dot_product_attention` (keys: the cache's slots, then the block)."""
+    if spec.softcap is not None:
+        raise ValueError("attention_op='dot_product' cannot soft-cap attention scores "
+                         "(jax.nn.dot_product_attention has no soft-capping); use attention_op='reference'")
+    B, T, N, H = q_BTNH.shape
+    v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
+    lengths_B = None if past is None else past[2]
+    S = 0 if past is None else past[0].shape[2]
+    past_mask, new_mask = causal_mask(lengths_B, T, S) if visibility is None else visibility
+    new_mask = jnp.broadcast_to(new_mask, (B, T, T))
+    if past is None:
+        keys, values, mask = k_new_BTKH, v_new_BTKH, new_mask
+    else:
+        k_BKSH, v_BKHS, _ = past
+        dt = q_BTNH.dtype
+        keys = jnp.concatenate([jnp.swapaxes(k_BKSH, 1, 2).astype(dt), k_new_BTKH.astype(dt)], axis=1)
+        values = jnp.concatenate([jnp.transpose(v_BKHS, (0, 3, 1, 2)).astype(dt), v_new_BTKH.astype(dt)], axis=1)
+        mask = jnp.concatenate([jnp.broadcast_to(past_mask, (B, T, S)), new_mask], axis=-1)
+    out = jax.nn.dot_product_attention(q_BTNH, keys.astype(q_BTNH.dtype), values.astype(q_BTNH.dtype),
+                                       mask=mask[:, None], scale=spec.scale)
+    return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+
+
+AttentionOp = Callable[..., jax.Array]
+ATTENTION_OPS: dict[str, AttentionOp] = {"reference": reference_attention, "dot_product": dot_product_attention}
+
+
+def register_attention_op(name: str, op: AttentionOp) -> None:
+    """Make ``op(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec) -> [B, T, N*H]`` selectable
+    as ``ModelConfig(attention_op=name)``."""
+    if name in ATTENTION_OPS and ATTENTION_OPS[name] is not op:
+        raise ValueError(f"attention op {name!r} is already registered")
+    ATTENTION_OPS[name] = op
+
+
+def get_attention_op(name: str) -> AttentionOp:
+    try:
+        return ATTENTION_OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention op {name!r} (registered: {', '.join(ATTENTION_OPS)})") from None
+
+
+def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, visibility=None, kernel: bool = False,
+              spec: AttentionSpec | None = None, op: str = "reference"):
+    """Attention by the op named ``op`` (see the module docstring); ``spec`` defaults to
+    1/sqrt(head_dim) without soft-capping. ``kernel``: with ``past``, the plain causal rule
+    (``visibility`` None) and a short block, `specjax.kernels.decode_attention` computes it
+    (where it can run; the op otherwise); callers pass it only for plain attention."""
+    spec = spec or AttentionSpec(scale=float(1.0 / np.sqrt(q_BTNH.shape[-1])))
+    fn = get_attention_op(op)
+    if kernel and past is not None and visibility is None:
+        v_safe = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
+        return kernels.decode_attention(
+            q_BTNH, k_new_BTKH, v_safe, *past,
+            reference=lambda: fn(q_BTNH, k_new_BTKH, v_new_BTKH, past, None, spec)).astype(q_BTNH.dtype)
+    return fn(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec)

@@ -1,0 +1,151 @@
+"""Model families: how each architecture's checkpoints name and configure the one decoder.
+
+Every supported architecture runs through `specjax.models.Llama`, whose `ModelConfig` carries the
+features that tell families apart (q/k norms, (1 + w) norms, sandwich norms, GeGLU, embedding
+scale, soft-capping, sliding windows, a local RoPE). A `Family` says how a Hugging Face
+``config.json`` sets those features, which tensor names differ from Llama's, and what
+``config.json`` an export writes. One module per family registers one; the registry is keyed
+by ``ModelConfig.arch``.
+
+A new family whose layers the decoder already computes is one module here. One that needs a
+new computation adds a feature to `ModelConfig` and `specjax.models.llama` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+from specjax.models.config import ModelConfig, UnsupportedArchitectureError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str                                   # ModelConfig.arch
+    hf_architectures: tuple[str, ...]           # the first is what an export writes
+    model_types: tuple[str, ...]                # config.json "model_type" values (the first: export)
+    # config.json -> the family's ModelConfig fields beyond the common ones (raises
+    # UnsupportedArchitectureError naming an option it cannot run)
+    read_config: Callable[[Mapping[str, Any]], dict]
+    # ModelConfig -> the family's config.json entries beyond the common ones
+    write_config: Callable[[ModelConfig], dict]
+    # canonical tensor key -> Hugging Face name where the family differs from Llama's
+    hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    gguf_arch: str | None = None                # general.architecture of its GGUF files (None: no GGUF)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.name in _FAMILIES and _FAMILIES[family.name] != family:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def get(name: str) -> Family:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"unknown model family {name!r} (supported: {', '.join(_FAMILIES)})") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def for_hf_config(cfg: Mapping[str, Any]) -> Family:
+    """The family of a parsed config.json: by ``architectures``, else by ``model_type``."""
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        for f in _FAMILIES.values():
+            if a in f.hf_architectures:
+                return f
+    if not archs:
+        for f in _FAMILIES.values():
+            if cfg.get("model_type") in f.model_types:
+                return f
+    supported = ", ".join(a for f in _FAMILIES.values() for a in f.hf_architectures)
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {archs or cfg.get('model_type')!r}: specjax loads {supported}")
+
+
+# ---------------------------------------------------------------------------------------
+# Readers and writers of config.json entries several families share
+# ---------------------------------------------------------------------------------------
+def rope_from_hf(params: Mapping[str, Any] | None, legacy: Mapping[str, Any] | None = None,
+                 default_theta: float = 10000.0) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from a ``rope_parameters`` entry (transformers 5) or
+    the older ``rope_theta`` + ``rope_scaling`` keys of ``legacy``; unsupported types raise."""
+    params = dict(params or {})
+    legacy = legacy or {}
+    theta = float(params.get("rope_theta", legacy.get("rope_theta", default_theta)))
+    scaling = legacy.get("rope_scaling")
+    if params and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("linear", "llama3"):
+            raise UnsupportedArchitectureError(f"unsupported rope scaling type {kind!r}")
+    return theta, scaling or None
+
+
+def rope_to_hf(theta: float, scaling) -> dict:
+    rope = {"rope_theta": float(theta), "rope_type": "default"}
+    if scaling:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        rope.update(scaling)
+    return rope
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def activation(cfg: Mapping[str, Any], key: str = "hidden_act", default: str = "silu") -> str:
+    """The MLP gate's activation from ``cfg[key]`` as a ModelConfig.mlp_activation."""
+    act = cfg.get(key) or default
+    if act not in _ACTIVATIONS:
+        raise UnsupportedArchitectureError(
+            f"unsupported activation {act!r} ({key}; supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[act]
+
+
+def windows(cfg: Mapping[str, Any], num_layers: int, pattern: Callable[[int], bool] | None = None) -> dict:
+    """sliding_window and window_layers from ``sliding_window`` and ``layer_types`` (else
+    ``pattern(i)``: layer i is windowed; else every layer when a window is set)."""
+    window = cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedArchitectureError(f"unsupported attention layer types {unknown} (layer_types)")
+        if len(types) != num_layers:
+            raise UnsupportedArchitectureError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        flags = tuple(t == "sliding_attention" for t in types)
+    elif pattern is not None:
+        flags = tuple(bool(pattern(i)) for i in range(num_layers))
+    else:
+        flags = None
+    if not window or (flags is not None and not any(flags)):
+        return {"sliding_window": 0, "window_layers": None}
+    if flags is not None and all(flags):
+        flags = None
+    return {"sliding_window": int(window), "window_layers": flags}
+
+
+def layer_types(config: ModelConfig) -> list[str]:
+    return ["sliding_attention" if w else "full_attention" for w in config.layer_windows]
+
+
+def no_bias(cfg: Mapping[str, Any]) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise UnsupportedArchitectureError(f"{key}=true is not supported for {cfg.get('model_type')!r}")
+
+
+from specjax.models.families import _gemma, _llama, _mistral, _qwen  # noqa: E402,F401  (the built-in families)

@@ -1,0 +1,20 @@
+"""Llama (1/2/3.x, SmolLM2): the decoder's defaults."""
+
+from specjax.models import families as f
+from specjax.models.config import UnsupportedArchitectureError
+
+
+def _read(cfg):
+    if cfg.get("mlp_bias"):
+        raise UnsupportedArchitectureError("mlp_bias=True is not supported")
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "mlp_activation": f.activation(cfg),
+            **f.windows(cfg, int(cfg["num_hidden_layers"]))}
+
+
+def _write(config):
+    if config.sliding_window:
+        raise UnsupportedArchitectureError("LlamaForCausalLM has no sliding-window attention; export as 'mistral'")
+    return {"attention_bias": bool(config.attention_bias), "mlp_bias": False}
+
+
+LLAMA = f.register(f.Family("llama", ("LlamaForCausalLM",), ("llama",), _read, _write, gguf_arch="llama"))

@@ -1,0 +1,167 @@
+"""Model families (issue 41): specjax against transformers on tiny random checkpoints that
+transformers itself writes, one per family: Qwen3 (q/k norms), Mistral (a sliding window in
+every layer), Gemma 2 (scaled embeddings, (1 + w) and sandwich norms, GeGLU, query scalar,
+attention and logit soft-capping, alternating windows), Gemma 3 (q/k norms, a local RoPE base
+beside a scaled global one) and Qwen2 with its windowed upper layers.
+
+For each: the logits of a ragged prefill, of cached one-token steps, of a k-token verification
+block and of a token-tree block equal transformers' full forward of the same sequences (max
+|Δ| / max |logit| <= 1e-4 per position, KL <= 1e-5); the sequences run past the window (6) so
+windows change the result; speculative greedy decoding with an early-exit draft equals
+target-only greedy; the exported checkpoint loads in transformers with the same logits.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from _hf_tiny import FAMILY_KINDS, VOCAB, WINDOW, family_model, hf_logits, rel_and_kl  # noqa: E402
+from specjax import decoding, drafters, models, sampling, trees  # noqa: E402
+from specjax.models import TreeBlock, UnsupportedArchitectureError, export_hf, load  # noqa: E402
+
+REL_TOL, KL_TOL = 1e-4, 1e-5
+ARCH = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2_window": "qwen2"}
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(0, VOCAB, 17), RNG.integers(0, VOCAB, 9)]      # ragged, both past the window
+STEPS = RNG.integers(0, VOCAB, (2, 4))                                 # one-token steps after the prompts
+BLOCK = RNG.integers(0, VOCAB, (2, 5))                                 # then a 5-token verification block
+SHAPE = trees.TreeShape.from_branching((2, 2))
+NODES = RNG.integers(0, VOCAB, (2, SHAPE.num_nodes))
+
+
+def _check(ref, got, what):
+    rel, kl = rel_and_kl(ref, got)
+    assert rel.max() <= REL_TOL and kl.max() <= KL_TOL, (what, float(rel.max()), float(kl.max()))
+    return float(rel.max())
+
+
+@pytest.fixture(scope="module", params=FAMILY_KINDS)
+def family(request, tmp_path_factory):
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    family_model(kind).save_pretrained(path, safe_serialization=True)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    return kind, path, ref_model
+
+
+def _reference(ref_model, seq):
+    return hf_logits(ref_model, np.asarray(seq)[None])[0]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_logits_match_transformers(family, scan_layers):
+    kind, path, ref_model = family
+    model, params = load(str(path), scan_layers=scan_layers)
+    c = model.config
+    assert c.arch == ARCH[kind]
+    assert any(c.layer_windows) == (kind != "qwen3")
+    step = jax.jit(model.apply)
+    # ragged prefill (right-padded, num_valid_B)
+    lengths = np.asarray([len(p) for p in PROMPTS], np.int32)
+    tokens = np.zeros((2, lengths.max()), np.int32)
+    for b, p in enumerate(PROMPTS):
+        tokens[b, :len(p)] = p
+    cache = model.init_cache(2, 48)
+    logits, cache = step(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
+    seqs = [list(p) for p in PROMPTS]
+    for b in range(2):
+        _check(_reference(ref_model, seqs[b]), np.asarray(logits[b, :lengths[b]]), f"{kind} prefill row {b}")
+    # cached one-token steps
+    for t in range(STEPS.shape[1]):
+        logits, cache = step(params, jnp.asarray(STEPS[:, t:t + 1]), cache)
+        for b in range(2):
+            seqs[b].append(int(STEPS[b, t]))
+            _check(_reference(ref_model, seqs[b])[-1:], np.asarray(logits[b]), f"{kind} step {t} row {b}")
+    # a k-token verification block, then a rollback of its last 3 tokens (the cache keeps 2)
+    logits, block_cache = step(params, jnp.asarray(BLOCK), cache)
+    for b in range(2):
+        ref = _reference(ref_model, seqs[b] + BLOCK[b].tolist())
+        _check(ref[-BLOCK.shape[1]:], np.asarray(logits[b]), f"{kind} block row {b}")
+    cache = block_cache.replace(lengths_B=cache.lengths_B + 2)
+    for b in range(2):
+        seqs[b] += BLOCK[b, :2].tolist()
+    # a token tree after the committed prefix: root = the last committed token's successor
+    roots = RNG.integers(0, VOCAB, 2)
+    parents = jnp.broadcast_to(jnp.asarray(SHAPE.parents, jnp.int32), (2, SHAPE.num_nodes))
+    visible = trees.ancestor_mask(parents, jnp.ones((2, SHAPE.num_nodes), bool), SHAPE.max_depth)
+    rel = jnp.broadcast_to(jnp.asarray((0,) + SHAPE.depths, jnp.int32), (2, SHAPE.num_nodes + 1))
+    tree_tokens = np.concatenate([roots[:, None], NODES], axis=1)
+    logits, _ = step(params, jnp.asarray(tree_tokens), cache, None,
+                     TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
+    for b in range(2):
+        prefix = seqs[b] + [int(roots[b])]
+        _check(_reference(ref_model, prefix)[-1:], np.asarray(logits[b, :1]), f"{kind} tree root row {b}")
+        for n in range(SHAPE.num_nodes):
+            path, m = [], n
+            while m >= 0:
+                path.append(int(NODES[b, m]))
+                m = SHAPE.parents[m]
+            ref = _reference(ref_model, prefix + path[::-1])[-1:]
+            _check(ref, np.asarray(logits[b, n + 1:n + 2]), f"{kind} tree node {n} row {b}")
+
+
+def test_windows_change_the_logits(family):
+    """Negative control: the same checkpoint read without its windows (or, for Qwen3, without its
+    q/k norms) gives other logits, so the comparisons above see the feature."""
+    kind, path, ref_model = family
+    model, params = load(str(path))
+    broken = models.Llama(model.config.replace(sliding_window=0) if kind != "qwen3"
+                          else model.config.replace(qk_norm=False))
+    seq = PROMPTS[0]
+    if kind == "qwen3":
+        params = dict(params, layers={k: v for k, v in params["layers"].items() if k not in ("q_norm", "k_norm")})
+    got = np.asarray(jax.jit(broken.apply)(params, jnp.asarray(seq)[None], None)[0][0])
+    rel, _ = rel_and_kl(_reference(ref_model, seq), got)
+    assert rel.max() > 10 * REL_TOL, rel.max()
+
+
+def test_speculative_greedy_equals_target_only(family):
+    kind, path, _ = family
+    target, params = load(str(path), scan_layers=False)
+    drafter, dparams = drafters.EarlyExitDrafter.from_target(target, params, 1)
+    greedy = sampling.SamplingConfig.greedy_config()
+    prompts = [list(map(int, p)) for p in PROMPTS]
+    outs = []
+    for gamma, d in ((0, None), (3, drafter)):
+        config = decoding.GenerationConfig(max_new_tokens=16, gamma=gamma)
+        engine = decoding.Engine(target, d, config)
+        batch = decoding.make_batch(prompts, config, jax.random.key(0))
+        out = engine.run(decoding.EngineParams(target=params, draft=dparams if d else None), greedy, batch)
+        outs.append(out.generated())
+    assert outs[0] == outs[1], kind
+    stats = out.metrics.summary()
+    print(kind, stats["accepted"], stats["proposed"])
+    assert 0 < stats["accepted"] < stats["proposed"], stats       # both accepted and rolled-back proposals
+
+
+def test_export_round_trip(family, tmp_path):
+    kind, path, ref_model = family
+    model, params = load(str(path))
+    export_hf(model, params, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == list(ref_model.config.architectures)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    seq = np.asarray(PROMPTS[0])[None]
+    _check(hf_logits(ref_model, seq), hf_logits(hf, seq), f"{kind} export")
+    model2, _ = load(str(tmp_path / "out"))
+    assert model2.config == model.config
+
+
+def test_unsupported_options_are_named(tmp_path):
+    from specjax.models.hf_loader import config_from_hf
+    base = family_model("gemma2").config.to_dict()
+    with pytest.raises(UnsupportedArchitectureError, match="chunked_attention"):
+        config_from_hf(dict(base, layer_types=["chunked_attention", "full_attention"]))
+    with pytest.raises(UnsupportedArchitectureError, match="gelu_new"):
+        config_from_hf(dict(base, hidden_activation="gelu_new"))
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        config_from_hf(dict(family_model("qwen3").config.to_dict(), rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(UnsupportedArchitectureError, match="FalconForCausalLM"):
+        config_from_hf(dict(base, architectures=["FalconForCausalLM"]))
