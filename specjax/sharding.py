@@ -3,7 +3,7 @@
 Params and caches carry *logical* axis names (`specjax.models.param_logical_axes`, for the
 parameter layout of a model's config, and `specjax.models.kv_cache.logical_axes`):
 
-    batch, sequence, layers, embed, heads, kv, head_dim, mlp, vocab
+    batch, sequence, layers, embed, heads, kv, head_dim, mlp, expert, vocab
 
 A rule table (plain data, first match wins) maps each logical name to a mesh axis name, a
 tuple of mesh axis names, or None (replicated). `logical_to_spec` turns a tuple of logical
@@ -43,6 +43,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "model"),
     ("kv", "model"),
     ("head_dim", None),
+    ("expert", "model"),        # expert parallel: an expert's weights whole on one shard
     ("mlp", "model"),
     ("vocab", "model"),
 )
@@ -59,6 +60,7 @@ TRAIN_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "model"),
     ("kv", "model"),
     ("head_dim", None),
+    ("expert", "model"),
     ("mlp", "model"),
     ("vocab", "model"),
 )

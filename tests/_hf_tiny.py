@@ -68,7 +68,7 @@ def right_padded(prompts):
 # The families of issue 41: tiny configs whose features all bite within 40 tokens (windows of
 # 6 positions, soft-caps near the scores' size, a scaled global RoPE beside a local one).
 # ---------------------------------------------------------------------------------------
-FAMILY_KINDS = ("qwen3", "mistral", "gemma2", "gemma3", "qwen2_window")
+FAMILY_KINDS = ("qwen3", "mistral", "gemma2", "gemma3", "qwen2_window", "mixtral", "qwen3_moe")
 WINDOW = 6
 
 
@@ -98,6 +98,15 @@ def family_config(kind: str):
                                    rope_parameters={
                                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    if kind == "mixtral":
+        return tf.MixtralConfig(**common, head_dim=16, tie_word_embeddings=False, sliding_window=WINDOW,
+                                num_local_experts=4, num_experts_per_tok=2,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if kind == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, head_dim=16, tie_word_embeddings=False, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=False,
+                                 decoder_sparse_step=1, mlp_only_layers=[],
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     raise ValueError(kind)
 
 

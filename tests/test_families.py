@@ -2,7 +2,8 @@
 transformers itself writes, one per family: Qwen3 (q/k norms), Mistral (a sliding window in
 every layer), Gemma 2 (scaled embeddings, (1 + w) and sandwich norms, GeGLU, query scalar,
 attention and logit soft-capping, alternating windows), Gemma 3 (q/k norms, a local RoPE base
-beside a scaled global one) and Qwen2 with its windowed upper layers.
+beside a scaled global one), Qwen2 with its windowed upper layers, Mixtral (4 experts, top 2,
+renormalized, windowed) and Qwen3-MoE (4 experts, top 2, not renormalized).
 
 For each: the logits of a ragged prefill, of cached one-token steps, of a k-token verification
 block and of a token-tree block equal transformers' full forward of the same sequences (max
@@ -25,7 +26,8 @@ from specjax import decoding, drafters, models, sampling, trees  # noqa: E402
 from specjax.models import TreeBlock, UnsupportedArchitectureError, export_hf, load  # noqa: E402
 
 REL_TOL, KL_TOL = 1e-4, 1e-5
-ARCH = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2_window": "qwen2"}
+ARCH = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2_window": "qwen2",
+        "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, VOCAB, 17), RNG.integers(0, VOCAB, 9)]      # ragged, both past the window
 STEPS = RNG.integers(0, VOCAB, (2, 4))                                 # one-token steps after the prompts
@@ -60,7 +62,8 @@ def test_logits_match_transformers(family, scan_layers):
     model, params = load(str(path), scan_layers=scan_layers)
     c = model.config
     assert c.arch == ARCH[kind]
-    assert any(c.layer_windows) == (kind != "qwen3")
+    assert any(c.layer_windows) == (kind not in ("qwen3", "qwen3_moe"))
+    assert bool(c.num_experts) == (kind in ("mixtral", "qwen3_moe"))
     step = jax.jit(model.apply)
     # ragged prefill (right-padded, num_valid_B)
     lengths = np.asarray([len(p) for p in PROMPTS], np.int32)
@@ -111,8 +114,11 @@ def test_windows_change_the_logits(family):
     q/k norms) gives other logits, so the comparisons above see the feature."""
     kind, path, ref_model = family
     model, params = load(str(path))
-    broken = models.Llama(model.config.replace(sliding_window=0) if kind != "qwen3"
-                          else model.config.replace(qk_norm=False))
+    if kind == "qwen3_moe":      # the other routing rule: renormalized top-k weights
+        broken = models.Llama(model.config.replace(normalize_topk=True))
+    else:
+        broken = models.Llama(model.config.replace(sliding_window=0) if kind != "qwen3"
+                              else model.config.replace(qk_norm=False))
     seq = PROMPTS[0]
     if kind == "qwen3":
         params = dict(params, layers={k: v for k, v in params["layers"].items() if k not in ("q_norm", "k_norm")})
@@ -165,3 +171,52 @@ def test_unsupported_options_are_named(tmp_path):
         config_from_hf(dict(family_model("qwen3").config.to_dict(), rope_parameters={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(UnsupportedArchitectureError, match="FalconForCausalLM"):
         config_from_hf(dict(base, architectures=["FalconForCausalLM"]))
+
+
+_SHARDED = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, "tests")
+from _hf_tiny import family_model
+from specjax import decoding, drafters, sampling, sharding
+from specjax.models import load
+assert jax.device_count() == 8
+for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    model, params = load(path)
+    mesh = sharding.make_mesh(data=2, model=4)
+    placed = sharding.shard_params(params, model, mesh)
+    if kind == "mixtral":      # experts split over the model axis: one expert per shard
+        spec = tuple(placed["layers"]["we_gate"].sharding.spec)
+        assert spec[:2] == (None, "model"), spec
+    prompts = [[5, 9, 3, 7, 1, 8, 2, 4, 6], [2, 4], [8, 8, 1, 30, 12, 7, 22], [3, 3, 3]]
+    config = decoding.GenerationConfig(max_new_tokens=12, gamma=3)
+    drafter, dparams = drafters.EarlyExitDrafter.from_target(model, params, 1)
+    greedy = sampling.SamplingConfig.greedy_config()
+    runs = []
+    for m in (None, mesh):
+        engine = decoding.Engine(model, drafter, config, mesh=m)
+        batch = decoding.make_batch(prompts, config, jax.random.key(0))
+        runs.append(engine.run(decoding.EngineParams(target=params, draft=dparams), greedy, batch).generated())
+    assert runs[0] == runs[1], (kind, runs)
+    print("OK", kind)
+"""
+
+
+def test_families_on_a_mesh(tmp_path):
+    """Mixtral (experts over the model axis) and Gemma 2 (windows, soft-caps) on a 2 x 4 mesh of
+    8 simulated CPU devices (a subprocess): speculative greedy output equal to one device's."""
+    import os
+    import subprocess
+    import sys
+    from _bench_run import FAST_COMPILE_XLA_FLAGS
+    args = []
+    for kind in ("mixtral", "gemma2"):
+        family_model(kind).save_pretrained(tmp_path / kind, safe_serialization=True)
+        args += [kind, str(tmp_path / kind)]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 " + FAST_COMPILE_XLA_FLAGS,
+               JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _SHARDED, *args], capture_output=True, text=True, env=env,
+                       cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.stdout.count("OK") == 2, r.stdout

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -75,6 +75,12 @@ class ModelConfig:
     sliding_window: int = 0
     window_layers: tuple[bool, ...] | None = None
     local_rope_theta: float | None = None  # RoPE base of the windowed layers, unscaled (Gemma 3); None: rope_theta
+    # mixture of experts (Mixtral, Qwen3-MoE): > 0 replaces every layer's MLP by num_experts
+    # experts of ffn_size, of which a router (softmax over experts) picks experts_per_token per
+    # token; normalize_topk renormalizes the picked weights to sum to 1
+    num_experts: int = 0
+    experts_per_token: int = 0
+    normalize_topk: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
 
@@ -104,6 +110,12 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
         if self.window_layers is not None and len(self.window_layers) != self.num_layers:
             raise ValueError(f"window_layers has {len(self.window_layers)} entries for {self.num_layers} layers")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.experts_per_token}")
+        if self.num_experts and self.packed_projections:
+            raise ValueError("packed_projections (the CPU panel layout) does not hold expert weights; "
+                             "a mixture-of-experts model needs packed_projections=False")
         for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -212,7 +224,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         D, F, L, V = self.hidden_size, self.ffn_size, self.num_layers, self.vocab_size
-        per_layer = 2 * D + D * self.q_size + 2 * D * self.kv_size + self.q_size * D + 3 * D * F
+        mlp = 3 * D * F if not self.num_experts else self.num_experts * (3 * D * F + D)
+        per_layer = 2 * D + D * self.q_size + 2 * D * self.kv_size + self.q_size * D + mlp
         per_layer += 2 * self.head_dim * self.qk_norm + 2 * D * self.sandwich_norms
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size

@@ -58,7 +58,12 @@ def hf_state_dict(config: ModelConfig, params) -> dict[str, jax.Array]:
     p = canonical_params(params, config)
     out = {}
     for t in tensor_names(config):
-        if t.per_layer:
+        if t.per_expert:
+            arr = p["layers"][t.key]
+            for i in range(config.num_layers):
+                for j in range(config.num_experts):
+                    out[t.expert(j).hf.format(i=i)] = arr[i, j].T if t.transpose else arr[i, j]
+        elif t.per_layer:
             arr = p["layers"][t.key]
             for i in range(config.num_layers):
                 out[t.hf.format(i=i)] = arr[i].T if t.transpose else arr[i]

@@ -100,6 +100,14 @@ def param_specs(config: ModelConfig) -> dict:
         "w_up": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
         "w_down": ((L, F, D), ("layers", "mlp", "embed"), "normal"),
     }
+    if c.num_experts:        # the MLP becomes a router and E experts
+        E = c.num_experts
+        for name in ("w_gate", "w_up", "w_down"):
+            del layers[name]
+        layers["router"] = ((L, D, E), ("layers", "embed", None), "normal")
+        layers["we_gate"] = ((L, E, D, F), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["we_up"] = ((L, E, D, F), ("layers", "expert", "embed", "mlp"), "normal")
+        layers["we_down"] = ((L, E, F, D), ("layers", "expert", "mlp", "embed"), "normal")
     norm = "zeros" if c.norm_offset else "ones"       # (offset + w): zeros are a unit scale
     for name in ("attn_norm", "mlp_norm"):
         layers[name] = layers[name][:2] + (norm,)
@@ -386,6 +394,33 @@ def _activation(config: ModelConfig, x):
     return jax.nn.silu(x)
 
 
+def _experts(config: ModelConfig, p: dict, x_BTD):
+    """A mixture-of-experts MLP. Routing is exact: softmax over the router's logits in float32,
+    the top ``experts_per_token`` (normalized to sum 1 with ``normalize_topk``); dispatch is by
+    sort: the M*k (token, expert) pairs sorted by expert and multiplied group by group with
+    `jax.lax.ragged_dot`, so work grows with k, not with the number of experts; each token then
+    sums its k outputs, weighted."""
+    c = config
+    B, T, D = x_BTD.shape
+    E, k = c.num_experts, c.experts_per_token
+    x_MD = x_BTD.reshape(B * T, D)
+    logits_ME = jnp.einsum("md,de->me", x_MD, p["router"], preferred_element_type=jnp.float32)
+    weights_Mk, experts_Mk = jax.lax.top_k(jax.nn.softmax(logits_ME, axis=-1), k)
+    if c.normalize_topk:
+        weights_Mk = weights_Mk / jnp.sum(weights_Mk, axis=-1, keepdims=True)
+    order_P = jnp.argsort(experts_Mk.reshape(-1), stable=True)        # P = M * k pairs, by expert
+    token_P = order_P // k
+    sizes_E = jnp.bincount(experts_Mk.reshape(-1), length=E).astype(jnp.int32)
+    xs_PD = x_MD[token_P]
+    gate = jax.lax.ragged_dot(xs_PD, p["we_gate"], sizes_E, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(xs_PD, p["we_up"], sizes_E, preferred_element_type=jnp.float32)
+    h_PF = (_activation(c, gate.astype(x_MD.dtype)) * up.astype(x_MD.dtype))
+    out_PD = jax.lax.ragged_dot(h_PF, p["we_down"], sizes_E, preferred_element_type=jnp.float32)
+    out_PD = out_PD.astype(x_MD.dtype).astype(jnp.float32) * weights_Mk.reshape(-1)[order_P][:, None]
+    y_MD = jnp.zeros((B * T, D), jnp.float32).at[token_P].add(out_PD)
+    return y_MD.reshape(B, T, D).astype(x_BTD.dtype)
+
+
 def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
     ``tree_mask``: the queries' `specjax.models.attention` visibility (None: plain causal).
@@ -416,6 +451,10 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     out = _linear(attn, p["wo"], width=width("wo"))
     h_BTD = h_BTD + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
     x = norm(c, h_BTD, p["mlp_norm"])
+    if c.num_experts:
+        out = _experts(c, p, x)
+        h_BTD = h_BTD + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
+        return h_BTD, (k, v)
     if c.fuse_projections:
         gate_up = _linear(x, p["w_gate_up"], width=width("w_gate_up"))
         gate, up = gate_up[..., :c.ffn_size], gate_up[..., c.ffn_size:]

@@ -39,6 +39,14 @@ class TensorName:
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
+
+    def expert(self, j: int) -> "TensorName":
+        """The name of expert j's tensor."""
+        return dataclasses.replace(self, hf=self.hf.replace("{j}", str(j)), gguf=self.gguf.replace("{j}", str(j)))
+
 
 _HF = "model.layers.{i}."
 TENSORS: tuple[TensorName, ...] = (
@@ -61,6 +69,12 @@ TENSORS: tuple[TensorName, ...] = (
     TensorName("k_norm", _HF + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", False),
     TensorName("post_attn_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight", False),
     TensorName("post_mlp_norm", _HF + "post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight", False),
+    # mixture of experts: "{j}" is the expert (stacked along the axis after the layer's); the
+    # names are Qwen3-MoE's, Mixtral's come from its family
+    TensorName("router", _HF + "mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight", True),
+    TensorName("we_gate", _HF + "mlp.experts.{j}.gate_proj.weight", "", True),
+    TensorName("we_up", _HF + "mlp.experts.{j}.up_proj.weight", "", True),
+    TensorName("we_down", _HF + "mlp.experts.{j}.down_proj.weight", "", True),
 )
 
 
@@ -85,8 +99,12 @@ def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[
     shapes = param_shapes(config)
 
     def fetch(t: TensorName, i):
+        if t.per_expert:
+            return np.stack([fetch(t.expert(j), i) for j in range(config.num_experts)])
         arr, shown = get(t, i)
         want = shapes["layers"][t.key][1:] if t.per_layer else shapes[t.key]   # canonical [in, out]
+        if t.key.startswith("we_"):
+            want = want[1:]                                                   # one expert
         want = want[::-1] if t.transpose else want                            # stored [out, in]
         if tuple(arr.shape) != want:
             raise TensorShapeError(

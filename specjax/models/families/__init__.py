@@ -148,4 +148,4 @@ def no_bias(cfg: Mapping[str, Any]) -> None:
             raise UnsupportedArchitectureError(f"{key}=true is not supported for {cfg.get('model_type')!r}")
 
 
-from specjax.models.families import _gemma, _llama, _mistral, _qwen  # noqa: E402,F401  (the built-in families)
+from specjax.models.families import _gemma, _llama, _mistral, _moe, _qwen  # noqa: E402,F401  (the built-in families)
