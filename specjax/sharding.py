@@ -285,3 +285,20 @@ def to_host(tree):
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
+
+
+def load_sharded(path, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: str = "bfloat16", **layout):
+    """(model, params) of a Hugging Face checkpoint read straight onto ``mesh``: every tensor
+    placed by the logical-axis rules as it is read, each device's block read from the
+    safetensors files slice by slice (`specjax.models.hf_loader.read_hf_placed`), so a checkpoint
+    larger than one host's memory loads as long as each host holds its shards. The params are in
+    the canonical layout (``scan_layers=True``); ``layout`` may set other `ModelConfig` fields
+    that keep it (e.g. ``attention_op``)."""
+    from specjax.models.hf_loader import read_hf_placed
+
+    def sharding_of(key, shape, axes):
+        return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape))
+
+    config, params = read_hf_placed(path, sharding_of, dtype=dtype)
+    config = config.replace(scan_layers=True, fuse_projections=False, packed_projections=False, **layout)
+    return Llama(config), params

@@ -12,7 +12,8 @@ import json
 import pathlib
 
 from specjax.models import families
-from specjax.models.config import CorruptCheckpointError, MissingTensorError, ModelConfig
+from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig,
+                                   TensorShapeError)
 from specjax.models.names import TensorName, assemble
 
 
@@ -119,3 +120,94 @@ def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
         return store.get(t.hf.format(i=i))
 
     return config, assemble(config, get)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading straight onto devices, slice by slice
+# ---------------------------------------------------------------------------------------
+def read_config(path, dtype: str = "float32") -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face checkpoint directory (no tensor read)."""
+    cfg_path = pathlib.Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise MissingTensorError(f"{path} has no config.json")
+    try:
+        return config_from_hf(json.loads(cfg_path.read_text()), dtype=dtype)
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{cfg_path} is not a model config: {type(e).__name__}: {e}") from e
+
+
+def _slice_reader(store: "_SafetensorsDir", config: ModelConfig, t: TensorName, shape: tuple, dtype):
+    """``read(index) -> np.ndarray``: the canonical tensor's block at ``index`` (a tuple of
+    slices over ``shape``), read from the stored tensors' matching slices only (stored
+    [out, in] where canonical is [in, out]; layers and experts stacked in front)."""
+    import numpy as np
+
+    lead = (1 if t.per_layer else 0) + (1 if t.per_expert else 0)
+    stored_shape = shape[lead:][::-1] if t.transpose else shape[lead:]
+
+    def one(name: str, inner):
+        f = store.where.get(name)
+        if f is None:
+            raise MissingTensorError(f"tensor {name!r} is missing from the checkpoint in {store.dir}")
+        try:
+            sl = store._open(f).get_slice(name)
+            got = tuple(sl.get_shape())
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"cannot read tensor {name!r} from {f}: {e}") from e
+        if got != tuple(stored_shape):
+            raise TensorShapeError(f"tensor {name!r} has shape {got}, expected {tuple(stored_shape)} "
+                                   f"for the configuration")
+        block = np.asarray(sl[tuple(inner[::-1]) if t.transpose else tuple(inner)])
+        block = block.T if t.transpose else block
+        return block.astype(dtype, copy=False)
+
+    def read(index):
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        inner = index[lead:]
+        if not lead:
+            return one(t.hf, inner)
+        layers = range(shape[0])[index[0]]
+        if t.per_expert:
+            experts = range(shape[1])[index[1]]
+            return np.stack([np.stack([one(t.expert(j).hf.format(i=i), inner) for j in experts]) for i in layers])
+        return np.stack([one(t.hf.format(i=i), inner) for i in layers])
+
+    return read
+
+
+def read_hf_placed(path, sharding_of, dtype: str = "bfloat16") -> tuple[ModelConfig, dict]:
+    """(config, canonical params) of a Hugging Face checkpoint, each tensor placed as it is read:
+    ``sharding_of(key, shape, logical_axes)`` gives its `jax.sharding.Sharding` and every device
+    receives its block, read from the files slice by slice (`jax.make_array_from_callback`), so
+    the host never holds a whole tensor of a sharded dimension, let alone the checkpoint. Stored
+    bfloat16 stays bfloat16 when ``dtype`` is bfloat16 (no float32 copy); single-file or
+    ``model-0000i-of-0000n.safetensors`` + index. The layout is the canonical one (stacked
+    layers: ``scan_layers=True``), the accelerator profile."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models.llama import param_specs
+    from specjax.models.names import tensor_names
+
+    directory = pathlib.Path(path)
+    config = read_config(directory, dtype=dtype)
+    store = _SafetensorsDir(directory)
+    if config.tie_embeddings is False and "lm_head.weight" not in store.where:
+        raise MissingTensorError(f"tensor 'lm_head.weight' is missing from the checkpoint in {directory} "
+                                 f"(config says tie_word_embeddings=false)")
+    specs = param_specs(config)
+    np_dtype = jnp.dtype(config.dtype)
+    params, layers = {}, {}
+    for t in tensor_names(config):
+        shape, axes, _ = specs["layers"][t.key] if t.per_layer else specs[t.key]
+        read = _slice_reader(store, config, t, shape, np_dtype)
+        arr = jax.make_array_from_callback(shape, sharding_of(t.key, shape, axes), read)
+        (layers if t.per_layer else params)[t.key] = arr
+    params["layers"] = layers
+    return config, params
