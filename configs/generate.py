@@ -1,6 +1,9 @@
 """Speculative generation with the default target (SmolLM2-135M-Instruct) on one chat prompt.
 
 Run: specjax generate --config=configs/generate.py [--config.prompt="..."]
+
+This is the CPU profile (float32, unrolled layers, fused projections, the CPU kernel);
+configs/generate_tpu.py and configs/generate_gpu.py override the layout for accelerators.
 """
 
 import ml_collections
@@ -16,6 +19,9 @@ def get_config():
     # once, as a one-token step does. 'auto': on the CPU backend when the kernel was built for
     # this CPU (unrolled layers, float32); 'on': required; 'off': XLA's matmuls.
     c.cpu_kernel = "auto"
+    # the attention op (specjax.models.attention): 'reference' (einsums, every model feature) or
+    # 'dot_product' (jax.nn.dot_product_attention; no soft-capping)
+    c.attention_op = "reference"
     # Drafter: 'hybrid' (prompt lookup where the text repeats itself, the shipped draft head
     # elsewhere), 'ngram' (prompt lookup), 'head' (the shipped EAGLE head), 'distilled' (the
     # draft shipped for the target, see experiments/distill), 'early_exit' (target's first

@@ -557,6 +557,11 @@ def load_target_with_tokenizer(c):
                                                            packed_projections=packed)
     if packed and use_cpu_attention():
         target = type(target)(target.config.replace(cpu_attention=True))
+    op = c.get("attention_op", "reference")
+    if op != target.config.attention_op:
+        from specjax.models import attention
+        attention.get_attention_op(op)          # an unknown op named before anything runs
+        target = type(target)(target.config.replace(attention_op=op))
     return target, params, tokenizer
 
 

@@ -308,3 +308,26 @@ def test_data_command_writes_resumable_shards(pair, tmp_path, capsys):
     assert (tmp_path / "responses_greedy" / "manifest.json").read_bytes() == before
     assert _dispatch("data", "--config=configs/data.py") == 2          # --workdir is required
     assert "--workdir is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("profile", ["tpu", "gpu"])
+def test_accelerator_profiles_run_on_eight_host_devices(pair, tmp_path, profile):
+    """`specjax generate --config=configs/generate_{tpu,gpu}.py` in a process with 8 CPU devices:
+    the profile's layout (bfloat16, scan layers, no CPU kernel, its attention op) on a mesh of
+    all 8 on the model axis; speculative output equal to target-only's in the same run."""
+    import os
+    import subprocess
+    import sys
+    from _bench_run import FAST_COMPILE_XLA_FLAGS
+    target, draft = pair
+    stats = tmp_path / "stats.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", f"--config=configs/generate_{profile}.py",
+                        *_quick(target, draft), "--config.max_new_tokens=8", f"--config.metrics_jsonl={stats}"],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(stats.read_text())
+    assert row["mesh"] == {"data": 1, "fsdp": 1, "model": 8}
+    assert row["same_tokens_as_target_only"] is True and row["new_tokens"] == 8
