@@ -6,13 +6,12 @@ the Spec-Bench *train* split (question_id % 4 != 0; the held-out split is only e
 the target's greedy continuations of prompts up to 512 tokens (80% of the batches) and the
 draft's own temperature-1 continuations of prompts up to 384 tokens, regenerated from the
 current draft every 150 steps (30%, on-policy, as DistillSpec recommends). Generalized JSD
-(beta = 0.5): it gave the highest held-out alpha and greedy agreement of the four divergences
-at 100k tokens (experiments/distill/results/).
+(beta = 0.5): the best of the four divergences in the comparison of experiments/distill/results/.
 
-Budget: 1M loss tokens (about 1.2 h on a 2-core CPU: the train step runs about 850 positions/s).
-The target's temperature-1 samples are off (sampled_samples = 0): the target generates at about
-35 tokens/s (batch 32) on that CPU, so its greedy continuations (55.6k tokens) are the only
-target-generated set; the on-policy refreshes add fresh data throughout.
+Budget: 1M loss tokens (the time it takes: experiments/distill/results/). The target's
+temperature-1 samples are off (sampled_samples = 0) to keep target generation short, so its
+greedy continuations are the only target-generated set; the on-policy refreshes add fresh data
+throughout.
 """
 
 import ml_collections

@@ -13,7 +13,7 @@ def get_config():
     c = ml_collections.ConfigDict()
     c.target = "smollm2-135m-instruct"     # registry name, GGUF path or HF checkpoint dir
     c.dtype = "float32"
-    c.scan_layers = False                   # unrolled layers + per-layer cache: ~2x faster at batch 1 on CPU
+    c.scan_layers = False                   # unrolled layers + per-layer cache (XLA:CPU's fast path; PROFILE.md)
     c.fuse_projections = True               # q|k|v and gate|up as one matmul each
     # specjax's CPU matmul (specjax.kernels): a k-token verification block streams the weights
     # once, as a one-token step does. 'auto': on the CPU backend when the kernel was built for
@@ -25,12 +25,9 @@ def get_config():
     # Drafter: 'hybrid' (prompt lookup where the text repeats itself, the shipped draft head
     # elsewhere), 'ngram' (prompt lookup), 'head' (the shipped EAGLE head), 'distilled' (the
     # draft shipped for the target, see experiments/distill), 'early_exit' (target's first
-    # layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a fixed gamma 3: on the 13
-    # held-out prompts it ran at 1.39x target-only greedy and 1.16x at T = 1, against 1.28x and
-    # 0.99x for adaptive prompt lookup (the default before) and 1.21x / 1.09x for the head alone
-    # in the same run (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc, AMD EPYC; the
-    # token-level verifier at T = 1 then; with the block verifier below and the cheaper sampler:
-    # 1.37-1.45x greedy and 1.17-1.23x at T = 1 over two runs, 2026-12-03-sampler-amd-epyc).
+    # layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a fixed gamma 3, the fastest
+    # of them on the held-out prompts (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc,
+    # 2026-12-03-sampler-amd-epyc; figures in the README).
     c.drafter = "hybrid"
     c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
     c.early_exit_layers = 4
@@ -43,9 +40,8 @@ def get_config():
     c.min_match = 0
     c.gamma = 3                             # >= 0; adaptive_gamma overrides
     # Gamma per round from acceptance and calibrated round times (for the hybrid: an estimate,
-    # a gamma and round times per draft source). Off by default: on the 13 held-out prompts it
-    # ran at 1.33x / 1.06x against 1.34x / 1.08x for the hybrid at gamma 3, and kept every
-    # category at >= 0.95x at T = 0 (experiments/bench_speed/results/2026-12-03-regimes-amd-epyc).
+    # a gamma and round times per draft source). Off by default: it did not beat the hybrid at
+    # gamma 3 (experiments/bench_speed/results/2026-12-03-regimes-amd-epyc).
     c.adaptive_gamma = False
     c.adaptive_gammas = (0, 1, 2, 3, 4)
     # Adaptive gamma's round times per machine and setting (specjax.calibration): measured once,
@@ -53,10 +49,8 @@ def get_config():
     c.calibration_cache = "~/.cache/specjax/calibration.json"
     c.recalibrate = False                   # measure even when the cache has the setting, then store
     # Linear drafts at T > 0: 'block' (Sun et al. 2025) keeps at least as many drafted tokens as
-    # 'token' (Leviathan et al. 2023) in expectation for the same chain, for ~1% more per round
-    # (34.9 -> 35.5 ms at gamma 3, interleaved A/B); on the 13 held-out prompts at T = 1 the
-    # hybrid ran at 1.17x target-only with it, 1.65 tokens per pass, against 1.14x and 1.61 with
-    # 'token' (experiments/bench_speed/results/2026-12-03-sampler-amd-epyc). Greedy decoding uses
+    # 'token' (Leviathan et al. 2023) in expectation for the same chain, for a little more work per
+    # round (experiments/bench_speed/results/2026-12-03-sampler-amd-epyc). Greedy decoding uses
     # the greedy verifier either way.
     c.verifier = "block"
     # Token trees (specjax.trees): "" = linear drafts; 'branching:2,2,1', 'paths:0;1;0.0',

@@ -70,11 +70,10 @@ def limit_heap_retention(mmap_threshold: int = 1024 * 1024) -> bool:
     in the heap for good; pinning it lowers the peak resident memory of a generation process
     (measured in experiments/bench_speed/PROFILE.md). Call before loading.
 
-    The threshold is 1 MiB, not glibc's initial 128 KiB: at 128 KiB every speculative round's
-    multi-token temporaries (e.g. the block's logits, 2 x 49152 floats) were fresh mappings,
-    faulted in and unmapped each round, and a 2-token verification round of SmolLM2 took 52 ms
-    instead of 23-26 ms (AMD EPYC, 2 cores; the one-token step, 16 ms, was unaffected), which
-    made adaptive gamma fall back to gamma = 0 in the main command.
+    The threshold is 1 MiB, not glibc's initial 128 KiB: below it every speculative round's
+    multi-token temporaries (e.g. the block's logits) are fresh mappings, faulted in and
+    unmapped each round, which about doubled a verification round's time
+    (experiments/bench_speed/PROFILE.md, "Memory").
     Returns whether it applied (False off Linux/glibc)."""
     import ctypes
     import sys

@@ -131,8 +131,8 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     overflows them to +inf (a very negative one may become -inf, an exact zero probability).
     NaN or +inf logits give NaN rows, which the engine's guard catches (`specjax.decoding`).
 
-    The thresholds are found without sorting the vocabulary (XLA's CPU sort of 49k values took
-    ~10 ms per row, more than a SmolLM2 forward): a binary search over the values' order keys
+    The thresholds are found without sorting the vocabulary (XLA's CPU sort of a vocabulary costs
+    more than a small model's forward; experiments/bench_speed/PROFILE.md): a binary search over the values' order keys
     (`_order_keys`), 32 halvings, each one masked count or sum over the row.
 
     * top-k: the k-th largest value ``v_k = max {v : #{x : s(x) >= v} >= k}``; keep ``s >= v_k``.
@@ -218,11 +218,9 @@ def argmax(x: jax.Array) -> jax.Array:
 
     Computed as a max-reduce, then min-reduces over the positions that attain it and over NaN.
     XLA:CPU lowers ``jnp.argmax`` to one variadic (value, index) reduce that it does not
-    vectorize. Alone, the plain reduces are 1.5-1.8x faster over a 49,152-token vocabulary (0.67
-    -> 0.37 ms for 4 rows, 3.8 -> 2.6 ms for 32 rows; AMD EPYC, 2 cores, dispatch included);
-    inside a greedy round the difference is within noise. The gain is in `categorical`, where
-    the argmax reads a fused (noise + logits) operand. Non-float input goes to ``jnp.argmax``
-    unchanged."""
+    vectorize; plain reduces vectorize (timings: experiments/bench_speed/results/2026-12-03-sampler-amd-epyc/).
+    The gain is in `categorical`, where the argmax reads a fused (noise + logits) operand.
+    Non-float input goes to ``jnp.argmax`` unchanged."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -239,6 +237,6 @@ def argmax(x: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.random.categorical(key, logits, axis=-1)`` (int32), the same token bit for bit:
     the same Gumbel noise (``jax.random.gumbel(key, logits.shape, logits.dtype)``) added to the
-    logits, with `argmax` in place of ``jnp.argmax`` (2.4x faster sampling over the vocabulary:
-    26 -> 11 ms for 32 rows; tests/test_sampling.py holds it to ``jax.random.categorical``)."""
+    logits, with `argmax` in place of ``jnp.argmax`` (faster on XLA:CPU, see `argmax`;
+    tests/test_sampling.py holds it to ``jax.random.categorical``)."""
     return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)

@@ -773,7 +773,7 @@ class Engine:
         """`_step`'s adaptive round when the host already knows the policy's choice ``index``
         (static: the previous round's ``Commit.next_index``, or `_first_choice`): that round
         alone, compiled without the `lax.switch` over every candidate (whose copies of the
-        caches cost 2-7% per round, see `_run`); the commit carries the next round's choice.
+        caches cost more per round, see `_run`); the commit carries the next round's choice.
         Same keys, same policy update, same state as `_step`."""
         chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
         state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
@@ -895,8 +895,8 @@ class Engine:
         # Adaptive gamma with gamma 0 among the choices: the rounds the policy runs at gamma 0
         # go through an inner loop of plain gamma-0 rounds, and only the others through the
         # `lax.switch` of `_step`. The same rounds in the same order (same keys, same policy
-        # updates), but a switch carrying the caches costs 2-7% per round more than a plain
-        # round under the main command's XLA options (its copies; experiments/bench_speed/
+        # updates), but a switch carrying the caches costs more per round than a plain round
+        # under the main command's XLA options (its copies; experiments/bench_speed/
         # results/2026-12-02-head-intel-xeon/NOTES.md), and most rounds of a draft that does
         # not pay are at gamma 0.
         def zero_cond(s):
