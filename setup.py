@@ -14,27 +14,34 @@ def _ffi_include_dir():
     return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").is_file() else None
 
 
+BUILD_FAILED = "_build_failed.txt"     # beside the library: why it is not there (specjax.kernels reads it)
+
+
 class OptionalBuildExt(build_ext):
     """The CPU kernel is optional: without a C++ compiler or jaxlib's FFI headers the package
-    installs without it and `specjax.kernels.matmul` computes the same product as an einsum."""
+    installs without it and `specjax.kernels.matmul` computes the same product as an einsum.
+    A failed build is caught here only, printed once, and its reason written beside the library
+    (`BUILD_FAILED`), where `specjax.kernels` finds it and says it once at run time."""
 
     def run(self):
-        include = _ffi_include_dir()
-        if include is None:
-            print("specjax: jaxlib's FFI headers not found; building without the CPU kernel")
-            self.extensions = []
-        for ext in self.extensions:
-            ext.include_dirs.append(include)
-        try:
-            super().run()
-        except Exception as e:          # compiler missing or failing: install without the kernel
-            print(f"specjax: the CPU kernel did not build ({e}); specjax.kernels falls back to einsum")
+        self._include = _ffi_include_dir()
+        super().run()
 
     def build_extension(self, ext):
+        reason_file = __import__("pathlib").Path(self.get_ext_fullpath(ext.name)).parent / BUILD_FAILED
         try:
+            if self._include is None:
+                raise RuntimeError("jaxlib's FFI headers (include/xla/ffi/api/ffi.h) were not found")
+            # XLA's headers as system headers: their own warnings are not ours to fix
+            ext.extra_compile_args = ext.extra_compile_args + ["-isystem", self._include]
             super().build_extension(ext)
-        except Exception as e:
-            print(f"specjax: the CPU kernel did not build ({e}); specjax.kernels falls back to einsum")
+        except Exception as e:          # compiler missing or failing: install without the kernel
+            reason = " ".join(str(e).split())
+            print(f"specjax: the CPU kernel did not build ({reason}); specjax.kernels falls back to XLA")
+            reason_file.parent.mkdir(parents=True, exist_ok=True)
+            reason_file.write_text(reason + "\n")
+            return
+        reason_file.unlink(missing_ok=True)
 
 
 # XLA FFI custom call (specjax/kernels/panel_matmul.cc): a plain shared library that
@@ -44,7 +51,10 @@ KERNEL = setuptools.Extension(
     sources=["specjax/kernels/panel_matmul.cc", "specjax/kernels/decode_attention.cc"],
     depends=["specjax/kernels/shared_work.h"],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes", "-Wno-return-type"],
+    # every warning on, and the ones that are bugs in this code are errors; -Wno-maybe-uninitialized
+    # silences GCC's false report inside its own AVX-512 intrinsics (_mm512_undefined_*)
+    extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wextra", "-Werror=return-type",
+                        "-Werror=unused-result", "-Werror=format", "-Wno-attributes", "-Wno-maybe-uninitialized"],
     optional=True,
 )
 

@@ -95,12 +95,27 @@ def _inspect() -> tuple[object | None, str | None]:
     return lib, None
 
 
+_PACKAGE_DIR = pathlib.Path(__file__).parent
+
+
+def build_failure() -> str | None:
+    """Why the install did not build the kernel library (what setup.py recorded beside it), or None."""
+    note = _PACKAGE_DIR / "_build_failed.txt"
+    try:
+        return note.read_text().strip() or "no reason recorded"
+    except OSError:
+        return None
+
+
 @functools.cache
 def _library():
     """The built kernel library (ctypes), or None when it was not built, or when the file in its
-    place is not it: then one note on stderr (once) says so, and XLA's own matmul and attention
-    run instead."""
+    place is not it: then one note on stderr (once) says so, with the reason (the build's, as
+    setup.py recorded it, or why the file is not the library), and XLA's own matmul and
+    attention run instead."""
     lib, problem = _inspect()
+    if problem is None and lib is None and build_failure() is not None:
+        problem = f"the CPU kernel library did not build at install time ({build_failure()})"
     if problem is not None:
         print(f"[specjax] note: {problem}; the CPU kernels are off, XLA's matmul runs instead",
               file=sys.stderr, flush=True)
