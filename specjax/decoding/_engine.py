@@ -18,13 +18,14 @@ One round, in named stages (all on device, no host round trip):
     forward      target.apply([last, d_1..d_gamma])  -> p_BG1V, one (gamma+1)-token pass
     _sanitize    non-finite q (round becomes gamma = 0), non-finite p (uniform stand-in)
     _verify      verifier per row with its own key -> n_accepted_B, committed tokens
-    _truncate    EOS, max_new_tokens, NaN positions -> tokens committed, status, done
-    _bookkeep    write tokens, roll caches back (lengths only), metrics
+    _finish      (shared by chain and tree rounds) `_truncate`: EOS, max_new_tokens, NaN
+                 positions -> tokens committed, status, done; caches cut to the committed
+                 prefix; tokens, features and metrics written; the Commit
 
 Token trees (`gamma` a `specjax.trees.TreeShape` or `DynamicTree`) run `_tree_round`, the same
 stages over a tree: the drafter's `propose_tree` drafts one tree per row, the target scores the
 root and every node in one pass (`models.TreeBlock`: positions by depth, an ancestor mask),
-the tree verifier picks a path, `_truncate` cuts it as a linear block, and the accepted path's
+the tree verifier picks a path, `_finish` cuts it as a linear block, and the accepted path's
 K/V move to the committed slots (`KVCache.commit_path`; the drafter's own cache through
 `commit(..., accepted)`), so both caches again hold exactly the committed prefix.
 
@@ -559,37 +560,60 @@ class Engine:
         done_B = state.done_B | nan_B | hit_eos_B | reached_max_B
         return n_commit_B, status_B, done_B, active_B & ~nan_B
 
-    def _bookkeep(self, state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B):
-        """Per-row counters of this round, and per row the sum and count of the tested
-        acceptances min(1, p/q) that feed adaptive gamma: E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q) (Leviathan et al.
-        2023, Def. 3.1), from the sampled draft tokens; independent of which verifier ran."""
+    def _finish(self, state, choice, *, committed_BD1, n_acc_B, bad_path_BD1, bad_q_B, degenerate_B, tested_BD,
+                tested_accept_BD, proposed_B, draft_passes, scored, next_key_B, commit_caches, f_block_BXF):
+        """The end of every round, chain or tree: how many of the verified tokens each row commits
+        (`_truncate`), the caches cut to the committed prefix (``commit_caches(n_commit_B,
+        new_L_B) -> (target_cache, draft_state)``), the tokens and features written, the
+        counters, and the `Commit` -> (state, Commit, tested_sum_B, tested_n_B).
+
+        Per row: ``committed_BD1`` the verifier's tokens along the accepted path (D = gamma or
+        the tree's depth), ``n_acc_B`` its accepted drafts (0 for a bad-q row), ``bad_path_BD1``
+        the unusable target positions along it (`_sanitize`), ``tested_BD`` /
+        ``tested_accept_BD`` which draft positions reached verification and their acceptance
+        probability min(1, p/q) (what adaptive gamma learns from: E_{x~q}[min(1, p(x)/q(x))] =
+        sum_x min(p, q), Leviathan et al. 2023, Def. 3.1), ``proposed_B`` the drafted tokens,
+        ``f_block_BXF`` the target's features along the path (None without a feature head)."""
+        n_commit_B, status_B, done_B, live_B = self._truncate(state, n_acc_B, committed_BD1, bad_path_BD1)
+        L_B = state.lengths_B
+        new_L_B = L_B + n_commit_B
+        target_cache, draft_state = commit_caches(n_commit_B, new_L_B)
+
         m = state.metrics
         active_B = ~state.done_B
-        pad_G = self.config.max_gamma - gamma
         drafted_B = live_B & ~bad_q_B
-        n_acc_B = jnp.where(drafted_B, res.n_accepted_B, 0)
-        pos_G = jnp.arange(gamma)
-        accepted_at_BG = (pos_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
-        tested_at_BG = (pos_G[None] <= n_acc_B[:, None]) & drafted_B[:, None]
-        draft_forwards = 0 if gamma == 0 else self.drafter.forward_passes(gamma)
+        n_acc_B = jnp.where(drafted_B, n_acc_B, 0)
+        G = self.config.max_gamma
+        accepted_at_BG = (jnp.arange(G)[None] < n_acc_B[:, None]) & drafted_B[:, None]
+        tested_BD = tested_BD & drafted_B[:, None]
         metrics = Metrics(
             rounds_B=m.rounds_B + active_B.astype(jnp.int32),
-            draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_forwards,
-            proposed_B=m.proposed_B + drafted_B.astype(jnp.int32) * gamma,
+            draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_passes,
+            proposed_B=m.proposed_B + jnp.where(drafted_B, proposed_B, 0).astype(jnp.int32),
             accepted_B=m.accepted_B + n_acc_B,
             committed_B=m.committed_B + n_commit_B,
-            degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, res.degenerate_residual_B, 0),
-            accepted_at_BG=m.accepted_at_BG + jnp.pad(accepted_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
-            tested_at_BG=m.tested_at_BG + jnp.pad(tested_at_BG.astype(jnp.int32), ((0, 0), (0, pad_G))),
-            gamma_rounds_K=m.gamma_rounds_K + self._onehot(gamma),
+            degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, degenerate_B, 0),
+            accepted_at_BG=m.accepted_at_BG + accepted_at_BG.astype(jnp.int32),
+            tested_at_BG=m.tested_at_BG + jnp.pad(tested_BD.astype(jnp.int32), ((0, 0), (0, G - tested_BD.shape[1]))),
+            gamma_rounds_K=m.gamma_rounds_K + self._onehot(choice),
             invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
-            scored_B=m.scored_B + active_B.astype(jnp.int32) * (gamma + 1),
+            scored_B=m.scored_B + active_B.astype(jnp.int32) * scored,
         )
-        px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
-        qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
-        ratio_BG = jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30))
-        tested_sum_B = jnp.sum(jnp.where(tested_at_BG, ratio_BG, 0.0), axis=1)
-        return metrics, tested_sum_B, jnp.sum(tested_at_BG, axis=1).astype(jnp.int32)
+        tested_sum_B = jnp.sum(jnp.where(tested_BD, tested_accept_BD, 0.0), axis=1)
+        tested_n_B = jnp.sum(tested_BD, axis=1).astype(jnp.int32)
+
+        K = G + 1
+        committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - committed_BD1.shape[1])), constant_values=PAD_ID)
+        new_state = state.replace(
+            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
+            done_B=done_B, status_B=status_B, target_cache=target_cache, draft_state=draft_state,
+            key_B=next_key_B, metrics=metrics, round=state.round + 1,
+            # The path's features land at its positions L-1 ..; those past the new committed
+            # length are garbage until overwritten (never read: see LoopState.features_BLF).
+            features_BLF=None if f_block_BXF is None else _write_block(state.features_BLF, f_block_BXF, L_B - 1))
+        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
+                        start_B=L_B, n_B=n_commit_B, done_B=done_B)
+        return new_state, commit, tested_sum_B, tested_n_B
 
     def _onehot(self, proposal):
         """Counts one round of this candidate (`Metrics.gamma_rounds_K`)."""
@@ -597,7 +621,7 @@ class Engine:
 
     def _round(self, params: EngineParams, sampling, gamma, state: LoopState):
         """One draft-verify round with a static gamma or tree -> (state, Commit, tested_sum_B,
-        tested_n_B): per row, the sum and count of the tested acceptances (see `_bookkeep`)."""
+        tested_n_B): per row, the sum and count of the tested acceptances (see `_finish`)."""
         if not isinstance(gamma, int):
             return self._tree_round(params, sampling, gamma, state)
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
@@ -611,27 +635,21 @@ class Engine:
         p_BG1V = sampling_lib.probabilities(logits_BG1V, sampling)
         p_BG1V, q_BGV, bad_p_BG1, bad_q_B = self._sanitize(logits_BG1V, p_BG1V, draft_BG, q_BGV)
         res = self._verify(sampling, verify_key_B, draft_BG, q_BGV, p_BG1V, bad_q_B)
-        n_commit_B, status_B, done_B, live_B = self._truncate(state, res.n_accepted_B, res.committed_BG1, bad_p_BG1)
-        metrics, tested_sum_B, tested_n_B = self._bookkeep(
-            state, gamma, draft_BG, q_BGV, p_BG1V, res, bad_q_B, n_commit_B, live_B)
+        px_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_BG[..., None], axis=-1)[..., 0]
+        qx_BG = jnp.take_along_axis(q_BGV, draft_BG[..., None], axis=-1)[..., 0]
 
-        K = self.config.max_gamma + 1
-        committed_BK = jnp.pad(res.committed_BG1, ((0, 0), (0, K - (gamma + 1))), constant_values=PAD_ID)
-        new_L_B = L_B + n_commit_B
-        new_state = state.replace(
-            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
-            done_B=done_B, status_B=status_B,
+        def commit_caches(n_commit_B, new_L_B):
             # Caches see the committed prefix minus its last token (rollback = lengths only).
-            target_cache=target_cache.truncate(new_L_B - 1),
-            draft_state=self.drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state,
-            key_B=next_key_B, metrics=metrics, round=state.round + 1,
-            # The block's features land at its positions L-1 ..; those past the new committed
-            # length are garbage until overwritten (never read: see LoopState.features_BLF).
-            features_BLF=(None if f_BG1F is None
-                          else _write_block(state.features_BLF, f_BG1F, L_B - 1)))
-        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
-                        start_B=L_B, n_B=n_commit_B, done_B=done_B)
-        return new_state, commit, tested_sum_B, tested_n_B
+            return (target_cache.truncate(new_L_B - 1),
+                    self.drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state)
+
+        return self._finish(
+            state, gamma, committed_BD1=res.committed_BG1, n_acc_B=res.n_accepted_B, bad_path_BD1=bad_p_BG1,
+            bad_q_B=bad_q_B, degenerate_B=res.degenerate_residual_B,
+            tested_BD=jnp.arange(gamma)[None] <= res.n_accepted_B[:, None],
+            tested_accept_BD=jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30)), proposed_B=gamma,
+            draft_passes=0 if gamma == 0 else self.drafter.forward_passes(gamma), scored=gamma + 1,
+            next_key_B=next_key_B, commit_caches=commit_caches, f_block_BXF=f_BG1F)
 
     # ------------------------------------------------------------------ tree rounds
 
@@ -689,58 +707,22 @@ class Engine:
         pos_BD1 = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path_BD, -1) + 1], axis=1)
         bad_path_BD1 = jnp.take_along_axis(bad_p_BT, pos_BD1, axis=1) & (jnp.arange(D + 1)[None] <= n_acc_B[:, None])
         bad_path_BD1 = jnp.cumsum(bad_path_BD1, axis=1) > 0
-        n_commit_B, status_B, done_B, live_B = self._truncate(state, n_acc_B, committed_BD1, bad_path_BD1)
 
-        # Caches: the root and the committed nodes, in path order, to the committed slots.
-        target_cache = target_cache.commit_path(pos_BD1, n_commit_B)
-        nodes_B = jnp.minimum(n_acc_B, n_commit_B)
-        slots_BD = (jnp.full((B, D), -1, jnp.int32) if draft.draft_slots_BN is None else
-                    jnp.where(path_BD >= 0, jnp.take_along_axis(draft.draft_slots_BN, jnp.maximum(path_BD, 0), axis=1), -1))
-        accepted = trees_lib.AcceptedPath(nodes_BD=path_BD, num_B=nodes_B, draft_slots_BD=slots_BD)
-        new_L_B = L_B + n_commit_B
-        draft_state = self.drafter.commit(draft_state, new_L_B, accepted)
+        def commit_caches(n_commit_B, new_L_B):
+            # The root and the committed nodes, in path order, to the committed slots.
+            nodes_B = jnp.minimum(n_acc_B, n_commit_B)
+            slots_BD = (jnp.full((B, D), -1, jnp.int32) if draft.draft_slots_BN is None else
+                        jnp.where(path_BD >= 0, jnp.take_along_axis(draft.draft_slots_BN, jnp.maximum(path_BD, 0), axis=1), -1))
+            accepted = trees_lib.AcceptedPath(nodes_BD=path_BD, num_B=nodes_B, draft_slots_BD=slots_BD)
+            return target_cache.commit_path(pos_BD1, n_commit_B), self.drafter.commit(draft_state, new_L_B, accepted)
 
-        # Metrics (per depth along the accepted path).
-        m = state.metrics
-        active_B = ~state.done_B
-        drafted_B = live_B & ~bad_q_B
-        n_acc_B = jnp.where(drafted_B, n_acc_B, 0)
-        G = self.config.max_gamma
-        j_G = jnp.arange(G)
-        accepted_at_BG = (j_G[None] < n_acc_B[:, None]) & drafted_B[:, None]
-        tested_BD = res.tested_BD & drafted_B[:, None]
-        tested_at_BG = jnp.pad(tested_BD, ((0, 0), (0, G - D)))
-        metrics = Metrics(
-            rounds_B=m.rounds_B + active_B.astype(jnp.int32),
-            draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * self.drafter.tree_forward_passes(tree),
-            proposed_B=m.proposed_B + jnp.where(drafted_B, jnp.sum(draft.valid_BN, axis=1), 0).astype(jnp.int32),
-            accepted_B=m.accepted_B + n_acc_B,
-            committed_B=m.committed_B + n_commit_B,
-            degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, degenerate_B, 0),
-            accepted_at_BG=m.accepted_at_BG + accepted_at_BG.astype(jnp.int32),
-            tested_at_BG=m.tested_at_BG + tested_at_BG.astype(jnp.int32),
-            gamma_rounds_K=m.gamma_rounds_K + self._onehot(tree),
-            invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
-            scored_B=m.scored_B + active_B.astype(jnp.int32) * (N + 1),
-        )
-        tested_sum_B = jnp.sum(jnp.where(tested_BD, res.tested_accept_BD, 0.0), axis=1)
-        tested_n_B = jnp.sum(tested_BD, axis=1).astype(jnp.int32)
-
-        K = G + 1
-        committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - (D + 1))), constant_values=PAD_ID)
-        # A feature head's features: the root's and the accepted nodes' (the path, in block
-        # order pos_BD1) land at positions L-1 ..; past the new length they are garbage as in a
-        # linear round.
-        features_BLF = (None if f_BTF is None else
-                        _write_block(state.features_BLF, jnp.take_along_axis(f_BTF, pos_BD1[..., None], axis=1),
-                                     L_B - 1))
-        new_state = state.replace(
-            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
-            done_B=done_B, status_B=status_B, target_cache=target_cache, draft_state=draft_state,
-            key_B=next_key_B, metrics=metrics, round=state.round + 1, features_BLF=features_BLF)
-        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
-                        start_B=L_B, n_B=n_commit_B, done_B=done_B)
-        return new_state, commit, tested_sum_B, tested_n_B
+        # A feature head's features: the root's and the accepted nodes' (the path, in block order pos_BD1).
+        f_path_BD1F = None if f_BTF is None else jnp.take_along_axis(f_BTF, pos_BD1[..., None], axis=1)
+        return self._finish(
+            state, tree, committed_BD1=committed_BD1, n_acc_B=n_acc_B, bad_path_BD1=bad_path_BD1, bad_q_B=bad_q_B,
+            degenerate_B=degenerate_B, tested_BD=res.tested_BD, tested_accept_BD=res.tested_accept_BD,
+            proposed_B=jnp.sum(draft.valid_BN, axis=1), draft_passes=self.drafter.tree_forward_passes(tree),
+            scored=N + 1, next_key_B=next_key_B, commit_caches=commit_caches, f_block_BXF=f_path_BD1F)
 
     def _step(self, params, sampling, state):
         """One round, with gamma fixed or chosen by the adaptive policy."""
