@@ -5,9 +5,9 @@ from specjax.decoding import _adaptive as adaptive
 from specjax.decoding._adaptive import AdaptiveGamma
 from specjax.decoding._batched import (MAX_CACHE_BYTES, BatchReport, RequestResult, cache_bytes_per_row,
                                        generate_batched, plan_batches)
-from specjax.decoding._engine import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
-                                      Engine, EngineParams, GenerateOutput, GenerationConfig, LoopState, Metrics,
-                                      Prefill, StreamEvent)
+from specjax.decoding._engine import Engine, GenerationConfig
+from specjax.decoding._state import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, STATUS_NAMES, Batch, Commit,
+                                     EngineParams, GenerateOutput, LoopState, Metrics, Prefill, StreamEvent)
 from specjax.decoding._greedy_check import NEAR_TIE_EPS, RowReport, greedy_check, reference_greedy
 from specjax.decoding._request import (REQUEST_ID_LIMIT, Completion, Generator, check_request_id, check_text,
                                        encode_prompt, make_batch, request_keys, timing_summary, token_ids)

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.decoding._engine import STATUS_NAMES, Engine, EngineParams
+from specjax.decoding._engine import Engine
+from specjax.decoding._state import STATUS_NAMES, EngineParams
 from specjax.decoding._request import _round_up, make_batch
 
 # The most bytes one batch's target KV cache may take before its rows are cut (the prefill's

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.decoding._engine import (PAD_ID, STATUS_NAMES, Batch, Engine, EngineParams, GenerateOutput,
-                                      GenerationConfig, Prefill, StreamEvent)
+from specjax.decoding._engine import Engine, GenerationConfig
+from specjax.decoding._state import PAD_ID, STATUS_NAMES, Batch, EngineParams, GenerateOutput, Prefill, StreamEvent
 
 
 REQUEST_ID_LIMIT = 2 ** 32      # a request's key is fold_in(key, id) with a uint32 id

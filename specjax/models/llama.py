@@ -70,7 +70,7 @@ from specjax import kernels
 from specjax.models.attention import AttentionSpec, attention, tree_attention_mask, window_mask
 from specjax.models.attention import causal_mask as causal_mask_for
 from specjax.models.config import ModelConfig
-from specjax.models.kv_cache import KVCache, TreeBlock, write_kv
+from specjax.models.kv_cache import KVCache, TreeBlock, write_kv  # noqa: F401  (TreeBlock: the protocol's type)
 
 __all__ = ["Llama", "attention", "tree_attention_mask"]    # attention lives in specjax.models.attention
 

@@ -1,0 +1,248 @@
+"""The generation loop's state and what it returns: plain data (struct dataclasses and frozen
+dataclasses), the status codes, and the row-wise buffer writes the rounds share. `_engine`
+runs the rounds over these; nothing here knows a model or a drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax import models
+
+RUNNING, EOS, MAX_TOKENS, NAN_LOGITS = 0, 1, 2, 3
+STATUS_NAMES = {RUNNING: "running", EOS: "eos", MAX_TOKENS: "max_new_tokens", NAN_LOGITS: "nan_logits"}
+PAD_ID = 0  # what unwritten slots of the token buffer hold (a valid id: models may read them)
+
+
+@struct.dataclass
+class EngineParams:
+    """The weights of one engine call: the target's and the drafter's (None for model-free)."""
+    target: Any
+    draft: Any = None
+
+
+@struct.dataclass
+class Metrics:
+    """Per-row counters, summed over rounds in which the row was active.
+
+    accepted counts what the verifier accepted, including tokens that EOS or max_new_tokens
+    then cut off; committed counts what was written. draft_passes: the drafter's forward
+    passes (`Drafter.forward_passes`; catch-up ingests not counted). scored: tokens the target
+    scored (gamma + 1 per linear round, nodes + 1 per tree round). For trees, position j of
+    accepted_at / tested_at is depth j + 1 along the accepted path.
+    """
+    rounds_B: jax.Array
+    draft_passes_B: jax.Array
+    proposed_B: jax.Array
+    accepted_B: jax.Array
+    committed_B: jax.Array
+    degenerate_residual_B: jax.Array
+    accepted_at_BG: jax.Array     # accepted at draft position j
+    tested_at_BG: jax.Array       # draft position j reached verification
+    gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
+    invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not a distribution (proposals discarded)
+    scored_B: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, max_gamma: int, num_gammas: int) -> "Metrics":
+        z_B = jnp.zeros((batch,), jnp.int32)
+        z_BG = jnp.zeros((batch, max_gamma), jnp.int32)
+        return cls(z_B, z_B, z_B, z_B, z_B, z_B, z_BG, z_BG, jnp.zeros((num_gammas,), jnp.int32), z_B, z_B)
+
+    @property
+    def target_passes_B(self):
+        """One target forward per round (prefill not counted)."""
+        return self.rounds_B
+
+    @property
+    def wasted_B(self):
+        """Proposed draft tokens that were not accepted."""
+        return self.proposed_B - self.accepted_B
+
+    def summary(self) -> dict:
+        """Aggregate over rows (host side): counts, mean accepted tokens per target pass,
+        acceptance rate and acceptance per draft position (accepted / reached)."""
+        m = jax.device_get(self)
+        passes = int(m.rounds_B.sum())
+        tested_G = m.tested_at_BG.sum(0)
+        return {
+            "target_passes": passes, "draft_passes": int(m.draft_passes_B.sum()),
+            "proposed": int(m.proposed_B.sum()), "accepted": int(m.accepted_B.sum()),
+            "wasted": int(m.wasted_B.sum()), "committed": int(m.committed_B.sum()),
+            "degenerate_residuals": int(m.degenerate_residual_B.sum()),
+            "mean_accepted_tokens_per_pass": float(m.committed_B.sum()) / max(passes, 1),
+            "acceptance_rate": float(m.accepted_B.sum()) / max(int(m.proposed_B.sum()), 1),
+            "acceptance_per_position": [float(a) / max(int(t), 1) for a, t in zip(m.accepted_at_BG.sum(0), tested_G)],
+            "rounds_per_gamma": [int(x) for x in m.gamma_rounds_K],
+            "invalid_draft_rounds": int(m.invalid_draft_rounds_B.sum()),
+            "tokens_scored_per_pass": float(m.scored_B.sum()) / max(passes, 1),
+        }
+
+
+@struct.dataclass
+class LoopState:
+    tokens_BL: jax.Array
+    lengths_B: jax.Array
+    prompt_lengths_B: jax.Array
+    done_B: jax.Array
+    status_B: jax.Array
+    target_cache: Any
+    draft_state: Any
+    key_B: jax.Array
+    metrics: Metrics
+    policy: Any                  # adaptive gamma's PolicyState, or None
+    round: jax.Array
+    # The target's hidden features per committed position [B, capacity, F] for a feature-level
+    # draft head (None otherwise): positions < lengths_B - 1 are valid, later ones garbage
+    # (rolled back with the caches by the lengths alone).
+    features_BLF: Any = None
+
+
+@struct.dataclass
+class Commit:
+    """What one round wrote: tokens_BK (K = max_gamma + 1; slots >= n_B are padding) at
+    slots [start_B, start_B + n_B) of each row. Small: the stream copies only this to the host.
+    Under adaptive gamma `stream` also carries the policy's choice for the next round
+    (``next_index``, an index into `GenerationConfig.gammas`), which it dispatches on."""
+    tokens_BK: jax.Array
+    start_B: jax.Array
+    n_B: jax.Array
+    done_B: jax.Array
+    next_index: jax.Array | None = None
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens_BL: jax.Array          # prompt followed by generated tokens, PAD_ID after lengths
+    lengths_B: jax.Array
+    prompt_lengths_B: jax.Array
+    status_B: jax.Array
+    metrics: Metrics
+    policy: Any = None            # adaptive gamma's final PolicyState (its estimates), or None
+
+    @classmethod
+    def from_state(cls, state: LoopState) -> "GenerateOutput":
+        return cls(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, prompt_lengths_B=state.prompt_lengths_B,
+                   status_B=state.status_B, metrics=state.metrics, policy=state.policy)
+
+    def generated(self) -> list[list[int]]:
+        toks, lens, plens = (np.asarray(x) for x in (self.tokens_BL, self.lengths_B, self.prompt_lengths_B))
+        return [toks[b, plens[b]:lens[b]].tolist() for b in range(toks.shape[0])]
+
+    def statuses(self) -> list[str]:
+        return [STATUS_NAMES[int(s)] for s in np.asarray(self.status_B)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A checked, device-ready batch of requests (build it with `specjax.decoding.make_batch`).
+
+    prompt_BP: right-padded prompts; prompt_lengths_B: their lengths; key_B: one key per
+    request; capacity: cache slots (static: one compiled program per capacity)."""
+    prompt_BP: jax.Array
+    prompt_lengths_B: jax.Array
+    key_B: jax.Array
+    capacity: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """A batch's prompts already in the caches, made once by `Engine.prefill` and reused by every
+    run on that batch (calibration, the speculative run, the target-only run of the main
+    command): a long prompt is prefilled once per request, not once per run.
+
+    Any engine with the same target takes ``target_cache``; ``draft_state`` (the drafter's state
+    after its own prefill, or None) is used only by an engine with the same drafter, others
+    make their own. Engines never donate it: it stays valid for the next run."""
+    batch: Batch
+    target: Any                     # the target model it was made with (static, hashable)
+    drafter: Any                    # the drafter whose state it holds, or None
+    target_cache: Any
+    draft_state: Any = None
+    features_BLF: Any = None        # the target's prompt features, when the drafter reads them
+
+    def repeat(self, batch: Batch) -> "Prefill":
+        """This one-row prefill as the prefill of `batch`, whose every row is that one prompt
+        (n samples of one prompt, each row with its own key): the prompt enters the caches once,
+        its cache rows are copied. ValueError if this prefill has more than one row or `batch`
+        holds another prompt, length or capacity."""
+        one = self.batch
+        if np.shape(one.prompt_BP)[0] != 1:
+            raise ValueError(f"repeat needs a one-row prefill, this one has {np.shape(one.prompt_BP)[0]} rows")
+        n = np.shape(batch.prompt_BP)[0]
+        if (batch.capacity != one.capacity or np.shape(batch.prompt_BP)[1] != np.shape(one.prompt_BP)[1]
+                or not (np.asarray(batch.prompt_BP) == np.asarray(one.prompt_BP)).all()
+                or not (np.asarray(batch.prompt_lengths_B) == np.asarray(one.prompt_lengths_B)[0]).all()):
+            raise ValueError("repeat: every row of the batch must be this prefill's prompt (same tokens, length and "
+                             "capacity)")
+        return dataclasses.replace(self, batch=batch, target_cache=_repeat_rows(self.target_cache, n),
+                                   draft_state=_repeat_rows(self.draft_state, n),
+                                   features_BLF=_repeat_rows(self.features_BLF, n))
+
+
+def _map_rows(fn, *trees):
+    """``fn(axis, *leaves)`` over matching leaves of state trees, with ``axis`` the batch axis of
+    each array: a `KVCache`'s buffers on theirs (1 for stacked layers, 0 per layer, its lengths
+    0), every other array 0 (a drafter's own state arrays are batch-major, as the protocol says)."""
+    def cache(*cs):
+        axis = 0 if cs[0].per_layer else 1
+        buf = lambda *xs: (tuple(fn(axis, *ys) for ys in zip(*xs)) if cs[0].per_layer   # noqa: E731
+                           else fn(axis, *xs))
+        return cs[0].replace(k=buf(*(c.k for c in cs)), v=buf(*(c.v for c in cs)),
+                             lengths_B=fn(0, *(c.lengths_B for c in cs)))
+
+    def leaf(*xs):
+        return cache(*xs) if isinstance(xs[0], models.KVCache) else fn(0, *xs)
+    return jax.tree.map(leaf, *trees, is_leaf=lambda x: isinstance(x, models.KVCache))
+
+
+def _repeat_rows(tree, n: int):
+    """Copy the single batch row of every cache / array in `tree` n times (`_map_rows` axes)."""
+    def rep(axis, x):
+        if np.ndim(x) <= axis or np.shape(x)[axis] != 1:
+            raise ValueError(f"repeat: a state array of shape {np.shape(x)} has no single batch row on axis {axis}")
+        return jnp.repeat(x, n, axis=axis)
+    return _map_rows(rep, tree)
+
+
+def _set_rows(big, one, slot):
+    """`big` with batch row ``slot`` (traced) replaced by the single row of `one` (same structure)."""
+    def put(axis, x, y):
+        want = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+        if y.shape != want:     # a state leaf that is not batch-major would be written into the wrong rows
+            raise ValueError(f"refill: a state array of shape {x.shape} takes a row of shape {want}, got {y.shape} "
+                             f"(drafter and cache state must be batch-major, see specjax.drafters' protocol)")
+        return jax.lax.dynamic_update_slice_in_dim(x, y if y.dtype == x.dtype else y.astype(x.dtype), slot, axis)
+    return _map_rows(put, big, one)
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    round: int
+    new_tokens: list[list[int]]     # per row, the tokens committed this round
+    done: list[bool]
+    elapsed_s: float                # since the call started (prefill included)
+    output: GenerateOutput | None = None   # set on the last event only
+
+
+def _write_block(buf_BLF, block_BTF, start_B):
+    """buf[b, start_b + t] = block[b, t] for every t (the caller guarantees the room)."""
+    return jax.vmap(lambda row, blk, s: jax.lax.dynamic_update_slice(row, blk.astype(row.dtype), (s, 0)))(
+        buf_BLF, block_BTF, start_B)
+
+
+def _write_rows(buf_BL, block_BK, start_B, n_B):
+    """buf[b, start_b + j] = block[b, j] for j < n_b; other slots unchanged."""
+    K = block_BK.shape[1]
+
+    def one(row_L, blk_K, start, n):
+        old_K = jax.lax.dynamic_slice(row_L, (start,), (K,))
+        new_K = jnp.where(jnp.arange(K) < n, blk_K, old_K)
+        return jax.lax.dynamic_update_slice(row_L, new_K.astype(row_L.dtype), (start,))
+
+    return jax.vmap(one)(buf_BL, block_BK, start_B, n_B)
