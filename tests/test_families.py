@@ -220,3 +220,18 @@ def test_families_on_a_mesh(tmp_path):
                        cwd=repo, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     assert r.stdout.count("OK") == 2, r.stdout
+
+
+def test_qwen3_gguf_reads_like_its_checkpoint(tmp_path):
+    """A Qwen3 GGUF (general.architecture 'qwen3', q/k norms as attn_q_norm / attn_k_norm, as
+    llama.cpp's converter writes them) loads to the same model and logits as the Hugging Face
+    checkpoint it was written from (which matches transformers, above)."""
+    from test_loader_errors import write_gguf
+    family_model("qwen3").save_pretrained(tmp_path / "hf", safe_serialization=True)
+    model, params = load(str(tmp_path / "hf"))
+    write_gguf(tmp_path / "m.gguf", model.config, params, arch="qwen3")
+    gmodel, gparams = load(str(tmp_path / "m.gguf"))
+    assert gmodel.config.arch == "qwen3" and gmodel.config.qk_norm and gmodel.config.head_dim == 24
+    tokens = jnp.asarray(np.asarray(PROMPTS[0])[None])
+    np.testing.assert_allclose(np.asarray(jax.jit(gmodel.apply)(gparams, tokens, None)[0]),
+                               np.asarray(jax.jit(model.apply)(params, tokens, None)[0]), rtol=1e-5, atol=1e-5)

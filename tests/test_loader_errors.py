@@ -43,6 +43,9 @@ def write_gguf(path, config, params, arch=None, drop=(), reshape=None, tokenizer
     w.add_feed_forward_length(config.ffn_size)
     w.add_head_count(config.num_heads)
     w.add_head_count_kv(config.num_kv_heads)
+    if config.head_dim != config.hidden_size // config.num_heads:
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_eps)
     w.add_vocab_size(config.vocab_size)

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama / qwen2 architectures): its `ModelConfig` and canonical params.
+"""Read a GGUF file (llama / qwen2 / qwen3 architectures): its `ModelConfig` and canonical params.
 
 Tensors are found by their GGUF names (`specjax.models.names`), dequantized to float32 with
 `gguf.quants.dequantize`, un-permuted (llama Q/K, see `names.unpermute_qk`) and cast to the
@@ -21,7 +21,7 @@ from specjax.models.config import (CorruptCheckpointError, MissingTensorError, M
                                    TensorShapeError, UnsupportedArchitectureError)
 from specjax.models.names import TensorName, assemble, unpermute_qk
 
-GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")       # general.architecture values read (qwen3: q/k norms)
 
 
 def open_gguf(path):
@@ -102,6 +102,7 @@ def config_from_gguf(reader, dtype: str = "float32", path=None) -> ModelConfig:
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch == "qwen3",
         dtype=dtype,
         max_position=int(_field(reader, f"{arch}.context_length", 8192)), arch=arch,
         bos_token_id=None if bos is None else int(bos),
