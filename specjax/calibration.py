@@ -81,6 +81,30 @@ def valid_round_time(t) -> bool:
     return bool(np.isfinite(v) and v > 0)
 
 
+def round_time_table(round_time_s, choices, regimes: int) -> np.ndarray:
+    """[regimes, len(choices)] round times (`ROUND_TIME_DTYPE`) for adaptive gamma: ``round_time_s``
+    holds one entry per choice (every regime alike) or, for a drafter with several regimes, one
+    per (regime, choice), regime-major (as `specjax.decoding.Engine.round_times` measures them);
+    None gives the uncalibrated default, a round costing (1 + 0.1 gamma) target steps (gamma:
+    a tree's depth) as for a cheap draft. Raises ValueError naming a bad entry or shape."""
+    G, R = len(choices), regimes
+    if round_time_s is None:
+        rt = np.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in choices], ROUND_TIME_DTYPE)
+        return np.broadcast_to(rt, (R, G))
+    given = np.asarray(round_time_s)
+    if given.dtype.kind not in "iuf" or not all(valid_round_time(t) for t in given.ravel()):
+        dtype = np.dtype(ROUND_TIME_DTYPE).name
+        raise ValueError(f"round_time_s must be finite and > 0 in {dtype} (seconds per round, "
+                         f"`specjax.calibration.valid_round_time`), got {given.ravel().tolist()}")
+    rt = given.astype(ROUND_TIME_DTYPE)
+    if rt.shape == (G,):
+        return np.broadcast_to(rt, (R, G))
+    if rt.shape != (R * G,):
+        raise ValueError(f"round_time_s needs one entry per gamma {tuple(choices)}"
+                         + (f" or per (regime, gamma), {R} x {G}" if R > 1 else "") + f", got shape {rt.shape}")
+    return rt.reshape(R, G)
+
+
 def _valid_times(times) -> bool:
     return isinstance(times, list) and len(times) > 0 and all(valid_round_time(t) for t in times)
 

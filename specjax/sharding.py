@@ -302,3 +302,37 @@ def load_sharded(path, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: str = "b
     config, params = read_hf_placed(path, sharding_of, dtype=dtype)
     config = config.replace(scan_layers=True, fuse_projections=False, packed_projections=False, **layout)
     return Llama(config), params
+
+
+# ---------------------------------------------------------------------------------------
+# The decoding engine's placement (`specjax.decoding.Engine` calls these)
+# ---------------------------------------------------------------------------------------
+def place_weights(model, params, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """A Llama model's params by the logical-axis rules (`shard_params`); anything else (a head's
+    own weights, a drafter's tables) replicated; None stays None."""
+    if params is None:
+        return None
+    if isinstance(model, Llama):
+        try:
+            return shard_params(params, model, mesh, rules)
+        except ValueError:      # not this model's parameter layout (e.g. a head's own weights)
+            pass
+    return replicate(params, mesh)
+
+
+def place_rows(arrays, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Arrays whose first dimension is the batch, their rows over the batch rule's axes."""
+    batch_size = np.shape(jax.tree.leaves(arrays)[0])[0]
+    return put(arrays, row_shardings(arrays, batch_size, mesh, rules))
+
+
+def constrain_loop_state(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """A decoding loop state (`specjax.decoding.LoopState`) pinned to ``mesh``: rows over the
+    batch axes, the batch-wide entries (the adaptive policy, the per-candidate round counts)
+    replicated (`row_shardings` would put any array whose first dimension equals the batch size
+    on "data")."""
+    shared = (state.policy, state.metrics.gamma_rounds_K)
+    rows = constrain_rows(state.replace(policy=None, metrics=state.metrics.replace(gamma_rounds_K=None)),
+                          state.lengths_B.shape[0], mesh, rules)
+    policy, counts = jax.lax.with_sharding_constraint(shared, NamedSharding(mesh, PartitionSpec()))
+    return rows.replace(policy=policy, metrics=rows.metrics.replace(gamma_rounds_K=counts))

@@ -580,55 +580,34 @@ class Engine:
                          policy=policy, round=jnp.int32(0), features_BLF=features_BLF))
 
     def _constrain(self, state):
-        """The loop state pinned to the mesh (identity without one). The batch-wide entries (the
-        adaptive policy, the per-candidate round counts) are replicated: `row_shardings` would
-        put any array whose first dimension equals the batch size on "data"."""
+        """The loop state pinned to the mesh (identity without one; `sharding.constrain_loop_state`)."""
         if self.mesh is None:
             return state
-        from jax.sharding import NamedSharding, PartitionSpec
-
         from specjax import sharding
-        shared = (state.policy, state.metrics.gamma_rounds_K)
-        rows = sharding.constrain_rows(state.replace(policy=None, metrics=state.metrics.replace(gamma_rounds_K=None)),
-                                       state.lengths_B.shape[0], self.mesh, self.rules or sharding.DEFAULT_RULES)
-        policy, counts = jax.lax.with_sharding_constraint(shared, NamedSharding(self.mesh, PartitionSpec()))
-        return rows.replace(policy=policy, metrics=rows.metrics.replace(gamma_rounds_K=counts))
+        return sharding.constrain_loop_state(state, self.mesh, self.rules or sharding.DEFAULT_RULES)
 
     def place(self, params: "EngineParams", batch: "Batch") -> tuple["EngineParams", "Batch"]:
-        """Weights and batch on this engine's mesh: a Llama target's (and a model draft's)
-        parameters by the logical-axis rules (`sharding.shard_params`), other drafter weights
-        (heads, n-gram: none) replicated, the batch's rows over "data"."""
+        """Weights and batch on this engine's mesh (`place_params`, `place_batch`)."""
         return self.place_params(params), self.place_batch(batch)
 
     def place_params(self, params: "EngineParams") -> "EngineParams":
-        """The weights of `place`."""
+        """A Llama target's (and a model draft's) parameters by the logical-axis rules, other
+        drafter weights (heads, n-gram: none) replicated (`sharding.place_weights`)."""
         if self.mesh is None:
             raise ValueError("Engine.place needs an engine built with mesh=")
         from specjax import sharding
         rules = self.rules or sharding.DEFAULT_RULES
-
-        def weights(model, p):
-            if p is None:
-                return None
-            if isinstance(model, models.Llama):
-                try:
-                    return sharding.shard_params(p, model, self.mesh, rules)
-                except ValueError:      # not this model's parameter layout (e.g. a head's own weights)
-                    pass
-            return sharding.replicate(p, self.mesh)
-
         draft_model = getattr(self.drafter, "model", None)
-        return EngineParams(target=weights(self.target, params.target), draft=weights(draft_model, params.draft))
+        return EngineParams(target=sharding.place_weights(self.target, params.target, self.mesh, rules),
+                            draft=sharding.place_weights(draft_model, params.draft, self.mesh, rules))
 
     def place_batch(self, batch: "Batch") -> "Batch":
-        """The batch of `place`: its rows over the mesh's batch axes."""
+        """The batch's rows over the mesh's batch axes (`sharding.place_rows`)."""
         if self.mesh is None:
             raise ValueError("Engine.place needs an engine built with mesh=")
         from specjax import sharding
-        rules = self.rules or sharding.DEFAULT_RULES
-        rows = sharding.row_shardings((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B),
-                                      batch.prompt_BP.shape[0], self.mesh, rules)
-        prompt, lengths, keys = sharding.put((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B), rows)
+        prompt, lengths, keys = sharding.place_rows((batch.prompt_BP, batch.prompt_lengths_B, batch.key_B),
+                                                    self.mesh, self.rules or sharding.DEFAULT_RULES)
         return Batch(prompt, lengths, keys, batch.capacity)
 
     def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity, pre=None):
@@ -710,27 +689,8 @@ class Engine:
     _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_refill)
 
     def _round_time_RG(self, round_time_s):
-        """[regimes, gammas] round times for the policy: ``round_time_s`` holds one entry per gamma
-        (every regime alike) or, for a drafter with several regimes, one per (regime, gamma),
-        regime-major, as `round_times` measures them."""
-        G, R = len(self.config.gammas), self.regimes
-        if round_time_s is None:
-            # Uncalibrated default: a round costs (1 + 0.1 gamma) target tokens (cheap draft).
-            rt = jnp.asarray([1.0 + 0.1 * (g if isinstance(g, int) else g.max_depth) for g in self.config.gammas],
-                             jnp.float32)
-            return jnp.broadcast_to(rt, (R, G))
-        given = np.asarray(round_time_s)
-        if given.dtype.kind not in "iuf" or not all(calibration.valid_round_time(t) for t in given.ravel()):
-            dtype = np.dtype(calibration.ROUND_TIME_DTYPE).name
-            raise ValueError(f"round_time_s must be finite and > 0 in {dtype} (seconds per round, "
-                             f"`specjax.calibration.valid_round_time`), got {given.ravel().tolist()}")
-        rt = jnp.asarray(given.astype(calibration.ROUND_TIME_DTYPE))
-        if rt.shape == (G,):
-            return jnp.broadcast_to(rt, (R, G))
-        if rt.shape != (R * G,):
-            raise ValueError(f"round_time_s needs one entry per gamma {self.config.gammas}"
-                             + (f" or per (regime, gamma), {R} x {G}" if R > 1 else "") + f", got shape {rt.shape}")
-        return rt.reshape(R, G)
+        """[regimes, gammas] round times for the policy (`calibration.round_time_table`)."""
+        return jnp.asarray(calibration.round_time_table(round_time_s, self.config.gammas, self.regimes))
 
     def _check(self, batch: Batch):
         """Host-side checks of a batch against this engine before anything runs: XLA clamps
