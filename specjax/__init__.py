@@ -6,8 +6,8 @@ Floors (a module imports only from floors below it):
     serving/   distill/   bench.py      slot-refilling scheduler; trainer; benchmarks
     decoding/                           the engine object and the one request path
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
-    models/                             Llama-family decoder, KV cache, loaders, tokenizer
-    sampling.py  analysis.py  sharding.py  specbench.py  trees.py     primitives
+    models/                             one decoder for every family, KV cache, attention ops, loaders, tokenizer
+    sampling.py  analysis.py  sharding.py  specbench.py  trees.py  reporting.py     primitives
     kernels/                            CPU custom calls through XLA's FFI (panel matmul)
 """
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import json
 import os
-import math
 import pathlib
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from specjax import reporting
 
 TARGET_ONLY = "target_only"
 
@@ -177,28 +178,6 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _clean(x):
-    """JSON-safe: NaN / inf to None (JSON has neither)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _fmt(x, digits=2) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{digits}f}"
-
-
-def _table(header, rows) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
 def markdown(records: list[dict]) -> str:
     """The bench table (Markdown) from a ``results.jsonl``'s records alone."""
     setup = next(r for r in records if r["kind"] == "setup")
@@ -218,17 +197,17 @@ def markdown(records: list[dict]) -> str:
              "- speedup: summed decode rate (tokens after the first round / their wall time) over target-only's "
              "on the same prompts in this run; accepted tokens: committed tokens per target forward", "",
              "## Speedup over target-only", ""]
-    lines += _table(["method"] + cats, [[m] + [_fmt(by[m, k]["speedup"]) + "x" if (m, k) in by else "-" for k in cats]
+    lines += reporting.table_lines(["method"] + cats, [[m] + [reporting.fmt(by[m, k]["speedup"]) + "x" if (m, k) in by else "-" for k in cats]
                                         for m in methods])
     lines += ["", "## Mean accepted tokens per target pass", ""]
-    lines += _table(["method"] + cats, [[m] + [_fmt(by[m, k]["mean_accepted_tokens"]) if (m, k) in by else "-"
+    lines += reporting.table_lines(["method"] + cats, [[m] + [reporting.fmt(by[m, k]["mean_accepted_tokens"]) if (m, k) in by else "-"
                                                for k in cats] for m in methods])
     width = max((len(by[m, "all"]["acceptance_at"]) for m in methods), default=0)
     lines += ["", "## Acceptance per draft position (all prompts) and decode rate", ""]
-    lines += _table(["method", "tokens/s"] + [f"pos {j + 1}" for j in range(width)] + ["greedy = target-only",
+    lines += reporting.table_lines(["method", "tokens/s"] + [f"pos {j + 1}" for j in range(width)] + ["greedy = target-only",
                                                                                         "degenerate residuals"],
-                    [[m, _fmt(by[m, "all"]["tokens_per_s"], 1)]
-                     + [_fmt(a) for a in by[m, "all"]["acceptance_at"]]
+                    [[m, reporting.fmt(by[m, "all"]["tokens_per_s"], 1)]
+                     + [reporting.fmt(a) for a in by[m, "all"]["acceptance_at"]]
                      + ["-"] * (width - len(by[m, "all"]["acceptance_at"]))
                      + [by[m, "all"].get("same_as_target_only", "-"), by[m, "all"]["degenerate_residuals"]]
                      for m in methods])
@@ -281,7 +260,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     from specjax import distributed
     primary = distributed.is_primary()             # several processes: process 0 writes the files
     with open(partial if primary else os.devnull, "w") as f:
-        f.write(json.dumps(_clean(setup), default=str) + "\n")
+        f.write(json.dumps(reporting.clean(setup), default=str) + "\n")
         bar = tqdm(total=len(prompts) * len(gens), disable=not (c.progress and primary), file=sys.stderr, unit="run",
                    desc="bench")
         for i, p in enumerate(prompts):
@@ -301,12 +280,12 @@ def run(c, command: str = "specjax bench") -> list[dict]:
                 if gen.round_time_s is not None:
                     rec["round_time_s"] = list(gen.round_time_s)
                 runs.append(rec)
-                f.write(json.dumps(_clean(rec)) + "\n")
+                f.write(json.dumps(reporting.clean(rec)) + "\n")
                 f.flush()
                 bar.update(1)
         bar.close()
         summary = summarize(runs)
-        summary = [_clean(r) for r in summary]
+        summary = [reporting.clean(r) for r in summary]
         for rec in summary:
             f.write(json.dumps(rec) + "\n")
     records += runs + summary

@@ -25,6 +25,7 @@ PACKAGE = ROOT / "specjax"
 # Lower number = lower floor. A unit is a top-level module or sub-package of specjax.
 FLOORS = {
     "sampling": 0, "analysis": 0, "calibration": 0, "checkpoint": 0, "files": 0, "kernels": 0, "specbench": 0, "trees": 0,
+    "reporting": 0,
     "distributed": 0,
     "models": 1,
     "verify": 2, "drafters": 2, "sharding": 2,
@@ -164,3 +165,39 @@ elif __name__ == "__main__":
     for unit in sorted(FLOORS, key=lambda u: (-FLOORS[u], u)):
         print(f"{FLOORS[unit]} {unit:10s} -> {', '.join(sorted(graph.get(unit, ()), key=lambda u: -FLOORS[u])) or '-'}")
     sys.exit(1 if _private_uses([*PACKAGE.rglob("*.py")]) else 0)
+
+
+def _cross_study_imports(root: pathlib.Path):
+    """(file, line, imported module) for every import in a study folder ``experiments/<study>/``
+    of another study's module (`experiments.lib` and the study's own modules are fine)."""
+    out = []
+    for path in sorted((root / "experiments").glob("*/*.py")):
+        study = path.parent.name
+        if study == "lib":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "experiments" and len(parts) > 1 and parts[1] not in ("lib", study) \
+                        and (root / "experiments" / parts[1]).is_dir():
+                    out.append((str(path.relative_to(root)), node.lineno, name))
+                    break
+    return out
+
+
+def test_no_study_imports_another_study():
+    assert not _cross_study_imports(ROOT), _cross_study_imports(ROOT)
+
+
+def test_the_study_checker_sees_a_cross_import(tmp_path):
+    """Negative control: a study importing another study's module is reported."""
+    for name, text in (("a", "from experiments.b import run\n"), ("b", "from experiments.lib import toolkit\n")):
+        (tmp_path / "experiments" / name).mkdir(parents=True)
+        (tmp_path / "experiments" / name / "run.py").write_text(text)
+    assert _cross_study_imports(tmp_path) == [("experiments/a/run.py", 1, "experiments.b")]

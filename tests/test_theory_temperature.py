@@ -7,8 +7,8 @@ writes the records, and each study's tables and plots are made from that JSONL a
 three `run` entry points are the same benchmark call with their own config)."""
 import os
 
-from experiments import toolkit
-from experiments.bench_trees import run as trees_run
+from experiments.lib import toolkit
+from experiments.lib import tree_study as trees_run
 from experiments.temperature import config as temperature_config
 from experiments.temperature import plot as temperature_plot
 from experiments.theory import plot as theory_plot

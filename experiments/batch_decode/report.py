@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def tables(records: list[dict]) -> str:

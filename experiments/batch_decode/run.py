@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def _model(c):

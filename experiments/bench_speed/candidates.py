@@ -35,7 +35,7 @@ import numpy as np
 
 from specjax import build, kernels
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 CANDIDATES = ("xla", "xla_transposed", "xla_bf16", "panels_einsum", "kernel", "two_devices")
 

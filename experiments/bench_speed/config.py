@@ -76,7 +76,7 @@ def check(c) -> None:
     """ValueError naming the setting and its allowed values for a bad one, before anything runs."""
     from specjax.models.config import SUPPORTED_DTYPES      # jax: only when a run checks its settings
 
-    from experiments.bench_speed import workload
+    from experiments.lib import workload
 
     def bad(key, value, allowed):
         raise ValueError(f"config.{key}: {value!r} is not allowed; choose from {allowed}")

@@ -83,8 +83,8 @@ def child(config_path: str) -> dict:
     import jax.numpy as jnp
     import ml_collections
     from specjax import build, decoding, sampling
-    from experiments import toolkit
-    from experiments.bench_speed import workload
+    from experiments.lib import toolkit
+    from experiments.lib import workload
     build.tune_xla_cpu()
     build.limit_heap_retention()
     end("import")
@@ -147,7 +147,7 @@ def child(config_path: str) -> dict:
 
 def measure(c, workdir, timeout: float = 3600) -> dict:
     """The record of a fresh ``python -m experiments.bench_speed.memory`` process for config `c`."""
-    from experiments.toolkit import REPO
+    from experiments.lib.toolkit import REPO
     path = pathlib.Path(workdir) / "memory_config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(c.to_dict()))

@@ -33,8 +33,8 @@ from absl import app, flags
 
 from specjax import analysis
 
-from experiments import toolkit
-from experiments.toolkit import fmt, table
+from experiments.lib import toolkit
+from experiments.lib.toolkit import fmt, table
 
 ALL = "all"
 METRICS = ("roofline_fraction", "target_only_over_transformers", "best_speculative_over", "worst_category_best_speedup",

@@ -29,8 +29,10 @@ import numpy as np
 
 from specjax import build, decoding, kernels, sampling
 
-from experiments import toolkit
-from experiments.bench_speed import config, measure, memory, report, workload
+from experiments.lib import toolkit
+from experiments.bench_speed import config, memory, report
+from experiments.lib import measure
+from experiments.lib import workload
 
 
 

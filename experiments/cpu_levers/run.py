@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.cpu_levers import config as config_lib
 from experiments.cpu_levers import report
 

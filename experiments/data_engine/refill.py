@@ -20,7 +20,7 @@ import time
 
 from absl import app, flags
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 PROMPTS = flags.DEFINE_integer("prompts", 128, "corpus prompts answered by each path")
 BATCH = flags.DEFINE_integer("batch", 64, "rows per batch / slots")

@@ -36,8 +36,8 @@ import numpy as np
 from specjax import build, decoding, distill, drafters, models
 from specjax.models import draft_artifact
 
-from experiments import toolkit
-from experiments.bench_speed import measure, workload
+from experiments.lib import toolkit
+from experiments.lib import measure, workload
 from experiments.distill import config as settings
 
 TARGET = "smollm2-135m-instruct"

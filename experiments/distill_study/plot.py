@@ -13,7 +13,7 @@ import pathlib
 import statistics
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.distill_study.report import DIV_LABELS, cells
 
 

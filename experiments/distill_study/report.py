@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 DIV_LABELS = {"fkl": "FKL", "rkl": "RKL", "jsd": "JSD (beta 0.5)", "tvd": "TVD"}
 

@@ -29,7 +29,7 @@ import time
 
 from specjax import build, distill
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.distill_study import config as study_config
 from experiments.distill_study import plot as study_plot
 from experiments.distill_study import report

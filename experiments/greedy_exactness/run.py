@@ -23,8 +23,8 @@ import ml_collections
 
 from specjax import build, decoding
 
-from experiments import toolkit
-from experiments.bench_speed import workload
+from experiments.lib import toolkit
+from experiments.lib import workload
 from experiments.greedy_exactness import config as settings
 
 

@@ -9,7 +9,7 @@ heads static and EAGLE-2 dynamic trees from the head's own confidences; a head d
 target's features, see `specjax.drafters`), and the cost of one target pass scoring N tokens.
 """
 
-from experiments.bench_trees import config as trees_config
+from experiments.lib import tree_config as trees_config
 
 HEADS = ("eagle3", "eagle", "medusa")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from experiments import toolkit
-from experiments.bench_trees import report as trees_report
+from experiments.lib import toolkit
+from experiments.lib import tree_report as trees_report
 from specjax import analysis
 
 

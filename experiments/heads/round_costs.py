@@ -21,9 +21,8 @@ from absl import app, flags
 from specjax import build, decoding, models, sampling, trees
 from specjax.drafters import DraftContext
 
-from experiments import toolkit
-from experiments.bench_speed import workload
-from experiments.bench_speed.config import get_config as bench_config
+from experiments.lib import toolkit
+from experiments.lib import workload
 
 TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "sampling temperature of the rounds")
 SETTINGS = flags.DEFINE_string("settings", "1;2;3;branching:2,1,1;dynamic:4,2,7;dynamic:5,2,7;branching:2,2,1;"
@@ -38,7 +37,7 @@ PROMPT_INDEX = 6          # the 7th shortest of the 13 held-out prompts (one per
 def main(_):
     build.tune_xla_cpu()
     proposals = [(text, int(text) if text.isdigit() else trees.parse_tree(text)) for text in SETTINGS.value.split(";") if text]
-    c = bench_config()
+    c = toolkit.load_config(toolkit.REPO / "experiments" / "bench_speed" / "config.py")   # its workload settings
     c.update(num_prompts=13, layers="packed", head_model=HEAD.value)
     prov = toolkit.provenance("experiments.heads.round_costs", exclude=["experiments/heads/results"])
     w = workload.load(ml_collections.ConfigDict(c.to_dict()), "/tmp/specjax-round-costs")

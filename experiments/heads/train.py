@@ -25,7 +25,7 @@ import sys
 from absl import app, flags
 
 from configs import distill_head
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.heads import config as heads_config
 from specjax import distill
 

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 ORDER = ("eagle3", "eagle", "medusa")
 

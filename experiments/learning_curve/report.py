@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 DEFAULT = "experiments/heads/results/learning_curve.jsonl"
 AIM = 0.6

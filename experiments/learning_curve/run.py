@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def budget(c, size: int) -> int:

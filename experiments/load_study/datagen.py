@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 flags.DEFINE_integer("prompts", 64, "train-split questions")
 flags.DEFINE_integer("rows", 32, "slots / batch rows")

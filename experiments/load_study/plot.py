@@ -13,7 +13,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.load_study.report import rate_label
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def rate_label(rate: float) -> str:

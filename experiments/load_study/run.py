@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.load_study import config as config_lib
 from experiments.load_study import plot, report
 

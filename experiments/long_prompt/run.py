@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def child(target: str, n_tokens: int, chunk: int, max_new_tokens: int) -> dict:
@@ -28,7 +28,7 @@ def child(target: str, n_tokens: int, chunk: int, max_new_tokens: int) -> dict:
 
     build.tune_xla_cpu()
     if target.startswith("preset:"):
-        from experiments.bench_speed import workload
+        from experiments.lib import workload
         model = models.Llama(workload.preset_config(target.split(":", 1)[1], scan_layers=False).replace(
             max_position=max(8192, n_tokens + 64)))
         params = model.init_params(jax.random.key(0))

@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax import build, decoding, sampling
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def _log(msg):

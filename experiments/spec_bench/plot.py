@@ -12,7 +12,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 
 def plot(path) -> list[pathlib.Path]:

@@ -11,7 +11,7 @@ import pathlib
 import shlex
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.spec_bench import plot
 from specjax import bench, build
 

@@ -8,7 +8,7 @@ per-request keys in every setting). The same logits processing is applied to dra
 Variant "tiny": the benchmark's random 4-layer target (seconds; CI).
 """
 
-from experiments.bench_trees import config as trees_config
+from experiments.lib import tree_config as trees_config
 
 
 def get_config(variant: str = ""):

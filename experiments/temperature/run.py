@@ -5,7 +5,7 @@ plot and table from its JSONL (`plot`).
     python -m experiments.temperature.run --config=experiments/temperature/config.py:tiny    # CI size
 """
 
-from experiments.bench_trees.run import study
+from experiments.lib.tree_study import study
 
 main, _entry = study("temperature")
 

@@ -8,7 +8,7 @@ gets round times that make every gamma > 0 look 10,000x dearer, so only its prob
 Prints tokens/s of each and the gamma-0 round count."""
 import time, jax, numpy as np
 from specjax import build, decoding, sampling, specbench
-from experiments import toolkit
+from experiments.lib import toolkit
 build.tune_xla_cpu(); build.limit_heap_retention()
 gc = toolkit.load_config("configs/generate.py"); gc.update(max_new_tokens=64, calibration_cache="", compilation_cache_dir="")
 target, params, tok = build.load_target_with_tokenizer(gc)

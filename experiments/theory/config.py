@@ -11,7 +11,7 @@ proposal of gamma tokens (c of Leviathan et al. 2023) measured in the same run.
 Variant "tiny": the benchmark's random 4-layer target (seconds; CI).
 """
 
-from experiments.bench_trees import config as trees_config
+from experiments.lib import tree_config as trees_config
 
 
 def get_config(variant: str = ""):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from specjax import analysis
 
 

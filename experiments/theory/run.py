@@ -5,7 +5,7 @@ directory's config, then the plots and tables from its JSONL (`plot`).
     python -m experiments.theory.run --config=experiments/theory/config.py:tiny     # CI size
 """
 
-from experiments.bench_trees.run import study
+from experiments.lib.tree_study import study
 
 main, _entry = study("theory")
 

@@ -9,7 +9,7 @@ the shortest held-out Spec-Bench question of each category, batch 1, the same pe
 for every verifier. Variant "tiny": the benchmark's random target (seconds; CI).
 """
 
-from experiments.bench_trees import config as trees_config
+from experiments.lib import tree_config as trees_config
 
 
 def get_config(variant: str = ""):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from experiments import toolkit
-from experiments.bench_trees import report
+from experiments.lib import toolkit
+from experiments.lib import tree_report as report
 
 
 def rows(records: list[dict]) -> list[dict]:

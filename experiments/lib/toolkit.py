@@ -24,7 +24,6 @@ import datetime
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import platform
@@ -39,11 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
+
+from specjax.reporting import clean as _clean  # noqa: F401  (the JSON and table helpers live in specjax)
+from specjax.reporting import fmt, table  # noqa: F401  (re-exported: toolkit.fmt, toolkit.table)
 from ml_collections import config_flags
 
 from specjax import decoding, drafters
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- timing
 
@@ -258,19 +260,6 @@ def load_config(path, *args):
 
 # ----------------------------------------------------------------------------- JSONL
 
-def _clean(x):
-    """JSON-safe: mappings to dicts, numpy to Python, NaN / inf to None."""
-    if hasattr(x, "items"):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
-        return _clean(x.tolist())
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    return x
-
-
 class Jsonl:
     """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``.
 
@@ -307,19 +296,6 @@ def read_jsonl(path) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- Markdown
-
-def fmt(x, digits: int = 2, pct: bool = False) -> str:
-    if x is None or isinstance(x, bool) or (isinstance(x, float) and not math.isfinite(x)):
-        return "–" if x is None or not isinstance(x, bool) else ("yes" if x else "no")
-    if isinstance(x, int):
-        return str(x)
-    return f"{100 * x:.{digits}f}%" if pct else f"{x:.{digits}f}"
-
-
-def table(header, rows) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
 
 def provenance_lines(prov: dict) -> list[str]:
     """The provenance block as Markdown bullet lines."""

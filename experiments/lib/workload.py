@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax import build, decoding, drafters, models, specbench
 
-from experiments import toolkit
+from experiments.lib import toolkit
 
 _ROPE_1B_3B = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -22,8 +22,8 @@ import numpy as np
 
 from specjax import decoding, sampling
 
-from experiments import toolkit
-from experiments.bench_speed import workload
+from experiments.lib import toolkit
+from experiments.lib import workload
 
 
 def bandwidth(gib: float, threads=(1, 2), repeats: int = 5) -> dict:
