@@ -12,7 +12,7 @@ import math
 import jax
 import pytest
 
-from experiments.bench_speed import workload
+from experiments.lib import workload
 
 from _bench_run import positive as _positive
 from _bench_run import run_module

@@ -205,7 +205,7 @@ def test_bad_settings_fail_first_with_the_key_and_allowed_values(overrides, says
 def test_provenance_is_taken_before_anything_runs(monkeypatch, tmp_path):
     """The git state (commit, dirty flag) is read at the start, not after the minute-long memory
     process: an edit made while the benchmark runs must not mark its results dirty."""
-    from experiments import toolkit
+    from experiments.lib import toolkit
     from experiments.bench_speed import memory, run
     calls = []
 
@@ -228,7 +228,7 @@ def test_a_results_file_holds_one_complete_run(tmp_path, capsys):
     """Records go to a .partial file; closing moves it over the results (saying so when that
     replaces an earlier run), so a run that dies leaves the earlier results whole, and no file
     mixes two runs."""
-    from experiments import toolkit
+    from experiments.lib import toolkit
     path = tmp_path / "results.jsonl"
     first = toolkit.Jsonl(path, {"git_commit": "a" * 40, "date_utc": "earlier"})
     first.write("x", i=1)
@@ -249,7 +249,7 @@ def test_git_state_excludes_output_files_not_their_folder(monkeypatch):
     """Excluding a run's output file leaves the code beside it counted (greedy_exactness writes
     its results.jsonl next to its run.py)."""
     import subprocess
-    from experiments import toolkit
+    from experiments.lib import toolkit
 
     def fake_run(args, **kwargs):
         out = "f" * 40 + "\n" if "rev-parse" in args else (

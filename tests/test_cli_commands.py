@@ -152,7 +152,7 @@ def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, caps
     assert "| method | alpha | beta | all |" in md and "## Mean accepted tokens per target pass" in md
     assert bench.markdown(recs) == md                       # the table is rebuilt from the JSONL alone
     # experiments/spec_bench (the same command with its config) draws its plot from this JSONL alone
-    from experiments import toolkit
+    from experiments.lib import toolkit
     from experiments.spec_bench import plot as spec_plot
     assert spec_plot.plot(out / "results.jsonl")[0].stat().st_size > 10_000
     for variant in ("", "tiny"):

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.cpu_levers import report
 
 from _bench_run import FAST_COMPILE_XLA_FLAGS

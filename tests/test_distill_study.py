@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from specjax import distill
 from experiments.distill_study import report
 

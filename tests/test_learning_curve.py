@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.learning_curve import report, run
 
 import _distill_toy as toy

@@ -4,7 +4,7 @@ through the slot-refilling scheduler; one record per (mode, rate) with every req
 tokens equal to target-only's for every request, the table and the plot made from the JSONL."""
 import os
 
-from experiments import toolkit
+from experiments.lib import toolkit
 from experiments.load_study import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
