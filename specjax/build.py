@@ -178,8 +178,9 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
     """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'hybrid', 'early_exit',
     'early_exit_own_cache', 'model', 'none'}. 'distilled' and 'head' load a draft or head
     directory written by `specjax.distill` (`draft_model`, or the one shipped for the target when
-    `draft_model` is empty and `target_name` is a known name). 'hybrid': prompt lookup where the
-    suffix match has at least ``min_match`` tokens (0: ``max_ngram``), else the drafter
+    `draft_model` is empty and `target_name` is a known name); 'head' also reads an EAGLE-3 head
+    in the reference / SpecForge or vLLM speculators layout (`drafters.load_eagle3`). 'hybrid':
+    prompt lookup where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``), else the drafter
     ``hybrid_model`` (one of `HYBRID_MODELS`, built as above); see `drafters.HybridDrafter`."""
     if kind == "none":
         return None, None
@@ -200,7 +201,11 @@ def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4
             raise ValueError("drafter='head' needs draft_model: a head directory written by specjax.distill "
                              "with draft.kind in ('eagle3', 'eagle', 'medusa') (no head ships for target "
                              f"{target_name!r})")
-        return drafters.load_head(draft_model or shipped_head(target_name), target, target_params)
+        directory = draft_model or shipped_head(target_name)
+        if not drafters.is_head_dir(directory) and drafters.eagle3_layout(directory) is not None:
+            # an EAGLE-3 head written by the reference code, SpecForge or vLLM's speculators
+            return drafters.load_eagle3(directory, target, target_params)
+        return drafters.load_head(directory, target, target_params)
     if kind == "ngram":
         return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
     if kind == "early_exit":   # shares the target's KV cache for its layers

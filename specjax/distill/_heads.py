@@ -19,7 +19,8 @@ Losses per position (``mask`` marks the positions whose next token is a continua
   two RMS-normalized (the head's output is only ever read through a norm);
 * EAGLE-3: ``ttt_steps`` drafting steps unrolled (training-time test, Li et al. 2025): step j's
   output at origin o is scored against the target's distribution of ``x_{o+j}``; steps weigh
-  equally;
+  equally. The published EAGLE-3 head (``eagle3_published``) the same, its outputs scored by its
+  own norm and LM head over its draft vocabulary (the target's distribution restricted to it);
 * Medusa: head k on ``f_s`` against the target's distribution of ``x_{s+k+1}``.
 
 With ``feature_noise`` > 0 the head reads the target's features with uniform noise added
@@ -83,9 +84,10 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
     hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
                                   head_size=int(c.draft.head_vocab) or None, feature_layers=layers,
-                                  input_norm=bool(h.get("input_norm", False)) and c.draft.kind != "medusa")
+                                  input_norm=bool(h.get("input_norm", False)) and c.draft.kind in ("eagle", "eagle3"))
     kind = c.draft.kind
-    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 1 if kind != "eagle3" else 3)),
+    unrolled = kind in ("eagle3", drafters.EAGLE3_PUBLISHED)
+    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 3 if unrolled else 1)),
                          feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)),
                          feature_noise=float(h.get("feature_noise", 0.0)))
 
@@ -107,6 +109,8 @@ def _target_pass(obj: HeadObjective, tp, tokens_BT):
 
 
 def _student_logits(obj: HeadObjective, params, head_SD, h_BTD):
+    if obj.config.kind == drafters.EAGLE3_PUBLISHED:       # its own norm and rows (head_SD's tokens, same order)
+        return drafters.head_scores(obj.config, params, h_BTD)[0]
     x = llama_lib.norm(obj.target.config, h_BTD, params["final_norm"])
     return jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32)
 

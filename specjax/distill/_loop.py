@@ -152,7 +152,8 @@ STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
 # the input norm that configs/distill_head.py turns on).
 HEAD_STATE_KEYS = {"medusa": ("head.num_heads", "head.feature_layers"),
                    "eagle": ("head.input_norm", "head.feature_layers"),
-                   "eagle3": ("head.input_norm", "head.feature_layers")}
+                   "eagle3": ("head.input_norm", "head.feature_layers"),
+                   drafters.EAGLE3_PUBLISHED: ("head.feature_layers",)}
 # What a key absent from an older workdir's config.json meant (keys added since).
 STATE_DEFAULTS = {"head.input_norm": False}
 

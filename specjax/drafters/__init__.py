@@ -1,17 +1,21 @@
 """Drafters: who proposes the tokens the target verifies (one protocol, several kinds)."""
 
-from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadCache, HeadConfig,
+from specjax.drafters._heads import (EAGLE3_PUBLISHED, HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadCache, HeadConfig,
                                      MedusaDrafter, eagle_input, eagle_train_forward, fuse_features, head_logits,
                                      head_params, head_scores,
                                      init_head_params, medusa_features, medusa_logits)
 from specjax.drafters._head_artifact import head_kind, is_head_dir, load_head, save_head
+from specjax.drafters._eagle3_files import LAYOUTS as EAGLE3_LAYOUTS
+from specjax.drafters._eagle3_files import (eagle3_config, eagle3_layout, eagle3_tensors, load_eagle3, read_eagle3,
+                                           save_eagle3)
 from specjax.drafters._model import (EarlyExitDrafter, ModelDrafter, ModelDraftState, draw, draw_support, rollout,
                                      support_scores)
 from specjax.drafters._hybrid import HybridDrafter
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import DraftContext, Drafter
 
-__all__ = ["head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter", "eagle_input", "fuse_features",
+__all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout", "eagle3_tensors", "load_eagle3",
+           "read_eagle3", "save_eagle3", "head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter", "eagle_input", "fuse_features",
            "eagle_train_forward", "head_logits", "head_scores", "medusa_features", "head_params", "init_head_params", "medusa_logits",
            "DraftContext", "Drafter", "EarlyExitDrafter", "HybridDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "draw_support", "rollout", "support_scores"]

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters._heads import (HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadConfig, MedusaDrafter, head_params,
-                                     init_head_params)
+from specjax.drafters import _eagle3
+from specjax.drafters._heads import (EAGLE3_PUBLISHED, HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadConfig,
+                                     MedusaDrafter, head_params, init_head_params)
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
 from specjax.models.draft_artifact import read_description, read_tensors, write_tensors
 from specjax.models.reduced_head import check_vocab_map
@@ -78,9 +79,12 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     if not isinstance(h.get("input_norm", False), bool):
         raise CorruptCheckpointError(f"{d}/head.json: 'input_norm' must be true or false, got {h['input_norm']!r}")
     try:
+        layer = None if h.get("layer") is None else _eagle3.layer_from_dict(h["layer"], tc)
         hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
-                             feature_layers=tuple(h["feature_layers"]), input_norm=h.get("input_norm", False))
-        run = dataclasses.replace(hc, packed=bool(tc.packed_projections))   # the target's layout at inference
+                             feature_layers=tuple(h["feature_layers"]), input_norm=h.get("input_norm", False),
+                             layer=layer, own_embedding=bool(h.get("own_embedding", False)))
+        # The target's layout at inference (a published EAGLE-3 head runs the plain one).
+        run = dataclasses.replace(hc, packed=bool(tc.packed_projections) and hc.kind != EAGLE3_PUBLISHED)
     except (KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None
     own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))

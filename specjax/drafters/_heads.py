@@ -24,6 +24,13 @@ of token ``x_{t+1}``. At a round with L committed tokens the engine knows ``f_0 
   layer, fused by ``fuse`` (3D -> D) before ``fc``; beyond the known prefix the head's own
   output stands in for the fused feature. No feature regression; training-time test unrolls
   several drafting steps so the head learns from its own predictions (`eagle_train_forward`).
+* **EAGLE-3, published** (``eagle3_published``; Li et al. 2025, the reference code's layer,
+  `specjax.drafters._eagle3`): ``fc`` (3D -> D) fuses the three features; the layer's attention
+  reads the normed embedding and the normed fused feature side by side (two norms, a 2D-wide
+  q/k/v), its residual adds the fused feature; the head scores with its *own* final norm and
+  LM head over a draft vocabulary (``head_ids``: draft row i is target token ``head_ids[i]``,
+  the reference's ``i + d2t[i]``). The layout other systems read and write
+  (`specjax.drafters.load_eagle3`, `save_eagle3`). The embedding stays the target's.
 * ``input_norm`` (either EAGLE kind): the embedding and the feature are RMS-normalized, each
   with its own learned weight, before ``fc`` (EAGLE-3's reference layer normalizes its two
   inputs separately before concatenating them). The target's features are raw residual
@@ -49,19 +56,27 @@ import numpy as np
 from flax import struct
 
 from specjax import kernels
+from specjax.drafters import _eagle3
 from specjax.drafters._model import ModelDrafter, ModelDraftState, draw_support, expand, rollout
 from specjax.drafters._protocol import DraftContext
 from specjax.models import Llama, ModelConfig, prefill
 from specjax.models import llama as llama_lib
 from specjax.models.kv_cache import KVCache
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3")
+EAGLE3_PUBLISHED = "eagle3_published"
+HEAD_KINDS = ("medusa", "eagle", "eagle3", EAGLE3_PUBLISHED)
 INIT_STD = 0.02
 
 
 def default_feature_layers(kind: str, num_layers: int) -> tuple[int, ...]:
     """Medusa and EAGLE read the last layer; EAGLE-3 a low, a middle and a high layer
-    (layers 2, L/2 and L-3 in 1-based terms, as in Li et al. 2025)."""
+    (layers 2, L/2 and L-3 in 1-based terms, as in Li et al. 2025). The published EAGLE-3 head
+    takes the reference's triple as it is, the outputs of layers (1, L/2 - 1, L - 4) (0-based):
+    the reference captures the inputs of layers 2, L // 2 and L - 3 (SafeAILab/EAGLE,
+    eagle/model/modeling_llama_kv.py), as SGLang and vLLM do by default; on a target too shallow
+    for three distinct layers there (L < 7) the config must name them."""
+    if kind == EAGLE3_PUBLISHED:
+        return (1, num_layers // 2 - 1, num_layers - 4)
     if kind == "eagle3":
         return tuple(sorted({min(1, num_layers - 1), num_layers // 2 - 1 if num_layers > 1 else 0,
                              max(num_layers - 4, 0)}))
@@ -82,15 +97,25 @@ class HeadConfig:
     packed: bool = False
     # EAGLE kinds: RMS-normalize the embedding and the feature before ``fc`` (module doc).
     input_norm: bool = False
+    # Published EAGLE-3 only: the head layer's own dimensions (heads, head_dim, MLP width, RoPE,
+    # norm eps; one layer, the target's width and vocabulary), None = the target's
+    # (`_eagle3.default_layer`); and whether the head has its own embedding (a file whose
+    # embedding differs from the target's) instead of the target's.
+    layer: ModelConfig | None = None
+    own_embedding: bool = False
 
     def __post_init__(self):
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"head kind must be one of {HEAD_KINDS}, got {self.kind!r}")
+        if self.kind == EAGLE3_PUBLISHED:
+            self._check_published()
+        elif self.layer is not None or self.own_embedding:
+            raise ValueError(f"layer and own_embedding describe {EAGLE3_PUBLISHED} heads, not {self.kind!r}")
         L = self.target.num_layers
         if not self.feature_layers or any(not -L <= int(i) < L for i in self.feature_layers):
             raise ValueError(f"feature layers {self.feature_layers} must be non-empty, in [-{L}, {L}) "
                              f"(the target has {L} layers)")
-        if self.kind != "eagle3" and len(self.feature_layers) != 1:
+        if self.kind not in ("eagle3", EAGLE3_PUBLISHED) and len(self.feature_layers) != 1:
             raise ValueError(f"a {self.kind} head reads one feature layer, got {self.feature_layers}")
         if self.kind == "medusa" and self.num_heads < 1:
             raise ValueError(f"a Medusa head needs num_heads >= 1, got {self.num_heads}")
@@ -102,13 +127,36 @@ class HeadConfig:
             raise ValueError("a packed head runs beside a packed target (packed_projections=True): "
                              "its full-vocabulary head and its layer use the target's panel layout")
 
+    def _check_published(self):
+        t = self.target
+        fl = tuple(int(i) for i in self.feature_layers)
+        if len(fl) != 3 or list(fl) != sorted(set(fl)) or not 0 <= fl[0] <= fl[-1] < t.num_layers:
+            raise ValueError(
+                f"a {EAGLE3_PUBLISHED} head reads three distinct target layers in ascending order (the order "
+                f"every engine concatenates them in), each in [0, {t.num_layers}), got {fl}; the default "
+                f"(1, L//2 - 1, L - 4) needs a target of at least 7 layers, name them otherwise")
+        if self.input_norm:
+            raise ValueError(f"input_norm is the eagle/eagle3 option; a {EAGLE3_PUBLISHED} layer has its two norms")
+        if self.packed:
+            raise ValueError(f"a {EAGLE3_PUBLISHED} head runs in the plain layout (no kernel panels for its layer yet)")
+        if self.head_size is None:              # the draft vocabulary: the whole target vocabulary
+            object.__setattr__(self, "head_size", t.vocab_size)
+        # Medusa's setting, meaningless here: one value, so that configs read from any file compare equal.
+        object.__setattr__(self, "num_heads", 4)
+        lc = self.layer_config
+        if lc.hidden_size != t.hidden_size:
+            raise ValueError(f"the head layer's width {lc.hidden_size} differs from the target's {t.hidden_size}: "
+                             f"it reads the target's embedding")
+
     @classmethod
     def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
              feature_layers: tuple[int, ...] | None = None, packed: bool = False,
-             input_norm: bool = False) -> "HeadConfig":
+             input_norm: bool = False, layer: ModelConfig | None = None,
+             own_embedding: bool = False) -> "HeadConfig":
         layers = default_feature_layers(kind, target.num_layers) if feature_layers is None else feature_layers
         return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
-                   head_size=head_size, packed=packed, input_norm=bool(input_norm))
+                   head_size=head_size, packed=packed, input_norm=bool(input_norm), layer=layer,
+                   own_embedding=bool(own_embedding))
 
     @property
     def hidden_size(self) -> int:
@@ -121,13 +169,22 @@ class HeadConfig:
     @property
     def layer_config(self) -> ModelConfig:
         """The head's own decoder layer: the target's dimensions, one layer, stacked layout (the
-        layout of its stored and trained weights)."""
+        layout of its stored and trained weights). Published EAGLE-3: `layer` (or the target's
+        dimensions), with the target's vocabulary, dtype and attention op."""
+        if self.kind == EAGLE3_PUBLISHED:
+            t = self.target
+            base = self.layer if self.layer is not None else _eagle3.default_layer(t)
+            return base.replace(vocab_size=t.vocab_size, dtype=t.dtype, attention_op=t.attention_op, num_layers=1,
+                                scan_layers=False, fuse_projections=False, packed_projections=False,
+                                cpu_attention=False)
         return self.target.replace(num_layers=1, scan_layers=True, fuse_projections=False,
                                    packed_projections=False)
 
     @property
     def run_layer_config(self) -> ModelConfig:
         """The layer's layout at inference: `layer_config`, or packed like the target's."""
+        if self.kind == EAGLE3_PUBLISHED:
+            return self.layer_config
         if self.packed:
             return self.target.replace(num_layers=1, scan_layers=False, fuse_projections=True,
                                        packed_projections=True)
@@ -136,6 +193,8 @@ class HeadConfig:
     @property
     def own_param_names(self) -> tuple[str, ...]:
         """The head's own parameters (what is trained and exported); the rest are the target's."""
+        if self.kind == EAGLE3_PUBLISHED:
+            return ("fc", "layer", "norm", "lm_head", "head_ids") + (("embed",) if self.own_embedding else ())
         if self.kind == "medusa":
             names = ("medusa_w", "medusa_b")
         else:
@@ -144,14 +203,22 @@ class HeadConfig:
         return names + (("head_ids",) if self.head_size is not None else ())
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "feature_layers": list(self.feature_layers), "num_heads": self.num_heads,
-                "head_size": self.head_size, "input_norm": self.input_norm}
+        d = {"kind": self.kind, "feature_layers": list(self.feature_layers), "num_heads": self.num_heads,
+             "head_size": self.head_size, "input_norm": self.input_norm}
+        if self.layer is not None:
+            d["layer"] = _eagle3.layer_to_dict(self.layer)
+        if self.own_embedding:
+            d["own_embedding"] = True
+        return d
 
 
 def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
     """Random own parameters of a head (normal(0.02) weights, unit norms; Medusa's W_k start
     at zero so each head starts as the target's own next-token head on the shifted feature).
-    ``head_ids``: the reduced head's tokens (required iff ``hc.head_size``)."""
+    ``head_ids``: the reduced head's tokens (required iff ``hc.head_size``; a published EAGLE-3
+    head: its draft vocabulary in row order, default ``arange(head_size)``)."""
+    if hc.kind == EAGLE3_PUBLISHED:
+        return _init_published(hc, key, head_ids)
     D, F = hc.hidden_size, hc.feature_size
     dtype = hc.target.jnp_dtype
     k1, k2, k3 = jax.random.split(key, 3)
@@ -175,6 +242,21 @@ def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
     return own
 
 
+def _init_published(hc: HeadConfig, key, head_ids) -> dict:
+    lc, S, V = hc.layer_config, hc.head_size, hc.target.vocab_size
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    normal = lambda k, shape: (INIT_STD * jax.random.normal(k, shape, jnp.float32)).astype(lc.jnp_dtype)  # noqa: E731
+    ids = np.arange(S, dtype=np.int64) if head_ids is None else np.asarray(head_ids, np.int64)
+    if ids.shape != (S,) or np.unique(ids).size != S or ids.min() < 0 or ids.max() >= V:
+        raise ValueError(f"head_ids must be {S} distinct ids in [0, {V}) (the draft vocabulary, in row order)")
+    own = {"fc": normal(k1, (hc.feature_size, lc.hidden_size)), "layer": _eagle3.init_layer(lc, k2),
+           "norm": jnp.ones((lc.hidden_size,), lc.jnp_dtype), "lm_head": normal(k3, (S, lc.hidden_size)),
+           "head_ids": jnp.asarray(ids, jnp.int32)}
+    if hc.own_embedding:
+        own["embed"] = normal(k4, (V, lc.hidden_size))
+    return own
+
+
 def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     """The parameters a head runs with: its own plus the target's embedding, final norm and LM
     head (shared arrays, not copies; a reduced head gathers its rows once, here). A packed
@@ -184,6 +266,10 @@ def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     if missing:
         raise ValueError(f"{hc.kind} head parameters lack {missing}")
     p = {n: own[n] for n in hc.own_param_names}
+    if hc.kind == EAGLE3_PUBLISHED:         # its own norm and LM head; the target's embedding unless its own
+        if not hc.own_embedding:
+            p["embed"] = target_params["embed"]
+        return p
     p["embed"] = target_params["embed"]
     p["final_norm"] = target_params["final_norm"]
     if hc.head_size is not None:
@@ -222,7 +308,12 @@ def _matmul(x, w, width: int):
 
 def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
     """(float32 logits [B, T, S] of a feature through the target's final norm and the head's
-    rows, the token ids of those rows [S] or None for the full vocabulary (S = V))."""
+    rows, the token ids of those rows [S] or None for the full vocabulary (S = V)). A published
+    EAGLE-3 head: through its own norm and LM head over its draft vocabulary."""
+    if hc.kind == EAGLE3_PUBLISHED:
+        x = llama_lib.rms_norm(h_BTD, params["norm"], hc.layer_config.rms_eps)
+        s = jnp.einsum("btd,sd->bts", x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
+        return s, params["head_ids"]
     x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
     if hc.head_size is not None:
         if jnp.ndim(params["head"]) == 3:                                   # packed: panels
@@ -361,7 +452,10 @@ def eagle_input(hc: HeadConfig, params: dict, tokens_BT, g_BTD) -> jax.Array:
 
 
 def fuse_features(hc: HeadConfig, params: dict, f_BTF) -> jax.Array:
-    """The target features as the head's D-wide input: EAGLE-3 fuses its layers (F -> D)."""
+    """The target features as the head's D-wide input: EAGLE-3 fuses its layers (F -> D; the
+    published head by its ``fc``)."""
+    if hc.kind == EAGLE3_PUBLISHED:
+        return _matmul(f_BTF, params["fc"], hc.layer_config.hidden_size).astype(f_BTF.dtype)
     if hc.kind == "eagle3":
         return _matmul(f_BTF, params["fuse"], hc.hidden_size).astype(f_BTF.dtype)
     return f_BTF
@@ -389,7 +483,9 @@ class EagleHead:
 
     def init_cache(self, batch_size: int, capacity: int) -> HeadCache:
         c = self.config
-        return HeadCache(kv=self.layer.init_cache(batch_size, capacity),
+        kv = (_eagle3.init_cache(c.layer_config, batch_size, capacity) if c.kind == EAGLE3_PUBLISHED
+              else self.layer.init_cache(batch_size, capacity))
+        return HeadCache(kv=kv,
                          pred_BSD=jnp.zeros((batch_size, capacity, c.hidden_size), c.target.jnp_dtype),
                          true_len_B=jnp.zeros((batch_size,), jnp.int32))
 
@@ -430,9 +526,18 @@ class EagleHead:
             g_BTD = jnp.where((prev_BT < cache.true_len_B[:, None])[..., None],
                               fuse_features(hc, params, true_BTF.astype(pred_BTD.dtype)), pred_BTD)
         g_BTD = jnp.where((prev_BT >= 0)[..., None], g_BTD, 0)
-        x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
-        h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, num_valid_B, inputs_BTD=x_BTD)
+        h_BTD, kv = self._layer_call(params, tokens_BT, g_BTD, cache.kv, num_valid_B)
         return h_BTD, cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B))
+
+    def _layer_call(self, params, tokens_BT, g_BTD, kv, num_valid_B=None, tree=None):
+        """The head's layer on (tokens, features) over its cache: (output [B, T, D], cache)."""
+        hc = self.config
+        if hc.kind == EAGLE3_PUBLISHED:
+            e_BTD = jnp.take(params["embed"], tokens_BT, axis=0)
+            return _eagle3.cached_layer(hc.layer_config, params["layer"], e_BTD, g_BTD, kv, num_valid_B, tree)
+        x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
+        h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, kv, num_valid_B, tree=tree, inputs_BTD=x_BTD)
+        return h_BTD, kv
 
     def _apply_tree(self, params, tokens_BT, cache: HeadCache, tree):
         """One tree call (EAGLE-2 drafting): node t's input feature is its parent's head output,
@@ -451,8 +556,7 @@ class EagleHead:
         parent_BT = jnp.where(col_BT >= 0, start_B[:, None] + col_BT, start_B[:, None] - 1)
         g_BTD = jnp.take_along_axis(cache.pred_BSD, jnp.clip(parent_BT, 0, cache.capacity - 1)[..., None], axis=1)
         g_BTD = jnp.where((parent_BT >= 0)[..., None], g_BTD, 0)
-        x_BTD = eagle_input(hc, params, tokens_BT, g_BTD)
-        h_BTD, _, kv = self.layer.trunk(_layer_params(hc, params), None, cache.kv, tree=tree, inputs_BTD=x_BTD)
+        h_BTD, kv = self._layer_call(params, tokens_BT, g_BTD, cache.kv, tree=tree)
         cache = cache.replace(kv=kv, pred_BSD=_write_slots(cache.pred_BSD, h_BTD, start_B + off))
         return head_logits(hc, params, h_BTD), cache
 
@@ -533,10 +637,14 @@ def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, step
     and to its own origin's entries of steps 2..j, exactly the visibility of drafting step j
     at inference. Its logits score ``x_{o+j}``; positions past the sequence read token 0 and
     their outputs are the caller's to mask. ``with_logits=False``: logits are None (a trainer
-    scores the outputs itself, e.g. over a reduced vocabulary)."""
+    scores the outputs itself, e.g. over a reduced vocabulary).
+
+    A published EAGLE-3 head runs its own layer under the same visibility, at RoPE positions
+    one less, with the entry at position 0 seen by itself only (`specjax.drafters._eagle3`)."""
     B, T = tokens_BT.shape
     lc = hc.layer_config
-    lp = _one_layer(hc, params)
+    published = hc.kind == EAGLE3_PUBLISHED
+    lp = params["layer"] if published else _one_layer(hc, params)
     dtype = lc.jnp_dtype
     f_BTD = fuse_features(hc, params, feats_BTF.astype(dtype))
     g_BTD = jnp.concatenate([jnp.zeros((B, 1, f_BTD.shape[-1]), dtype), f_BTD[:, :-1]], axis=1)
@@ -546,18 +654,25 @@ def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, step
     h_BTD = None
     for j in range(1, steps + 1):
         tok_BT = jnp.concatenate([tokens_BT[:, j - 1:], jnp.zeros((B, j - 1), tokens_BT.dtype)], axis=1)
-        x = eagle_input(hc, params, tok_BT, g_BTD)
-        cos, sin = llama_lib.rope_cos_sin(lc, pos_BT + (j - 1))
+        cos, sin = llama_lib.rope_cos_sin(lc, pos_BT + (j - 1) - int(published))
+        if published:
+            e_BTD = jnp.take(params["embed"], tok_BT, axis=0)
+            run = lambda past, vis: _eagle3.layer(lc, lp, e_BTD, g_BTD, cos, sin, past, vis)  # noqa: E731
+        else:
+            x = eagle_input(hc, params, tok_BT, g_BTD)
+            run = lambda past, vis: llama_lib._layer(lc, lp, x, cos, sin, past, vis)  # noqa: E731
         if j == 1:
-            h_new, (k, v) = llama_lib._layer(lc, lp, x, cos, sin, None)
+            h_new, (k, v) = run(None, _eagle3.first_step_visibility(T) if published else None)
         else:
             eye_TT = jnp.eye(T, dtype=bool)
             causal_TT = jnp.tril(jnp.ones((T, T), bool))
+            if published:                # the step-1 entry at position 0 is seen by nobody else
+                causal_TT = causal_TT & (jnp.arange(T) >= 1)[None, :]
             vis_past = jnp.concatenate([causal_TT] + [eye_TT] * (j - 2), axis=1)       # [T, (j-1) T]
             vis_past_BTS = jnp.broadcast_to(vis_past[None], (B, T, (j - 1) * T))
             vis_new_BTT = jnp.broadcast_to(eye_TT[None], (B, T, T))
             past = (jnp.concatenate(past_k, axis=2), jnp.concatenate(past_v, axis=3), None)
-            h_new, (k, v) = llama_lib._layer(lc, lp, x, cos, sin, past, (vis_past_BTS, vis_new_BTT))
+            h_new, (k, v) = run(past, (vis_past_BTS, vis_new_BTT))
         past_k.append(jnp.transpose(k, (0, 2, 1, 3)))        # [B, T, K, H] -> [B, K, T, H]
         past_v.append(jnp.transpose(v, (0, 2, 3, 1)))        # -> [B, K, H, T]
         h_BTD = h_new

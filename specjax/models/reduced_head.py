@@ -83,6 +83,44 @@ def check_vocab_map(ids, vocab_size: int, size: int, where: str) -> np.ndarray:
     return a
 
 
+def check_draft_vocab_maps(d2t, t2d, vocab_size: int, draft_vocab_size: int, where: str) -> np.ndarray:
+    """The target ids (int64 [draft_vocab_size], in draft-row order) of an EAGLE-3 draft
+    vocabulary stored as the reference code stores it: ``d2t`` (draft row i is target token
+    ``i + d2t[i]``) and ``t2d`` (bool [vocab_size], true exactly at those target tokens; None when
+    the file has none). The ids must be a vocabulary map (`check_vocab_map`: in range, none
+    repeated) and ``t2d`` must mark exactly them; else `CorruptCheckpointError` naming `where`
+    (the file) and the fault."""
+    d = np.asarray(d2t)
+    if d.ndim != 1 or d.shape[0] != draft_vocab_size:
+        raise CorruptCheckpointError(f"{where}: 'd2t' has shape {d.shape}, the draft vocabulary has "
+                                     f"{draft_vocab_size} rows (draft_vocab_size)")
+    if d.dtype == bool:
+        raise CorruptCheckpointError(f"{where}: 'd2t' holds booleans; it must hold integer offsets")
+    with np.errstate(over="ignore", invalid="ignore"):
+        ids = np.arange(draft_vocab_size, dtype=np.int64) + (d if d.dtype.kind == "f" else d.astype(np.int64))
+    ids = check_vocab_map(ids, vocab_size, draft_vocab_size, f"{where}: 'd2t' (row i -> target token i + d2t[i])")
+    if t2d is None:
+        return ids
+    t = np.asarray(t2d)
+    if t.ndim != 1 or t.shape[0] != vocab_size:
+        raise CorruptCheckpointError(f"{where}: 't2d' has shape {t.shape}, the target vocabulary has "
+                                     f"{vocab_size} tokens")
+    if t.dtype != bool:
+        if t.dtype.kind not in "iu" or np.any((t != 0) & (t != 1)):
+            raise CorruptCheckpointError(f"{where}: 't2d' must hold booleans (or 0/1), got {t.dtype} values")
+        t = t.astype(bool)
+    want = np.zeros(vocab_size, bool)
+    want[ids] = True
+    wrong = np.flatnonzero(t != want)
+    if wrong.size:
+        i = int(wrong[0])
+        raise CorruptCheckpointError(
+            f"{where}: 't2d' disagrees with 'd2t' at {wrong.size} target tokens (e.g. token {i}: t2d says "
+            f"{bool(t[i])}, d2t {'maps a draft row to it' if want[i] else 'maps no row to it'}); t2d must be "
+            f"true exactly at the tokens d2t maps to")
+    return ids
+
+
 def reduce_head(model: Llama, params, head_ids) -> tuple[ReducedHeadLlama, dict]:
     """A `ReducedHeadLlama` whose head is `model`'s head restricted to `head_ids`."""
     ids = np.unique(np.asarray(head_ids, np.int64))
