@@ -32,3 +32,15 @@ def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records
 def positive(x) -> bool:
     """A finite number > 0 (not a bool): what every measured time, rate and size must be."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def run_script_on_devices(script: str, *args, devices: int = 8, timeout: int = 600) -> str:
+    """stdout of ``python -c script *args`` in a process with ``devices`` simulated CPU devices
+    (compiled fast, see `FAST_COMPILE_XLA_FLAGS`), run from the repository root; fails the test
+    with the end of its output when it exits non-zero."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_XLA_FLAGS}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r.stdout

@@ -123,3 +123,51 @@ def family_model(kind: str, seed: int = 0):
             elif "norm" in name:       # Gemma's norms scale by (1 + w): keep w around 0
                 p.uniform_(-0.5, 0.5) if kind.startswith("gemma") else p.uniform_(0.5, 1.5)
     return model
+
+
+def parity_cases(model, params, ref_model, seed: int = 0):
+    """(case, reference logits, specjax logits) for every case of the family parity checks, each
+    against transformers' full forward of the same sequence: a ragged prefill of two prompts past
+    the window (17 and 9 tokens), four cached one-token steps, a 5-token verification block, a
+    rollback to 2 of its tokens, then a (2, 2) token tree (root + 6 nodes) after it."""
+    import jax
+    import jax.numpy as jnp
+    from specjax import trees
+    from specjax.models import TreeBlock
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, 17), rng.integers(0, VOCAB, 9)]
+    steps, block = rng.integers(0, VOCAB, (2, 4)), rng.integers(0, VOCAB, (2, 5))
+    shape = trees.TreeShape.from_branching((2, 2))
+    nodes, roots = rng.integers(0, VOCAB, (2, shape.num_nodes)), rng.integers(0, VOCAB, 2)
+    ref = lambda seq: hf_logits(ref_model, np.asarray(seq)[None])[0]     # noqa: E731
+    step = jax.jit(model.apply)
+    tokens, lengths = right_padded(prompts)
+    logits, cache = step(params, jnp.asarray(tokens), model.init_cache(2, 48), jnp.asarray(lengths))
+    seqs = [list(map(int, p)) for p in prompts]
+    for b in range(2):
+        yield "ragged prefill", ref(seqs[b]), np.asarray(logits[b, :lengths[b]])
+    for t in range(steps.shape[1]):
+        logits, cache = step(params, jnp.asarray(steps[:, t:t + 1]), cache)
+        for b in range(2):
+            seqs[b].append(int(steps[b, t]))
+            yield "cached one-token step", ref(seqs[b])[-1:], np.asarray(logits[b])
+    logits, block_cache = step(params, jnp.asarray(block), cache)
+    for b in range(2):
+        yield "5-token verification block", ref(seqs[b] + block[b].tolist())[-block.shape[1]:], np.asarray(logits[b])
+    cache = block_cache.replace(lengths_B=cache.lengths_B + 2)          # rollback: keep 2 of the 5
+    for b in range(2):
+        seqs[b] += block[b, :2].tolist()
+    parents = jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (2, shape.num_nodes))
+    visible = trees.ancestor_mask(parents, jnp.ones((2, shape.num_nodes), bool), shape.max_depth)
+    rel = jnp.broadcast_to(jnp.asarray((0,) + shape.depths, jnp.int32), (2, shape.num_nodes + 1))
+    logits, _ = step(params, jnp.asarray(np.concatenate([roots[:, None], nodes], axis=1)), cache, None,
+                     TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
+    for b in range(2):
+        prefix = seqs[b] + [int(roots[b])]
+        yield "tree block (after a rollback)", ref(prefix)[-1:], np.asarray(logits[b, :1])
+        for n in range(shape.num_nodes):
+            path, m = [], n
+            while m >= 0:
+                path.append(int(nodes[b, m]))
+                m = shape.parents[m]
+            yield "tree block (after a rollback)", ref(prefix + path[::-1])[-1:], np.asarray(logits[b, n + 1:n + 2])

@@ -21,19 +21,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _hf_tiny import FAMILY_KINDS, VOCAB, WINDOW, family_model, hf_logits, rel_and_kl  # noqa: E402
+from _hf_tiny import FAMILY_KINDS, family_model, hf_logits, parity_cases, rel_and_kl  # noqa: E402
 from specjax import decoding, drafters, models, sampling, trees  # noqa: E402
-from specjax.models import TreeBlock, UnsupportedArchitectureError, export_hf, load  # noqa: E402
+from specjax.models import UnsupportedArchitectureError, export_hf, load  # noqa: E402
 
 REL_TOL, KL_TOL = 1e-4, 1e-5
 ARCH = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2_window": "qwen2",
         "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
-RNG = np.random.default_rng(0)
-PROMPTS = [RNG.integers(0, VOCAB, 17), RNG.integers(0, VOCAB, 9)]      # ragged, both past the window
-STEPS = RNG.integers(0, VOCAB, (2, 4))                                 # one-token steps after the prompts
-BLOCK = RNG.integers(0, VOCAB, (2, 5))                                 # then a 5-token verification block
+PROMPTS = [np.random.default_rng(0).integers(0, 101, n) for n in (17, 9)]    # ragged, both past the window
 SHAPE = trees.TreeShape.from_branching((2, 2))
-NODES = RNG.integers(0, VOCAB, (2, SHAPE.num_nodes))
 
 
 def _check(ref, got, what):
@@ -42,14 +38,25 @@ def _check(ref, got, what):
     return float(rel.max())
 
 
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory):
+    """kind -> (checkpoint directory written by transformers, transformers' model read back from it)."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            path = tmp_path_factory.mktemp(kind)
+            family_model(kind).save_pretrained(path, safe_serialization=True)
+            made[kind] = path, transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager").eval()
+        return made[kind]
+    return get
+
+
 @pytest.fixture(scope="module", params=FAMILY_KINDS)
-def family(request, tmp_path_factory):
+def family(request, family_paths):
     kind = request.param
-    path = tmp_path_factory.mktemp(kind)
-    family_model(kind).save_pretrained(path, safe_serialization=True)
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                  attn_implementation="eager").eval()
-    return kind, path, ref_model
+    return (kind, *family_paths(kind))
 
 
 def _reference(ref_model, seq):
@@ -64,49 +71,11 @@ def test_logits_match_transformers(family, scan_layers):
     assert c.arch == ARCH[kind]
     assert any(c.layer_windows) == (kind not in ("qwen3", "qwen3_moe"))
     assert bool(c.num_experts) == (kind in ("mixtral", "qwen3_moe"))
-    step = jax.jit(model.apply)
-    # ragged prefill (right-padded, num_valid_B)
-    lengths = np.asarray([len(p) for p in PROMPTS], np.int32)
-    tokens = np.zeros((2, lengths.max()), np.int32)
-    for b, p in enumerate(PROMPTS):
-        tokens[b, :len(p)] = p
-    cache = model.init_cache(2, 48)
-    logits, cache = step(params, jnp.asarray(tokens), cache, jnp.asarray(lengths))
-    seqs = [list(p) for p in PROMPTS]
-    for b in range(2):
-        _check(_reference(ref_model, seqs[b]), np.asarray(logits[b, :lengths[b]]), f"{kind} prefill row {b}")
-    # cached one-token steps
-    for t in range(STEPS.shape[1]):
-        logits, cache = step(params, jnp.asarray(STEPS[:, t:t + 1]), cache)
-        for b in range(2):
-            seqs[b].append(int(STEPS[b, t]))
-            _check(_reference(ref_model, seqs[b])[-1:], np.asarray(logits[b]), f"{kind} step {t} row {b}")
-    # a k-token verification block, then a rollback of its last 3 tokens (the cache keeps 2)
-    logits, block_cache = step(params, jnp.asarray(BLOCK), cache)
-    for b in range(2):
-        ref = _reference(ref_model, seqs[b] + BLOCK[b].tolist())
-        _check(ref[-BLOCK.shape[1]:], np.asarray(logits[b]), f"{kind} block row {b}")
-    cache = block_cache.replace(lengths_B=cache.lengths_B + 2)
-    for b in range(2):
-        seqs[b] += BLOCK[b, :2].tolist()
-    # a token tree after the committed prefix: root = the last committed token's successor
-    roots = RNG.integers(0, VOCAB, 2)
-    parents = jnp.broadcast_to(jnp.asarray(SHAPE.parents, jnp.int32), (2, SHAPE.num_nodes))
-    visible = trees.ancestor_mask(parents, jnp.ones((2, SHAPE.num_nodes), bool), SHAPE.max_depth)
-    rel = jnp.broadcast_to(jnp.asarray((0,) + SHAPE.depths, jnp.int32), (2, SHAPE.num_nodes + 1))
-    tree_tokens = np.concatenate([roots[:, None], NODES], axis=1)
-    logits, _ = step(params, jnp.asarray(tree_tokens), cache, None,
-                     TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
-    for b in range(2):
-        prefix = seqs[b] + [int(roots[b])]
-        _check(_reference(ref_model, prefix)[-1:], np.asarray(logits[b, :1]), f"{kind} tree root row {b}")
-        for n in range(SHAPE.num_nodes):
-            path, m = [], n
-            while m >= 0:
-                path.append(int(NODES[b, m]))
-                m = SHAPE.parents[m]
-            ref = _reference(ref_model, prefix + path[::-1])[-1:]
-            _check(ref, np.asarray(logits[b, n + 1:n + 2]), f"{kind} tree node {n} row {b}")
+    cases = 0
+    for case, ref, got in parity_cases(model, params, ref_model):
+        _check(ref, got, f"{kind} {case}")
+        cases += 1
+    assert cases == 2 + 8 + 2 + 2 * (1 + SHAPE.num_nodes)
 
 
 def test_windows_change_the_logits(family):
@@ -205,21 +174,13 @@ for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
 def test_families_on_a_mesh(tmp_path):
     """Mixtral (experts over the model axis) and Gemma 2 (windows, soft-caps) on a 2 x 4 mesh of
     8 simulated CPU devices (a subprocess): speculative greedy output equal to one device's."""
-    import os
-    import subprocess
-    import sys
-    from _bench_run import FAST_COMPILE_XLA_FLAGS
+    from _bench_run import run_script_on_devices
     args = []
     for kind in ("mixtral", "gemma2"):
         family_model(kind).save_pretrained(tmp_path / kind, safe_serialization=True)
         args += [kind, str(tmp_path / kind)]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 " + FAST_COMPILE_XLA_FLAGS,
-               JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _SHARDED, *args], capture_output=True, text=True, env=env,
-                       cwd=repo, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.stdout.count("OK") == 2, r.stdout
+    out = run_script_on_devices(_SHARDED, *args, devices=8)
+    assert out.count("OK") == 2, out
 
 
 def test_qwen3_gguf_reads_like_its_checkpoint(tmp_path):
@@ -235,3 +196,23 @@ def test_qwen3_gguf_reads_like_its_checkpoint(tmp_path):
     tokens = jnp.asarray(np.asarray(PROMPTS[0])[None])
     np.testing.assert_allclose(np.asarray(jax.jit(gmodel.apply)(gparams, tokens, None)[0]),
                                np.asarray(jax.jit(model.apply)(params, tokens, None)[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mixtral"])
+def test_chunked_prefill_and_features(family_paths, kind):
+    """Chunked prefill (chunks of 4 over a fresh cache, each attending to the slots before it)
+    leaves the cache of a one-call prefill, so the next step's logits match transformers; the
+    features a head reads (`apply_with_features`, layer 0's output) are transformers' hidden
+    state after layer 0. Gemma 3 (windows of 6 with a local RoPE) and Mixtral (windows, experts)."""
+    path, ref_model = family_paths(kind)
+    model, params = load(str(path))
+    prompt = np.asarray(PROMPTS[0])
+    P = len(prompt)
+    cache = models.prefill(model, params, jnp.asarray(prompt[None, :-1]), model.init_cache(1, 32),
+                           jnp.asarray([P - 1]), chunk=4, start_bound=0)
+    logits, _ = jax.jit(model.apply)(params, jnp.asarray(prompt[None, -1:]), cache)
+    _check(_reference(ref_model, prompt)[-1:], np.asarray(logits[0]), f"{kind} chunked prefill")
+    _, feats, _ = model.apply_with_features(params, jnp.asarray(prompt[None]), None, layers=(0,))
+    with torch.no_grad():
+        hidden = ref_model(torch.as_tensor(prompt[None], dtype=torch.long), output_hidden_states=True).hidden_states
+    np.testing.assert_allclose(np.asarray(feats[0]), hidden[1][0].numpy(), rtol=1e-4, atol=1e-4)

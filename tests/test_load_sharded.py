@@ -6,9 +6,6 @@ the spec the rules give it (vocab, heads, kv, mlp and experts over "model"), and
 a forward agree with the single-device ones within 2% of their scale (bfloat16 sums in another
 order). A wrong shape or a missing tensor is named."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -53,18 +50,13 @@ def _save(model, path):
 
 
 def test_load_sharded_equals_load_on_a_mesh(tmp_path):
-    from _bench_run import FAST_COMPILE_XLA_FLAGS
+    from _bench_run import run_script_on_devices
     paths = []
     for name, model in (("llama", hf_model("llama_linear")), ("mixtral", family_model("mixtral"))):
         _save(model, tmp_path / name)
         paths.append(str(tmp_path / name))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 " + FAST_COMPILE_XLA_FLAGS,
-               JAX_PLATFORMS="cpu", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, *paths], capture_output=True, text=True, env=env,
-                       cwd=repo, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.stdout.count("OK") == 2, r.stdout
+    out = run_script_on_devices(_SCRIPT, *paths, devices=8)
+    assert out.count("OK") == 2, out
 
 
 def test_bad_tensors_are_named(tmp_path):
