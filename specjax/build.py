@@ -3,6 +3,7 @@ and the `specjax.decoding.Generator` that ties them to a tokenizer (the request 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import pathlib
 
@@ -167,61 +168,123 @@ def use_cpu_kernel(c, backend: str | None = None) -> bool:
     return fits and backend == "cpu" and kernels.fast_on_this_cpu() and jax.device_count() == 1
 
 
-DRAFTER_KINDS = ("distilled", "head", "ngram", "early_exit", "early_exit_own_cache", "model", "hybrid", "none")
+# ---------------------------------------------------------------------------------------
+# The built-in drafter kinds (`specjax.drafters.register_drafter`): each with its settings (the
+# generation config keys it reads) and its builder. A kind of one's own registers the same way.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """A kind that reads no setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NGramSettings:
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyExitSettings:
+    early_exit_layers: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelSettings:
+    draft_model: str = ""            # a path or registry name ("" = the draft shipped for the target, where one is)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSettings:
+    hybrid_model: str = "head"       # the model half: one of HYBRID_MODELS
+    min_match: int = 0               # 0: max_ngram
+    max_ngram: int = 3
+    min_ngram: int = 1
+    draft_model: str = ""
+
+
 HYBRID_MODELS = ("head", "distilled", "model")      # the model half of drafter='hybrid'
 
 
+def _build_ngram(s: NGramSettings, ctx):
+    return drafters.NGramDrafter(ctx.target.vocab_size, max_ngram=s.max_ngram, min_ngram=s.min_ngram), None
 
-def make_drafter(kind: str, target, target_params, *, early_exit_layers: int = 4, draft_model: str = "",
-                 max_ngram: int = 3, min_ngram: int = 1, dtype: str = "float32", scan_layers: bool = True,
-                 target_name: str = "", hybrid_model: str = "head", min_match: int = 0):
-    """(drafter, draft_params) for kind in {'distilled', 'head', 'ngram', 'hybrid', 'early_exit',
-    'early_exit_own_cache', 'model', 'none'}. 'distilled' and 'head' load a draft or head
-    directory written by `specjax.distill` (`draft_model`, or the one shipped for the target when
-    `draft_model` is empty and `target_name` is a known name); 'head' also reads an EAGLE-3 head
-    in the reference / SpecForge or vLLM speculators layout (`drafters.load_eagle3`). 'hybrid':
-    prompt lookup where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``), else the drafter
-    ``hybrid_model`` (one of `HYBRID_MODELS`, built as above); see `drafters.HybridDrafter`."""
-    if kind == "none":
-        return None, None
-    if kind == "hybrid":
-        if hybrid_model not in HYBRID_MODELS:
-            raise ValueError(f"hybrid_model={hybrid_model!r}: expected one of {', '.join(HYBRID_MODELS)}")
-        model, params = make_drafter(hybrid_model, target, target_params, draft_model=draft_model, dtype=dtype,
-                                     scan_layers=scan_layers, target_name=target_name)
-        lookup = drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
-        return drafters.HybridDrafter(lookup, model, min_match=int(min_match or max_ngram)), params
-    if kind == "distilled":
-        from specjax.models.draft_artifact import load_draft
-        directory = draft_model or shipped_draft(target_name)
-        model, params = load_draft(directory, target, target_params)
-        return drafters.ModelDrafter(model), params
-    if kind == "head":            # a feature-level draft head (EAGLE / EAGLE-3 / Medusa), see specjax.drafters
-        if not draft_model and target_name not in SHIPPED_HEADS:
-            raise ValueError("drafter='head' needs draft_model: a head directory written by specjax.distill "
-                             "with draft.kind in ('eagle3', 'eagle', 'medusa') (no head ships for target "
-                             f"{target_name!r})")
-        directory = draft_model or shipped_head(target_name)
-        if not drafters.is_head_dir(directory) and drafters.eagle3_layout(directory) is not None:
-            # an EAGLE-3 head written by the reference code, SpecForge or vLLM's speculators
-            return drafters.load_eagle3(directory, target, target_params)
-        return drafters.load_head(directory, target, target_params)
-    if kind == "ngram":
-        return drafters.NGramDrafter(target.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram), None
-    if kind == "early_exit":   # shares the target's KV cache for its layers
-        return drafters.EarlyExitDrafter.from_target(target, target_params, early_exit_layers)
-    if kind == "early_exit_own_cache":   # the same draft as a separate model with its own cache
-        params, cfg = models.truncate_layers(target_params, target.config, early_exit_layers)
-        return drafters.ModelDrafter(models.Llama(cfg)), params
-    if kind == "model":
-        if not draft_model:
-            raise ValueError("drafter='model' needs draft_model (a path or registry name)")
-        model, params = models.load(draft_model, dtype=dtype, scan_layers=scan_layers)
-        if model.vocab_size != target.vocab_size:
-            raise ValueError(f"vocab mismatch: draft model {draft_model} has {model.vocab_size} tokens, "
-                             f"the target {target.vocab_size}")
-        return drafters.ModelDrafter(model), params
-    raise ValueError(f"unknown drafter {kind!r}: expected one of {', '.join(DRAFTER_KINDS)}")
+
+def _build_early_exit(s: EarlyExitSettings, ctx):          # shares the target's KV cache for its layers
+    return drafters.EarlyExitDrafter.from_target(ctx.target, ctx.target_params, s.early_exit_layers)
+
+
+def _build_early_exit_own_cache(s: EarlyExitSettings, ctx):  # the same draft as a model with its own cache
+    params, cfg = models.truncate_layers(ctx.target_params, ctx.target.config, s.early_exit_layers)
+    return drafters.ModelDrafter(models.Llama(cfg)), params
+
+
+def _build_distilled(s: DraftModelSettings, ctx):
+    from specjax.models.draft_artifact import load_draft
+    model, params = load_draft(s.draft_model or shipped_draft(ctx.target_name), ctx.target, ctx.target_params)
+    return drafters.ModelDrafter(model), params
+
+
+def _build_head(s: DraftModelSettings, ctx):
+    """A feature-level draft head (EAGLE / EAGLE-3 / Medusa, `specjax.drafters`): a directory
+    written by `specjax.distill`, or an EAGLE-3 head in the reference / SpecForge or vLLM
+    speculators layout (`drafters.load_eagle3`)."""
+    if not s.draft_model and ctx.target_name not in SHIPPED_HEADS:
+        raise ValueError("drafter='head' needs draft_model: a head directory written by specjax.distill "
+                         "with draft.kind in ('eagle3', 'eagle', 'medusa') (no head ships for target "
+                         f"{ctx.target_name!r})")
+    directory = s.draft_model or shipped_head(ctx.target_name)
+    if not drafters.is_head_dir(directory) and drafters.eagle3_layout(directory) is not None:
+        return drafters.load_eagle3(directory, ctx.target, ctx.target_params)
+    return drafters.load_head(directory, ctx.target, ctx.target_params)
+
+
+def _check_model(s: DraftModelSettings, target_name: str) -> None:
+    if not s.draft_model:
+        raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+
+
+def _build_model(s: DraftModelSettings, ctx):
+    _check_model(s, ctx.target_name)
+    model, params = models.load(s.draft_model, dtype=ctx.dtype, scan_layers=ctx.scan_layers)
+    if model.vocab_size != ctx.target.vocab_size:
+        raise ValueError(f"vocab mismatch: draft model {s.draft_model} has {model.vocab_size} tokens, "
+                         f"the target {ctx.target.vocab_size}")
+    return drafters.ModelDrafter(model), params
+
+
+def _build_hybrid(s: HybridSettings, ctx):
+    """Prompt lookup where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``),
+    else the drafter ``hybrid_model`` (built as its own kind); see `drafters.HybridDrafter`."""
+    if s.hybrid_model not in HYBRID_MODELS:
+        raise ValueError(f"hybrid_model={s.hybrid_model!r}: expected one of {', '.join(HYBRID_MODELS)}")
+    model, params = drafters.build_drafter(s.hybrid_model, {"draft_model": s.draft_model}, ctx)
+    lookup = drafters.NGramDrafter(ctx.target.vocab_size, max_ngram=s.max_ngram, min_ngram=s.min_ngram)
+    return drafters.HybridDrafter(lookup, model, min_match=int(s.min_match or s.max_ngram)), params
+
+
+for _name, _settings, _build, _check, _doc in (
+        ("none", NoSettings, lambda s, ctx: (None, None), None, "target-only decoding"),
+        ("ngram", NGramSettings, _build_ngram, None, "prompt lookup"),
+        ("early_exit", EarlyExitSettings, _build_early_exit, None, "the target's first layers on its cache"),
+        ("early_exit_own_cache", EarlyExitSettings, _build_early_exit_own_cache, None,
+         "the target's first layers with a cache of their own"),
+        ("distilled", DraftModelSettings, _build_distilled, None, "a draft written by specjax distill"),
+        ("head", DraftModelSettings, _build_head, None, "a feature-level draft head"),
+        ("model", DraftModelSettings, _build_model, _check_model, "any checkpoint with the target's vocabulary"),
+        ("hybrid", HybridSettings, _build_hybrid, None, "prompt lookup, else a model (SAM-Decoding's rule)")):
+    drafters.register_drafter(_name, _settings, _build, check=_check, description=_doc)
+
+DRAFTER_KINDS = drafters.drafter_kinds()     # the built-in kinds
+
+
+def make_drafter(kind: str, target, target_params, *, dtype: str = "float32", scan_layers: bool = True,
+                 target_name: str = "", **settings):
+    """(drafter, draft_params) of a registered drafter kind (`drafters.drafter_kinds()`: the
+    built-in 'distilled', 'head', 'ngram', 'hybrid', 'early_exit', 'early_exit_own_cache',
+    'model', 'none', and any registered since), its settings from ``settings`` (each kind's
+    frozen settings dataclass names the keys it reads; the others are ignored)."""
+    ctx = drafters.BuildContext(target, target_params, target_name=target_name, dtype=dtype, scan_layers=scan_layers)
+    return drafters.build_drafter(kind, settings, ctx)
 
 
 def sampling_config(c) -> sampling.SamplingConfig:
@@ -531,10 +594,9 @@ def check_config(c) -> None:
     (`check_drafter_trees`); the target's header gives its context length
     (`check_target_context`) and a round's estimated memory, refused when this host has less
     available (`check_round_memory`)."""
-    if c.drafter not in DRAFTER_KINDS:
-        raise ValueError(f"drafter={c.drafter!r}: expected one of {', '.join(DRAFTER_KINDS)}")
-    if c.drafter == "model" and not c.draft_model:
-        raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    kind = drafters.drafter_kind(c.drafter)          # ValueError naming the registered kinds
+    if kind.check is not None:
+        kind.check(kind.settings_from(c), c.target)
     check_hybrid_settings(c)
     from specjax.models.config import SUPPORTED_DTYPES
     if c.dtype not in SUPPORTED_DTYPES:
@@ -581,10 +643,8 @@ def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decod
     """The drafter and engine of a generation config around an already loaded target (one
     target, several drafters: `specjax bench`). The caller has checked the settings with
     `check_config` before loading the target (as `load_generator` does)."""
-    drafter, dparams = make_drafter(c.drafter, target, params, early_exit_layers=c.early_exit_layers,
-                                    draft_model=c.draft_model, max_ngram=c.max_ngram, min_ngram=c.min_ngram,
-                                    dtype=c.dtype, scan_layers=c.scan_layers, target_name=c.target,
-                                    hybrid_model=c.get("hybrid_model", "head"), min_match=c.get("min_match", 0))
+    ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
+    drafter, dparams = drafters.build_drafter(c.drafter, c, ctx)
     mesh = generation_mesh(c)
     engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
     eparams = decoding.EngineParams(target=params, draft=dparams)

@@ -101,6 +101,7 @@ class ScriptedDrafter:
     cache of the committed prefix (it feeds [last, d_1 .. d_gamma] each round, so after the
     engine's commit it holds exactly lengths - 1 tokens, also after a fully accepted round)."""
     vocab_size: int
+    capabilities = drafters.Capabilities(own_cache=True)
 
     def _model(self):
         return TabularModel(self.vocab_size)
@@ -658,6 +659,7 @@ class TargetCacheDrafter:
     With the target's own table as draft params every proposal is right iff the cache it sees
     holds exactly the committed prefix minus its last token."""
     vocab_size: int
+    capabilities = drafters.Capabilities()
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         z = jnp.zeros(prompt_BP.shape[:1], jnp.int32)

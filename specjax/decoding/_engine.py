@@ -61,10 +61,9 @@ from specjax.decoding import _adaptive
 from specjax.decoding._state import (EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, RUNNING, Batch, Commit, EngineParams,
                                      GenerateOutput, LoopState, Metrics, Prefill, StreamEvent, _set_rows,
                                      _write_block, _write_rows)
-from specjax.drafters import DraftContext, Drafter
+from specjax.drafters import CHAIN_ONLY, Capabilities, DraftContext, Drafter
 
 
-TREE_VERIFIERS = {"traversal": "TraversalVerifier", "recursive": "RecursiveRejectionVerifier"}
 
 P_SUM_TOL = 1e-3
 """How far from 1 a target row's total probability may be before the engine treats the
@@ -120,10 +119,11 @@ class GenerationConfig:
             raise ValueError(f"gamma must be >= 0, got {self.gamma}")
         if not isinstance(self.gamma, (int, _adaptive.AdaptiveGamma, trees_lib.TreeShape, trees_lib.DynamicTree)):
             raise ValueError(f"gamma must be an int, an AdaptiveGamma or a tree, got {self.gamma!r}")
-        if self.verifier not in ("token", "block"):
-            raise ValueError(f"verifier must be 'token' or 'block', got {self.verifier!r}")
-        if self.tree_verifier not in TREE_VERIFIERS:
-            raise ValueError(f"tree_verifier must be one of {sorted(TREE_VERIFIERS)}, got {self.tree_verifier!r}")
+        if self.verifier not in verify_lib.verifier_names("chain"):
+            raise ValueError(f"verifier must be one of {verify_lib.verifier_names('chain')}, got {self.verifier!r}")
+        if self.tree_verifier not in verify_lib.verifier_names("tree"):
+            raise ValueError(f"tree_verifier must be one of {verify_lib.verifier_names('tree')}, "
+                             f"got {self.tree_verifier!r}")
         if self.tree_children not in trees_lib.CHILDREN_MODES:
             raise ValueError(f"tree_children must be one of {trees_lib.CHILDREN_MODES}, got {self.tree_children!r}")
         if self.has_trees:
@@ -161,17 +161,15 @@ class GenerationConfig:
         return int(prompt_length) + self.max_new_tokens + self.max_block + 1
 
     def verifier_for(self, sampling: sampling_lib.SamplingConfig) -> verify_lib.Verifier:
-        if sampling.greedy:
-            return verify_lib.GreedyVerifier()
-        return verify_lib.BlockVerifier() if self.verifier == "block" else verify_lib.TokenVerifier()
+        """The chain verifier for this sampling mode (`verify.get_verifier`)."""
+        return verify_lib.get_verifier("chain", self.verifier, greedy=sampling.greedy)
 
     def tree_verifier_for(self, sampling: sampling_lib.SamplingConfig):
-        if sampling.greedy:
-            return verify_lib.GreedyTreeVerifier()
-        return self._tree_verifier()
+        """The tree verifier for this sampling mode (`verify.get_verifier`)."""
+        return verify_lib.get_verifier("tree", self.tree_verifier, greedy=sampling.greedy)
 
     def _tree_verifier(self):
-        return getattr(verify_lib, TREE_VERIFIERS[self.tree_verifier])()
+        return verify_lib.get_verifier("tree", self.tree_verifier)
 
 
 def _fresh_tokens(sampling, verify_key_B, p0_BV, bad_q_B):
@@ -205,30 +203,37 @@ class Engine:
         if self.drafter is not None and self.drafter.vocab_size != self.target.vocab_size:
             raise ValueError(f"vocab mismatch: the drafter has {self.drafter.vocab_size} tokens, the target "
                              f"{self.target.vocab_size}; speculative sampling needs a shared vocabulary")
+        caps = self.capabilities
         for g in self.config.gammas:
             if not isinstance(g, int):
+                if not caps.trees:
+                    raise ValueError(f"the drafter {type(self.drafter).__name__} drafts chains only "
+                                     f"(capabilities.trees=False); got the tree {g}")
                 self.drafter.check_tree(g)
-        if self.regimes > 1 and not all(hasattr(self.drafter, a) for a in ("regime_B", "for_regime")):
-            raise ValueError(f"the drafter names {self.regimes} regimes but lacks regime_B or for_regime (see the "
-                             f"drafter protocol: draft sources)")
         if self.feature_layers and not hasattr(self.target, "apply_with_features"):
             raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
                              f"but the target model {type(self.target).__name__} cannot return them")
 
     @property
+    def capabilities(self) -> Capabilities:
+        """What the drafter declared it needs and offers (`specjax.drafters.Capabilities`); a
+        target-only engine (no drafter, or gamma 0 only) needs nothing."""
+        if self.drafter is None or self.config.max_gamma == 0:
+            return CHAIN_ONLY
+        caps = self.drafter.capabilities
+        if not isinstance(caps, Capabilities):
+            raise TypeError(f"{type(self.drafter).__name__}.capabilities must be a drafters.Capabilities, got {caps!r}")
+        return caps
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target layers whose features the drafter reads (empty: none kept)."""
-        if self.drafter is None or self.config.max_gamma == 0:
-            return ()
-        return tuple(getattr(self.drafter, "feature_layers", ()) or ())
+        return self.capabilities.feature_layers
 
     @property
     def regimes(self) -> int:
-        """The drafter's draft sources that adaptive gamma tells apart (`_adaptive` module doc): 1
-        unless the drafter names ``regimes`` (and says per row which one drafts, ``regime_B``)."""
-        if self.drafter is None or self.config.max_gamma == 0:
-            return 1
-        return int(getattr(self.drafter, "regimes", 1))
+        """The drafter's draft sources that adaptive gamma tells apart (`_adaptive` module doc)."""
+        return self.capabilities.regimes
 
     def _regime(self, state: LoopState):
         """(the next round's batch regime, each row's regime [B]), from the committed tokens."""

@@ -12,10 +12,14 @@ from specjax.drafters._model import (EarlyExitDrafter, ModelDrafter, ModelDraftS
                                      support_scores)
 from specjax.drafters._hybrid import HybridDrafter
 from specjax.drafters._ngram import NGramDrafter
-from specjax.drafters._protocol import DraftContext, Drafter
+from specjax.drafters._protocol import CHAIN_ONLY, Capabilities, DraftContext, Drafter
+from specjax.drafters._registry import (BuildContext, DrafterKind, build_drafter, drafter_kind, drafter_kinds,
+                                        register_drafter, unregister_drafter)
 
 __all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout", "eagle3_tensors", "load_eagle3",
            "read_eagle3", "save_eagle3", "head_kind", "is_head_dir", "load_head", "save_head", "HEAD_KINDS", "EagleHead", "FeatureHeadDrafter", "HeadCache", "HeadConfig", "MedusaDrafter", "eagle_input", "fuse_features",
            "eagle_train_forward", "head_logits", "head_scores", "medusa_features", "head_params", "init_head_params", "medusa_logits",
+           "CHAIN_ONLY", "Capabilities", "BuildContext", "DrafterKind", "build_drafter", "drafter_kind",
+           "drafter_kinds", "register_drafter", "unregister_drafter",
            "DraftContext", "Drafter", "EarlyExitDrafter", "HybridDrafter", "ModelDrafter", "ModelDraftState", "NGramDrafter",
            "draw", "draw_support", "rollout", "support_scores"]

@@ -58,7 +58,7 @@ from flax import struct
 from specjax import kernels
 from specjax.drafters import _eagle3
 from specjax.drafters._model import ModelDrafter, ModelDraftState, draw_support, expand, rollout
-from specjax.drafters._protocol import DraftContext
+from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.models import Llama, ModelConfig, prefill
 from specjax.models import llama as llama_lib
 from specjax.models.kv_cache import KVCache
@@ -369,6 +369,10 @@ class MedusaDrafter:
     def feature_layers(self) -> tuple[int, ...]:
         return self.config.feature_layers
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(feature_layers=self.config.feature_layers)       # no cache, chains only
+
     def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
         return None
 
@@ -573,6 +577,10 @@ class FeatureHeadDrafter(ModelDrafter):
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.model.config.feature_layers
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(feature_layers=self.model.config.feature_layers, own_cache=True, trees=True)
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
         if features_BPF is None:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters._ngram import NGramDrafter
-from specjax.drafters._protocol import DraftContext
+from specjax.drafters._protocol import Capabilities, DraftContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,13 @@ class HybridDrafter:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return tuple(getattr(self.model, "feature_layers", ()) or ())
+        return self.model.capabilities.feature_layers
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The model half's needs (features, its cache), two draft sources, chains only."""
+        m = self.model.capabilities
+        return Capabilities(feature_layers=m.feature_layers, own_cache=m.own_cache, trees=False, regimes=self.regimes)
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
         if self.feature_layers:

@@ -12,7 +12,7 @@ from flax import struct
 from specjax import sampling as sampling_lib
 from specjax import trees as trees_lib
 from specjax.drafters import _tree
-from specjax.drafters._protocol import DraftContext
+from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.models import DecoderModel, Llama, prefill, truncate_layers
 
 
@@ -102,6 +102,7 @@ class ModelDrafter:
     sampled, after the same logits processing as the target's.
     """
     model: DecoderModel
+    capabilities = Capabilities(own_cache=True, trees=True)
 
     @property
     def vocab_size(self) -> int:
@@ -192,6 +193,7 @@ class EarlyExitDrafter:
     writes the real entries for all layers. Build it with `EarlyExitDrafter.from_target`.
     """
     model: DecoderModel            # a Llama with config.num_layers = k
+    capabilities = Capabilities(trees=True)        # the target's cache, none of its own
 
     @classmethod
     def from_target(cls, target, target_params, num_layers: int):

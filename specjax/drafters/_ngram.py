@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import trees as trees_lib
+from specjax.drafters._protocol import Capabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,8 @@ class NGramDrafter:
     vocab_size: int
     max_ngram: int = 3
     min_ngram: int = 1
+
+    capabilities = Capabilities(trees=True)       # stateless, model-free; trees from its matches
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:

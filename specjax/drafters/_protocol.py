@@ -52,16 +52,49 @@ the accepted path back in ``commit(state, new_lengths_B, accepted)`` (`trees.Acc
 after a linear round). ``tree_forward_passes(tree)`` is the tree round's draft forward count.
 A drafter that cannot draft a given tree raises ValueError from ``check_tree(tree)`` (called
 when the engine is built).
+
+What a drafter needs and offers (features, its own cache, trees, draft sources) it declares
+as data in ``capabilities`` (`Capabilities`); the engine reads that, nothing else. A drafter
+kind that `specjax generate` can build is registered with its frozen config and builder
+(`specjax.drafters.register_drafter`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 from flax import struct
 
 PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a drafter needs from the engine and what it offers, declared as data (every drafter
+    has ``capabilities``; the engine reads it and never probes the drafter's attributes).
+
+    feature_layers: the target layers whose hidden features it reads (0-based, -1 = the last
+      before the final norm; empty: none). The target must offer ``apply_with_features``.
+    own_cache: it keeps a KV cache of its own (rolled back by ``commit``), besides the target's.
+    trees: it drafts token trees (``propose_tree``, ``tree_forward_passes``; ``check_tree`` may
+      still refuse a particular tree); False: chains only.
+    regimes: its draft sources that adaptive gamma tells apart; > 1 needs ``regime_B`` and
+      ``for_regime`` (see the module doc, "Draft sources").
+    """
+    feature_layers: tuple[int, ...] = ()
+    own_cache: bool = False
+    trees: bool = False
+    regimes: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if self.regimes < 1:
+            raise ValueError(f"regimes must be >= 1, got {self.regimes}")
+
+
+CHAIN_ONLY = Capabilities()
 
 
 @struct.dataclass
@@ -86,6 +119,7 @@ class DraftContext:
 @runtime_checkable
 class Drafter(Protocol):
     vocab_size: int
+    capabilities: Capabilities
 
     def init(self, params: PyTree, prompt_BP: jax.Array, prompt_lengths_B: jax.Array,
              capacity: int) -> PyTree:

@@ -22,11 +22,15 @@ Tree verifiers take a flattened draft tree instead (``specjax.trees.DraftTree``)
 * ``RecursiveRejectionVerifier``: SpecInfer / RSD recursive rejection sampling (all modes).
 * ``TraversalVerifier``: Weng et al. 2025 leaf-to-root traversal verification (block
   verification on a chain).
+
+The engine picks them by draft kind and name from one registry (`get_verifier`;
+`register_verifier` adds one).
 """
 
 from specjax.verify._block import BlockVerifier
 from specjax.verify._greedy import GreedyVerifier
 from specjax.verify._residual import RESIDUAL_TOL, normalize_residual
+from specjax.verify._registry import DRAFT_KINDS, get_verifier, register_verifier, verifier_names
 from specjax.verify._result import PAD_TOKEN, Verifier, VerifyResult
 from specjax.verify._token import TokenVerifier
 from specjax.verify._traversal import TraversalVerifier
@@ -40,6 +44,7 @@ from specjax.verify._tree import (
 from specjax.verify._validate import validate_verify_inputs
 
 __all__ = [
+    "DRAFT_KINDS", "get_verifier", "register_verifier", "verifier_names",
     "BlockVerifier",
     "GreedyTreeVerifier",
     "GreedyVerifier",
