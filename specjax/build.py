@@ -621,7 +621,7 @@ def load_target_with_tokenizer(c):
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
                                                            fuse_projections=c.get("fuse_projections", False),
                                                            packed_projections=packed)
-    if packed and use_cpu_attention():
+    if target.config.packed_projections and use_cpu_attention():
         target = type(target)(target.config.replace(cpu_attention=True))
     op = c.get("attention_op", "reference")
     if op != target.config.attention_op:

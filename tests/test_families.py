@@ -158,7 +158,7 @@ for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
         spec = tuple(placed["layers"]["we_gate"].sharding.spec)
         assert spec[:2] == (None, "model"), spec
     prompts = [[5, 9, 3, 7, 1, 8, 2, 4, 6], [2, 4], [8, 8, 1, 30, 12, 7, 22], [3, 3, 3]]
-    config = decoding.GenerationConfig(max_new_tokens=12, gamma=3)
+    config = decoding.GenerationConfig(max_new_tokens=8, gamma=3)
     drafter, dparams = drafters.EarlyExitDrafter.from_target(model, params, 1)
     greedy = sampling.SamplingConfig.greedy_config()
     runs = []
@@ -172,15 +172,15 @@ for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
 
 
 def test_families_on_a_mesh(tmp_path):
-    """Mixtral (experts over the model axis) and Gemma 2 (windows, soft-caps) on a 2 x 4 mesh of
-    8 simulated CPU devices (a subprocess): speculative greedy output equal to one device's."""
+    """Every family on a 2 x 4 mesh of 8 simulated CPU devices (a subprocess; Mixtral's experts
+    over the model axis): speculative greedy output equal to one device's."""
     from _bench_run import run_script_on_devices
     args = []
-    for kind in ("mixtral", "gemma2"):
+    for kind in FAMILY_KINDS:
         family_model(kind).save_pretrained(tmp_path / kind, safe_serialization=True)
         args += [kind, str(tmp_path / kind)]
     out = run_script_on_devices(_SHARDED, *args, devices=8)
-    assert out.count("OK") == 2, out
+    assert out.count("OK") == len(FAMILY_KINDS), out
 
 
 def test_qwen3_gguf_reads_like_its_checkpoint(tmp_path):
@@ -216,3 +216,54 @@ def test_chunked_prefill_and_features(family_paths, kind):
     with torch.no_grad():
         hidden = ref_model(torch.as_tensor(prompt[None], dtype=torch.long), output_hidden_states=True).hidden_states
     np.testing.assert_allclose(np.asarray(feats[0]), hidden[1][0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_configs_read_and_export_as_transformers_does(tmp_path):
+    """transformers' own rules: Llama has no window (a stray sliding_window key is ignored),
+    Mistral and Mixtral window every layer whatever layer_types says, Gemma's absent keys mean
+    its defaults (soft-caps 50 / 30 for Gemma 2, window 4096, head_dim 256); an export refuses
+    what its family cannot express instead of dropping it."""
+    from specjax.models import ModelConfig, UnsupportedArchitectureError
+    from specjax.models.hf_loader import config_from_hf
+    llama = family_model("mistral").config.to_dict()
+    assert not config_from_hf(dict(llama, architectures=["LlamaForCausalLM"], model_type="llama",
+                                   sliding_window=8)).sliding_window
+    mixed = config_from_hf(dict(llama, layer_types=["sliding_attention", "full_attention"]))
+    assert mixed.layer_windows == (mixed.sliding_window,) * 2
+    gemma = {k: v for k, v in family_model("gemma2").config.to_dict().items()
+             if k not in ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "head_dim")}
+    g = config_from_hf(gemma)
+    assert (g.attn_softcap, g.final_softcap, g.head_dim, g.sliding_window) == (50.0, 30.0, 256, 4096)
+    base = ModelConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                       ffn_size=48)
+    for arch, extra, named in (("llama", dict(qk_norm=True), "qk_norm"), ("llama", dict(num_experts=4, experts_per_token=2), "experts"),
+                               ("qwen3", dict(attn_softcap=5.0), "attn_softcap"),
+                               ("mistral", dict(sliding_window=4, window_layers=(True, False)), "windows every layer")):
+        model = models.Llama(base.replace(arch=arch, **extra))
+        with pytest.raises(UnsupportedArchitectureError, match=named):
+            export_hf(model, model.init_params(jax.random.key(0)), tmp_path / arch)
+    gelu = models.Llama(base.replace(arch="gemma2", norm_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+                                     mlp_activation="gelu_tanh"))
+    export_hf(gelu, gelu.init_params(jax.random.key(0)), tmp_path / "g")
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
+
+
+def test_final_softcap_on_every_logits_path(family_paths):
+    """Gemma 2 soft-caps its logits; so does every other path to a target distribution: a
+    reduced-vocabulary head (its rows of the capped logits) and the distillation teacher (the
+    target distilled into itself has zero loss; uncapped teacher logits would not)."""
+    from specjax import distill
+    from specjax.models.reduced_head import reduce_head
+    path, _ = family_paths("gemma2")
+    model, params = load(str(path))
+    tokens = jnp.asarray(np.asarray(PROMPTS[0])[None])
+    h, _ = model.hidden_states(params, tokens, None)
+    full = np.asarray(model.logits_from_hidden(params, h))
+    assert np.abs(full).max() <= model.config.final_softcap
+    ids = np.arange(0, model.vocab_size, 3)
+    reduced, rparams = reduce_head(model, params, ids)
+    np.testing.assert_allclose(np.asarray(reduced.head_logits(rparams, h)), full[..., ids], rtol=1e-5, atol=1e-5)
+    batch = {"tokens": tokens, "mask": jnp.ones(tokens.shape, jnp.float32), "teacher_hidden": h}
+    loss, _ = distill.loss_fn(params, {}, distill.teacher_head(model, params), batch, draft=model,
+                              spec=distill.LossSpec("fkl", 0.5, 1.0))
+    assert abs(float(loss)) < 1e-5, float(loss)

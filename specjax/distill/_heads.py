@@ -112,7 +112,8 @@ def _student_logits(obj: HeadObjective, params, head_SD, h_BTD):
     if obj.config.kind == drafters.EAGLE3_PUBLISHED:       # its own norm and rows (head_SD's tokens, same order)
         return drafters.head_scores(obj.config, params, h_BTD)[0]
     x = llama_lib.norm(obj.target.config, h_BTD, params["final_norm"])
-    return jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32)
+    return llama_lib.softcap(jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32),
+                             obj.target.config.final_softcap)
 
 
 def _smooth_l1(x):
@@ -147,7 +148,7 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec, 
         h_BTD, f_BTF = batch["teacher_hidden"], batch["features"]
     else:
         h_BTD, f_BTF = _target_pass(obj, tp, tokens)
-    p_logits = teacher_logits(head_SD, h_BTD)
+    p_logits = teacher_logits(head_SD, h_BTD, obj.target.config.final_softcap)
     f_in = f_BTF
     if obj.feature_noise > 0:
         if key is None:

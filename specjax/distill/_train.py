@@ -23,6 +23,7 @@ import optax
 from flax import struct
 
 from specjax.distill import _divergence
+from specjax.models import llama as llama_lib
 from specjax.models.reduced_head import ReducedHeadLlama
 
 
@@ -140,16 +141,24 @@ def student_logits(draft, params, tokens_BT):
     return draft.logits_from_hidden(params, h)
 
 
-def teacher_logits(head_SD, hidden_BTD):
-    return jax.lax.stop_gradient(jnp.einsum("btd,sd->bts", hidden_BTD, head_SD.astype(hidden_BTD.dtype),
-                                            preferred_element_type=jnp.float32))
+def teacher_logits(head_SD, hidden_BTD, softcap: float | None = None):
+    """The target's logits over the rows ``head_SD`` from its final hidden states, soft-capped
+    with the target's ``final_softcap`` (Gemma 2) as its own logits are."""
+    logits = jnp.einsum("btd,sd->bts", hidden_BTD, head_SD.astype(hidden_BTD.dtype),
+                        preferred_element_type=jnp.float32)
+    return jax.lax.stop_gradient(llama_lib.softcap(logits, softcap))
+
+
+def final_softcap(draft) -> float | None:
+    """The logit soft-cap of a draft made from the target's layers (the target's own)."""
+    return (draft.base if isinstance(draft, ReducedHeadLlama) else draft).config.final_softcap
 
 
 def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec, key=None):
     del key                  # deterministic (the step's key is for losses that draw noise)
     params = merge_params(trainable, frozen)
     q_logits = student_logits(draft, params, batch["tokens"])
-    p_logits = teacher_logits(head_SD, batch["teacher_hidden"])
+    p_logits = teacher_logits(head_SD, batch["teacher_hidden"], final_softcap(draft))
     div = _divergence.divergence(spec.divergence, p_logits, q_logits, spec.temperature, spec.beta)
     mask = batch["mask"]
     loss = _divergence.masked_mean(div, mask)
@@ -228,7 +237,7 @@ def _eval_batch(draft, params, full_head_VD, batch, pos_BK):
     only). Entries past a row's count are padding (their results are ignored)."""
     tokens = batch["tokens"]
     take = lambda x: jnp.take_along_axis(x, pos_BK[..., None], axis=1)   # noqa: E731  [B, K, X]
-    p_logits = teacher_logits(full_head_VD, take(batch["teacher_hidden"]))
+    p_logits = teacher_logits(full_head_VD, take(batch["teacher_hidden"]), final_softcap(draft))
     h, _ = draft.hidden_states(params, tokens, None)
     h = take(h)
     if isinstance(draft, ReducedHeadLlama):

@@ -315,11 +315,12 @@ def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Arr
         s = jnp.einsum("btd,sd->bts", x, params["lm_head"].astype(x.dtype), preferred_element_type=jnp.float32)
         return s, params["head_ids"]
     x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
-    if hc.head_size is not None:
+    if hc.head_size is not None:            # the target's head rows, soft-capped as the target's logits
         if jnp.ndim(params["head"]) == 3:                                   # packed: panels
-            return kernels.matmul(x, params["head"], hc.head_size), params["head_ids"]
-        s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
-        return s, params["head_ids"]
+            s = kernels.matmul(x, params["head"], hc.head_size)
+        else:
+            s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
+        return llama_lib.softcap(s, hc.target.final_softcap), params["head_ids"]
     return Llama(hc.target).logits_from_hidden(params, x), None
 
 

@@ -24,7 +24,7 @@ from specjax.models.names import tensor_names
 
 def hf_config_dict(config: ModelConfig) -> dict:
     """config.json for `config`: the entries every family shares, then the family's own."""
-    family = families.get(config.arch)
+    family = families.check_expressible(config)
     d = {
         "architectures": [family.hf_architectures[0]],
         "model_type": family.model_types[0],
@@ -35,7 +35,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[config.mlp_activation],
         "max_position_embeddings": config.max_position,
         "rms_norm_eps": float(config.rms_eps),
         "rope_parameters": families.rope_to_hf(config.rope_theta, config.rope_scaling_dict),

@@ -149,10 +149,15 @@ def _slice_reader(store: "_SafetensorsDir", config: ModelConfig, t: TensorName, 
     lead = (1 if t.per_layer else 0) + (1 if t.per_expert else 0)
     stored_shape = shape[lead:][::-1] if t.transpose else shape[lead:]
 
+    import jax
+    cpu = jax.local_devices(backend="cpu")[0]
+
     def one(name: str, inner):
         f = store.where.get(name)
         if f is None:
             raise MissingTensorError(f"tensor {name!r} is missing from the checkpoint in {store.dir}")
+        if not f.is_file():
+            raise MissingTensorError(f"tensor {name!r}: shard file {f} does not exist")
         try:
             sl = store._open(f).get_slice(name)
             got = tuple(sl.get_shape())
@@ -163,7 +168,8 @@ def _slice_reader(store: "_SafetensorsDir", config: ModelConfig, t: TensorName, 
         if got != tuple(stored_shape):
             raise TensorShapeError(f"tensor {name!r} has shape {got}, expected {tuple(stored_shape)} "
                                    f"for the configuration")
-        block = np.asarray(sl[tuple(inner[::-1]) if t.transpose else tuple(inner)])
+        with jax.default_device(cpu):          # the slice stays in host memory (not via an accelerator)
+            block = np.asarray(sl[tuple(inner[::-1]) if t.transpose else tuple(inner)])
         block = block.T if t.transpose else block
         return block.astype(dtype, copy=False)
 

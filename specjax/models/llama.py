@@ -360,6 +360,12 @@ def norm(config: ModelConfig, x, weight):
     return (x32 * (config.norm_offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
+def softcap(logits, cap: float | None):
+    """cap * tanh(logits / cap) (Gemma 2's final soft-capping); None leaves them as they are.
+    Every path that turns a final hidden state into output logits applies it."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
 def rope_cos_sin(config: ModelConfig, positions_BT, local: bool = False):
     """cos, sin [B, T, head_dim] in float32 for integer positions [B, T] (``local``: the
     windowed layers' RoPE, `ModelConfig.inv_freq`)."""
@@ -762,9 +768,7 @@ class Llama:
     def logits_from_hidden(self, params, h_BTD):
         """The LM head: float32 logits [B, T, V] from final hidden states (soft-capped with
         ``final_softcap``)."""
-        logits = self._head(params, h_BTD)
-        cap = self.config.final_softcap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return softcap(self._head(params, h_BTD), self.config.final_softcap)
 
     def _head(self, params, h_BTD):
         if self.config.packed_projections:

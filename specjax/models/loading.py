@@ -33,8 +33,10 @@ def _checkpoint(name_or_path) -> tuple[str, pathlib.Path]:
 
 def _model(config: ModelConfig, params: dict, scan_layers: bool, fuse_projections: bool,
            packed_projections: bool = False):
+    """The model in the asked layout. The packed (CPU kernel) layout holds no expert weights: a
+    mixture-of-experts model asked for it keeps XLA's matmuls (``packed_projections=False``)."""
     config = config.replace(scan_layers=scan_layers, fuse_projections=fuse_projections,
-                            packed_projections=packed_projections)
+                            packed_projections=packed_projections and not config.num_experts)
     return Llama(config), _relayout(params, config)
 
 

@@ -45,9 +45,10 @@ class ReducedHeadLlama:
         return self.base.hidden_states(params, tokens_BT, cache, num_valid_B, tree=tree)
 
     def head_logits(self, params, h_BTD):
-        """float32 logits [B, T, S] over the head's tokens."""
-        return jnp.einsum("btd,sd->bts", h_BTD, params["head"].astype(h_BTD.dtype),
-                          preferred_element_type=jnp.float32)
+        """float32 logits [B, T, S] over the head's tokens (soft-capped as the target's)."""
+        from specjax.models.llama import softcap
+        return softcap(jnp.einsum("btd,sd->bts", h_BTD, params["head"].astype(h_BTD.dtype),
+                                  preferred_element_type=jnp.float32), self.base.config.final_softcap)
 
     def scatter(self, params, logits_BTS):
         """Full-vocabulary logits [B, T, V]: the head's logits at head_ids, -inf elsewhere."""

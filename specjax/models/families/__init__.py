@@ -32,6 +32,42 @@ class Family:
     # canonical tensor key -> Hugging Face name where the family differs from Llama's
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gguf_arch: str | None = None                # general.architecture of its GGUF files (None: no GGUF)
+    # the optional decoder features (`FEATURES`) its checkpoints can express; an export of a
+    # config that uses another is refused by name
+    features: frozenset = frozenset()
+
+
+# ModelConfig's optional features, each with the test of whether a config uses it
+FEATURES: dict[str, Callable[[ModelConfig], bool]] = {
+    "attention_bias": lambda c: c.attention_bias,
+    "qk_norm": lambda c: c.qk_norm,
+    "norm_offset": lambda c: c.norm_offset != 0.0,
+    "sandwich_norms": lambda c: c.sandwich_norms,
+    "gelu_tanh": lambda c: c.mlp_activation == "gelu_tanh",
+    "scale_embeddings": lambda c: c.scale_embeddings,
+    "query_pre_attn_scalar": lambda c: c.query_pre_attn_scalar is not None,
+    "attn_softcap": lambda c: c.attn_softcap is not None,
+    "final_softcap": lambda c: c.final_softcap is not None,
+    "sliding_window": lambda c: bool(c.sliding_window),
+    "local_rope": lambda c: c.local_rope_theta is not None,
+    "experts": lambda c: bool(c.num_experts),
+}
+
+
+def used_features(config: ModelConfig) -> frozenset:
+    return frozenset(name for name, used in FEATURES.items() if used(config))
+
+
+def check_expressible(config: ModelConfig) -> Family:
+    """The family of ``config.arch``, when its checkpoints can express every feature the config
+    uses; else UnsupportedArchitectureError naming the features (an export would drop them)."""
+    family = get(config.arch)
+    missing = sorted(used_features(config) - family.features)
+    if missing:
+        raise UnsupportedArchitectureError(
+            f"a {family.hf_architectures[0]} checkpoint cannot express {', '.join(missing)}: export this model "
+            f"with the arch of a family that has them ({', '.join(f.name for f in _FAMILIES.values() if set(missing) <= f.features) or 'none'})")
+    return family
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -115,11 +151,13 @@ def activation(cfg: Mapping[str, Any], key: str = "hidden_act", default: str = "
     return _ACTIVATIONS[act]
 
 
-def windows(cfg: Mapping[str, Any], num_layers: int, pattern: Callable[[int], bool] | None = None) -> dict:
-    """sliding_window and window_layers from ``sliding_window`` and ``layer_types`` (else
-    ``pattern(i)``: layer i is windowed; else every layer when a window is set)."""
-    window = cfg.get("sliding_window") or 0
-    types = cfg.get("layer_types")
+def windows(cfg: Mapping[str, Any], num_layers: int, pattern: Callable[[int], bool] | None = None,
+            default_window: int | None = None, use_layer_types: bool = True) -> dict:
+    """sliding_window and window_layers from ``sliding_window`` (``default_window`` when the key
+    is absent) and ``layer_types`` (unless ``use_layer_types`` is False; else ``pattern(i)``:
+    layer i is windowed; else every layer when a window is set)."""
+    window = cfg.get("sliding_window", default_window) or 0
+    types = cfg.get("layer_types") if use_layer_types else None
     if types is not None:
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
         if unknown:
@@ -136,6 +174,13 @@ def windows(cfg: Mapping[str, Any], num_layers: int, pattern: Callable[[int], bo
     if flags is not None and all(flags):
         flags = None
     return {"sliding_window": int(window), "window_layers": flags}
+
+
+def same_window_everywhere(config: ModelConfig, family: str) -> None:
+    """Refuse to export per-layer windows to a family whose layers all share one window."""
+    if config.window_layers is not None and not all(config.window_layers):
+        raise UnsupportedArchitectureError(f"{family} windows every layer alike; this model windows only layers "
+                                           f"{[i for i, w in enumerate(config.layer_windows) if w]}")
 
 
 def layer_types(config: ModelConfig) -> list[str]:

@@ -12,7 +12,9 @@ _NAMES = {"mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
           "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight"}
 
 
-def _common(cfg):
+def _common(cfg, softcaps: tuple):
+    """The fields both Gemma generations share; ``softcaps``: the (attention, final) soft-caps
+    transformers' config assumes when its keys are absent (an explicit null means none)."""
     f.no_bias(cfg)
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedArchitectureError("use_bidirectional_attention=true is not supported (a decoder only)")
@@ -20,7 +22,9 @@ def _common(cfg):
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
             "mlp_activation": f.activation(cfg, "hidden_activation", "gelu_pytorch_tanh"),
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-            "attn_softcap": cfg.get("attn_logit_softcapping"), "final_softcap": cfg.get("final_logit_softcapping")}
+            "head_dim": int(cfg.get("head_dim") or 256),
+            "attn_softcap": cfg.get("attn_logit_softcapping", softcaps[0]),
+            "final_softcap": cfg.get("final_logit_softcapping", softcaps[1])}
 
 
 def _number(x):
@@ -38,13 +42,15 @@ def _write_common(config):
 
 
 def _read_gemma2(cfg):
-    return {**_common(cfg), **f.windows(cfg, int(cfg["num_hidden_layers"]), pattern=lambda i: (i + 1) % 2)}
+    return {**_common(cfg, (50.0, 30.0)),
+            **f.windows(cfg, int(cfg["num_hidden_layers"]), pattern=lambda i: (i + 1) % 2, default_window=4096)}
 
 
 def _read_gemma3(cfg):
     L = int(cfg["num_hidden_layers"])
     every = int(cfg.get("sliding_window_pattern", 6))
-    out = {**_common(cfg), "qk_norm": True, **f.windows(cfg, L, pattern=lambda i: (i + 1) % every)}
+    out = {**_common(cfg, (None, None)), "qk_norm": True,
+           **f.windows(cfg, L, pattern=lambda i: (i + 1) % every, default_window=4096)}
     rope = cfg.get("rope_parameters") or {}
     if "full_attention" in rope or "sliding_attention" in rope:      # transformers 5: one entry per layer type
         theta, scaling = f.rope_from_hf(rope.get("full_attention"), default_theta=1e6)
@@ -65,7 +71,9 @@ def _write_gemma3(config):
     return out
 
 
+_FEATURES = frozenset({"norm_offset", "sandwich_norms", "gelu_tanh", "scale_embeddings", "query_pre_attn_scalar",
+                       "attn_softcap", "final_softcap", "sliding_window"})
 GEMMA2 = f.register(f.Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _read_gemma2, _write_common,
-                             hf_names=_NAMES))
+                             hf_names=_NAMES, features=_FEATURES))
 GEMMA3 = f.register(f.Family("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), _read_gemma3, _write_gemma3,
-                             hf_names=_NAMES))
+                             hf_names=_NAMES, features=_FEATURES | {"qk_norm", "local_rope"}))

@@ -7,8 +7,8 @@ from specjax.models.config import UnsupportedArchitectureError
 def _read(cfg):
     if cfg.get("mlp_bias"):
         raise UnsupportedArchitectureError("mlp_bias=True is not supported")
-    return {"attention_bias": bool(cfg.get("attention_bias", False)), "mlp_activation": f.activation(cfg),
-            **f.windows(cfg, int(cfg["num_hidden_layers"]))}
+    # (LlamaAttention has no sliding window: a stray sliding_window key is ignored, as transformers does)
+    return {"attention_bias": bool(cfg.get("attention_bias", False)), "mlp_activation": f.activation(cfg)}
 
 
 def _write(config):
@@ -17,4 +17,5 @@ def _write(config):
     return {"attention_bias": bool(config.attention_bias), "mlp_bias": False}
 
 
-LLAMA = f.register(f.Family("llama", ("LlamaForCausalLM",), ("llama",), _read, _write, gguf_arch="llama"))
+LLAMA = f.register(f.Family("llama", ("LlamaForCausalLM",), ("llama",), _read, _write, gguf_arch="llama",
+                            features=frozenset({"attention_bias"})))

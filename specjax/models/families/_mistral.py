@@ -6,14 +6,15 @@ from specjax.models import families as f
 
 def _read(cfg):
     f.no_bias(cfg)
-    return {"mlp_activation": f.activation(cfg), **f.windows(cfg, int(cfg["num_hidden_layers"]))}
+    # transformers' Mistral windows every layer and ignores layer_types; so does this reader
+    return {"mlp_activation": f.activation(cfg),
+            **f.windows(cfg, int(cfg["num_hidden_layers"]), use_layer_types=False)}
 
 
 def _write(config):
-    out = {"sliding_window": config.sliding_window or None}
-    if config.window_layers is not None:
-        out["layer_types"] = f.layer_types(config)
-    return out
+    f.same_window_everywhere(config, "Mistral")
+    return {"sliding_window": config.sliding_window or None}
 
 
-MISTRAL = f.register(f.Family("mistral", ("MistralForCausalLM",), ("mistral",), _read, _write))
+MISTRAL = f.register(f.Family("mistral", ("MistralForCausalLM",), ("mistral",), _read, _write,
+                              features=frozenset({"sliding_window"})))

@@ -17,12 +17,13 @@ def _read_mixtral(cfg):
     f.no_bias(cfg)
     return {"mlp_activation": f.activation(cfg), "num_experts": int(cfg["num_local_experts"]),
             "experts_per_token": int(cfg["num_experts_per_tok"]), "normalize_topk": True,
-            **f.windows(cfg, int(cfg["num_hidden_layers"]))}
+            **f.windows(cfg, int(cfg["num_hidden_layers"]), use_layer_types=False)}    # every layer, as transformers
 
 
 def _write_mixtral(config):
     if not config.normalize_topk:
         raise UnsupportedArchitectureError("Mixtral always renormalizes its top-k expert weights")
+    f.same_window_everywhere(config, "Mixtral")
     return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.experts_per_token,
             "sliding_window": config.sliding_window or None, "router_jitter_noise": 0.0}
 
@@ -47,6 +48,6 @@ def _write_qwen3_moe(config):
 
 
 MIXTRAL = f.register(f.Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), _read_mixtral, _write_mixtral,
-                              hf_names=_MIXTRAL_NAMES))
+                              hf_names=_MIXTRAL_NAMES, features=frozenset({"experts", "sliding_window"})))
 QWEN3_MOE = f.register(f.Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _read_qwen3_moe,
-                                _write_qwen3_moe))
+                                _write_qwen3_moe, features=frozenset({"experts", "qk_norm"})))

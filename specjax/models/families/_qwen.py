@@ -41,5 +41,7 @@ def _write_qwen3(config):
     return {"attention_bias": False, **_write_windows(config)}
 
 
-QWEN2 = f.register(f.Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _read_qwen2, _write_qwen2, gguf_arch="qwen2"))
-QWEN3 = f.register(f.Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _read_qwen3, _write_qwen3, gguf_arch="qwen3"))
+QWEN2 = f.register(f.Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _read_qwen2, _write_qwen2, gguf_arch="qwen2",
+                            features=frozenset({"attention_bias", "sliding_window"})))
+QWEN3 = f.register(f.Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _read_qwen3, _write_qwen3, gguf_arch="qwen3",
+                            features=frozenset({"qk_norm", "sliding_window"})))
