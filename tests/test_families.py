@@ -267,3 +267,14 @@ def test_final_softcap_on_every_logits_path(family_paths):
     loss, _ = distill.loss_fn(params, {}, distill.teacher_head(model, params), batch, draft=model,
                               spec=distill.LossSpec("fkl", 0.5, 1.0))
     assert abs(float(loss)) < 1e-5, float(loss)
+
+
+def test_moe_loads_in_the_cpu_profile(family_paths):
+    """The CPU profile asks for the packed kernel layout; its panels hold no experts, so a
+    mixture-of-experts target keeps XLA's matmuls (unrolled and fused as asked) and the same logits."""
+    path, ref_model = family_paths("mixtral")
+    model, params = load(str(path), scan_layers=False, fuse_projections=True, packed_projections=True)
+    assert not model.config.packed_projections and model.config.fuse_projections
+    seq = np.asarray(PROMPTS[1])
+    _check(_reference(ref_model, seq), np.asarray(jax.jit(model.apply)(params, jnp.asarray(seq[None]), None)[0][0]),
+           "mixtral cpu profile")
