@@ -60,3 +60,20 @@ def _drop_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# Tests of the real SmolLM2-135M-Instruct (its GGUF fetched on first use, ~100 MB, then cached):
+# every test that uses one of these fixtures gets the marker, so `-m "not real_model"` runs the
+# rest (tiny random models only) in a fraction of the time.
+REAL_MODEL_FIXTURES = frozenset({"gguf_path", "real", "real_refs", "sj", "hf"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: loads the real SmolLM2-135M-Instruct (deselect with "
+                                       "-m 'not real_model')")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
