@@ -63,8 +63,10 @@ class ModelConfig:
     arch: str = "llama"                   # the family (`specjax.models.families`): what the exporter writes
     # ---- family features (the defaults are Llama's; `specjax.models.families` sets them) ----
     qk_norm: bool = False                 # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
-    norm_offset: float = 0.0              # norms scale by (norm_offset + w), computed in float32 (Gemma: 1)
-    sandwich_norms: bool = False          # norms on the attention and MLP outputs too (Gemma 2/3)
+    norm_offset: float = 0.0              # norms scale by (norm_offset + w), computed in float32 (Gemma: 1;
+                                          # a Gemma GGUF: 0, llama.cpp stores 1 + w)
+    sandwich_norms: bool = False          # norms on the attention and MLP outputs too (Gemma 2/3; its
+                                          # norms multiply in float32 even with norm_offset 0)
     mlp_activation: str = "silu"          # the gate's activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
     scale_embeddings: bool = False        # the embedding times sqrt(hidden_size), in the model dtype (Gemma)
     query_pre_attn_scalar: float | None = None   # attention scores scaled by this**-0.5 (None: head_dim**-0.5)

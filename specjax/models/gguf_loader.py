@@ -1,9 +1,17 @@
-"""Read a GGUF file (llama / qwen2 / qwen3 architectures): its `ModelConfig` and canonical params.
+"""Read a GGUF file: its `ModelConfig` and canonical params.
 
-Tensors are found by their GGUF names (`specjax.models.names`), dequantized to float32 with
-`gguf.quants.dequantize`, un-permuted (llama Q/K, see `names.unpermute_qk`) and cast to the
-config's dtype. The caller opens the file once (`open_gguf`) and may read the tokenizer from the
-same reader (`specjax.models.load_with_tokenizer`).
+The architectures read are those llama.cpp's converter (convert_hf_to_gguf.py) writes for the
+families of `specjax.models.families`: ``llama`` (Llama, SmolLM2, and Mistral, which llama.cpp
+writes as ``llama`` without a sliding window; with ``llama.expert_count`` > 0 Mixtral),
+``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3``. Here the metadata every family shares
+is read; each family's `Family.read_gguf` reads its own (and what llama.cpp derives instead of
+storing: Gemma's query scale, Gemma 3's sliding pattern and local RoPE base, ...).
+
+Tensors are found by their GGUF names (`specjax.models.names`; experts as one merged tensor per
+layer), dequantized to float32 with `gguf.quants.dequantize`, un-permuted (Q/K of the ``llama``
+architecture, see `names.unpermute_qk`) and cast to the config's dtype. The caller opens the file
+once (`open_gguf`) and may read the tokenizer from the same reader
+(`specjax.models.load_with_tokenizer`).
 
 Memory: the file is memory-mapped (`gguf.GGUFReader`), and tensors stored as float32 come out
 of `dequantize` as read-only views of that mapping, which jax would alias instead of copying
@@ -17,11 +25,13 @@ import pathlib
 
 import numpy as np
 
+from specjax.models import families
 from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
                                    TensorShapeError, UnsupportedArchitectureError)
 from specjax.models.names import TensorName, assemble, unpermute_qk
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")       # general.architecture values read (qwen3: q/k norms)
+GGUF_ARCHS = families.gguf_archs()       # general.architecture values read
+PERMUTED_QK_ARCHS = ("llama",)           # stored with llama.cpp's Q/K row permutation (`names.unpermute_qk`)
 
 
 def open_gguf(path):
@@ -50,27 +60,49 @@ def _field(reader, key, default=None):
     return value
 
 
-def config_from_gguf(reader, dtype: str = "float32", path=None) -> ModelConfig:
-    """The model's configuration from GGUF metadata (layout fields at their defaults)."""
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {arch!r} in GGUF file {path}: specjax loads "
-            f"{', '.join(GGUF_ARCHS)}")
-    names = {t.name: t for t in reader.tensors}
+class GGUFMeta:
+    """A GGUF file's metadata as the family readers see it: ``get``/``require`` take keys
+    without the ``{arch}.`` prefix (``"attention.sliding_window"``); ``has_tensor`` asks for a
+    tensor by name."""
 
-    def req(key):
-        v = _field(reader, f"{arch}.{key}")
+    def __init__(self, reader, path=None):
+        self.reader = reader
+        self.path = path
+        self.arch = _field(reader, "general.architecture")
+        self.tensor_names = frozenset(t.name for t in reader.tensors)
+
+    def get(self, key: str, default=None):
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def require(self, key: str):
+        v = self.get(key)
         if v is None:
-            raise CorruptCheckpointError(f"GGUF file {path} lacks metadata key {arch}.{key!s}")
+            raise CorruptCheckpointError(f"GGUF file {self.path} lacks metadata key {self.arch}.{key}")
         return v
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensor_names
+
+
+def config_from_gguf(reader, dtype: str = "float32", path=None) -> ModelConfig:
+    """The model's configuration from GGUF metadata (layout fields at their defaults): the
+    entries every family shares here, the family's own from its `Family.read_gguf`."""
+    meta = GGUFMeta(reader, path)
+    arch = meta.arch
+    family = families.for_gguf(arch, meta)
+    names = {t.name: t for t in reader.tensors}
+    req = meta.require
 
     D = int(req("embedding_length"))
     H = int(req("attention.head_count"))
-    K = int(_field(reader, f"{arch}.attention.head_count_kv", H))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length",
-                          _field(reader, f"{arch}.rope.dimension_count", D // H)))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    K = int(meta.get("attention.head_count_kv", H))
+    head_dim = int(meta.get("attention.key_length", meta.get("rope.dimension_count", D // H)))
+    rot = meta.get("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise UnsupportedArchitectureError(
+            f"GGUF file {path} rotates {rot} of each head's {head_dim} dimensions "
+            f"({arch}.rope.dimension_count): partial RoPE is not supported")
+    vocab = meta.get("vocab_size")
     if vocab is None:
         toks = reader.fields.get("tokenizer.ggml.tokens")
         if toks is not None:
@@ -80,33 +112,34 @@ def config_from_gguf(reader, dtype: str = "float32", path=None) -> ModelConfig:
         else:
             raise MissingTensorError(f"tensor 'token_embd.weight' is missing from GGUF file {path}")
     scaling = None
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+    kind = meta.get("rope.scaling.type")
     if kind not in (None, "none"):
         if kind != "linear":
             raise UnsupportedArchitectureError(
                 f"unsupported rope scaling {kind!r} in GGUF file {path}")
-        scaling = {"rope_type": "linear",
-                   "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        scaling = {"rope_type": "linear", "factor": float(meta.get("rope.scaling.factor", 1.0))}
     if "rope_freqs.weight" in names:
         raise UnsupportedArchitectureError(
             f"GGUF file {path} carries rope_freqs.weight (llama3-style RoPE frequency factors), "
             f"not supported by the GGUF loader; load the Hugging Face checkpoint instead")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
+    fields = dict(
         vocab_size=int(vocab), hidden_size=D, num_layers=int(req("block_count")),
         num_heads=H, num_kv_heads=K, head_dim=head_dim,
         ffn_size=int(req("feed_forward_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
         dtype=dtype,
-        max_position=int(_field(reader, f"{arch}.context_length", 8192)), arch=arch,
+        max_position=int(meta.get("context_length", 8192)), arch=family.name,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos))
+    if family.read_gguf is not None:
+        fields.update(family.read_gguf(meta, dict(fields)))
+    return ModelConfig(**fields)
 
 
 def read_gguf(reader, dtype: str = "float32", path=None) -> tuple[ModelConfig, dict]:
@@ -115,7 +148,8 @@ def read_gguf(reader, dtype: str = "float32", path=None) -> tuple[ModelConfig, d
 
     config = config_from_gguf(reader, dtype=dtype, path=path)
     tensors = {t.name: t for t in reader.tensors}
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if config.arch == "llama" else {}
+    permuted = _field(reader, "general.architecture") in PERMUTED_QK_ARCHS
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if permuted else {}
 
     def get(t: TensorName, i):
         name = t.gguf.format(i=i)
@@ -130,9 +164,10 @@ def read_gguf(reader, dtype: str = "float32", path=None) -> tuple[ModelConfig, d
         arr = np.asarray(arr, np.float32)
         if np.may_share_memory(arr, reader.data):
             arr = arr.copy()            # a view of the mapped file: see the module docstring
-        want_rows = int(stored.shape[-1]) if len(stored.shape) > 1 else None
-        if want_rows is not None and arr.ndim == 2 and arr.shape[0] != want_rows:
-            raise CorruptCheckpointError(f"tensor {name!r} in {path} decodes to {arr.shape}")
+        header = tuple(int(n) for n in reversed(stored.shape))    # GGUF lists dimensions innermost first
+        if len(header) > 1 and arr.shape != header:
+            raise CorruptCheckpointError(f"tensor {name!r} in {path} decodes to {arr.shape}, "
+                                         f"its header says {header}")
         n = heads.get(t.key)
         if n is not None and arr.ndim == 2:
             if arr.shape[0] % (2 * n):
@@ -141,4 +176,4 @@ def read_gguf(reader, dtype: str = "float32", path=None) -> tuple[ModelConfig, d
             arr = unpermute_qk(arr, n)
         return arr, name
 
-    return config, assemble(config, get)
+    return config, assemble(config, get, merged_experts=True)

@@ -351,9 +351,11 @@ def rms_norm(x, weight, eps: float):
 
 
 def norm(config: ModelConfig, x, weight):
-    """The family's RMSNorm: `rms_norm`, or with ``config.norm_offset`` (Gemma) x * rsqrt(mean(x^2)
-    + eps) * (offset + weight) computed in float32, then cast."""
-    if not config.norm_offset:
+    """The family's RMSNorm: `rms_norm` (Llama: the normalized x cast to the model dtype, then
+    scaled), or for Gemma (``norm_offset``, or ``sandwich_norms``: a Gemma read from GGUF, whose
+    norm weights hold the offset already) x * rsqrt(mean(x^2) + eps) * (offset + weight)
+    computed in float32, then cast. In float32 the two are the same."""
+    if not config.norm_offset and not config.sandwich_norms:
         return rms_norm(x, weight, config.rms_eps)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + config.rms_eps)

@@ -12,7 +12,12 @@ getter of stored tensors.
 llama.cpp's converter stores the Q and K projections of *llama*-architecture models with the
 rows of each head interleaved (its RoPE pairs dims 2i, 2i+1 where Hugging Face pairs i, i+hd/2);
 `unpermute_qk` undoes that, so the weights match the HF "rotate_half" convention (transformers
-does the same when it loads a GGUF). qwen2 GGUFs are stored unpermuted.
+does the same when it loads a GGUF). Every other GGUF architecture (qwen2/3, qwen3moe, gemma2/3)
+is stored unpermuted.
+
+Experts: a Hugging Face checkpoint stores one tensor per expert ("{j}" in the name), llama.cpp's
+converter one merged tensor per layer (``blk.N.ffn_gate_exps.weight``: the experts' [out, in]
+matrices stacked along a leading expert axis); `assemble` reads either.
 """
 
 from __future__ import annotations
@@ -70,11 +75,12 @@ TENSORS: tuple[TensorName, ...] = (
     TensorName("post_attn_norm", _HF + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight", False),
     TensorName("post_mlp_norm", _HF + "post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight", False),
     # mixture of experts: "{j}" is the expert (stacked along the axis after the layer's); the
-    # names are Qwen3-MoE's, Mixtral's come from its family
+    # Hugging Face names are Qwen3-MoE's, Mixtral's come from its family; the GGUF names (one
+    # merged tensor [experts, out, in] per layer) are both's
     TensorName("router", _HF + "mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight", True),
-    TensorName("we_gate", _HF + "mlp.experts.{j}.gate_proj.weight", "", True),
-    TensorName("we_up", _HF + "mlp.experts.{j}.up_proj.weight", "", True),
-    TensorName("we_down", _HF + "mlp.experts.{j}.down_proj.weight", "", True),
+    TensorName("we_gate", _HF + "mlp.experts.{j}.gate_proj.weight", "blk.{i}.ffn_gate_exps.weight", True),
+    TensorName("we_up", _HF + "mlp.experts.{j}.up_proj.weight", "blk.{i}.ffn_up_exps.weight", True),
+    TensorName("we_down", _HF + "mlp.experts.{j}.down_proj.weight", "blk.{i}.ffn_down_exps.weight", True),
 )
 
 
@@ -88,30 +94,34 @@ def tensor_names(config: ModelConfig) -> tuple[TensorName, ...]:
                  if t.key in (shapes["layers"] if t.per_layer else shapes))
 
 
-def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[np.ndarray, str]]) -> dict:
+def assemble(config: ModelConfig, get: Callable[[TensorName, int | None], tuple[np.ndarray, str]],
+             merged_experts: bool = False) -> dict:
     """Canonical params (in ``config.dtype``) from a checkpoint.
 
     ``get(tensor, layer)`` (``layer`` None for a top-level tensor) returns the stored array (HF
     orientation, any float dtype) and the name to show in errors, or raises
-    `specjax.models.MissingTensorError`. Shapes are checked against the configuration.
+    `specjax.models.MissingTensorError`. Shapes are checked against the configuration. Expert
+    tensors are asked for one expert at a time (`TensorName.expert`), or with
+    ``merged_experts`` once per layer, all experts stacked ([experts, out, in], as GGUF has them).
     """
     dtype = jnp.dtype(config.dtype)
     shapes = param_shapes(config)
 
     def fetch(t: TensorName, i):
-        if t.per_expert:
+        if t.per_expert and not merged_experts:
             return np.stack([fetch(t.expert(j), i) for j in range(config.num_experts)])
         arr, shown = get(t, i)
         want = shapes["layers"][t.key][1:] if t.per_layer else shapes[t.key]   # canonical [in, out]
-        if t.key.startswith("we_"):
-            want = want[1:]                                                   # one expert
-        want = want[::-1] if t.transpose else want                            # stored [out, in]
+        lead = ()
+        if t.key.startswith("we_"):                                           # one expert's, after
+            lead, want = (want[:1] if merged_experts else ()), want[1:]       # [experts] when merged
+        want = lead + (want[::-1] if t.transpose else want)                   # stored [out, in]
         if tuple(arr.shape) != want:
             raise TensorShapeError(
                 f"tensor {shown!r} has shape {tuple(arr.shape)}, expected {want} "
                 f"for the configuration")
         arr = np.asarray(arr, dtype=np.float32)
-        return arr.T if t.transpose else arr
+        return np.swapaxes(arr, -1, -2) if t.transpose else arr
 
     params, layers = {}, {}
     for t in tensor_names(config):

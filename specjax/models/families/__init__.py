@@ -2,10 +2,12 @@
 
 Every supported architecture runs through `specjax.models.Llama`, whose `ModelConfig` carries the
 features that tell families apart (q/k norms, (1 + w) norms, sandwich norms, GeGLU, embedding
-scale, soft-capping, sliding windows, a local RoPE). A `Family` says how a Hugging Face
+scale, soft-capping, sliding windows, a local RoPE, experts). A `Family` says how a Hugging Face
 ``config.json`` sets those features, which tensor names differ from Llama's, and what
-``config.json`` an export writes. One module per family registers one; the registry is keyed
-by ``ModelConfig.arch``.
+``config.json`` an export writes; and, for a family llama.cpp writes, which
+``general.architecture`` its GGUF files carry and how their metadata sets the features (what
+llama.cpp's runtime derives instead of reading, the family reproduces). One module per family
+registers one; the registry is keyed by ``ModelConfig.arch``.
 
 A new family whose layers the decoder already computes is one module here. One that needs a
 new computation adds a feature to `ModelConfig` and `specjax.models.llama` first.
@@ -32,6 +34,12 @@ class Family:
     # canonical tensor key -> Hugging Face name where the family differs from Llama's
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gguf_arch: str | None = None                # general.architecture of its GGUF files (None: no GGUF)
+    # GGUF metadata -> the family's ModelConfig fields beyond the common ones, given the metadata
+    # (a `specjax.models.gguf_loader.GGUFMeta`) and the common fields already read (raises
+    # UnsupportedArchitectureError naming an option it cannot run); None: none
+    read_gguf: Callable[[Any, Mapping[str, Any]], dict] | None = None
+    # among the families sharing a gguf_arch, whether a file is this family's (None: always)
+    gguf_match: Callable[[Any], bool] | None = None
     # the optional decoder features (`FEATURES`) its checkpoints can express; an export of a
     # config that uses another is refused by name
     features: frozenset = frozenset()
@@ -90,6 +98,21 @@ def get(name: str) -> Family:
 
 def names() -> tuple[str, ...]:
     return tuple(_FAMILIES)
+
+
+def gguf_archs() -> tuple[str, ...]:
+    """The ``general.architecture`` values of the GGUF files specjax reads."""
+    return tuple(dict.fromkeys(f.gguf_arch for f in _FAMILIES.values() if f.gguf_arch))
+
+
+def for_gguf(arch: str | None, meta) -> Family:
+    """The family of a GGUF file of architecture ``arch`` (its ``general.architecture``)."""
+    for f in _FAMILIES.values():
+        if f.gguf_arch is not None and f.gguf_arch == arch and (f.gguf_match is None or f.gguf_match(meta)):
+            return f
+    raise UnsupportedArchitectureError(
+        f"unsupported architecture {arch!r} in GGUF file {getattr(meta, 'path', None)}: specjax loads "
+        f"{', '.join(gguf_archs())}")
 
 
 def for_hf_config(cfg: Mapping[str, Any]) -> Family:
@@ -185,6 +208,27 @@ def same_window_everywhere(config: ModelConfig, family: str) -> None:
 
 def layer_types(config: ModelConfig) -> list[str]:
     return ["sliding_attention" if w else "full_attention" for w in config.layer_windows]
+
+
+def gguf_windows(meta, num_layers: int, period: int, default_window: int = 0) -> dict:
+    """sliding_window and window_layers from GGUF metadata: ``attention.sliding_window`` (else
+    ``default_window``; 0: none) and ``attention.sliding_window_pattern``, else ``period``. As llama.cpp's
+    ``llama_hparams::set_swa_pattern`` (src/llama-hparams.cpp): with a period n, layer i is
+    windowed unless i % n == n - 1 (n = 1: no layer, n = 0: every layer); an array of booleans
+    marks the windowed layers (gguf's ``add_sliding_window_pattern``: true = sliding)."""
+    window = int(meta.get("attention.sliding_window", default_window) or 0)
+    pattern = meta.get("attention.sliding_window_pattern", period)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise UnsupportedArchitectureError(
+                f"attention.sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
+        flags = tuple(bool(x) for x in pattern)
+    else:
+        n = int(pattern)
+        flags = tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
+    if not window or not any(flags):
+        return {"sliding_window": 0, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if all(flags) else flags}
 
 
 def no_bias(cfg: Mapping[str, Any]) -> None:

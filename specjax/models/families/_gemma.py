@@ -1,7 +1,31 @@
 """Gemma 2 and Gemma 3 (text): embeddings scaled by sqrt(width), RMSNorms scaling by (1 + w),
 norms before and after attention and MLP, GeGLU, scores scaled by query_pre_attn_scalar**-0.5,
 alternating sliding-window and global layers. Gemma 2 soft-caps attention scores and logits;
-Gemma 3 norms queries and keys and gives its windowed layers their own RoPE base."""
+Gemma 3 norms queries and keys and gives its windowed layers their own RoPE base.
+
+GGUF (``general.architecture`` ``gemma2`` / ``gemma3``), as llama.cpp writes and runs it
+(convert_hf_to_gguf.py's Gemma2Model / Gemma3Model; src/llama-model.cpp's hyperparameters for
+LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, src/models/gemma2*.cpp / gemma3*.cpp):
+
+* the converter adds 1 to every ``*norm.weight`` (Gemma's RMSNorm scales by 1 + w), so a GGUF
+  Gemma reads with ``norm_offset=0``; its norms still multiply in float32
+  (`specjax.models.llama.norm`: Gemma-style ``sandwich_norms`` models always do), as
+  transformers and llama.cpp compute them;
+* the query scale is not stored: llama.cpp scales queries by 1/sqrt(n_embd / n_head) for the
+  27B models, which it recognises by their layer count (46 for Gemma 2, 62 for Gemma 3), and by
+  1/sqrt(head_dim) otherwise (gemma_pytorch's config; ``query_pre_attn_scalar`` is that divisor);
+* windows: ``{arch}.attention.sliding_window`` (Gemma 2: 4096 when absent; Gemma 3: no window
+  when absent or 0), every layer windowed but each n-th, n = 2 for Gemma 2 and 6 for Gemma 3
+  (hard-coded in llama.cpp; ``{arch}.attention.sliding_window_pattern`` when a file has it);
+* soft-capping: Gemma 2's ``attn_logit_softcapping`` / ``final_logit_softcapping`` (50 / 30,
+  llama.cpp's defaults, when absent); Gemma 3 none on attention, on the logits only when
+  ``final_logit_softcapping`` is stored;
+* RoPE: ``rope.freq_base`` and linear ``rope.scaling`` are the global layers'; Gemma 3's windowed
+  layers use base 10000 unscaled (hard-coded in llama.cpp; ``rope.freq_base_swa`` when stored);
+* Gemma 2's output head is always the embedding (llama.cpp loads no ``output.weight`` and its
+  converter drops ``lm_head.weight``); Gemma 3's is ``output.weight`` when present;
+* Q/K rows are stored unpermuted (NEOX-style RoPE).
+"""
 
 from specjax.models import families as f
 from specjax.models.config import UnsupportedArchitectureError
@@ -33,12 +57,54 @@ def _number(x):
 
 def _write_common(config):
     if config.norm_offset != 1.0 or not config.sandwich_norms or not config.scale_embeddings:
-        raise UnsupportedArchitectureError("a Gemma export needs norm_offset=1, sandwich_norms and scale_embeddings")
+        raise UnsupportedArchitectureError(
+            "a Gemma export needs norm_offset=1, sandwich_norms and scale_embeddings (a Gemma read from "
+            "GGUF has norm_offset=0, the 1 folded into its norm weights)")
     return {"hidden_activation": {"gelu_tanh": "gelu_pytorch_tanh"}.get(config.mlp_activation, config.mlp_activation),
             "query_pre_attn_scalar": _number(config.query_pre_attn_scalar or config.head_dim),
             "attn_logit_softcapping": config.attn_softcap, "final_logit_softcapping": config.final_softcap,
             "sliding_window": config.sliding_window or None, "layer_types": f.layer_types(config),
             "attention_bias": False}
+
+
+# ---- GGUF -----------------------------------------------------------------------------------
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}      # llama.cpp's LLM_TYPE_27B for the two archs
+
+
+def _gguf_common(meta, common):
+    # llama.cpp: f_attention_scale = 27B ? 1/sqrt(n_embd / n_head) (integer division) : 1/sqrt(head_dim)
+    if common["num_layers"] == _LAYERS_27B[meta.arch]:
+        scalar = common["hidden_size"] // common["num_heads"]
+    else:
+        scalar = common["head_dim"]
+    return {"norm_offset": 0.0, "sandwich_norms": True, "scale_embeddings": True, "mlp_activation": "gelu_tanh",
+            "query_pre_attn_scalar": float(scalar)}
+
+
+def _cap(value):
+    return float(value) if value else None          # 0: none (a positive cap or None)
+
+
+def _gguf_gemma2(meta, common):
+    out = {**_gguf_common(meta, common), "tie_embeddings": True,
+           "attn_softcap": _cap(meta.get("attn_logit_softcapping", 50.0)),
+           "final_softcap": _cap(meta.get("final_logit_softcapping", 30.0)),
+           **f.gguf_windows(meta, common["num_layers"], period=2, default_window=4096)}
+    local = meta.get("rope.freq_base_swa")
+    if local is not None:
+        if common["rope_scaling"]:
+            raise UnsupportedArchitectureError(
+                "a Gemma 2 GGUF with rope.freq_base_swa and rope scaling (llama.cpp scales its windowed "
+                "layers' RoPE too) is not supported")
+        out["local_rope_theta"] = float(local)
+    return out
+
+
+def _gguf_gemma3(meta, common):
+    return {**_gguf_common(meta, common), "qk_norm": True,
+            "final_softcap": _cap(meta.get("final_logit_softcapping")),
+            **f.gguf_windows(meta, common["num_layers"], period=6),
+            "local_rope_theta": float(meta.get("rope.freq_base_swa", 10000.0))}
 
 
 def _read_gemma2(cfg):
@@ -74,6 +140,7 @@ def _write_gemma3(config):
 _FEATURES = frozenset({"norm_offset", "sandwich_norms", "gelu_tanh", "scale_embeddings", "query_pre_attn_scalar",
                        "attn_softcap", "final_softcap", "sliding_window"})
 GEMMA2 = f.register(f.Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _read_gemma2, _write_common,
-                             hf_names=_NAMES, features=_FEATURES))
+                             hf_names=_NAMES, gguf_arch="gemma2", read_gguf=_gguf_gemma2, features=_FEATURES))
 GEMMA3 = f.register(f.Family("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), _read_gemma3, _write_gemma3,
-                             hf_names=_NAMES, features=_FEATURES | {"qk_norm", "local_rope"}))
+                             hf_names=_NAMES, gguf_arch="gemma3", read_gguf=_gguf_gemma3,
+                             features=_FEATURES | {"qk_norm", "local_rope"}))

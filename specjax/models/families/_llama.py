@@ -1,4 +1,7 @@
-"""Llama (1/2/3.x, SmolLM2): the decoder's defaults."""
+"""Llama (1/2/3.x, SmolLM2): the decoder's defaults. Its GGUF files (``general.architecture``
+``llama``) are also what llama.cpp's converter writes for Mistral (no sliding window: llama.cpp
+has none for ``llama``), which therefore reads as Llama; a ``llama`` file with experts
+(``llama.expert_count`` > 0) is Mixtral's (`specjax.models.families._moe`)."""
 
 from specjax.models import families as f
 from specjax.models.config import UnsupportedArchitectureError
@@ -18,4 +21,5 @@ def _write(config):
 
 
 LLAMA = f.register(f.Family("llama", ("LlamaForCausalLM",), ("llama",), _read, _write, gguf_arch="llama",
-                            features=frozenset({"attention_bias"})))
+                            features=frozenset({"attention_bias"}),
+                            gguf_match=lambda meta: not meta.get("expert_count")))

@@ -44,4 +44,5 @@ def _write_qwen3(config):
 QWEN2 = f.register(f.Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _read_qwen2, _write_qwen2, gguf_arch="qwen2",
                             features=frozenset({"attention_bias", "sliding_window"})))
 QWEN3 = f.register(f.Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _read_qwen3, _write_qwen3, gguf_arch="qwen3",
+                            read_gguf=lambda meta, common: {"qk_norm": True},
                             features=frozenset({"qk_norm", "sliding_window"})))
