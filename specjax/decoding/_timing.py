@@ -1,0 +1,49 @@
+"""Round timing: the measured seconds of one round per gamma (and per draft source) that
+adaptive gamma's policy prices rounds with (`Engine.round_times`; cached per machine and
+setting by `specjax.calibration`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from specjax.decoding._state import Batch, EngineParams, Prefill
+
+
+def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
+                prefill: Prefill | None = None) -> list[float]:
+    """Median wall time of one round for each gamma in `config.gammas`, on this batch; for a
+    drafter with several regimes (`regimes`), for each (regime, gamma), regime-major, each
+    regime timed with the drafter held to it (``drafter.for_regime(r)``).
+
+    Feeds adaptive gamma (``round_time_s=``); run once per model pair and machine. Each
+    gamma is compiled and warmed up first. Rounds run as in the loop: the state is donated
+    (caches updated in place) and each round continues from the previous one's state, so a
+    timed round does exactly the work of a round of `run` (rows that finish keep running
+    masked, at the same cost; the capacity check of `init` covers every round's writes)."""
+    if engine.regimes > 1:
+        out = []
+        for r in range(engine.regimes):
+            held = engine.drafter.for_regime(r)      # same state and weights as the drafter's
+            pre = (prefill if prefill is None or prefill.drafter != engine.drafter
+                   else dataclasses.replace(prefill, drafter=held))
+            out += _time_rounds(dataclasses.replace(engine, drafter=held), params, sampling, batch, repeats, pre)
+        return out
+    return _time_rounds(engine, params, sampling, batch, repeats, prefill)
+
+
+def _time_rounds(engine, params, sampling, batch, repeats, prefill):
+    state = engine.init(params, batch, prefill=prefill)
+    out = []
+    for g in engine.config.gammas:
+        state = jax.block_until_ready(engine._round_jit(params, sampling, g, state)[0])
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(engine._round_jit(params, sampling, g, state)[0])
+            ts.append(time.perf_counter() - t0)
+        out.append(float(np.median(ts)))
+    return out
