@@ -79,12 +79,17 @@ class _SafetensorsDir:
                     f"cannot read safetensors file {f} (truncated or corrupt?): {e}") from e
         return self._handles[f]
 
-    def get(self, name: str):
+    def file_of(self, name: str) -> pathlib.Path:
+        """The file holding tensor ``name`` (MissingTensorError naming it when absent)."""
         f = self.where.get(name)
         if f is None:
             raise MissingTensorError(f"tensor {name!r} is missing from the checkpoint in {self.dir}")
         if not f.is_file():
             raise MissingTensorError(f"tensor {name!r}: shard file {f} does not exist")
+        return f
+
+    def get(self, name: str):
+        f = self.file_of(name)
         try:
             arr = self._open(f).get_tensor(name)
         except CorruptCheckpointError:
@@ -153,11 +158,7 @@ def _slice_reader(store: "_SafetensorsDir", config: ModelConfig, t: TensorName, 
     cpu = jax.local_devices(backend="cpu")[0]
 
     def one(name: str, inner):
-        f = store.where.get(name)
-        if f is None:
-            raise MissingTensorError(f"tensor {name!r} is missing from the checkpoint in {store.dir}")
-        if not f.is_file():
-            raise MissingTensorError(f"tensor {name!r}: shard file {f} does not exist")
+        f = store.file_of(name)
         try:
             sl = store._open(f).get_slice(name)
             got = tuple(sl.get_shape())
