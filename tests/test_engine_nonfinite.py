@@ -98,6 +98,7 @@ def test_nan_kv_in_rejected_slot_does_not_poison_later_rounds():
     @dataclasses.dataclass(frozen=True)
     class Scripted:
         vocab_size: int = 32
+        capabilities = drafters.Capabilities()
 
         def init(self, *a):
             return ()

@@ -1337,8 +1337,8 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     for bad in ((1.0, float("nan"), 1.0), (1.0, 0.0, 1.0) * 2, (1.0, -2.0, 1.0)):
         with pytest.raises(ValueError, match="finite and > 0"):
             eng.init(ep, batch, round_time_s=bad)
-    head = eng.drafter.model                    # a drafter that names two regimes but cannot say which drafts
-    two = type("TwoSources", (type(head),), {"regimes": 2})(
+    head = eng.drafter.model                    # a drafter that declares two regimes but cannot say which drafts
+    two = type("TwoSources", (type(head),), {"capabilities": dataclasses.replace(head.capabilities, regimes=2)})(
         **{f.name: getattr(head, f.name) for f in dataclasses.fields(head) if f.init})
     with pytest.raises(ValueError, match="lacks regime_B or for_regime"):
         decoding.Engine(eng.target, two, eng.config)

@@ -187,6 +187,9 @@ class Engine(RoundStages):
                     raise ValueError(f"the drafter {type(self.drafter).__name__} drafts chains only "
                                      f"(capabilities.trees=False); got the tree {g}")
                 self.drafter.check_tree(g)
+        if caps.regimes > 1 and not all(callable(getattr(self.drafter, a, None)) for a in ("regime_B", "for_regime")):
+            raise ValueError(f"the drafter declares {caps.regimes} regimes (capabilities.regimes) but lacks regime_B "
+                             f"or for_regime (see the drafter protocol: draft sources)")
         if self.feature_layers and not hasattr(self.target, "apply_with_features"):
             raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
                              f"but the target model {type(self.target).__name__} cannot return them")
