@@ -263,15 +263,15 @@ def _build_hybrid(s: HybridSettings, ctx):
 
 
 for _name, _settings, _build, _check, _doc in (
-        ("none", NoSettings, lambda s, ctx: (None, None), None, "target-only decoding"),
+        ("distilled", DraftModelSettings, _build_distilled, None, "a draft written by specjax distill"),
+        ("head", DraftModelSettings, _build_head, None, "a feature-level draft head"),
         ("ngram", NGramSettings, _build_ngram, None, "prompt lookup"),
         ("early_exit", EarlyExitSettings, _build_early_exit, None, "the target's first layers on its cache"),
         ("early_exit_own_cache", EarlyExitSettings, _build_early_exit_own_cache, None,
          "the target's first layers with a cache of their own"),
-        ("distilled", DraftModelSettings, _build_distilled, None, "a draft written by specjax distill"),
-        ("head", DraftModelSettings, _build_head, None, "a feature-level draft head"),
         ("model", DraftModelSettings, _build_model, _check_model, "any checkpoint with the target's vocabulary"),
-        ("hybrid", HybridSettings, _build_hybrid, None, "prompt lookup, else a model (SAM-Decoding's rule)")):
+        ("hybrid", HybridSettings, _build_hybrid, None, "prompt lookup, else a model (SAM-Decoding's rule)"),
+        ("none", NoSettings, lambda s, ctx: (None, None), None, "target-only decoding")):
     drafters.register_drafter(_name, _settings, _build, check=_check, description=_doc)
 
 DRAFTER_KINDS = drafters.drafter_kinds()     # the built-in kinds

@@ -69,7 +69,7 @@ def test_a_registered_drafter_runs_through_generate(registered, tmp_path, capsys
 
 
 def test_unknown_drafters_and_verifiers_are_named(capsys):
-    with pytest.raises(ValueError, match="drafter='nope': expected one of none, ngram"):
+    with pytest.raises(ValueError, match="drafter='nope': expected one of distilled, head, ngram"):
         drafters.drafter_kind("nope")
     assert cli.dispatch(["specjax", "generate", "--config=configs/generate.py", "--config.drafter=nope"]) == 2
     assert "drafter='nope'" in capsys.readouterr().err

@@ -226,6 +226,7 @@ class OracleDrafter:
     verification plus the loop's own work: the per-round cost, whatever random weights do to
     acceptance."""
     vocab_size: int
+    capabilities = drafters.Capabilities()          # stateless, chains only
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         return None

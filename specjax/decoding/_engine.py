@@ -528,3 +528,6 @@ class Engine(RoundStages):
                     prefill: Prefill | None = None) -> list[float]:
         """Median seconds of one round per gamma (and draft source) on this batch (`_timing.round_times`)."""
         return _timing.round_times(self, params, sampling, batch, repeats, prefill)
+
+    def _time_rounds(self, params, sampling, batch, repeats, prefill):
+        return _timing.time_rounds(self, params, sampling, batch, repeats, prefill)

@@ -30,12 +30,13 @@ def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: i
             held = engine.drafter.for_regime(r)      # same state and weights as the drafter's
             pre = (prefill if prefill is None or prefill.drafter != engine.drafter
                    else dataclasses.replace(prefill, drafter=held))
-            out += _time_rounds(dataclasses.replace(engine, drafter=held), params, sampling, batch, repeats, pre)
+            out += dataclasses.replace(engine, drafter=held)._time_rounds(params, sampling, batch, repeats, pre)
         return out
-    return _time_rounds(engine, params, sampling, batch, repeats, prefill)
+    return engine._time_rounds(params, sampling, batch, repeats, prefill)
 
 
-def _time_rounds(engine, params, sampling, batch, repeats, prefill):
+def time_rounds(engine, params, sampling, batch, repeats, prefill):
+    """Median seconds of one round per gamma of ``engine`` (its drafter as it is)."""
     state = engine.init(params, batch, prefill=prefill)
     out = []
     for g in engine.config.gammas:
