@@ -29,6 +29,20 @@ ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "lla
         "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE}
 
 
+
+def _add_field(w, key, value):
+    """One metadata field, typed as llama.cpp's converter writes it."""
+    if isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    else:
+        w.add_uint32(key, int(value))
+
 def _checkpoint(path, kind, **changes):
     """A tiny random transformers checkpoint of `kind` (tests/_hf_tiny.py) with `changes` to its
     config, non-trivial norms; written to `path`."""
@@ -88,19 +102,8 @@ def _convert(hf_dir, out, arch, **extra):
 
     w = gguf.GGUFWriter(str(out), arch)
     for key, value in meta.items():
-        if value is None:
-            continue
-        key = f"{arch}.{key}"
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, (list, tuple)):
-            w.add_array(key, list(value))
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, int(value))
+        if value is not None:
+            _add_field(w, f"{arch}.{key}", value)
     if cfg.get("bos_token_id") is not None:
         w.add_bos_token_id(cfg["bos_token_id"])
     if cfg.get("eos_token_id") is not None:
@@ -210,13 +213,7 @@ def test_qwen3_moe_renormalization_follows_llama_cpp(tmp_path):
 def _meta_file(path, arch, tensors=(), **meta):
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
-        key = f"{arch}.{key.replace('__', '.')}"
-        if isinstance(value, (list, tuple)):
-            w.add_array(key, list(value))
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, int(value))
+        _add_field(w, f"{arch}.{key.replace('__', '.')}", value)
     for name in tensors:
         w.add_tensor(name, np.zeros((2, 2), np.float32))
     w.write_header_to_file()
