@@ -12,7 +12,7 @@ import json
 import pathlib
 
 from specjax.models import families
-from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError, ModelConfig,
+from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
                                    TensorShapeError)
 from specjax.models.names import TensorName, assemble
 
@@ -102,18 +102,7 @@ class _SafetensorsDir:
 def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """(config, canonical params) from a Hugging Face checkpoint directory."""
     directory = pathlib.Path(path)
-    cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
-        raise MissingTensorError(f"{directory} has no config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
-    try:
-        config = config_from_hf(cfg, dtype=dtype)
-    except (KeyError, TypeError, AttributeError) as e:   # a key missing or null, not a JSON object
-        raise CorruptCheckpointError(
-            f"{cfg_path} is not a model config: {type(e).__name__}: {e}") from e
+    config = read_config(directory, dtype=dtype)
     store = _SafetensorsDir(directory)
     if config.tie_embeddings is False and "lm_head.weight" not in store.where:
         # Some checkpoints say untied but ship no head; fail loudly rather than guess.
@@ -131,17 +120,19 @@ def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
 # Reading straight onto devices, slice by slice
 # ---------------------------------------------------------------------------------------
 def read_config(path, dtype: str = "float32") -> ModelConfig:
-    """The `ModelConfig` of a Hugging Face checkpoint directory (no tensor read)."""
+    """The `ModelConfig` of a Hugging Face checkpoint directory (no tensor read): a file that is
+    not JSON, or not a model config, is a CorruptCheckpointError naming it; a setting the
+    decoder cannot run is the ValueError of `ModelConfig` or the family naming it."""
     cfg_path = pathlib.Path(path) / "config.json"
     if not cfg_path.is_file():
         raise MissingTensorError(f"{path} has no config.json")
     try:
-        return config_from_hf(json.loads(cfg_path.read_text()), dtype=dtype)
+        cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
-        if isinstance(e, CheckpointError):
-            raise
         raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
-    except (KeyError, TypeError, AttributeError) as e:
+    try:
+        return config_from_hf(cfg, dtype=dtype)
+    except (KeyError, TypeError, AttributeError) as e:   # a key missing or null, not a JSON object
         raise CorruptCheckpointError(f"{cfg_path} is not a model config: {type(e).__name__}: {e}") from e
 
 
