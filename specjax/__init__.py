@@ -9,6 +9,29 @@ Floors (a module imports only from floors below it):
     models/                             one decoder for every family, KV cache, attention ops, loaders, tokenizer
     sampling.py  analysis.py  sharding.py  specbench.py  trees.py  reporting.py     primitives
     kernels/                            CPU custom calls through XLA's FFI (panel matmul)
+
+Shape suffixes. An array's name ends in its axes, one capital letter each (``q_BGV``: batch,
+drafted tokens, vocabulary), with one meaning per letter throughout the package:
+
+    B  batch rows                        T  positions of one model call (query block)
+    S  cache slots: the capacity of every per-row buffer (KV cache, tokens, features)
+    P  prompt width (padded)             V  vocabulary
+    U  rows of a draft vocabulary (a reduced head's tokens, a subset of V)
+    D  model width                       F  feature width (the chosen layers' features side by side)
+    I  MLP width                         H  attention head dim
+    Q  query heads                       K  KV heads
+    L  layers                            E  experts
+    M  rows of a flattened matmul (B T)  W  columns a tree call sees besides its own (window)
+    G  tokens drafted per round (gamma)  C  a round's committed block (max gamma + 1)
+    N  nodes of a draft tree             A  positions along an accepted path (the tree's depth)
+    O  candidate nodes of a dynamic tree's expansion pool
+    J  drafting steps of a head          R  regimes of the adaptive policy (draft sources)
+    Z  the adaptive policy's candidate gammas
+    X  any further axes
+
+A digit after a letter adds to it (``p_BG1V``: G + 1 distributions; ``q_BN1V``: the root and N
+nodes); a digit alone is a literal size (``keys_B2``); a lowercase letter is a count named in
+the code (``experts_Mk``: k experts per token).
 """
 
 from specjax import analysis, decoding, drafters, models, sampling, specbench, trees, verify

@@ -133,7 +133,7 @@ def _run_one(gen, batch, samp) -> tuple[list[int], dict]:
            "accepted_at": [int(x) for x in np.asarray(m.accepted_at_BG[0])],
            "tested_at": [int(x) for x in np.asarray(m.tested_at_BG[0])],
            "degenerate_residuals": int(m.degenerate_residual_B[0]),
-           "gamma_rounds": [int(x) for x in np.asarray(m.gamma_rounds_K)],
+           "gamma_rounds": [int(x) for x in np.asarray(m.gamma_rounds_Z)],
            "decode_tokens": decode_tokens, "decode_s": decode_s, "ttft_s": ttft,
            "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
            "status": events[-1].output.statuses()[0]}

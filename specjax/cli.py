@@ -190,7 +190,7 @@ def generate_main(c) -> dict:
         "calibration": calibration,
         "mesh": dict(gen.engine.mesh.shape) if gen.engine.mesh is not None else None,
     }
-    stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_K))}
+    stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_Z))}
     why = _why(config, stats, m, gen.round_time_s, out.policy, _regime_names(gen.engine))
     if c.drafter == "hybrid":
         dr = gen.engine.drafter

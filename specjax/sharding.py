@@ -335,8 +335,8 @@ def constrain_loop_state(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     batch axes, the batch-wide entries (the adaptive policy, the per-candidate round counts)
     replicated (`row_shardings` would put any array whose first dimension equals the batch size
     on "data")."""
-    shared = (state.policy, state.metrics.gamma_rounds_K)
-    rows = constrain_rows(state.replace(policy=None, metrics=state.metrics.replace(gamma_rounds_K=None)),
+    shared = (state.policy, state.metrics.gamma_rounds_Z)
+    rows = constrain_rows(state.replace(policy=None, metrics=state.metrics.replace(gamma_rounds_Z=None)),
                           state.lengths_B.shape[0], mesh, rules)
     policy, counts = jax.lax.with_sharding_constraint(shared, NamedSharding(mesh, PartitionSpec()))
-    return rows.replace(policy=policy, metrics=rows.metrics.replace(gamma_rounds_K=counts))
+    return rows.replace(policy=policy, metrics=rows.metrics.replace(gamma_rounds_Z=counts))

@@ -301,12 +301,12 @@ class DraftTree:
 class AcceptedPath:
     """What a round committed of a tree, for a drafter that holds tentative K/V of its nodes.
 
-    nodes_BD: accepted node indices by depth (-1 after); num_B: how many of them were committed
-    (after EOS / max-token truncation); draft_slots_BD: the drafter's ``draft_slots_BN`` of those
+    nodes_BA: accepted node indices by depth (-1 after); num_B: how many of them were committed
+    (after EOS / max-token truncation); draft_slots_BA: the drafter's ``draft_slots_BN`` of those
     nodes (-1 where it holds none)."""
-    nodes_BD: jax.Array
+    nodes_BA: jax.Array
     num_B: jax.Array
-    draft_slots_BD: jax.Array
+    draft_slots_BA: jax.Array
 
 
 def ancestor_mask(parents_BN, valid_BN, max_depth: int):
@@ -329,21 +329,21 @@ def ancestor_mask(parents_BN, valid_BN, max_depth: int):
 
 
 def path_nodes(parents_BN, last_node_B, max_depth: int):
-    """The nodes from depth 1 down to ``last_node_B`` (-1 = root only) -> ``path_BD`` (node
+    """The nodes from depth 1 down to ``last_node_B`` (-1 = root only) -> ``path_BA`` (node
     indices, -1 after the path) and its length ``n_B``."""
     B, N = parents_BN.shape
-    D = max_depth
+    A = max_depth
     ext_BN1 = jnp.concatenate([parents_BN.astype(jnp.int32), jnp.full((B, 1), -1, jnp.int32)], axis=1)
-    # Walk up from the last node, collecting D ancestors-or-self (deepest first).
+    # Walk up from the last node, collecting A ancestors-or-self (deepest first).
     cur_B = last_node_B.astype(jnp.int32)
     up = []
-    for _ in range(D):
+    for _ in range(A):
         up.append(cur_B)
         cur_B = jnp.take_along_axis(ext_BN1, jnp.where(cur_B < 0, N, cur_B)[:, None], axis=1)[:, 0]
-    up_BD = jnp.stack(up, axis=1)                      # deepest first, then -1s
-    n_B = jnp.sum(up_BD >= 0, axis=1).astype(jnp.int32)
+    up_BA = jnp.stack(up, axis=1)                      # deepest first, then -1s
+    n_B = jnp.sum(up_BA >= 0, axis=1).astype(jnp.int32)
     # Reverse the first n_B entries of each row: path[j] = up[n - 1 - j].
-    j_D = jnp.arange(D)
-    src_BD = jnp.clip(n_B[:, None] - 1 - j_D[None], 0, D - 1)
-    path_BD = jnp.where(j_D[None] < n_B[:, None], jnp.take_along_axis(up_BD, src_BD, axis=1), -1)
-    return path_BD, n_B
+    j_A = jnp.arange(A)
+    src_BA = jnp.clip(n_B[:, None] - 1 - j_A[None], 0, A - 1)
+    path_BA = jnp.where(j_A[None] < n_B[:, None], jnp.take_along_axis(up_BA, src_BA, axis=1), -1)
+    return path_BA, n_B

@@ -53,7 +53,7 @@ def generate(mesh=None) -> dict:
         eng = decoding.Engine(target, drafters.ModelDrafter(small), gen, mesh=mesh)
         p, b = eng.place(params, batch) if mesh is not None else (params, batch)
         o = eng.run(p, samp, b)
-        host = sharding.to_host((o.tokens_BL, o.lengths_B, o.metrics.accepted_B))
+        host = sharding.to_host((o.tokens_BS, o.lengths_B, o.metrics.accepted_B))
         out[name] = [np.asarray(h).tolist() for h in host]
         if mesh is not None:
             assert tuple(b.prompt_BP.sharding.spec)[0] == "data" and not b.prompt_BP.is_fully_addressable

@@ -103,7 +103,7 @@ def run_walks(verifier, shape: TreeShape, mode: str, u, tokens, valid, q, p, key
     with the uniforms ``u`` injected, and the plain call. Trees are padded to ``N_PAD`` nodes
     (invalid, never tried) and rows to multiples of ``CHUNK`` (chunk c uses
     ``chunk_key(key, c)``), so one compilation serves every case; padding is dropped from
-    the outputs (``path_BD`` and ``committed_BD1`` keep the padded depth ``D_PAD``)."""
+    the outputs (``path_BA`` and ``committed_BA1`` keep the padded depth ``D_PAD``)."""
     rows, N = tokens.shape
     assert N <= N_PAD and shape.max_depth <= D_PAD
     extra = N_PAD - N
@@ -194,12 +194,12 @@ def exact_outcomes(verifier, shape: TreeShape, mode: str, tree_p, tree_q, vocab:
     n_acc = (up >= 0).sum(1)
     prefix = [tuple(int(row_tokens[i, n]) for n in up[i, :n_acc[i]][::-1]) for i in range(len(last))]
     if check_result:
-        c = res.committed_BD1[keep]
+        c = res.committed_BA1[keep]
         np.testing.assert_array_equal(res.last_node_B[keep], last)
         np.testing.assert_array_equal(res.n_accepted_B[keep], n_acc)
         np.testing.assert_array_equal(res.degenerate_residual_B, walk.degenerate_B)
         j = np.arange(c.shape[1])[None]
-        path = res.path_BD[keep]
+        path = res.path_BA[keep]
         assert ((path >= 0) == (j[:, :path.shape[1]] < n_acc[:, None])).all()
         on_path = np.take_along_axis(row_tokens, np.maximum(path, 0), 1)
         assert (np.where(path >= 0, c[:, :path.shape[1]] == on_path, True)).all()

@@ -9,7 +9,7 @@ import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# Compilation dominates this suite on CPU (tests/test_heads.py: 138 s with an empty cache, 41 s
+# Compilation dominates this suite on CPU (the head tests, then one file tests/test_heads.py: 138 s with an empty cache, 41 s
 # with a warm one, AMD EPYC, 2 cores), and many modules and subprocesses compile the same
 # programs. JAX's persistent compilation cache, in a directory that lives for one run (set
 # here before jax is imported, so subprocesses started by tests inherit it), compiles each once.
@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: the optimized HLO is the same, only LLVM's work on
 # it is cut, so float rounding differs a little from a user's build and every exact comparison
 # in the suite is between programs compiled with the same options. Measured on AMD EPYC, 2
-# cores (two workers): tests/test_heads.py + tests/test_engine_tree.py 581 -> 365 s; the
+# cores (two workers): the head tests + tests/test_engine_tree.py 581 -> 365 s; the
 # real-model files (test_engine_real, test_long_prompt, test_gguf_parity, test_kernels) 596 ->
 # 534 s, the 135M model's decode steps running a little slower unoptimized. The whole suite went
 # over CI's 25 minutes without it (1737 s here). SPECJAX_TEST_XLA=full keeps XLA's defaults.

@@ -88,7 +88,7 @@ def test_item2_committed_tokens_lie_in_target_support():
     q_tree = np.concatenate([q, np.full((B, 1, V), 1.0 / V, np.float32)], axis=1)   # leaf row unused
     for verifier in (verify_lib.RecursiveRejectionVerifier(), verify_lib.TraversalVerifier()):
         for res in (verifier.verify_with_uniforms(jnp.asarray(u), key, tree, q_tree, p), verifier(key, tree, q_tree, p)):
-            check(type(verifier).__name__, res.committed_BD1, res.n_accepted_B)
+            check(type(verifier).__name__, res.committed_BA1, res.n_accepted_B)
 
     # The validator: q(x) of a drafted token below float32's smallest normal is an input error.
     for q_bad in (0.0, 1e-45, 1e-40, 1e-39):

@@ -198,8 +198,8 @@ def test_the_engine_accepts_exactly_what_the_cache_accepts():
     for t in (3.0e38, 1e-45, 0.5):
         assert calibration.valid_round_time(t)
         state = engine.init(params, batch, round_time_s=(0.5, t))
-        assert np.all(np.isfinite(np.asarray(state.policy.round_time_RG)))
-        assert np.all(np.asarray(state.policy.round_time_RG) > 0)
+        assert np.all(np.isfinite(np.asarray(state.policy.round_time_RZ)))
+        assert np.all(np.asarray(state.policy.round_time_RZ) > 0)
 
 
 def test_main_command_measures_again_after_a_time_outside_float32(tmp_path, capsys, monkeypatch):

@@ -31,7 +31,7 @@ class LookbackDrafter:
 
     def propose(self, params, state, context, key_B, gamma, cfg):
         idx = context.lengths_B[:, None] - self.back + jnp.arange(gamma)[None]
-        tokens_BG = jnp.take_along_axis(context.tokens_BL, jnp.clip(idx, 0, context.tokens_BL.shape[1] - 1), axis=1)
+        tokens_BG = jnp.take_along_axis(context.tokens_BS, jnp.clip(idx, 0, context.tokens_BS.shape[1] - 1), axis=1)
         return tokens_BG.astype(jnp.int32), jax.nn.one_hot(tokens_BG, self.vocab_size), state + gamma
 
     def commit(self, state, new_lengths_B, accepted=None):

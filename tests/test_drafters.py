@@ -12,7 +12,7 @@ def _ngram(tokens, length, gamma=3, max_ngram=3, min_ngram=1):
     d = drafters.NGramDrafter(vocab_size=50, max_ngram=max_ngram, min_ngram=min_ngram)
     buf = jnp.asarray([tokens + [0] * 8], jnp.int32)
     lens = jnp.asarray([length], jnp.int32)
-    context = drafters.DraftContext(tokens_BL=buf, lengths_B=lens, target_cache=None)
+    context = drafters.DraftContext(tokens_BS=buf, lengths_B=lens, target_cache=None)
     toks, q, _ = d.propose(None, d.init(None, buf, lens, 0), context, None, gamma, None)
     return np.asarray(toks)[0].tolist(), np.asarray(q), int(d.match_end(buf, lens)[0])
 
@@ -137,7 +137,7 @@ def test_early_exit_drafts_from_the_target_cache_in_its_context(llama):
 
     @jax.jit
     def propose(target_cache):
-        context = drafters.DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
+        context = drafters.DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B,
                                         target_cache=target_cache)
         return d.propose(dp, state.draft_state, context, batch.key_B, 3, GREEDY)[0]
 

@@ -280,13 +280,13 @@ def test_trained_head_exports_and_reimports_identically(target, tmp_path):
     state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
     frozen = {**frozen, "target": params}
     step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
-    head_SD = distill.teacher_head(model, params, head_ids)
+    head_UD = distill.teacher_head(model, params, head_ids)
     rng = np.random.default_rng(3)
     batch = {"tokens": jnp.asarray(rng.integers(0, V, (4, 32)), jnp.int32),
              "mask": jnp.asarray(np.arange(32)[None].repeat(4, 0) >= 4, jnp.float32)}
     losses = []
     for _ in range(8):
-        state, aux = step(state, frozen, head_SD, batch)
+        state, aux = step(state, frozen, head_UD, batch)
         losses.append(float(aux["loss"]))
     assert losses[-1] < losses[0], losses
     trained = {**state.params, "head_ids": frozen["head_ids"]}
@@ -311,7 +311,7 @@ def test_trained_head_exports_and_reimports_identically(target, tmp_path):
         for x, y in zip(specjax_logits(drafter, hp2, model, params, tokens, 7), want):
             np.testing.assert_array_equal(x, y)
         b = run(hp2)
-        np.testing.assert_array_equal(np.asarray(a.tokens_BL), np.asarray(b.tokens_BL))
+        np.testing.assert_array_equal(np.asarray(a.tokens_BS), np.asarray(b.tokens_BS))
         np.testing.assert_array_equal(np.asarray(a.metrics.accepted_B), np.asarray(b.metrics.accepted_B))
     cfg_json = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]     # SGLang: outputs
@@ -371,11 +371,11 @@ def _drafting_setup(target, tmp_path):
     drafter, hp = drafters.load_eagle3(d, model, params)
     cap = 32
     tokens, lengths = _hf_tiny.right_padded([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45, 46, 47, 48]])
-    tokens_BL = jnp.zeros((2, cap), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-    _, f_BLF, _ = model.apply_with_features(params, tokens_BL, None, layers=drafter.feature_layers)
+    tokens_BS = jnp.zeros((2, cap), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
+    _, f_BLF, _ = model.apply_with_features(params, tokens_BS, None, layers=drafter.feature_layers)
     lengths = jnp.asarray(lengths)
     state = drafter.init(hp, jnp.asarray(tokens), lengths, cap, features_BPF=f_BLF[:, :tokens.shape[1]])
-    ctx = drafters.DraftContext(tokens_BL=tokens_BL, lengths_B=lengths, target_cache=None, features=f_BLF)
+    ctx = drafters.DraftContext(tokens_BS=tokens_BS, lengths_B=lengths, target_cache=None, features=f_BLF)
     return drafter, hp, state, ctx
 
 
@@ -393,10 +393,10 @@ def test_proposals_are_drawn_from_q_over_the_draft_vocabulary(target, tmp_path):
     off = np.setdiff1d(np.arange(V), ids)
     assert (q[..., off] == 0).all() and np.isin(np.asarray(toks), ids).all()
     assert (q[np.arange(2)[:, None], np.arange(3)[None], np.asarray(toks)] > 0).all()
-    scores_BS, got_ids, _ = drafter._catch_up_support(hp, drafter._with_features(state, ctx), ctx)
+    scores_BU, got_ids, _ = drafter._catch_up_support(hp, drafter._with_features(state, ctx), ctx)
     np.testing.assert_array_equal(np.asarray(got_ids), ids)
     want = np.zeros((2, V), np.float32)
-    want[:, ids] = np.asarray(sampling.probabilities(scores_BS, samp))
+    want[:, ids] = np.asarray(sampling.probabilities(scores_BU, samp))
     np.testing.assert_allclose(q[:, 0], want, rtol=1e-5, atol=1e-7)
 
 

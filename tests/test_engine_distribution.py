@@ -69,12 +69,12 @@ class NoCatchUpDrafter(drafters.ModelDrafter):
     left after a fully accepted round (it writes tokens[L-1] at the cache slot of L-2)."""
 
     def propose(self, params, state, context, key_B, gamma, cfg):
-        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
+        tokens_BS, lengths_B = context.tokens_BS, context.lengths_B
         seen_B = state.cache.lengths_B
-        last_B = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)[:, 0]
-        rows = jnp.arange(tokens_BL.shape[0])
-        fake_BL = tokens_BL.at[rows, seen_B].set(last_B)
-        return super().propose(params, state, context.replace(tokens_BL=fake_BL, lengths_B=seen_B + 1),
+        last_B = jnp.take_along_axis(tokens_BS, (lengths_B - 1)[:, None], axis=1)[:, 0]
+        rows = jnp.arange(tokens_BS.shape[0])
+        fake_BL = tokens_BS.at[rows, seen_B].set(last_B)
+        return super().propose(params, state, context.replace(tokens_BS=fake_BL, lengths_B=seen_B + 1),
                                key_B, gamma, cfg)
 
 
@@ -211,7 +211,7 @@ def _run(setup, name, case):
     lengths = np.asarray(out.lengths_B)
     assert (lengths == len(PROMPT) + N_NEW).all(), "every row must generate exactly N_NEW tokens"
     assert (np.asarray(out.status_B) == decoding.MAX_TOKENS).all()
-    gen = np.asarray(out.tokens_BL)[:, len(PROMPT):len(PROMPT) + N_NEW]
+    gen = np.asarray(out.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
     m = out.metrics
     proposed = int(np.asarray(m.proposed_B).sum())
     rejection = 1.0 - int(np.asarray(m.accepted_B).sum()) / proposed if proposed else float("nan")

@@ -115,9 +115,9 @@ class ScriptedDrafter:
         return 1     # one (gamma+1)-token forward of its toy model
 
     def propose(self, params, state, context, key_B, gamma, cfg):
-        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
+        tokens_BS, lengths_B = context.tokens_BS, context.lengths_B
         script = params["script"]
-        last_B = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
+        last_B = jnp.take_along_axis(tokens_BS, (lengths_B - 1)[:, None], axis=1)
         idx_BG = jnp.clip(lengths_B[:, None] + jnp.arange(gamma)[None], 0, script.shape[1] - 1)
         draft_BG = jnp.take_along_axis(script, idx_BG, axis=1).astype(jnp.int32)
         _, cache = self._model().apply(params["table"], jnp.concatenate([last_B, draft_BG], 1), state.cache)
@@ -165,19 +165,19 @@ def _np(x):
 
 
 @jax.jit
-def _next_logits(table, tokens_BL, lengths_B, target_cache):
+def _next_logits(table, tokens_BS, lengths_B, target_cache):
     """(through the cache, fresh) next-round target logits [B, V], in one compiled program (op by
     op, every row length compiled its own slices)."""
-    last = jnp.take_along_axis(tokens_BL, (lengths_B - 1)[:, None], axis=1)
+    last = jnp.take_along_axis(tokens_BS, (lengths_B - 1)[:, None], axis=1)
     cached = TARGET.apply(table, last, target_cache)[0][:, 0]
-    fresh = TARGET.apply(table, tokens_BL, None)[0]
+    fresh = TARGET.apply(table, tokens_BS, None)[0]
     return cached, jnp.take_along_axis(fresh, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
 
 
 def _snap(state, table):
-    tokens = _np(state.tokens_BL)
+    tokens = _np(state.tokens_BS)
     lengths = _np(state.lengths_B)
-    cached, fresh = (_np(x) for x in _next_logits(table, state.tokens_BL, state.lengths_B, state.target_cache))
+    cached, fresh = (_np(x) for x in _next_logits(table, state.tokens_BS, state.lengths_B, state.target_cache))
     cache = getattr(state.draft_state, "cache", None)
     return Snap(tokens=tokens, lengths=lengths, done=_np(state.done_B), status=_np(state.status_B),
                 t_len=_np(state.target_cache.lengths_B), t_hist=_np(state.target_cache.hist_BS),
@@ -185,7 +185,7 @@ def _snap(state, table):
                 d_hist=None if cache is None else _np(cache.hist_BS),
                 accepted=_np(state.metrics.accepted_B), proposed=_np(state.metrics.proposed_B),
                 committed=_np(state.metrics.committed_B),
-                gamma_rounds=_np(state.metrics.gamma_rounds_K),
+                gamma_rounds=_np(state.metrics.gamma_rounds_Z),
                 next_cached=cached, next_fresh=fresh)
 
 
@@ -502,7 +502,7 @@ def test_same_keys_same_output(sampled):
     a, out_a = sampled([0, 1, 2, 3])
     b, out_b = sampled([0, 1, 2, 3])
     assert a == b
-    np.testing.assert_array_equal(np.asarray(out_a.tokens_BL), np.asarray(out_b.tokens_BL))
+    np.testing.assert_array_equal(np.asarray(out_a.tokens_BS), np.asarray(out_b.tokens_BS))
     np.testing.assert_array_equal(np.asarray(out_a.metrics.accepted_B), np.asarray(out_b.metrics.accepted_B))
 
 
@@ -544,7 +544,7 @@ def pair(request, env):
 
 
 def _assert_same_output(a, b):
-    np.testing.assert_array_equal(np.asarray(a.tokens_BL), np.asarray(b.tokens_BL))
+    np.testing.assert_array_equal(np.asarray(a.tokens_BS), np.asarray(b.tokens_BS))
     for name in ("lengths_B", "prompt_lengths_B", "status_B"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
     for name, x, y in zip(a.metrics.__dataclass_fields__, jax.tree.leaves(a.metrics), jax.tree.leaves(b.metrics)):
@@ -558,7 +558,7 @@ def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
     engine, params, samp, batch, rt = pair
     ref = engine.run(params, samp, batch, round_time_s=rt)
     if engine.config.adaptive:
-        k = np.asarray(ref.metrics.gamma_rounds_K)
+        k = np.asarray(ref.metrics.gamma_rounds_Z)
         assert k[0] >= 1 and k[1:].sum() >= 1, "precondition: gamma-0 and drafting rounds"
     assert 0 < int(ref.metrics.accepted_B.sum()) < int(ref.metrics.proposed_B.sum()), "precondition: rejections"
     copied = []
@@ -594,7 +594,7 @@ def test_stream_yields_the_tokens_of_run(pair, monkeypatch):
     assert len(copied) == len(events)
     assert all(isinstance(c, decoding.Commit) for c in copied)
     K = engine.config.max_gamma + 1
-    assert all(c.tokens_BK.shape == (len(PROMPTS), K) for c in copied)
+    assert all(c.tokens_BC.shape == (len(PROMPTS), K) for c in copied)
 
 
 def test_step_by_hand_equals_run(pair):
@@ -603,7 +603,7 @@ def test_step_by_hand_equals_run(pair):
     engine, params, samp, batch, rt = pair
     ref = engine.run(params, samp, batch, round_time_s=rt)
     state = engine.init(params, batch, round_time_s=rt)
-    tokens = np.array(state.tokens_BL, copy=True)
+    tokens = np.array(state.tokens_BS, copy=True)
     lengths = np.array(state.lengths_B, copy=True)
     K = engine.config.max_gamma + 1
     rounds = 0
@@ -612,17 +612,17 @@ def test_step_by_hand_equals_run(pair):
         state, commit = engine.step(params, samp, state)
         rounds += 1
         c = jax.device_get(commit)
-        new_tokens = np.array(state.tokens_BL, copy=True)
+        new_tokens = np.array(state.tokens_BS, copy=True)
         new_lengths = np.array(state.lengths_B, copy=True)
         np.testing.assert_array_equal(c.start_B, lengths)
         np.testing.assert_array_equal(c.n_B, new_lengths - lengths)
         np.testing.assert_array_equal(c.done_B, np.asarray(state.done_B))
         for b in range(len(PROMPTS)):
             n = int(c.n_B[b])
-            np.testing.assert_array_equal(c.tokens_BK[b, :n], new_tokens[b, lengths[b]:lengths[b] + n])
-            assert (c.tokens_BK[b, n:] == decoding.PAD_ID).all()
+            np.testing.assert_array_equal(c.tokens_BC[b, :n], new_tokens[b, lengths[b]:lengths[b] + n])
+            assert (c.tokens_BC[b, n:] == decoding.PAD_ID).all()
             np.testing.assert_array_equal(new_tokens[b, :lengths[b]], tokens[b, :lengths[b]])   # prefix kept
-        assert c.tokens_BK.shape == (len(PROMPTS), K)
+        assert c.tokens_BC.shape == (len(PROMPTS), K)
         tokens, lengths = new_tokens, new_lengths
     assert rounds == int(np.asarray(state.round)) == int(ref.metrics.rounds_B.max())
     _assert_same_output(decoding.GenerateOutput.from_state(state), ref)
@@ -673,9 +673,9 @@ class TargetCacheDrafter:
         cache = context.target_cache
         L_B = context.lengths_B
         pos_S = jnp.arange(cache.hist_BS.shape[1])[None]
-        same = jnp.where(pos_S < L_B[:, None] - 1, cache.hist_BS == context.tokens_BL[:, :cache.hist_BS.shape[1]],
+        same = jnp.where(pos_S < L_B[:, None] - 1, cache.hist_BS == context.tokens_BS[:, :cache.hist_BS.shape[1]],
                          True).all(axis=1)
-        last_B1 = jnp.take_along_axis(context.tokens_BL, (L_B - 1)[:, None], axis=1)
+        last_B1 = jnp.take_along_axis(context.tokens_BS, (L_B - 1)[:, None], axis=1)
         logits_B1V, cache = model.apply(params, last_B1, cache)
         toks, q, _ = drafters.rollout(model, params, cache, logits_B1V[:, 0], key_B, gamma, cfg)
         ok_B = state.ok_B & same & (context.target_cache.lengths_B == L_B - 1)
@@ -819,7 +819,7 @@ def test_one_compilation_per_static_configuration(env):
         if stream:
             return list(engine.stream(params, samp, batch))[-1].output
         out = engine.run(params, samp, batch)
-        jax.block_until_ready(out.tokens_BL)
+        jax.block_until_ready(out.tokens_BS)
         return out
 
     call([[1, 2, 3], [4, 5]], 0, 0.8)

@@ -133,7 +133,7 @@ def _assert_same_as_ar(out, ref):
     np.testing.assert_array_equal(np.asarray(out.status_B), np.asarray(ref.status_B))
     np.testing.assert_array_equal(np.asarray(out.lengths_B), np.asarray(ref.lengths_B))
     # the whole buffer (prompt, generated, PAD tail) is identical; capacities differ by gamma
-    a, b = np.asarray(out.tokens_BL), np.asarray(ref.tokens_BL)
+    a, b = np.asarray(out.tokens_BS), np.asarray(ref.tokens_BS)
     w = min(a.shape[1], b.shape[1])
     np.testing.assert_array_equal(a[:, :w], b[:, :w])
     assert (a[:, w:] == decoding.PAD_ID).all() and (b[:, w:] == decoding.PAD_ID).all()
@@ -204,7 +204,7 @@ def test_greedy_with_eos_equals_autoregressive(env):
 
 def test_adaptive_uses_several_gammas_and_stays_exact(env):
     out = _spec(env, "b4", "disagree", ADAPTIVE)
-    k = np.asarray(out.metrics.gamma_rounds_K)
+    k = np.asarray(out.metrics.gamma_rounds_Z)
     print("\nadaptive gamma rounds (0,1,2,4):", k)
     assert (k > 0).sum() >= 2, "the policy should switch gamma on a poor draft"
     _assert_same_as_ar(out, _ar(env, "b4"))
@@ -218,7 +218,7 @@ def test_adaptive_self_draft_accepts_everything_after_gamma_zero_rounds(env):
     and proposes continuations of a stale prefix."""
     out = _spec(env, "b1", "self", ADAPTIVE, round_time_s=(1.0, 1.9, 2.8, 4.6))
     _assert_same_as_ar(out, _ar(env, "b1"))
-    k = np.asarray(out.metrics.gamma_rounds_K)
+    k = np.asarray(out.metrics.gamma_rounds_Z)
     m = out.metrics
     print("\nadaptive gamma rounds (0,1,2,4):", k, "accepted", np.asarray(m.accepted_B),
           "proposed", np.asarray(m.proposed_B))

@@ -108,7 +108,7 @@ def test_nan_kv_in_rejected_slot_does_not_poison_later_rounds():
 
         def propose(self, params, state, context, key_B, gamma, cfg):
             lengths_B = context.lengths_B
-            nxt = ref.tokens_BL[:, :][jnp.arange(1)[:, None], lengths_B[:, None]]   # the right next token
+            nxt = ref.tokens_BS[:, :][jnp.arange(1)[:, None], lengths_B[:, None]]   # the right next token
             toks = jnp.concatenate([nxt, jnp.full((1, gamma - 1), bad, jnp.int32)], axis=1)
             return toks, jax.nn.one_hot(toks, 32), state
 

@@ -267,7 +267,7 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_round(scan_layers,
         state, commit = engine.step(params, greedy, state)
         depths |= set((np.asarray(commit.n_B) - 1).tolist())
         lengths = np.asarray(state.lengths_B)
-        tokens = np.asarray(state.tokens_BL)
+        tokens = np.asarray(state.tokens_BS)
         # (on the host: slicing device arrays row by row and layer by layer compiled each slice)
         caches = [("target", target, tparams, jax.device_get(state.target_cache))]
         if kind == "model":

@@ -48,12 +48,12 @@ def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size, inpu
     assert set(state.params) == set(obj.config.own_param_names) - {"head_ids"}
     frozen = {**frozen, "target": tp}
     before = jax.tree.map(np.asarray, tp)
-    head_SD = distill.teacher_head(target, tp, head_ids)
+    head_UD = distill.teacher_head(target, tp, head_ids)
     step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
     batch = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
     divs, feats = [], []
     for _ in range(25):
-        state, aux = step(state, frozen, head_SD, batch)
+        state, aux = step(state, frozen, head_UD, batch)
         divs.append(float(aux["divergence_step1"]))
         feats.append(float(aux.get("feature_loss", 0.0)))
         assert aux["nonfinite"] == 0.0
@@ -88,9 +88,9 @@ def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
     state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
     frozen = {**frozen, "target": tp}
     step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
-    head_SD = distill.teacher_head(target, tp, None)
+    head_UD = distill.teacher_head(target, tp, None)
     for i in range(30):
-        state, _ = step(state, frozen, head_SD, {k: jnp.asarray(v) for k, v in plan.batch(i % 3).items()})
+        state, _ = step(state, frozen, head_UD, {k: jnp.asarray(v) for k, v in plan.batch(i % 3).items()})
     own = {**state.params}
     hp = drafters.head_params(obj.config, own, tp)
     drafter = drafters.MedusaDrafter(obj.config) if kind == "medusa" else \
@@ -134,7 +134,7 @@ def test_export_and_reload_draft_identically(toy_pair, tmp_path, input_norm):
     eng = decoding.Engine(target, drafter, cfg)
     a = eng.run(decoding.EngineParams(target=tp, draft=hp), samp, batch)
     b = eng.run(decoding.EngineParams(target=tp, draft=drafters.head_params(hc, own, tp)), samp, batch)
-    np.testing.assert_array_equal(np.asarray(a.tokens_BL), np.asarray(b.tokens_BL))
+    np.testing.assert_array_equal(np.asarray(a.tokens_BS), np.asarray(b.tokens_BS))
     np.testing.assert_array_equal(np.asarray(a.metrics.accepted_B), np.asarray(b.metrics.accepted_B))
     # A corrupted tensor file is refused, naming the file.
     blob = tmp_path / "h" / "head.safetensors"
@@ -291,24 +291,24 @@ def test_feature_noise_is_relative_fresh_per_step_and_the_head_still_learns(toy_
     opt, _ = distill.make_optimizer(learning_rate=3e-3, warmup_steps=0, total_updates=40)
     state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
     frozen = {**frozen, "target": tp}
-    head_SD = distill.teacher_head(target, tp, None)
+    head_UD = distill.teacher_head(target, tp, None)
     batch = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
     with pytest.raises(ValueError, match="needs a key"):
-        distill.head_loss(state.params, frozen, head_SD, batch, draft=obj, spec=distill.LossSpec("fkl"))
+        distill.head_loss(state.params, frozen, head_UD, batch, draft=obj, spec=distill.LossSpec("fkl"))
     clean = dataclasses.replace(obj, feature_noise=0.0)
-    loss = jax.jit(lambda tr, k: distill.head_loss(tr, frozen, head_SD, batch, draft=obj, spec=distill.LossSpec("fkl"),
+    loss = jax.jit(lambda tr, k: distill.head_loss(tr, frozen, head_UD, batch, draft=obj, spec=distill.LossSpec("fkl"),
                                                    key=k)[0])
     l1, l2 = float(loss(state.params, jax.random.key(3))), float(loss(state.params, jax.random.key(4)))
-    l0 = float(distill.head_loss(state.params, frozen, head_SD, batch, draft=clean, spec=distill.LossSpec("fkl"))[0])
+    l0 = float(distill.head_loss(state.params, frozen, head_UD, batch, draft=clean, spec=distill.LossSpec("fkl"))[0])
     assert len({l0, l1, l2}) == 3, (l0, l1, l2)              # the noise reaches the loss, new per key
     step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
     copy = lambda st, k=0: jax.tree.map(jnp.copy, st).replace(step=st.step + k)   # noqa: E731 (the step donates)
-    at0, again0, at1 = (float(step(copy(state, k), frozen, head_SD, batch)[1]["loss"]) for k in (0, 0, 1))
+    at0, again0, at1 = (float(step(copy(state, k), frozen, head_UD, batch)[1]["loss"]) for k in (0, 0, 1))
     assert at0 == again0 and at0 != at1, (at0, again0, at1)     # the same noise on resume, new at the next step
     losses = []
     for _ in range(25):
-        state, aux = step(state, frozen, head_SD, batch)
-        losses.append(float(distill.head_loss(state.params, frozen, head_SD, batch, draft=clean,
+        state, aux = step(state, frozen, head_UD, batch)
+        losses.append(float(distill.head_loss(state.params, frozen, head_UD, batch, draft=clean,
                                               spec=distill.LossSpec("fkl"))[0]))
     assert losses[-1] < 0.9 * l0, (l0, losses)
 
@@ -331,9 +331,9 @@ def test_cached_features_give_the_online_loss_and_gradients(toy_pair, tmp_path, 
     cached = distill.BatchPlan(plan.data.with_features(feats), 0, 256, (32, 64))
     own = drafters.init_head_params(obj.config, jax.random.key(3))
     frozen = {"target": tp}
-    head_SD = distill.teacher_head(target, tp, None)
+    head_UD = distill.teacher_head(target, tp, None)
     spec = distill.LossSpec("fkl")
-    grad = jax.jit(jax.value_and_grad(lambda tr, b: distill.head_loss(tr, frozen, head_SD, b, draft=obj, spec=spec)[0]))
+    grad = jax.jit(jax.value_and_grad(lambda tr, b: distill.head_loss(tr, frozen, head_UD, b, draft=obj, spec=spec)[0]))
     for i in range(2):
         b_cached = {k: jnp.asarray(v) for k, v in cached.batch(i).items()}
         b_online = {k: v for k, v in b_cached.items() if k != "features"}

@@ -60,7 +60,7 @@ def test_engine_with_a_long_prompt_matches_one_call_prefill():
 
     @jax.jit          # (one program for both states: op by op, every run compiled dozens)
     def next_logits(params, state):
-        last = jnp.take_along_axis(state.tokens_BL, (state.lengths_B - 1)[:, None], axis=1)
+        last = jnp.take_along_axis(state.tokens_BS, (state.lengths_B - 1)[:, None], axis=1)
         return model.apply(params, last, state.target_cache)[0]
 
     outs = {}
@@ -183,9 +183,9 @@ def test_one_prefill_serves_every_run_on_the_batch():
     for engine in (spec, only):
         want = engine.run(ep, samp, batch)
         got = engine.run(ep, samp, batch, prefill=pre)
-        np.testing.assert_array_equal(np.asarray(got.tokens_BL), np.asarray(want.tokens_BL))
+        np.testing.assert_array_equal(np.asarray(got.tokens_BS), np.asarray(want.tokens_BS))
         again = engine.run(ep, samp, batch, prefill=pre)      # not donated: reusable
-        np.testing.assert_array_equal(np.asarray(again.tokens_BL), np.asarray(want.tokens_BL))
+        np.testing.assert_array_equal(np.asarray(again.tokens_BS), np.asarray(want.tokens_BS))
     assert len(spec.round_times(ep, samp, batch, repeats=1, prefill=pre)) == 1
     other = decoding.make_batch(_prompts([700, 91], seed=3), config, jax.random.key(1))
     try:
@@ -214,7 +214,7 @@ def test_a_repeated_one_row_prefill_equals_prefilling_every_row(per_layer):
     samp = sampling.SamplingConfig.make(temperature=1.0)
     want = engine.run(ep, samp, rows)
     got = engine.run(ep, samp, rows, prefill=one.repeat(rows))
-    np.testing.assert_array_equal(np.asarray(got.tokens_BL), np.asarray(want.tokens_BL))
+    np.testing.assert_array_equal(np.asarray(got.tokens_BS), np.asarray(want.tokens_BS))
     assert len({tuple(r) for r in want.generated()}) > 1            # the rows did sample differently
     with pytest.raises(ValueError, match="one-row prefill"):
         one.repeat(rows).repeat(rows)                                 # (a 5-row prefill)

@@ -57,7 +57,7 @@ _SCRIPT = textwrap.dedent("""
             eng = decoding.Engine(target, dr, gen, mesh=sharding.make_mesh(*shape))
             p2, b2 = eng.place(params, batch)
             out = eng.run(p2, samp, b2)
-            np.testing.assert_array_equal(np.asarray(out.tokens_BL), np.asarray(ref.tokens_BL),
+            np.testing.assert_array_equal(np.asarray(out.tokens_BS), np.asarray(ref.tokens_BS),
                                           err_msg=f"{name} {sname} mesh {shape}")
             np.testing.assert_array_equal(np.asarray(out.lengths_B), np.asarray(ref.lengths_B))
             np.testing.assert_array_equal(np.asarray(out.metrics.accepted_B), np.asarray(ref.metrics.accepted_B))
@@ -71,7 +71,7 @@ _SCRIPT = textwrap.dedent("""
     st = eng.init(p2, b2)
     k0 = st.target_cache.k[0]
     assert tuple(k0.sharding.spec)[:2] == ("data", "model"), k0.sharding
-    assert tuple(st.tokens_BL.sharding.spec)[0] == "data"
+    assert tuple(st.tokens_BS.sharding.spec)[0] == "data"
     assert tuple(st.draft_state.cache.k[0].sharding.spec)[:2] == ("data", "model")
     assert len(k0.addressable_shards) == 8 and k0.addressable_shards[0].data.shape[0] == 2
     print("OK", checked)

@@ -276,7 +276,7 @@ def test_chain_same_key_same_tokens_as_linear_verifiers():
                                     np.ones((batch, gamma), bool), q, p, key=key)
             rl = linear(te.chunk_key(key, 0), draft, q[:, :gamma], p)
             np.testing.assert_array_equal(rt.n_accepted_B, rl.n_accepted_B)
-            np.testing.assert_array_equal(rt.committed_BD1, rl.committed_BG1)
+            np.testing.assert_array_equal(rt.committed_BA1, rl.committed_BG1)
             np.testing.assert_array_equal(rt.degenerate_residual_B, rl.degenerate_residual_B)
             assert 0.5 < float(np.mean(rl.n_accepted_B)) < gamma - 0.5
 
@@ -325,8 +325,8 @@ def make_tree_round(verifier, shape, draw_mode, verify_mode, n_buf):
         tree = DraftTree.from_shape(shape, jnp.stack(toks, 1), verify_mode)
         res = verifier(verify_key, tree, q_SN1V, p_SN1V)
         slot = len_S[:, None] + jnp.arange(D + 1)[None]
-        slot = jnp.where(res.committed_BD1 != PAD_TOKEN, slot, n_buf)
-        buf_SL = buf_SL.at[rows[:, None], slot].set(res.committed_BD1, mode="drop")
+        slot = jnp.where(res.committed_BA1 != PAD_TOKEN, slot, n_buf)
+        buf_SL = buf_SL.at[rows[:, None], slot].set(res.committed_BA1, mode="drop")
         return buf_SL, len_S + res.n_accepted_B + 1, res.n_accepted_B
 
     return one_round
@@ -416,10 +416,10 @@ def test_greedy_follows_target_argmax():
         path, final = _greedy_reference(shape.parents, tokens[b], valid[b], p[b])
         n = len(path)
         assert res.n_accepted_B[b] == n
-        np.testing.assert_array_equal(res.path_BD[b, :n], path)
-        assert (res.path_BD[b, n:] == -1).all()
-        np.testing.assert_array_equal(res.committed_BD1[b, :n], tokens[b, path])
-        assert res.committed_BD1[b, n] == final and (res.committed_BD1[b, n + 1:] == PAD_TOKEN).all()
+        np.testing.assert_array_equal(res.path_BA[b, :n], path)
+        assert (res.path_BA[b, n:] == -1).all()
+        np.testing.assert_array_equal(res.committed_BA1[b, :n], tokens[b, path])
+        assert res.committed_BA1[b, n] == final and (res.committed_BA1[b, n + 1:] == PAD_TOKEN).all()
         assert res.last_node_B[b] == (path[-1] if path else -1)
     np.testing.assert_array_equal(res.degenerate_residual_B, 0)
     assert np.mean(res.n_accepted_B) > 1.0 and (res.n_accepted_B == 3).any()
@@ -432,9 +432,9 @@ def test_greedy_ties_and_duplicate_children():
     # (0, 0) -> the first, node 0.
     tokens = np.array([[1, 0], [0, 0]], np.int32)
     _, res, _ = te.run_walks(GREEDY, shape, "iid", np.zeros((2, 2)), tokens, np.ones((2, 2), bool), p, p)
-    np.testing.assert_array_equal(res.path_BD[:, 0], [1, 0])
-    np.testing.assert_array_equal(res.committed_BD1[:, :2], [[0, 1], [0, 0]])
-    np.testing.assert_array_equal(res.tested_accept_BD[:, 0], [0.0, 1.0])   # first child vs argmax
+    np.testing.assert_array_equal(res.path_BA[:, 0], [1, 0])
+    np.testing.assert_array_equal(res.committed_BA1[:, :2], [[0, 1], [0, 0]])
+    np.testing.assert_array_equal(res.tested_accept_BA[:, 0], [0.0, 1.0])   # first child vs argmax
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,12 +508,12 @@ def test_committed_tokens_lie_in_target_support(mode):
         _, res, called = te.run_walks(verifier, shape, mode, u, tokens, valid, q, p, key=jax.random.key(3))
         for r in (res, called):
             n = r.n_accepted_B
-            slots = np.concatenate([np.zeros((len(n), 1), int), r.path_BD + 1], 1)   # parent slots
-            j = np.arange(r.committed_BD1.shape[1])[None]
-            tok = np.maximum(r.committed_BD1, 0)
+            slots = np.concatenate([np.zeros((len(n), 1), int), r.path_BA + 1], 1)   # parent slots
+            j = np.arange(r.committed_BA1.shape[1])[None]
+            tok = np.maximum(r.committed_BA1, 0)
             prob = p[np.arange(len(n))[:, None], np.maximum(slots, 0)[:, : tok.shape[1]], tok]
             assert (prob[j <= n[:, None]] > 0).all(), name
-            assert (r.committed_BD1[j > n[:, None]] == PAD_TOKEN).all()
+            assert (r.committed_BA1[j > n[:, None]] == PAD_TOKEN).all()
 
 
 @pytest.mark.parametrize("name", ["rrs", "traversal", "greedy"])
@@ -528,10 +528,10 @@ def test_shapes_call_and_row_independence(name):
     key = jax.random.key(3)
     _, res, called = te.run_walks(verifier, shape, "iid", u, tokens, valid, q, p, key=key)
     assert isinstance(called, TreeVerifyResult)
-    for field, shp, dtype in [("n_accepted_B", (B,), np.int32), ("path_BD", (B, D), np.int32),
-                              ("committed_BD1", (B, D + 1), np.int32), ("last_node_B", (B,), np.int32),
+    for field, shp, dtype in [("n_accepted_B", (B,), np.int32), ("path_BA", (B, D), np.int32),
+                              ("committed_BA1", (B, D + 1), np.int32), ("last_node_B", (B,), np.int32),
                               ("degenerate_residual_B", (B,), np.int32),
-                              ("tested_accept_BD", (B, D), np.float32), ("tested_BD", (B, D), np.bool_)]:
+                              ("tested_accept_BA", (B, D), np.float32), ("tested_BA", (B, D), np.bool_)]:
         assert getattr(called, field).shape == shp and getattr(called, field).dtype == dtype, field
     row_keys = jax.random.split(te.chunk_key(key, 0), (te.CHUNK, 2))
     u_key = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (te.N_PAD,), jnp.float32))(row_keys[:, 0]))
@@ -545,15 +545,15 @@ def test_shapes_call_and_row_independence(name):
     for r, r2 in [(res, res2), (called, called2)]:
         half = lambda t: jax.tree.map(lambda a: a[:B // 2], t)
         chex.assert_trees_all_equal(half(r), half(r2))
-    assert not np.array_equal(called.committed_BD1[B // 2:], called2.committed_BD1[B // 2:])
+    assert not np.array_equal(called.committed_BA1[B // 2:], called2.committed_BA1[B // 2:])
     # Invalid nodes are never on the path; path and committed tokens agree; PAD after.
     for r in (res, called):
         for b in range(B):
             n = r.n_accepted_B[b]
-            path = r.path_BD[b, :n]
-            assert valid[b, path].all() and (r.path_BD[b, n:] == -1).all()
-            np.testing.assert_array_equal(r.committed_BD1[b, :n], tokens[b, path])
-            assert (r.committed_BD1[b, n + 1:] == PAD_TOKEN).all()
+            path = r.path_BA[b, :n]
+            assert valid[b, path].all() and (r.path_BA[b, n:] == -1).all()
+            np.testing.assert_array_equal(r.committed_BA1[b, :n], tokens[b, path])
+            assert (r.committed_BA1[b, n + 1:] == PAD_TOKEN).all()
             assert r.last_node_B[b] == (path[-1] if n else -1)
 
 
@@ -609,16 +609,16 @@ def test_tested_accept_is_first_child_ratio_along_the_path(mode):
         if name == "greedy" and mode != "iid":
             continue
         _, res, _ = te.run_walks(verifier, shape, mode, u, tokens, valid, q, p)
-        assert res.tested_BD[:, 0].any() and res.tested_BD[:, 1].any()
+        assert res.tested_BA[:, 0].any() and res.tested_BA[:, 1].any()
         for b in range(B):
             n = res.n_accepted_B[b]
             for j in range(te.D_PAD):
-                node = -1 if j == 0 else res.path_BD[b, j - 1]
+                node = -1 if j == 0 else res.path_BA[b, j - 1]
                 kids = [m for m in range(shape.num_nodes) if parents[m] == node and valid[b, m]]
                 on = j <= n and bool(kids)
-                assert res.tested_BD[b, j] == on, (name, b, j)
+                assert res.tested_BA[b, j] == on, (name, b, j)
                 if not on:
-                    assert res.tested_accept_BD[b, j] == 0
+                    assert res.tested_accept_BA[b, j] == 0
                     continue
                 x, slot = tokens[b, kids[0]], node + 1
                 if name == "greedy":
@@ -626,4 +626,4 @@ def test_tested_accept_is_first_child_ratio_along_the_path(mode):
                 else:
                     qx = 1.0 if mode == "deterministic" else q[b, slot, x]
                     want = min(1.0, p[b, slot, x] / qx)
-                assert res.tested_accept_BD[b, j] == pytest.approx(want, rel=1e-6), (name, b, j)
+                assert res.tested_accept_BA[b, j] == pytest.approx(want, rel=1e-6), (name, b, j)

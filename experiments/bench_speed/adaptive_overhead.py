@@ -31,7 +31,7 @@ def bench(name, gamma, rt=None, draft=True):
         b = decoding.make_batch([p], cfg, jax.random.key(0), pad_multiple=128)
         ts = []
         for rep in range(4):
-            t0 = time.perf_counter(); out = eng.run(ep, samp, b, rt); jax.block_until_ready(out.tokens_BL)
+            t0 = time.perf_counter(); out = eng.run(ep, samp, b, rt); jax.block_until_ready(out.tokens_BS)
             ts.append(time.perf_counter() - t0)
         m = jax.device_get(out.metrics)
         res.append(f"{min(ts[1:]):.3f}s/{int(m.rounds_B[0])}r")

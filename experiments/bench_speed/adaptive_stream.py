@@ -35,7 +35,7 @@ def by_step(eng, ep, b):
     for _ in range(eng.config.max_new_tokens):
         state, commit = eng.step(ep, samp, state)
         c = jax.device_get(commit)
-        toks += c.tokens_BK[0, :c.n_B[0]].tolist()
+        toks += c.tokens_BC[0, :c.n_B[0]].tolist()
         if bool(c.done_B[0]):
             break
     return toks

@@ -159,7 +159,7 @@ def run(c) -> pathlib.Path:
                     for chunk, batch in group:
                         ref = None
                         for m in methods:
-                            oracle = jnp.asarray(ref.tokens_BL) if m.drafter == "oracle" else None
+                            oracle = jnp.asarray(ref.tokens_BS) if m.drafter == "oracle" else None
                             rec, o = runner.run(m, temp, batch, round_times.get((m.name, float(temp), B)),
                                                 draft_params=oracle)
                             if m.drafter == "none":

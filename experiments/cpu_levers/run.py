@@ -108,10 +108,10 @@ def child(c, name: str) -> dict:
         pre = gen.prefill(batch)
         row = {}
         for label, g in (("target_only", base), ("ngram", gen)):
-            g.run(batch, greedy, prefill=pre).tokens_BL.block_until_ready()
+            g.run(batch, greedy, prefill=pre).tokens_BS.block_until_ready()
             t0 = time.perf_counter()
             out = g.run(batch, greedy, prefill=pre)
-            toks = np.asarray(sharding.to_host(out.tokens_BL))
+            toks = np.asarray(sharding.to_host(out.tokens_BS))
             dt = time.perf_counter() - t0
             row[label] = {"tokens": len(out.generated()[0]), "seconds": dt,
                           "passes": int(np.asarray(sharding.to_host(out.metrics.rounds_B))[0]), "ids": toks[0].tolist()}

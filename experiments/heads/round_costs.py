@@ -61,8 +61,8 @@ def main(_):
             batch = decoding.make_batch([list(prompt.ids)], cfg, jax.random.key(0), capacity=512)
             round_ms = 1e3 * eng.round_times(params, samp, batch, repeats=REPEATS.value)[0]
             state = eng.step(params, samp, eng.init(params, batch))[0]    # mid-generation: after one round
-            ctx = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=state.target_cache,
-                               features=state.features_BLF)
+            ctx = DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B, target_cache=state.target_cache,
+                               features=state.features_BSF)
             if isinstance(g, int):
                 prop = jax.jit(lambda dp, st, cx, k: drafter.propose(dp, st, cx, k, g, samp)[:2])
                 n_tok, block = g + 1, None

@@ -149,7 +149,7 @@ class Runner:
             "proposed": int(np.sum(m.proposed_B)), "accepted": int(np.sum(m.accepted_B)),
             "committed": int(np.sum(m.committed_B)), "degenerate_residuals": int(np.sum(m.degenerate_residual_B)),
             "accepted_at": np.sum(m.accepted_at_BG, 0), "tested_at": np.sum(m.tested_at_BG, 0),
-            "gamma_rounds": dict(zip(map(str, method.gammas), np.asarray(m.gamma_rounds_K).tolist())),
+            "gamma_rounds": dict(zip(map(str, method.gammas), np.asarray(m.gamma_rounds_Z).tolist())),
             "round_time_s": None if round_time_s is None else list(round_time_s), "generated_ids": gen,
         }, out
 

@@ -140,7 +140,7 @@ def propose_cost(target, drafter, draft_params, gamma: int, sampling, *, ctx: in
     drafter prefilled on a random context, the target's cache holding ctx - 1 tokens (a feature
     head: random target features of its width at every position)."""
     rng = np.random.default_rng(seed)
-    tokens_BL = jnp.asarray(rng.integers(0, target.vocab_size, (batch, capacity)), jnp.int32)
+    tokens_BS = jnp.asarray(rng.integers(0, target.vocab_size, (batch, capacity)), jnp.int32)
     lengths_B = jnp.full((batch,), ctx, jnp.int32)
     layers = tuple(getattr(drafter, "feature_layers", ()) or ())
     features = None
@@ -148,10 +148,10 @@ def propose_cost(target, drafter, draft_params, gamma: int, sampling, *, ctx: in
         width = len(layers) * target.config.hidden_size
         features = jnp.asarray(rng.standard_normal((batch, capacity, width)), jnp.float32)
         state = jax.jit(lambda dp, t, n, f: drafter.init(dp, t, n, capacity, features_BPF=f))(
-            draft_params, tokens_BL[:, :ctx], lengths_B, features[:, :ctx])
+            draft_params, tokens_BS[:, :ctx], lengths_B, features[:, :ctx])
     else:
-        state = jax.jit(lambda dp, t, n: drafter.init(dp, t, n, capacity))(draft_params, tokens_BL[:, :ctx], lengths_B)
-    context = drafters.DraftContext(tokens_BL=tokens_BL, lengths_B=lengths_B,
+        state = jax.jit(lambda dp, t, n: drafter.init(dp, t, n, capacity))(draft_params, tokens_BS[:, :ctx], lengths_B)
+    context = drafters.DraftContext(tokens_BS=tokens_BS, lengths_B=lengths_B,
                                     target_cache=target.init_cache(batch, capacity).rollback(ctx - 1),
                                     features=features)
     keys = decoding.request_keys(jax.random.key(seed), list(range(batch)))

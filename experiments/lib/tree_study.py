@@ -225,7 +225,7 @@ def main(c, module: str = "experiments.bench_trees.run"):
                     tested_at = np.asarray(m.tested_at_BG[0]).tolist()
                     tot["accepted_at"] = [a + b2 for a, b2 in zip(tot.get("accepted_at", [0] * len(acc_at)), acc_at)]
                     tot["tested_at"] = [a + b2 for a, b2 in zip(tot.get("tested_at", [0] * len(tested_at)), tested_at)]
-                    k = np.asarray(m.gamma_rounds_K)
+                    k = np.asarray(m.gamma_rounds_Z)
                     gamma_rounds = k if gamma_rounds is None else gamma_rounds + k
                     pr = w.prompts[len(per_prompt)]
                     per_prompt.append(dict(question_id=pr.question_id, category=pr.category, seconds=t,

@@ -25,12 +25,12 @@ for name in ("target-only", "adaptive pinned to gamma 0", "target-only again"):
     for p in prompts:
         batch = gen.batch([p], jax.random.key(0))
         pre = gen.prefill(batch)
-        jax.block_until_ready(gen.engine.run(gen.params, greedy, batch, rt, prefill=pre).tokens_BL)
+        jax.block_until_ready(gen.engine.run(gen.params, greedy, batch, rt, prefill=pre).tokens_BS)
         t = time.perf_counter()
         out = jax.block_until_ready(gen.engine.run(gen.params, greedy, batch, rt, prefill=pre))
         secs += time.perf_counter() - t
         toks += len(out.generated()[0])
-        g0 += int(np.asarray(out.metrics.gamma_rounds_K)[0])
+        g0 += int(np.asarray(out.metrics.gamma_rounds_Z)[0])
     res[name] = (toks / secs, toks, g0)
     print(name, f"{toks / secs:.1f} tok/s, {toks} tokens, gamma-0 rounds {g0}", flush=True)
 print(open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0])

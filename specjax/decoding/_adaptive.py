@@ -71,27 +71,27 @@ class PolicyState:
     alpha_R: jnp.ndarray           # float32 [R]: acceptance estimate
     index_R: jnp.ndarray           # int32 [R]: the current gamma's index in `gammas`
     since_probe_R: jnp.ndarray     # int32 [R]: rounds spent at gamma = 0 since last probe
-    round_time_RG: jnp.ndarray     # float32 [R, len(gammas)]: seconds (or relative cost) of a round
+    round_time_RZ: jnp.ndarray     # float32 [R, len(gammas)]: seconds (or relative cost) of a round
 
 
-def init_policy(policy: AdaptiveGamma, round_time_RG) -> PolicyState:
+def init_policy(policy: AdaptiveGamma, round_time_RZ) -> PolicyState:
     """Start at the largest gamma with the prior acceptance estimate, in every regime."""
-    rt = jnp.asarray(round_time_RG, jnp.float32)
+    rt = jnp.asarray(round_time_RZ, jnp.float32)
     if rt.ndim != 2 or rt.shape[1] != len(policy.gammas):
         raise ValueError(f"round times must be [regimes, {len(policy.gammas)}], got shape {rt.shape}")
     R = rt.shape[0]
     return PolicyState(alpha_R=jnp.full((R,), policy.initial_alpha, jnp.float32),
                        index_R=jnp.full((R,), len(policy.gammas) - 1, jnp.int32),
-                       since_probe_R=jnp.zeros((R,), jnp.int32), round_time_RG=rt)
+                       since_probe_R=jnp.zeros((R,), jnp.int32), round_time_RZ=rt)
 
 
-def expected_tokens(alpha, gamma_G):
+def expected_tokens(alpha, gamma_Z):
     """(1 - a^(g+1)) / (1 - a), with the a -> 1 limit g + 1."""
     alpha = jnp.clip(alpha, 0.0, 1.0)
     near_one = alpha > 1.0 - 1e-6
     safe = jnp.where(near_one, 0.5, alpha)
-    val = (1.0 - safe ** (gamma_G + 1)) / (1.0 - safe)
-    return jnp.where(near_one, gamma_G + 1.0, val)
+    val = (1.0 - safe ** (gamma_Z + 1)) / (1.0 - safe)
+    return jnp.where(near_one, gamma_Z + 1.0, val)
 
 
 def expected_per_candidate(alpha, candidates):
@@ -114,9 +114,9 @@ def choose(policy: AdaptiveGamma, state: PolicyState, regime=0):
     """(index of the gamma to run this round, whether it is a probe out of gamma = 0), for a
     round in ``regime`` (traced int32 scalar)."""
     alpha, current = state.alpha_R[regime], state.index_R[regime]
-    per_token_G = state.round_time_RG[regime] / expected_per_candidate(alpha, policy.gammas)
-    best = jnp.argmin(per_token_G).astype(jnp.int32)
-    keep = per_token_G[best] > (1.0 - policy.hysteresis) * per_token_G[current]
+    per_token_Z = state.round_time_RZ[regime] / expected_per_candidate(alpha, policy.gammas)
+    best = jnp.argmin(per_token_Z).astype(jnp.int32)
+    keep = per_token_Z[best] > (1.0 - policy.hysteresis) * per_token_Z[current]
     chosen = jnp.where(keep, current, best)
     positive = [i for i, g in enumerate(policy.gammas) if not _is_zero(g)]
     probe = jnp.zeros((), bool)

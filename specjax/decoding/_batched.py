@@ -123,7 +123,7 @@ def generate_batched(engine: Engine, params: EngineParams, prompts: Sequence[Seq
         t0 = time.perf_counter()
         with wrap("prefill"):
             pre = engine.prefill(params, batch)
-            jax.block_until_ready((pre.target_cache, pre.draft_state, pre.features_BLF))
+            jax.block_until_ready((pre.target_cache, pre.draft_state, pre.features_BSF))
         t1 = time.perf_counter()
         with wrap("decode"):
             out = jax.device_get(engine.run(params, sampling, batch, prefill=pre))

@@ -247,39 +247,39 @@ class Engine(RoundStages):
         out = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
                              self.config.prefill_chunk, start_bound=0, feature_layers=layers)
         cache, f_BPF = out if layers else (out, None)
-        features_BLF = (None if f_BPF is None else
+        features_BSF = (None if f_BPF is None else
                         jnp.zeros((B, capacity, f_BPF.shape[-1]), f_BPF.dtype).at[:, :prompt_BP.shape[1]].set(f_BPF))
         draft_state = (self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
                        if with_draft and self.config.max_gamma > 0 else None)
-        return cache, draft_state, features_BLF
+        return cache, draft_state, features_BSF
 
     def _drafter_init(self, params, prompt_BP, prompt_lengths_B, capacity, f_BPF):
         if self.feature_layers:
             return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity, features_BPF=f_BPF)
         return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
 
-    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity, pre=None):
+    def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None):
         """The loop state after prefill; ``pre`` = (target cache, drafter state or None) from
         `prefill` skips the target's prefill (and the drafter's, when its state is given)."""
         B, P = prompt_BP.shape
-        tokens_BL = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
+        tokens_BS = jnp.full((B, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_BP)
         if pre is None:
-            cache, draft_state, features_BLF = self._prefill(params, prompt_BP, prompt_lengths_B, capacity)
+            cache, draft_state, features_BSF = self._prefill(params, prompt_BP, prompt_lengths_B, capacity)
         else:
-            cache, draft_state, features_BLF = pre
+            cache, draft_state, features_BSF = pre
             if self.config.max_gamma == 0:
                 draft_state = None
             elif draft_state is None:
-                f_BPF = None if features_BLF is None else features_BLF[:, :P]
+                f_BPF = None if features_BSF is None else features_BSF[:, :P]
                 draft_state = self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
             if not self.feature_layers:
-                features_BLF = None
-        policy = _adaptive.init_policy(self.config.gamma, round_time_RG) if self.config.adaptive else None
-        return self._constrain(LoopState(tokens_BL=tokens_BL, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
+                features_BSF = None
+        policy = _adaptive.init_policy(self.config.gamma, round_time_RZ) if self.config.adaptive else None
+        return self._constrain(LoopState(tokens_BS=tokens_BS, lengths_B=prompt_lengths_B, prompt_lengths_B=prompt_lengths_B,
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
                          draft_state=draft_state, key_B=key_B,
                          metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
-                         policy=policy, round=jnp.int32(0), features_BLF=features_BLF))
+                         policy=policy, round=jnp.int32(0), features_BSF=features_BSF))
 
     def _constrain(self, state):
         """The loop state pinned to the mesh (identity without one; `sharding.constrain_loop_state`)."""
@@ -312,8 +312,8 @@ class Engine(RoundStages):
                                                     self.mesh, self.rules or sharding.DEFAULT_RULES)
         return Batch(prompt, lengths, keys, batch.capacity)
 
-    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity, pre=None):
-        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RG, capacity=capacity, pre=pre)
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None):
+        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity=capacity, pre=pre)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
 
         def cond(s):
@@ -367,7 +367,7 @@ class Engine(RoundStages):
     _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
     _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
 
-    def _round_time_RG(self, round_time_s):
+    def _round_time_RZ(self, round_time_s):
         """[regimes, gammas] round times for the policy (`calibration.round_time_table`)."""
         return jnp.asarray(calibration.round_time_table(round_time_s, self.config.gammas, self.regimes))
 
@@ -421,11 +421,11 @@ class Engine(RoundStages):
         ``prefill=`` to `init` / `run` / `stream` / `round_times` of this engine or of another
         with the same target (e.g. `Generator.target_only`), so a prompt is prefilled once."""
         self._check(batch)
-        cache, draft_state, features_BLF = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
+        cache, draft_state, features_BSF = self._prefill_jit(params, batch.prompt_BP, batch.prompt_lengths_B,
                                                              capacity=batch.capacity, with_draft=True)
         return Prefill(batch=batch, target=self.target,
                        drafter=self.drafter if self.config.max_gamma > 0 else None,
-                       target_cache=cache, draft_state=draft_state, features_BLF=features_BLF)
+                       target_cache=cache, draft_state=draft_state, features_BSF=features_BSF)
 
     def _pre(self, batch: Batch, prefill: Prefill | None):
         """(target cache, drafter state or None) of a `Prefill` checked against this engine and
@@ -442,18 +442,18 @@ class Engine(RoundStages):
             raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
                              "make one with engine.prefill(params, batch) for this batch")
         same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter
-        if self.feature_layers and (prefill.features_BLF is None or not same_drafter):
+        if self.feature_layers and (prefill.features_BSF is None or not same_drafter):
             raise ValueError("this prefill was not made for this engine's feature head (it holds no target "
                              "features, or features for another drafter): make it with this engine's prefill "
                              "(or let the run prefill)")
-        return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BLF
+        return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BSF
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:
         """Prefill the target (and the drafter) on the batch, or take ``prefill``: the state
         `step` advances."""
         self._check(batch)
         return self._init_jit(params, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                              self._round_time_RG(round_time_s), capacity=batch.capacity,
+                              self._round_time_RZ(round_time_s), capacity=batch.capacity,
                               pre=self._pre(batch, prefill))
 
     def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
@@ -473,7 +473,7 @@ class Engine(RoundStages):
         """The whole generation in one jitted `lax.while_loop`, fully on device."""
         self._check(batch)
         return self._run_jit(params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                             self._round_time_RG(round_time_s), capacity=batch.capacity,
+                             self._round_time_RZ(round_time_s), capacity=batch.capacity,
                              pre=self._pre(batch, prefill))
 
     def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
@@ -503,7 +503,7 @@ class Engine(RoundStages):
                 state, commit = self._chosen_round_jit(params, sampling, index, state)
             c = jax.device_get(commit)
             index = None if c.next_index is None else int(c.next_index)
-            new_tokens = [c.tokens_BK[b, :c.n_B[b]].tolist() for b in range(c.n_B.shape[0])]
+            new_tokens = [c.tokens_BC[b, :c.n_B[b]].tolist() for b in range(c.n_B.shape[0])]
             last = bool(np.all(c.done_B)) or r == max_rounds
             yield StreamEvent(round=r, new_tokens=new_tokens, done=[bool(d) for d in c.done_B],
                               elapsed_s=time.perf_counter() - t0,

@@ -83,8 +83,8 @@ class RoundStages:
         B = state.lengths_B.shape[0]
         if self.regimes == 1:
             return jnp.int32(0), jnp.zeros((B,), jnp.int32)
-        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, target_cache=state.target_cache,
-                               features=state.features_BLF, active_B=~state.done_B)
+        context = DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B, target_cache=state.target_cache,
+                               features=state.features_BSF, active_B=~state.done_B)
         regime_B = self.drafter.regime_B(context).astype(jnp.int32)
         return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
 
@@ -98,12 +98,12 @@ class RoundStages:
         return self.target.apply_with_features(params.target, block_BT, cache, tree=tree, layers=self.feature_layers)
 
     def _propose(self, params, state: LoopState, key_B, gamma, sampling):
-        B = state.tokens_BL.shape[0]
+        B = state.tokens_BS.shape[0]
         if gamma == 0:
             return (jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, self.target.vocab_size), jnp.float32),
                     state.draft_state)
-        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B,
-                               target_cache=state.target_cache, features=state.features_BLF, active_B=~state.done_B)
+        context = DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B,
+                               target_cache=state.target_cache, features=state.features_BSF, active_B=~state.done_B)
         return self.drafter.propose(params.draft, state.draft_state, context, key_B, gamma, sampling)
 
     def _sanitize(self, logits_BG1V, p_BG1V, draft_BG, q_BGV):
@@ -175,21 +175,21 @@ class RoundStages:
         done_B = state.done_B | nan_B | hit_eos_B | reached_max_B
         return n_commit_B, status_B, done_B, active_B & ~nan_B
 
-    def _finish(self, state, choice, *, committed_BD1, n_acc_B, bad_path_BD1, bad_q_B, degenerate_B, tested_BD,
-                tested_accept_BD, proposed_B, draft_passes, scored, next_key_B, commit_caches, f_block_BXF):
+    def _finish(self, state, choice, *, committed_BA1, n_acc_B, bad_path_BA1, bad_q_B, degenerate_B, tested_BA,
+                tested_accept_BA, proposed_B, draft_passes, scored, next_key_B, commit_caches, f_block_BXF):
         """The end of every round, chain or tree: how many of the verified tokens each row commits
         (`_truncate`), the caches cut to the committed prefix (``commit_caches(n_commit_B,
         new_L_B) -> (target_cache, draft_state)``), the tokens and features written, the
         counters, and the `Commit` -> (state, Commit, tested_sum_B, tested_n_B).
 
-        Per row: ``committed_BD1`` the verifier's tokens along the accepted path (D = gamma or
-        the tree's depth), ``n_acc_B`` its accepted drafts (0 for a bad-q row), ``bad_path_BD1``
-        the unusable target positions along it (`_sanitize`), ``tested_BD`` /
-        ``tested_accept_BD`` which draft positions reached verification and their acceptance
+        Per row: ``committed_BA1`` the verifier's tokens along the accepted path (A = gamma or
+        the tree's depth), ``n_acc_B`` its accepted drafts (0 for a bad-q row), ``bad_path_BA1``
+        the unusable target positions along it (`_sanitize`), ``tested_BA`` /
+        ``tested_accept_BA`` which draft positions reached verification and their acceptance
         probability min(1, p/q) (what adaptive gamma learns from: E_{x~q}[min(1, p(x)/q(x))] =
         sum_x min(p, q), Leviathan et al. 2023, Def. 3.1), ``proposed_B`` the drafted tokens,
         ``f_block_BXF`` the target's features along the path (None without a feature head)."""
-        n_commit_B, status_B, done_B, live_B = self._truncate(state, n_acc_B, committed_BD1, bad_path_BD1)
+        n_commit_B, status_B, done_B, live_B = self._truncate(state, n_acc_B, committed_BA1, bad_path_BA1)
         L_B = state.lengths_B
         new_L_B = L_B + n_commit_B
         target_cache, draft_state = commit_caches(n_commit_B, new_L_B)
@@ -200,7 +200,7 @@ class RoundStages:
         n_acc_B = jnp.where(drafted_B, n_acc_B, 0)
         G = self.config.max_gamma
         accepted_at_BG = (jnp.arange(G)[None] < n_acc_B[:, None]) & drafted_B[:, None]
-        tested_BD = tested_BD & drafted_B[:, None]
+        tested_BA = tested_BA & drafted_B[:, None]
         metrics = Metrics(
             rounds_B=m.rounds_B + active_B.astype(jnp.int32),
             draft_passes_B=m.draft_passes_B + active_B.astype(jnp.int32) * draft_passes,
@@ -209,29 +209,29 @@ class RoundStages:
             committed_B=m.committed_B + n_commit_B,
             degenerate_residual_B=m.degenerate_residual_B + jnp.where(live_B, degenerate_B, 0),
             accepted_at_BG=m.accepted_at_BG + accepted_at_BG.astype(jnp.int32),
-            tested_at_BG=m.tested_at_BG + jnp.pad(tested_BD.astype(jnp.int32), ((0, 0), (0, G - tested_BD.shape[1]))),
-            gamma_rounds_K=m.gamma_rounds_K + self._onehot(choice),
+            tested_at_BG=m.tested_at_BG + jnp.pad(tested_BA.astype(jnp.int32), ((0, 0), (0, G - tested_BA.shape[1]))),
+            gamma_rounds_Z=m.gamma_rounds_Z + self._onehot(choice),
             invalid_draft_rounds_B=m.invalid_draft_rounds_B + (live_B & bad_q_B).astype(jnp.int32),
             scored_B=m.scored_B + active_B.astype(jnp.int32) * scored,
         )
-        tested_sum_B = jnp.sum(jnp.where(tested_BD, tested_accept_BD, 0.0), axis=1)
-        tested_n_B = jnp.sum(tested_BD, axis=1).astype(jnp.int32)
+        tested_sum_B = jnp.sum(jnp.where(tested_BA, tested_accept_BA, 0.0), axis=1)
+        tested_n_B = jnp.sum(tested_BA, axis=1).astype(jnp.int32)
 
         K = G + 1
-        committed_BK = jnp.pad(committed_BD1, ((0, 0), (0, K - committed_BD1.shape[1])), constant_values=PAD_ID)
+        committed_BC = jnp.pad(committed_BA1, ((0, 0), (0, K - committed_BA1.shape[1])), constant_values=PAD_ID)
         new_state = state.replace(
-            tokens_BL=_write_rows(state.tokens_BL, committed_BK, L_B, n_commit_B), lengths_B=new_L_B,
+            tokens_BS=_write_rows(state.tokens_BS, committed_BC, L_B, n_commit_B), lengths_B=new_L_B,
             done_B=done_B, status_B=status_B, target_cache=target_cache, draft_state=draft_state,
             key_B=next_key_B, metrics=metrics, round=state.round + 1,
             # The path's features land at its positions L-1 ..; those past the new committed
-            # length are garbage until overwritten (never read: see LoopState.features_BLF).
-            features_BLF=None if f_block_BXF is None else _write_block(state.features_BLF, f_block_BXF, L_B - 1))
-        commit = Commit(tokens_BK=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BK, PAD_ID),
+            # length are garbage until overwritten (never read: see LoopState.features_BSF).
+            features_BSF=None if f_block_BXF is None else _write_block(state.features_BSF, f_block_BXF, L_B - 1))
+        commit = Commit(tokens_BC=jnp.where(jnp.arange(K)[None] < n_commit_B[:, None], committed_BC, PAD_ID),
                         start_B=L_B, n_B=n_commit_B, done_B=done_B)
         return new_state, commit, tested_sum_B, tested_n_B
 
     def _onehot(self, proposal):
-        """Counts one round of this candidate (`Metrics.gamma_rounds_K`)."""
+        """Counts one round of this candidate (`Metrics.gamma_rounds_Z`)."""
         return (jnp.arange(len(self.config.gammas)) == self.config.gammas.index(proposal)).astype(jnp.int32)
 
     def _round(self, params: EngineParams, sampling, gamma, state: LoopState):
@@ -242,7 +242,7 @@ class RoundStages:
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
         draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
         L_B = state.lengths_B
-        last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
+        last_B = jnp.take_along_axis(state.tokens_BS, (L_B - 1)[:, None], axis=1)[:, 0]
 
         draft_BG, q_BGV, draft_state = self._propose(params, state, draft_key_B, gamma, sampling)
         block_BG1 = jnp.concatenate([last_B[:, None], draft_BG], axis=1)
@@ -259,10 +259,10 @@ class RoundStages:
                     self.drafter.commit(draft_state, new_L_B) if gamma > 0 else draft_state)
 
         return self._finish(
-            state, gamma, committed_BD1=res.committed_BG1, n_acc_B=res.n_accepted_B, bad_path_BD1=bad_p_BG1,
+            state, gamma, committed_BA1=res.committed_BG1, n_acc_B=res.n_accepted_B, bad_path_BA1=bad_p_BG1,
             bad_q_B=bad_q_B, degenerate_B=res.degenerate_residual_B,
-            tested_BD=jnp.arange(gamma)[None] <= res.n_accepted_B[:, None],
-            tested_accept_BD=jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30)), proposed_B=gamma,
+            tested_BA=jnp.arange(gamma)[None] <= res.n_accepted_B[:, None],
+            tested_accept_BA=jnp.minimum(1.0, px_BG / jnp.maximum(qx_BG, 1e-30)), proposed_B=gamma,
             draft_passes=0 if gamma == 0 else self.drafter.forward_passes(gamma), scored=gamma + 1,
             next_key_B=next_key_B, commit_caches=commit_caches, f_block_BXF=f_BG1F)
 
@@ -276,16 +276,16 @@ class RoundStages:
         L_B = state.lengths_B
         B = L_B.shape[0]
         V = self.target.vocab_size
-        D = tree.max_depth
-        last_B = jnp.take_along_axis(state.tokens_BL, (L_B - 1)[:, None], axis=1)[:, 0]
-        context = DraftContext(tokens_BL=state.tokens_BL, lengths_B=L_B, target_cache=state.target_cache,
-                               features=state.features_BLF, active_B=~state.done_B)
+        A = tree.max_depth
+        last_B = jnp.take_along_axis(state.tokens_BS, (L_B - 1)[:, None], axis=1)[:, 0]
+        context = DraftContext(tokens_BS=state.tokens_BS, lengths_B=L_B, target_cache=state.target_cache,
+                               features=state.features_BSF, active_B=~state.done_B)
         draft, q_BN1V, draft_state = self.drafter.propose_tree(
             params.draft, state.draft_state, context, draft_key_B, tree, sampling, self.config.tree_children)
         N = draft.num_nodes
 
         block_BT = jnp.concatenate([last_B[:, None], draft.tokens_BN], axis=1)
-        visible_BTT = trees_lib.ancestor_mask(draft.parents_BN, draft.valid_BN, D)
+        visible_BTT = trees_lib.ancestor_mask(draft.parents_BN, draft.valid_BN, A)
         rel_BT = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft.depths_BN], axis=1)
         logits_BTV, f_BTF, target_cache = self._target_forward(params, block_BT, state.target_cache,
                                                                tree=models.TreeBlock(rel_BT, visible_BTT))
@@ -310,29 +310,29 @@ class RoundStages:
         res = jax.vmap(lambda k, t, q, p: jax.tree.map(lambda x: x[0], verifier(k, jax.tree.map(one, t), q[None], p[None])))(
             verify_key_B, draft, q_BN1V, p_BTV)
         fresh_B = _fresh_tokens(sampling, verify_key_B, p_BTV[:, 0], bad_q_B)
-        fresh_BD1 = jnp.full((B, D + 1), verify_lib.PAD_TOKEN, jnp.int32).at[:, 0].set(fresh_B)
+        fresh_BA1 = jnp.full((B, A + 1), verify_lib.PAD_TOKEN, jnp.int32).at[:, 0].set(fresh_B)
         n_acc_B = jnp.where(bad_q_B, 0, res.n_accepted_B)
-        path_BD = jnp.where(bad_q_B[:, None], -1, res.path_BD)
-        committed_BD1 = jnp.where(bad_q_B[:, None], fresh_BD1, res.committed_BD1)
+        path_BA = jnp.where(bad_q_B[:, None], -1, res.path_BA)
+        committed_BA1 = jnp.where(bad_q_B[:, None], fresh_BA1, res.committed_BA1)
         degenerate_B = jnp.where(bad_q_B, 0, res.degenerate_residual_B)
 
         # Non-finite logits along the path (root, then the accepted nodes): from the first one on.
-        pos_BD1 = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path_BD, -1) + 1], axis=1)
-        bad_path_BD1 = jnp.take_along_axis(bad_p_BT, pos_BD1, axis=1) & (jnp.arange(D + 1)[None] <= n_acc_B[:, None])
-        bad_path_BD1 = jnp.cumsum(bad_path_BD1, axis=1) > 0
+        pos_BA1 = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path_BA, -1) + 1], axis=1)
+        bad_path_BA1 = jnp.take_along_axis(bad_p_BT, pos_BA1, axis=1) & (jnp.arange(A + 1)[None] <= n_acc_B[:, None])
+        bad_path_BA1 = jnp.cumsum(bad_path_BA1, axis=1) > 0
 
         def commit_caches(n_commit_B, new_L_B):
             # The root and the committed nodes, in path order, to the committed slots.
             nodes_B = jnp.minimum(n_acc_B, n_commit_B)
-            slots_BD = (jnp.full((B, D), -1, jnp.int32) if draft.draft_slots_BN is None else
-                        jnp.where(path_BD >= 0, jnp.take_along_axis(draft.draft_slots_BN, jnp.maximum(path_BD, 0), axis=1), -1))
-            accepted = trees_lib.AcceptedPath(nodes_BD=path_BD, num_B=nodes_B, draft_slots_BD=slots_BD)
-            return target_cache.commit_path(pos_BD1, n_commit_B), self.drafter.commit(draft_state, new_L_B, accepted)
+            slots_BA = (jnp.full((B, A), -1, jnp.int32) if draft.draft_slots_BN is None else
+                        jnp.where(path_BA >= 0, jnp.take_along_axis(draft.draft_slots_BN, jnp.maximum(path_BA, 0), axis=1), -1))
+            accepted = trees_lib.AcceptedPath(nodes_BA=path_BA, num_B=nodes_B, draft_slots_BA=slots_BA)
+            return target_cache.commit_path(pos_BA1, n_commit_B), self.drafter.commit(draft_state, new_L_B, accepted)
 
-        # A feature head's features: the root's and the accepted nodes' (the path, in block order pos_BD1).
-        f_path_BD1F = None if f_BTF is None else jnp.take_along_axis(f_BTF, pos_BD1[..., None], axis=1)
+        # A feature head's features: the root's and the accepted nodes' (the path, in block order pos_BA1).
+        f_path_BA1F = None if f_BTF is None else jnp.take_along_axis(f_BTF, pos_BA1[..., None], axis=1)
         return self._finish(
-            state, tree, committed_BD1=committed_BD1, n_acc_B=n_acc_B, bad_path_BD1=bad_path_BD1, bad_q_B=bad_q_B,
-            degenerate_B=degenerate_B, tested_BD=res.tested_BD, tested_accept_BD=res.tested_accept_BD,
+            state, tree, committed_BA1=committed_BA1, n_acc_B=n_acc_B, bad_path_BA1=bad_path_BA1, bad_q_B=bad_q_B,
+            degenerate_B=degenerate_B, tested_BA=res.tested_BA, tested_accept_BA=res.tested_accept_BA,
             proposed_B=jnp.sum(draft.valid_BN, axis=1), draft_passes=self.drafter.tree_forward_passes(tree),
-            scored=N + 1, next_key_B=next_key_B, commit_caches=commit_caches, f_block_BXF=f_path_BD1F)
+            scored=N + 1, next_key_B=next_key_B, commit_caches=commit_caches, f_block_BXF=f_path_BA1F)

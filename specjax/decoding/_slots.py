@@ -18,24 +18,24 @@ def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths
     """The state with row ``slot`` (traced) holding a fresh request: its prompt prefilled into
     that row of the target cache (and the drafter's state, and the features), its tokens,
     lengths, status, key and per-row counters reset; other rows and the batch-wide entries
-    (adaptive policy, round, gamma_rounds_K) untouched."""
-    capacity = state.tokens_BL.shape[1]
+    (adaptive policy, round, gamma_rounds_Z) untouched."""
+    capacity = state.tokens_BS.shape[1]
     P = prompt_1P.shape[1]
     cache_1, draft_1, features_1 = engine._prefill(params, prompt_1P, prompt_lengths_1, capacity)
     row = lambda big, one: None if one is None else _set_rows(big, one, slot)    # noqa: E731
     set_at = lambda x_B, v: x_B.at[slot].set(v)                                    # noqa: E731
     m = state.metrics
     metrics = m.replace(**{f.name: getattr(m, f.name).at[slot].set(0) for f in dataclasses.fields(m)
-                           if f.name != "gamma_rounds_K"})       # the batch-wide count stays
+                           if f.name != "gamma_rounds_Z"})       # the batch-wide count stays
     return engine._constrain(state.replace(
-        tokens_BL=row(state.tokens_BL, jnp.full((1, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_1P)),
+        tokens_BS=row(state.tokens_BS, jnp.full((1, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_1P)),
         lengths_B=set_at(state.lengths_B, prompt_lengths_1[0]),
         prompt_lengths_B=set_at(state.prompt_lengths_B, prompt_lengths_1[0]),
         done_B=set_at(state.done_B, False), status_B=set_at(state.status_B, RUNNING),
         target_cache=row(state.target_cache, cache_1),
         draft_state=row(state.draft_state, draft_1) if engine.config.max_gamma > 0 else state.draft_state,
         key_B=row(state.key_B, key_1), metrics=metrics,
-        features_BLF=row(state.features_BLF, features_1) if engine.feature_layers else state.features_BLF))
+        features_BSF=row(state.features_BSF, features_1) if engine.feature_layers else state.features_BSF))
 
 
 _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(refill_row)
@@ -66,7 +66,7 @@ def refill(engine, params: EngineParams, state: LoopState, slot: int, prompt: Ba
     tokens, up to float rounding that depends on the batch shape: a greedy near-tie or a
     uniform draw at a CDF boundary can flip); the request's checks (ids, context length,
     capacity) run first."""
-    capacity = int(state.tokens_BL.shape[1])
+    capacity = int(state.tokens_BS.shape[1])
     if np.shape(prompt.prompt_BP)[0] != 1:
         raise ValueError(f"refill takes a one-row batch, got {np.shape(prompt.prompt_BP)[0]} rows")
     if prompt.capacity != capacity:

@@ -44,7 +44,7 @@ class Metrics:
     degenerate_residual_B: jax.Array
     accepted_at_BG: jax.Array     # accepted at draft position j
     tested_at_BG: jax.Array       # draft position j reached verification
-    gamma_rounds_K: jax.Array     # rounds run with each configured gamma (batch-wide)
+    gamma_rounds_Z: jax.Array     # rounds run with each configured gamma (batch-wide)
     invalid_draft_rounds_B: jax.Array  # rounds whose draft q was not a distribution (proposals discarded)
     scored_B: jax.Array
 
@@ -78,7 +78,7 @@ class Metrics:
             "mean_accepted_tokens_per_pass": float(m.committed_B.sum()) / max(passes, 1),
             "acceptance_rate": float(m.accepted_B.sum()) / max(int(m.proposed_B.sum()), 1),
             "acceptance_per_position": [float(a) / max(int(t), 1) for a, t in zip(m.accepted_at_BG.sum(0), tested_G)],
-            "rounds_per_gamma": [int(x) for x in m.gamma_rounds_K],
+            "rounds_per_gamma": [int(x) for x in m.gamma_rounds_Z],
             "invalid_draft_rounds": int(m.invalid_draft_rounds_B.sum()),
             "tokens_scored_per_pass": float(m.scored_B.sum()) / max(passes, 1),
         }
@@ -86,7 +86,7 @@ class Metrics:
 
 @struct.dataclass
 class LoopState:
-    tokens_BL: jax.Array
+    tokens_BS: jax.Array
     lengths_B: jax.Array
     prompt_lengths_B: jax.Array
     done_B: jax.Array
@@ -100,16 +100,16 @@ class LoopState:
     # The target's hidden features per committed position [B, capacity, F] for a feature-level
     # draft head (None otherwise): positions < lengths_B - 1 are valid, later ones garbage
     # (rolled back with the caches by the lengths alone).
-    features_BLF: Any = None
+    features_BSF: Any = None
 
 
 @struct.dataclass
 class Commit:
-    """What one round wrote: tokens_BK (K = max_gamma + 1; slots >= n_B are padding) at
+    """What one round wrote: tokens_BC (K = max_gamma + 1; slots >= n_B are padding) at
     slots [start_B, start_B + n_B) of each row. Small: the stream copies only this to the host.
     Under adaptive gamma `stream` also carries the policy's choice for the next round
     (``next_index``, an index into `GenerationConfig.gammas`), which it dispatches on."""
-    tokens_BK: jax.Array
+    tokens_BC: jax.Array
     start_B: jax.Array
     n_B: jax.Array
     done_B: jax.Array
@@ -118,7 +118,7 @@ class Commit:
 
 @struct.dataclass
 class GenerateOutput:
-    tokens_BL: jax.Array          # prompt followed by generated tokens, PAD_ID after lengths
+    tokens_BS: jax.Array          # prompt followed by generated tokens, PAD_ID after lengths
     lengths_B: jax.Array
     prompt_lengths_B: jax.Array
     status_B: jax.Array
@@ -127,11 +127,11 @@ class GenerateOutput:
 
     @classmethod
     def from_state(cls, state: LoopState) -> "GenerateOutput":
-        return cls(tokens_BL=state.tokens_BL, lengths_B=state.lengths_B, prompt_lengths_B=state.prompt_lengths_B,
+        return cls(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B, prompt_lengths_B=state.prompt_lengths_B,
                    status_B=state.status_B, metrics=state.metrics, policy=state.policy)
 
     def generated(self) -> list[list[int]]:
-        toks, lens, plens = (np.asarray(x) for x in (self.tokens_BL, self.lengths_B, self.prompt_lengths_B))
+        toks, lens, plens = (np.asarray(x) for x in (self.tokens_BS, self.lengths_B, self.prompt_lengths_B))
         return [toks[b, plens[b]:lens[b]].tolist() for b in range(toks.shape[0])]
 
     def statuses(self) -> list[str]:
@@ -164,7 +164,7 @@ class Prefill:
     drafter: Any                    # the drafter whose state it holds, or None
     target_cache: Any
     draft_state: Any = None
-    features_BLF: Any = None        # the target's prompt features, when the drafter reads them
+    features_BSF: Any = None        # the target's prompt features, when the drafter reads them
 
     def repeat(self, batch: Batch) -> "Prefill":
         """This one-row prefill as the prefill of `batch`, whose every row is that one prompt
@@ -182,7 +182,7 @@ class Prefill:
                              "capacity)")
         return dataclasses.replace(self, batch=batch, target_cache=_repeat_rows(self.target_cache, n),
                                    draft_state=_repeat_rows(self.draft_state, n),
-                                   features_BLF=_repeat_rows(self.features_BLF, n))
+                                   features_BSF=_repeat_rows(self.features_BSF, n))
 
 
 def _map_rows(fn, *trees):
@@ -230,19 +230,19 @@ class StreamEvent:
     output: GenerateOutput | None = None   # set on the last event only
 
 
-def _write_block(buf_BLF, block_BTF, start_B):
+def _write_block(buf_BSF, block_BTF, start_B):
     """buf[b, start_b + t] = block[b, t] for every t (the caller guarantees the room)."""
     return jax.vmap(lambda row, blk, s: jax.lax.dynamic_update_slice(row, blk.astype(row.dtype), (s, 0)))(
-        buf_BLF, block_BTF, start_B)
+        buf_BSF, block_BTF, start_B)
 
 
-def _write_rows(buf_BL, block_BK, start_B, n_B):
+def _write_rows(buf_BS, block_BC, start_B, n_B):
     """buf[b, start_b + j] = block[b, j] for j < n_b; other slots unchanged."""
-    K = block_BK.shape[1]
+    K = block_BC.shape[1]
 
-    def one(row_L, blk_K, start, n):
-        old_K = jax.lax.dynamic_slice(row_L, (start,), (K,))
-        new_K = jnp.where(jnp.arange(K) < n, blk_K, old_K)
-        return jax.lax.dynamic_update_slice(row_L, new_K.astype(row_L.dtype), (start,))
+    def one(row_S, blk_C, start, n):
+        old_C = jax.lax.dynamic_slice(row_S, (start,), (K,))
+        new_C = jnp.where(jnp.arange(K) < n, blk_C, old_C)
+        return jax.lax.dynamic_update_slice(row_S, new_C.astype(row_S.dtype), (start,))
 
-    return jax.vmap(one)(buf_BL, block_BK, start_B, n_B)
+    return jax.vmap(one)(buf_BS, block_BC, start_B, n_B)

@@ -209,7 +209,7 @@ def _batched_forward(fn, target_params, seqs: SequenceSet, *, tokens_per_batch: 
     each in the narrowest width bucket that holds it (cut at the widest), ``tokens_per_batch //
     W`` rows a batch (a bucket's last batch: its rows rounded up to a multiple of 8, so a small
     set, e.g. an on-policy refresh, does not pay for a full batch of padding rows);
-    ``emit(i, out_WX)`` receives sequence i's row (of each output)."""
+    ``emit(i, out_TX)`` receives sequence i's row (of each output)."""
     by_width: dict[int, list[int]] = {}
     for i, t in enumerate(seqs.tokens):
         by_width.setdefault(_width_for(len(t), widths), []).append(i)
@@ -258,14 +258,14 @@ def _features_and_final_hidden(target, layers, params, tokens_BT):
 
 
 def _teacher_sink(target, seqs: SequenceSet, max_width: int):
-    """(the teacher-state array, emit(i, h_WD) filling sequence i's loss positions)."""
+    """(the teacher-state array, emit(i, h_TD) filling sequence i's loss positions)."""
     counts = _clipped_loss_counts(seqs, max_width)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     out = np.zeros((int(offsets[-1]), target.config.hidden_size), np.float32)
 
-    def emit(i, h_WD):
+    def emit(i, h_TD):
         p = int(seqs.prompt_lengths[i])
-        out[offsets[i]:offsets[i + 1]] = h_WD[p - 1:p - 1 + counts[i]]
+        out[offsets[i]:offsets[i + 1]] = h_TD[p - 1:p - 1 + counts[i]]
     return out, emit
 
 
@@ -298,10 +298,10 @@ def feature_states(target, target_params, seqs: SequenceSet, layers: Sequence[in
     limit = float(np.finfo(np.dtype(dtype)).max)
 
     def emit(i, outs):
-        f_WF, h_WD = outs
+        f_TF, h_TD = outs
         if teacher_emit is not None:
-            teacher_emit(i, h_WD)
-        f = f_WF[:lengths[i]]
+            teacher_emit(i, h_TD)
+        f = f_TF[:lengths[i]]
         if not np.isfinite(f).all():
             raise FloatingPointError(f"sequence {i}: the target's features are not finite (layers {layers})")
         if np.abs(f).max() > limit:

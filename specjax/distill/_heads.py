@@ -60,8 +60,8 @@ class HeadObjective:
     def __post_init__(self):
         if self.ttt_steps < 1:
             raise ValueError(f"head.ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.config.kind == "medusa" and self.ttt_steps != 1:
-            raise ValueError("Medusa heads are not autoregressive: head.ttt_steps must be 1")
+        if not self.config.spec.autoregressive and self.ttt_steps != 1:
+            raise ValueError(f"{self.config.kind} heads are not autoregressive: head.ttt_steps must be 1")
         if not self.feature_weight >= 0:
             raise ValueError(f"head.feature_weight must be >= 0, got {self.feature_weight}")
         if not 0 <= self.feature_noise < 10:
@@ -82,13 +82,12 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     """The objective of a distillation config whose ``draft.kind`` is a head kind."""
     h = c.get("head", {})
     layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
+    spec = drafters.head_kind_of(c.draft.kind)
     hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
                                   head_size=int(c.draft.head_vocab) or None, feature_layers=layers,
-                                  input_norm=bool(h.get("input_norm", False)) and c.draft.kind in ("eagle", "eagle3"))
-    kind = c.draft.kind
-    unrolled = kind in ("eagle3", drafters.EAGLE3_PUBLISHED)
-    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", 3 if unrolled else 1)),
-                         feature_weight=float(h.get("feature_weight", 1.0 if kind == "eagle" else 0.0)),
+                                  input_norm=bool(h.get("input_norm", False)) and spec.has_input_norm)
+    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", spec.default_ttt_steps)),
+                         feature_weight=float(h.get("feature_weight", spec.default_feature_weight)),
                          feature_noise=float(h.get("feature_noise", 0.0)))
 
 
@@ -108,19 +107,6 @@ def _target_pass(obj: HeadObjective, tp, tokens_BT):
     return jax.lax.stop_gradient(h), jax.lax.stop_gradient(jnp.concatenate(feats, axis=-1))
 
 
-def _student_logits(obj: HeadObjective, params, head_SD, h_BTD):
-    if obj.config.kind == drafters.EAGLE3_PUBLISHED:       # its own norm and rows (head_SD's tokens, same order)
-        return drafters.head_scores(obj.config, params, h_BTD)[0]
-    x = llama_lib.norm(obj.target.config, h_BTD, params["final_norm"])
-    return llama_lib.softcap(jnp.einsum("btd,sd->bts", x, head_SD.astype(x.dtype), preferred_element_type=jnp.float32),
-                             obj.target.config.final_softcap)
-
-
-def _smooth_l1(x):
-    a = jnp.abs(x)
-    return jnp.where(a < 1.0, 0.5 * x * x, a - 0.5)
-
-
 def noisy_features(f_BTF, num_layers: int, noise: float, key):
     """``f + noise * rms(f) * u``, u ~ U(-1, 1) per element, the RMS taken per fused layer (each
     of the `num_layers` equal slices of the last axis, so every layer is perturbed relative to its
@@ -134,9 +120,9 @@ def noisy_features(f_BTF, num_layers: int, noise: float, key):
     return (f + noise * rms * u).reshape(B, T, F).astype(f_BTF.dtype)
 
 
-def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec, key=None):
+def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, key=None):
     """The head's loss on one batch (see the module doc); ``frozen`` = {"target": target params,
-    plus the head's non-trainable own params (``head_ids``)}; ``head_SD``: the rows of the
+    plus the head's non-trainable own params (``head_ids``)}; ``head_UD``: the rows of the
     target's output layer over the head's tokens; ``key``: the noise of ``feature_noise`` > 0
     (`noisy_features` on the features the head reads; the regression target stays clean)."""
     obj, hc = draft, draft.config
@@ -148,37 +134,25 @@ def head_loss(trainable, frozen, head_SD, batch, *, draft: HeadObjective, spec, 
         h_BTD, f_BTF = batch["teacher_hidden"], batch["features"]
     else:
         h_BTD, f_BTF = _target_pass(obj, tp, tokens)
-    p_logits = teacher_logits(head_SD, h_BTD, obj.target.config.final_softcap)
+    p_logits = teacher_logits(head_UD, h_BTD, obj.target.config.final_softcap)
     f_in = f_BTF
     if obj.feature_noise > 0:
         if key is None:
             raise ValueError("head.feature_noise > 0 needs a key (make_train_step passes one)")
         f_in = noisy_features(f_BTF, len(hc.feature_layers), obj.feature_noise, key)
     terms, first = [], None
-    if hc.kind == "medusa":
-        h_BTKD = drafters.medusa_features(hc, params, f_in)
-        outs = [h_BTKD[:, :, k] for k in range(hc.num_heads)]
-        shifts = [k + 1 for k in range(hc.num_heads)]
-    else:
-        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens, f_in, obj.ttt_steps,
-                                                          with_logits=False)]
-        shifts = list(range(len(outs)))
-    for out, k in zip(outs, shifts):
-        q_logits = _student_logits(obj, params, head_SD, out)
+    outs = hc.spec.train_outputs(hc, params, tokens, f_in, obj.ttt_steps)
+    for out, k in outs:
+        q_logits = hc.spec.train_scores(hc, params, head_UD, out)
         div = _divergence.divergence(spec.divergence, _shift(p_logits, k), q_logits, spec.temperature, spec.beta)
         terms.append(_divergence.masked_mean(div, _shift(mask, k)))
         if first is None:
             first = (_shift(p_logits, k), q_logits, _shift(mask, k))
     loss = sum(terms) / len(terms)
     aux = {}
-    if hc.kind == "eagle" and obj.feature_weight > 0:
-        out, f = outs[0].astype(jnp.float32), f_BTF.astype(jnp.float32)
-        if hc.input_norm:
-            # The head's output reaches everything through an RMS norm (the next step's input
-            # norm, the final norm), so only its direction counts: regress unit-RMS vectors.
-            ones = jnp.ones((f.shape[-1],), jnp.float32)
-            out, f = (llama_lib.rms_norm(x, ones, obj.target.config.rms_eps) for x in (out, f))
-        reg = _divergence.masked_mean(jnp.mean(_smooth_l1(out - f), axis=-1), mask)
+    extra_BT = hc.spec.extra_loss(hc, outs, f_BTF, mask) if obj.feature_weight > 0 else None
+    if extra_BT is not None:                # EAGLE's feature regression (`Eagle.extra_loss`)
+        reg = _divergence.masked_mean(extra_BT, mask)
         loss = loss + obj.feature_weight * reg
         aux["feature_loss"] = reg
     p_l, q_l, m = first
@@ -202,13 +176,7 @@ def _eval_batch(obj: HeadObjective, params, tp, tokens_BT, steps: int):
     hc = obj.config
     h_BTD, f_BTF = _target_pass(obj, tp, tokens_BT)
     p_logits = obj.target.logits_from_hidden(tp, h_BTD)                 # [B, T, V]: p_t scores x_{t+1}
-    if hc.kind == "medusa":
-        # Origin o reads f_{o-1}: head k scores x_{o+k}.
-        f_prev = jnp.concatenate([jnp.zeros_like(f_BTF[:, :1]), f_BTF[:, :-1]], axis=1)
-        h_all = drafters.medusa_features(hc, params, f_prev)[:, :, :steps]   # [B, T, J, D]
-        outs = [h_all[:, :, j] for j in range(h_all.shape[2])]
-    else:
-        outs = [h for h, _ in drafters.eagle_train_forward(hc, params, tokens_BT, f_BTF, steps, with_logits=False)]
+    outs = hc.spec.eval_outputs(hc, params, tokens_BT, f_BTF, steps)
     alpha, q_arg, p_arg = None, [], []
     for j, out in enumerate(outs):
         s, ids = drafters.head_scores(hc, params, out)
@@ -231,8 +199,9 @@ def evaluate_head(obj: HeadObjective, own: dict, tp, plan, gammas) -> dict:
     gamma, over one pass of `plan` (held-out target-greedy continuations)."""
     gammas = tuple(int(g) for g in (gammas if np.ndim(gammas) else (gammas,)))
     J = max(gammas)
-    if obj.config.kind == "medusa":
-        J = min(J, obj.config.num_heads)
+    most = obj.config.spec.max_steps(obj.config)
+    if most is not None:
+        J = min(J, most)
     params = drafters.head_params(obj.config, own, tp)
     alpha_sum = count = 0.0
     agree_sum = np.zeros(J)

@@ -148,12 +148,6 @@ class Mixture:
 # Config keys that fix the shapes / structure of the checkpointed train state (the draft's
 # parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
 STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
-# The head settings that shape a head kind's parameters (a kind ignores the others, e.g. Medusa
-# the input norm that configs/distill_head.py turns on).
-HEAD_STATE_KEYS = {"medusa": ("head.num_heads", "head.feature_layers"),
-                   "eagle": ("head.input_norm", "head.feature_layers"),
-                   "eagle3": ("head.input_norm", "head.feature_layers"),
-                   drafters.EAGLE3_PUBLISHED: ("head.feature_layers",)}
 # What a key absent from an older workdir's config.json meant (keys added since).
 STATE_DEFAULTS = {"head.input_norm": False}
 
@@ -171,8 +165,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def check_resume_config(c, workdir) -> None:
     """``ValueError`` naming each differing key (old and new value) when `workdir` already holds
-    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key (or a
-    `HEAD_STATE_KEYS` key of its head kind). Reads only:
+    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key (or a key
+    of its head kind's `HeadKind.state_keys`: a kind ignores the others, e.g. Medusa the input
+    norm that configs/distill_head.py turns on). Reads only:
     called before anything in the workdir is written."""
     workdir = pathlib.Path(workdir)
     stored_path, ckpt_dir = workdir / "config.json", workdir / "checkpoints"
@@ -186,7 +181,8 @@ def check_resume_config(c, workdir) -> None:
     new = flatten(json.loads(c.to_json_best_effort()))
     missing = object()
     diff = []
-    keys = STATE_KEYS + HEAD_STATE_KEYS.get(new.get("draft.kind"), ())
+    kind = new.get("draft.kind")
+    keys = STATE_KEYS + (drafters.head_kind_of(kind).state_keys if kind in drafters.head_kinds() else ())
     for k in sorted(set(old) | set(new)):
         if not any(k == s or k.startswith(s + ".") for s in keys):
             continue
@@ -360,7 +356,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         total_updates=max(1, total_steps // accumulate), end_lr_fraction=c.optim.end_lr_fraction,
         clip_norm=c.optim.clip_norm, weight_decay=c.optim.weight_decay, accumulate=accumulate)
     state, frozen = _train.init_state(params, trainable, optimizer, _sources.key_for(c.seed, "train"))
-    head_SD = _train.teacher_head(target, target_params, head_ids)
+    head_UD = _train.teacher_head(target, target_params, head_ids)
     full_head = _train.teacher_head(target, target_params, None)
     if is_head:
         frozen = {**frozen, "target": target_params}
@@ -369,9 +365,9 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     frozen_local = frozen
     state_sh = None
     if mesh is not None:
-        state_sh, frozen_sh, head_sh = _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target)
+        state_sh, frozen_sh, head_sh = _train_shardings(mesh, state, frozen, head_UD, optimizer, draft, target)
         state = sharding.put(state, state_sh)
-        frozen, head_SD = sharding.put(frozen, frozen_sh), sharding.put(head_SD, head_sh)
+        frozen, head_UD = sharding.put(frozen, frozen_sh), sharding.put(head_UD, head_sh)
     step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip",
                                      loss=_heads.head_loss if is_head else _train.loss_fn, state_shardings=state_sh)
 
@@ -522,7 +518,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         else:
             plan, idx = sources[name], mixture.index_within(step)
         batch = place_batch(plan.batch(idx))
-        state, aux = step_fn(state, frozen, head_SD, batch)
+        state, aux = step_fn(state, frozen, head_UD, batch)
         aux = {k: float(v) for k, v in jax.device_get(aux).items()}
         step += 1
         # Checked every step: the metrics come to the host every step anyway (logging), so the
@@ -632,7 +628,7 @@ def _mesh_of(c):
     return sharding.mesh_from_config(block if block is not None else {"data": -1, "fsdp": 1, "model": 1})
 
 
-def _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target):
+def _train_shardings(mesh, state, frozen, head_UD, optimizer, draft, target):
     """Shardings of the train state, the frozen inputs and the teacher's head rows: Llama-layout
     parameters by `sharding.TRAIN_RULES` (a draft made of target layers by the draft's config,
     the target's own weights, which a head's step reads, by the target's), others by
@@ -643,7 +639,7 @@ def _train_shardings(mesh, state, frozen, head_SD, optimizer, draft, target):
                      else sharding.param_shardings({k: v}, mesh, config=draft_cfg)[k])
                  for k, v in frozen.items()}
     head_sh = jax.sharding.NamedSharding(
-        mesh, sharding.logical_to_spec(("vocab", "embed"), sharding.TRAIN_RULES, mesh, np.shape(head_SD)))
+        mesh, sharding.logical_to_spec(("vocab", "embed"), sharding.TRAIN_RULES, mesh, np.shape(head_UD)))
     return state_sh, frozen_sh, head_sh
 
 

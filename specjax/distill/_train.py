@@ -2,7 +2,7 @@
 
 Only the draft's trainable parameters are differentiated. The target enters as its final
 hidden states at the loss positions (computed once per data set, see `_data`) and the rows of
-its output head (``teacher_head_SD``); both are plain arguments outside the gradient, and the
+its output head (``teacher_head_UD``); both are plain arguments outside the gradient, and the
 teacher logits are additionally wrapped in `lax.stop_gradient`.
 
 With a reduced draft head (tokens S) the loss compares q with p restricted to S and
@@ -141,10 +141,10 @@ def student_logits(draft, params, tokens_BT):
     return draft.logits_from_hidden(params, h)
 
 
-def teacher_logits(head_SD, hidden_BTD, softcap: float | None = None):
-    """The target's logits over the rows ``head_SD`` from its final hidden states, soft-capped
+def teacher_logits(head_UD, hidden_BTD, softcap: float | None = None):
+    """The target's logits over the rows ``head_UD`` from its final hidden states, soft-capped
     with the target's ``final_softcap`` (Gemma 2) as its own logits are."""
-    logits = jnp.einsum("btd,sd->bts", hidden_BTD, head_SD.astype(hidden_BTD.dtype),
+    logits = jnp.einsum("btd,sd->bts", hidden_BTD, head_UD.astype(hidden_BTD.dtype),
                         preferred_element_type=jnp.float32)
     return jax.lax.stop_gradient(llama_lib.softcap(logits, softcap))
 
@@ -154,11 +154,11 @@ def final_softcap(draft) -> float | None:
     return (draft.base if isinstance(draft, ReducedHeadLlama) else draft).config.final_softcap
 
 
-def loss_fn(trainable, frozen, head_SD, batch, *, draft, spec: LossSpec, key=None):
+def loss_fn(trainable, frozen, head_UD, batch, *, draft, spec: LossSpec, key=None):
     del key                  # deterministic (the step's key is for losses that draw noise)
     params = merge_params(trainable, frozen)
     q_logits = student_logits(draft, params, batch["tokens"])
-    p_logits = teacher_logits(head_SD, batch["teacher_hidden"], final_softcap(draft))
+    p_logits = teacher_logits(head_UD, batch["teacher_hidden"], final_softcap(draft))
     div = _divergence.divergence(spec.divergence, p_logits, q_logits, spec.temperature, spec.beta)
     mask = batch["mask"]
     loss = _divergence.masked_mean(div, mask)
@@ -193,24 +193,24 @@ _LOSS_STREAM = 0x6C6F7373      # "loss": the losses' stream of the state's key (
 
 def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = False, loss=None,
                     state_shardings=None):
-    """A jitted ``step(state, frozen, head_SD, batch) -> (state, metrics)``; the state is donated.
+    """A jitted ``step(state, frozen, head_UD, batch) -> (state, metrics)``; the state is donated.
 
     ``metrics["nonfinite"]`` is 1.0 when the loss, the gradient norm or the updated parameters
     are not all finite (else 0.0). With ``skip_nonfinite`` such a step leaves the parameters and
     optimizer state as they were (only the step counter advances); without it the caller must
     stop (the returned state then holds the non-finite values). ``loss``: the loss function
     (default `loss_fn`; feature heads pass `specjax.distill._heads.head_loss`), called as
-    ``loss(trainable, frozen, head_SD, batch, draft=draft, spec=spec, key=key) -> (loss, aux)``,
+    ``loss(trainable, frozen, head_UD, batch, draft=draft, spec=spec, key=key) -> (loss, aux)``,
     ``key`` = the state's key folded with the step counter (a fresh stream per micro-step, the
     same one on resume).
     ``state_shardings`` (a `TrainState` of `NamedSharding`s, `sharding.train_state_shardings`):
     the updated state keeps exactly that placement on its mesh (the metrics come back
     replicated); the inputs' placements are their own (placed beforehand)."""
     objective = loss_fn if loss is None else loss
-    def step(state: TrainState, frozen, head_SD, batch):
+    def step(state: TrainState, frozen, head_UD, batch):
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         key = jax.random.fold_in(jax.random.fold_in(rng(state), _LOSS_STREAM), state.step)
-        (loss, aux), grads = grad_fn(state.params, frozen, head_SD, batch, draft=draft, spec=spec, key=key)
+        (loss, aux), grads = grad_fn(state.params, frozen, head_UD, batch, draft=draft, spec=spec, key=key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         aux["grad_norm"] = optax.tree.norm(grads)
@@ -230,13 +230,13 @@ def make_train_step(draft, spec: LossSpec, optimizer, *, skip_nonfinite: bool = 
 
 # ------------------------------------------------------------------------------ evaluation
 
-def _eval_batch(draft, params, full_head_VD, batch, pos_BK):
+def _eval_batch(draft, params, full_head_VD, batch, pos_BT):
     """Per-position acceptance sum_x min(p, q) at temperature 1 over the full vocabulary, and
-    whether the draft's argmax equals the target's, at the positions `pos_BK` of each row (the
+    whether the draft's argmax equals the target's, at the positions `pos_BT` of each row (the
     continuation's: the draft reads every position, the vocabulary-sized work runs at these
     only). Entries past a row's count are padding (their results are ignored)."""
     tokens = batch["tokens"]
-    take = lambda x: jnp.take_along_axis(x, pos_BK[..., None], axis=1)   # noqa: E731  [B, K, X]
+    take = lambda x: jnp.take_along_axis(x, pos_BT[..., None], axis=1)   # noqa: E731  [B, K, X]
     p_logits = teacher_logits(full_head_VD, take(batch["teacher_hidden"]), final_softcap(draft))
     h, _ = draft.hidden_states(params, tokens, None)
     h = take(h)
@@ -246,9 +246,9 @@ def _eval_batch(draft, params, full_head_VD, batch, pos_BK):
         q_logits = draft.logits_from_hidden(params, h)
     p = jax.nn.softmax(p_logits, -1)
     q = jax.nn.softmax(q_logits, -1)
-    alpha_BK = jnp.sum(jnp.minimum(p, q), -1)
-    agree_BK = jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)
-    return alpha_BK, agree_BK
+    alpha_BT = jnp.sum(jnp.minimum(p, q), -1)
+    agree_BT = jnp.argmax(p_logits, -1) == jnp.argmax(q_logits, -1)
+    return alpha_BT, agree_BT
 
 
 def _loss_positions(mask_BT: np.ndarray, multiple: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -282,15 +282,15 @@ def greedy_accepted_per_pass(agree: np.ndarray, gamma: int) -> tuple[int, int]:
     agree = np.asarray(agree, bool)
     steps = max(int(gamma), 1)
     # A draft that does not depend on the round's origin: step j from origin i agrees iff a_{i+j}.
-    agree_OJ = np.zeros((m, steps), bool)
+    agree_TJ = np.zeros((m, steps), bool)
     for j in range(min(steps, m)):
-        agree_OJ[:m - j, j] = agree[j:]
-    return chain_tokens_per_pass(agree_OJ, np.ones(m, bool), gamma)
+        agree_TJ[:m - j, j] = agree[j:]
+    return chain_tokens_per_pass(agree_TJ, np.ones(m, bool), gamma)
 
 
-def chain_tokens_per_pass(agree_OJ: np.ndarray, valid_O: np.ndarray, gamma: int) -> tuple[int, int]:
+def chain_tokens_per_pass(agree_TJ: np.ndarray, valid_O: np.ndarray, gamma: int) -> tuple[int, int]:
     """(committed tokens, target passes) of greedy chain drafting along one target-greedy
-    sequence: ``agree_OJ[o, j]`` says whether draft step j+1 of a round whose last committed
+    sequence: ``agree_TJ[o, j]`` says whether draft step j+1 of a round whose last committed
     token sits at position o proposes the target's token (a draft head's steps depend on the
     origin; a standalone draft's do not, see `greedy_accepted_per_pass`); ``valid_O`` marks the
     origins whose next token is a continuation token (consecutive). A round accepts the run of
@@ -302,7 +302,7 @@ def chain_tokens_per_pass(agree_OJ: np.ndarray, valid_O: np.ndarray, gamma: int)
     committed = passes = 0
     while o < end:
         n = 0
-        while n < gamma and o + n < end and agree_OJ[o, n]:
+        while n < gamma and o + n < end and agree_TJ[o, n]:
             n += 1
         c = min(n + 1, end - o)
         committed += c
@@ -322,17 +322,17 @@ def evaluate(draft, params, full_head_VD, plan, gamma) -> dict:
     committed, passes = dict.fromkeys(gammas, 0), dict.fromkeys(gammas, 0)
     for i in range(n_batches):
         b = plan.batch(i)
-        pos_BK, m = _loss_positions(b["mask"])
-        a_BK, g_BK = _eval_batch_jit(draft, params, full_head_VD,
-                                     {k: jnp.asarray(b[k]) for k in ("tokens", "teacher_hidden")}, jnp.asarray(pos_BK))
-        a_BK, g_BK = np.asarray(a_BK), np.asarray(g_BK)
-        alpha_sum += float(a_BK[m].sum())
-        agree_sum += float(g_BK[m].sum())
+        pos_BT, m = _loss_positions(b["mask"])
+        a_BT, g_BT = _eval_batch_jit(draft, params, full_head_VD,
+                                     {k: jnp.asarray(b[k]) for k in ("tokens", "teacher_hidden")}, jnp.asarray(pos_BT))
+        a_BT, g_BT = np.asarray(a_BT), np.asarray(g_BT)
+        alpha_sum += float(a_BT[m].sum())
+        agree_sum += float(g_BT[m].sum())
         count += float(m.sum())
         for r in range(m.shape[0]):
             if m[r].any():
                 for g in gammas:
-                    c, p = greedy_accepted_per_pass(g_BK[r][m[r]], g)
+                    c, p = greedy_accepted_per_pass(g_BT[r][m[r]], g)
                     committed[g] += c
                     passes[g] += p
     alpha = alpha_sum / max(count, 1.0)

@@ -94,7 +94,7 @@ class HybridDrafter:
 
     def _match(self, context: DraftContext):
         """(end of the longest suffix match [B], whether the row drafts by lookup [B])."""
-        end_B, n_B = self.retrieval.longest_match(context.tokens_BL, context.lengths_B)
+        end_B, n_B = self.retrieval.longest_match(context.tokens_BS, context.lengths_B)
         if self.force is not None:
             return end_B, jnp.full(n_B.shape, self.force == self.LOOKUP)
         return end_B, n_B >= self.min_match
@@ -113,8 +113,8 @@ class HybridDrafter:
         all rounds): whether each round started with a suffix match, from the row's tokens
         (prompt and generated) and the tokens each round committed."""
         starts = int(prompt_length) + np.concatenate([[0], np.cumsum(round_sizes, dtype=np.int64)[:-1]])
-        tokens_RL = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32)[None], (len(starts), len(tokens)))
-        ctx = DraftContext(tokens_BL=tokens_RL, lengths_B=jnp.asarray(starts, jnp.int32), target_cache=None)
+        tokens_BS = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32)[None], (len(starts), len(tokens)))
+        ctx = DraftContext(tokens_BS=tokens_BS, lengths_B=jnp.asarray(starts, jnp.int32), target_cache=None)
         return np.asarray(jax.jit(self.uses_lookup)(ctx)).tolist()
 
     def forward_passes(self, gamma: int) -> int:
@@ -122,7 +122,7 @@ class HybridDrafter:
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
         end_B, lookup_B = self._match(context)
-        look_BG = self.retrieval.continuation(context.tokens_BL, context.lengths_B, end_B, gamma)
+        look_BG = self.retrieval.continuation(context.tokens_BS, context.lengths_B, end_B, gamma)
 
         def one_hot(tok_BG):
             return jax.nn.one_hot(tok_BG, self.vocab_size, dtype=jnp.float32)

@@ -49,23 +49,23 @@ def support_scores(model, params, tokens_BT, cache, num_valid_B=None):
     return logits, None, cache
 
 
-def to_vocab(x_BS, ids, vocab: int, fill: float):
+def to_vocab(x_BU, ids, vocab: int, fill: float):
     """Values over a support placed in the vocabulary (``fill`` elsewhere); no-op for ids None."""
     if ids is None:
-        return x_BS
-    return jnp.full(x_BS.shape[:-1] + (vocab,), fill, x_BS.dtype).at[..., ids].set(x_BS)
+        return x_BU
+    return jnp.full(x_BU.shape[:-1] + (vocab,), fill, x_BU.dtype).at[..., ids].set(x_BU)
 
 
-def draw_support(key_B, scores_BS, ids, cfg: sampling_lib.SamplingConfig, vocab: int):
+def draw_support(key_B, scores_BU, ids, cfg: sampling_lib.SamplingConfig, vocab: int):
     """(one token per row drawn from the scores over a support, q_BV over the vocabulary).
 
     The logits processing runs on the support: -inf elsewhere changes neither top-k (a k past
     the support keeps all of it either way) nor top-p (zero mass) nor the greedy argmax (ids
     are sorted, so ties still go to the lowest token id); q outside the support is 0."""
-    q_BS = sampling_lib.probabilities(scores_BS, cfg)
-    idx_B = draw(key_B, q_BS, cfg)
+    q_BU = sampling_lib.probabilities(scores_BU, cfg)
+    idx_B = draw(key_B, q_BU, cfg)
     tok_B = idx_B if ids is None else jnp.take(ids, idx_B).astype(jnp.int32)
-    return tok_B, to_vocab(q_BS, ids, vocab, 0.0)
+    return tok_B, to_vocab(q_BU, ids, vocab, 0.0)
 
 
 def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
@@ -82,8 +82,8 @@ def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
 
     def step(carry, key_B):
         cache, tok_B = carry
-        scores_B1S, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
-        nxt_B, q_BV = draw_support(key_B, scores_B1S[:, 0], step_ids, cfg, vocab)
+        scores_B1U, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
+        nxt_B, q_BV = draw_support(key_B, scores_B1U[:, 0], step_ids, cfg, vocab)
         return (cache, nxt_B), (nxt_B, q_BV)
 
     (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
@@ -114,12 +114,12 @@ class ModelDrafter:
         cache = prefill(self.model, params, prompt_BP, cache, prompt_lengths_B - 1, start_bound=0)
         return ModelDraftState(cache=cache)
 
-    def _ingest(self, params, cache, tokens_BL, num_B):
+    def _ingest(self, params, cache, tokens_BS, num_B):
         """Feed tokens[seen : seen + num] (num <= 2 per row) into the cache -> (scores over the
         model's support, its ids or None, cache); see `support_scores`."""
         seen_B = cache.lengths_B
-        idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BL.shape[1] - 1)
-        block_B2 = jnp.take_along_axis(tokens_BL, idx_B2, axis=1)
+        idx_B2 = jnp.clip(seen_B[:, None] + jnp.arange(2)[None, :], 0, tokens_BS.shape[1] - 1)
+        block_B2 = jnp.take_along_axis(tokens_BS, idx_B2, axis=1)
         return support_scores(self.model, params, block_B2, cache, num_valid_B=num_B)
 
     def forward_passes(self, gamma: int) -> int:
@@ -127,12 +127,12 @@ class ModelDrafter:
 
     def _catch_up(self, params, cache, context: DraftContext):
         """Ingest the committed tokens the cache has not seen -> (logits at the last one, cache)."""
-        scores_BS, ids, cache = self._catch_up_support(params, cache, context)
-        return to_vocab(scores_BS, ids, self.model.vocab_size, -jnp.inf), cache
+        scores_BU, ids, cache = self._catch_up_support(params, cache, context)
+        return to_vocab(scores_BU, ids, self.model.vocab_size, -jnp.inf), cache
 
     def _catch_up_support(self, params, cache, context: DraftContext):
-        """`_catch_up` with the scores over the model's support: (scores_BS, ids or None, cache)."""
-        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
+        """`_catch_up` with the scores over the model's support: (scores_BU, ids or None, cache)."""
+        tokens_BS, lengths_B = context.tokens_BS, context.lengths_B
 
         # More than two unseen tokens happen only after rounds without drafting (adaptive
         # gamma = 0): ingest them two at a time until two are left. A fixed-gamma loop never
@@ -142,18 +142,18 @@ class ModelDrafter:
 
         def catch_up(c):
             num_B = jnp.clip(lengths_B - c.lengths_B - 2, 0, 2).astype(jnp.int32)
-            return self._ingest(params, c, tokens_BL, num_B)[2]
+            return self._ingest(params, c, tokens_BS, num_B)[2]
 
         cache = jax.lax.while_loop(behind, catch_up, cache)
         # Unseen committed tokens: tokens[seen : lengths], 1 or 2 of them (done rows: 1).
         num_new_B = jnp.clip(lengths_B - cache.lengths_B, 1, 2).astype(jnp.int32)
-        scores_B2S, ids, cache = self._ingest(params, cache, tokens_BL, num_new_B)
-        scores_BS = jnp.take_along_axis(scores_B2S, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
-        return scores_BS, ids, cache
+        scores_B2U, ids, cache = self._ingest(params, cache, tokens_BS, num_new_B)
+        scores_BU = jnp.take_along_axis(scores_B2U, (num_new_B - 1)[:, None, None], axis=1)[:, 0]
+        return scores_BU, ids, cache
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        scores_BS, ids, cache = self._catch_up_support(params, state.cache, context)
-        tokens_BG, q_BGV, cache = rollout(self.model, params, cache, scores_BS, key_B, gamma, cfg, ids)
+        scores_BU, ids, cache = self._catch_up_support(params, state.cache, context)
+        tokens_BG, q_BGV, cache = rollout(self.model, params, cache, scores_BU, key_B, gamma, cfg, ids)
         return tokens_BG, q_BGV, ModelDraftState(cache=cache)
 
     def propose_tree(self, params, state, context: DraftContext, key_B, tree, cfg, children):
@@ -173,10 +173,10 @@ class ModelDrafter:
         # move to the committed slots; whatever is missing is ingested next round.
         cache = state.cache
         if accepted is not None:
-            have_BD = accepted.draft_slots_BD >= 0
-            num_B = jnp.sum(jnp.cumprod(have_BD, axis=1), axis=1)
+            have_BA = accepted.draft_slots_BA >= 0
+            num_B = jnp.sum(jnp.cumprod(have_BA, axis=1), axis=1)
             num_B = jnp.minimum(num_B, accepted.num_B).astype(jnp.int32)
-            cache = cache.commit_path(jnp.maximum(accepted.draft_slots_BD, 0), num_B)
+            cache = cache.commit_path(jnp.maximum(accepted.draft_slots_BA, 0), num_B)
         return ModelDraftState(cache=cache.truncate(new_lengths_B - 1))
 
 
@@ -212,7 +212,7 @@ class EarlyExitDrafter:
 
     def _root(self, params, context: DraftContext):
         cache = context.target_cache.first_layers(self.model.config.num_layers)
-        last_B1 = jnp.take_along_axis(context.tokens_BL, (context.lengths_B - 1)[:, None], axis=1)
+        last_B1 = jnp.take_along_axis(context.tokens_BS, (context.lengths_B - 1)[:, None], axis=1)
         logits_B1V, cache = self.model.apply(params, last_B1, cache)
         return logits_B1V[:, 0], cache
 

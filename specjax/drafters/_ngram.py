@@ -31,51 +31,51 @@ class NGramDrafter:
     def init(self, params, prompt_BP, prompt_lengths_B, capacity):
         return None     # stateless: everything it reads is in the context
 
-    def _match_lengths(self, tokens_BL, lengths_B):
-        """m_BL[b, i]: the longest n in [min_ngram, max_ngram] such that the n tokens ending at i
+    def _match_lengths(self, tokens_BS, lengths_B):
+        """m_BS[b, i]: the longest n in [min_ngram, max_ngram] such that the n tokens ending at i
         equal the row's last n tokens (i < length - 1); 0 where none."""
-        B, Lmax = tokens_BL.shape
-        pos_L = jnp.arange(Lmax)
-        m_BL = jnp.zeros((B, Lmax), jnp.int32)
+        B, Lmax = tokens_BS.shape
+        pos_S = jnp.arange(Lmax)
+        m_BS = jnp.zeros((B, Lmax), jnp.int32)
         for n in range(self.min_ngram, self.max_ngram + 1):
-            ok_BL = (pos_L[None, :] >= n - 1) & (pos_L[None, :] < lengths_B[:, None] - 1)
+            ok_BS = (pos_S[None, :] >= n - 1) & (pos_S[None, :] < lengths_B[:, None] - 1)
             for k in range(n):
                 suffix_B = jnp.take_along_axis(
-                    tokens_BL, jnp.clip(lengths_B - 1 - k, 0, Lmax - 1)[:, None], axis=1)
-                ok_BL &= jnp.roll(tokens_BL, k, axis=1) == suffix_B
-            ok_BL &= (lengths_B >= n + 1)[:, None]
-            m_BL = jnp.where(ok_BL, n, m_BL)
-        return m_BL
+                    tokens_BS, jnp.clip(lengths_B - 1 - k, 0, Lmax - 1)[:, None], axis=1)
+                ok_BS &= jnp.roll(tokens_BS, k, axis=1) == suffix_B
+            ok_BS &= (lengths_B >= n + 1)[:, None]
+            m_BS = jnp.where(ok_BS, n, m_BS)
+        return m_BS
 
-    def longest_match(self, tokens_BL, lengths_B):
+    def longest_match(self, tokens_BS, lengths_B):
         """(end_B, n_B): the index of the last token of the latest earlier occurrence of the
         longest matching suffix n-gram (n from max_ngram down to min_ngram), and that n; -1 and
         0 where nothing matches."""
-        m_BL = self._match_lengths(tokens_BL, lengths_B)
-        n_B = jnp.max(m_BL, axis=1)
-        pos_L = jnp.arange(tokens_BL.shape[1])
-        end_B = jnp.max(jnp.where((m_BL == n_B[:, None]) & (n_B[:, None] > 0), pos_L[None, :], -1), axis=1)
+        m_BS = self._match_lengths(tokens_BS, lengths_B)
+        n_B = jnp.max(m_BS, axis=1)
+        pos_S = jnp.arange(tokens_BS.shape[1])
+        end_B = jnp.max(jnp.where((m_BS == n_B[:, None]) & (n_B[:, None] > 0), pos_S[None, :], -1), axis=1)
         return end_B.astype(jnp.int32), n_B.astype(jnp.int32)
 
-    def match_end(self, tokens_BL, lengths_B):
+    def match_end(self, tokens_BS, lengths_B):
         """The end index of `longest_match` (-1 where nothing matches)."""
-        return self.longest_match(tokens_BL, lengths_B)[0]
+        return self.longest_match(tokens_BS, lengths_B)[0]
 
     def forward_passes(self, gamma: int) -> int:
         return 0     # no model
 
     @staticmethod
-    def continuation(tokens_BL, lengths_B, end_B, gamma):
+    def continuation(tokens_BS, lengths_B, end_B, gamma):
         """gamma tokens after the match ending at end_B (-1: none, repeat the last token),
         continuing cyclically through tokens[start:L]: a repeating pattern keeps repeating."""
         start_B = jnp.where(end_B >= 0, end_B + 1, lengths_B - 1)
         period_B = jnp.maximum(lengths_B - start_B, 1)
         idx_BG = start_B[:, None] + jnp.arange(gamma)[None, :] % period_B[:, None]
-        return jnp.take_along_axis(tokens_BL, jnp.clip(idx_BG, 0, tokens_BL.shape[1] - 1), axis=1).astype(jnp.int32)
+        return jnp.take_along_axis(tokens_BS, jnp.clip(idx_BG, 0, tokens_BS.shape[1] - 1), axis=1).astype(jnp.int32)
 
     def propose(self, params, state, context, key_B, gamma, cfg):
-        tokens_BG = self.continuation(context.tokens_BL, context.lengths_B,
-                                   self.match_end(context.tokens_BL, context.lengths_B), gamma)
+        tokens_BG = self.continuation(context.tokens_BS, context.lengths_B,
+                                   self.match_end(context.tokens_BS, context.lengths_B), gamma)
         q_BGV = jax.nn.one_hot(tokens_BG, self.vocab_size, dtype=jnp.float32)
         return tokens_BG, q_BGV, state
 
@@ -102,16 +102,16 @@ class NGramDrafter:
         then the latest); branches that share a prefix are merged (the later copy is padding
         and its children hang from the earlier one), so siblings are distinct. Deterministic."""
         k, D = self._branches(tree)
-        tokens_BL, lengths_B = context.tokens_BL, context.lengths_B
-        B, Lmax = tokens_BL.shape
-        m_BL = self._match_lengths(tokens_BL, lengths_B)
-        score_BL = jnp.where(m_BL > 0, m_BL * Lmax + jnp.arange(Lmax)[None], -1)
-        best_v_Bk, end_Bk = jax.lax.top_k(score_BL, k)
+        tokens_BS, lengths_B = context.tokens_BS, context.lengths_B
+        B, Lmax = tokens_BS.shape
+        m_BS = self._match_lengths(tokens_BS, lengths_B)
+        score_BS = jnp.where(m_BS > 0, m_BS * Lmax + jnp.arange(Lmax)[None], -1)
+        best_v_Bk, end_Bk = jax.lax.top_k(score_BS, k)
         found_Bk = best_v_Bk >= 0
         # Branch 0 always exists (no match: repeat the last token, as the linear proposal does).
         end_Bk = jnp.where(found_Bk, end_Bk, -1).astype(jnp.int32)
         branch_ok_Bk = found_Bk.at[:, 0].set(True)
-        toks_BkD = jax.vmap(lambda e: self.continuation(tokens_BL, lengths_B, e, D), in_axes=1, out_axes=1)(end_Bk)
+        toks_BkD = jax.vmap(lambda e: self.continuation(tokens_BS, lengths_B, e, D), in_axes=1, out_axes=1)(end_Bk)
         # canon[b, i, d]: the first branch j with the same first d+1 tokens (and a valid branch).
         same_prefix_Bkk = jnp.ones((B, k, k), bool)
         nodes_tok, nodes_par, nodes_ok = [], [], []

@@ -101,7 +101,7 @@ CHAIN_ONLY = Capabilities()
 class DraftContext:
     """What every drafter may read in a round (read-only).
 
-    tokens_BL: committed tokens, ``PAD_ID`` after ``lengths_B``; lengths_B: committed lengths;
+    tokens_BS: committed tokens, ``PAD_ID`` after ``lengths_B``; lengths_B: committed lengths;
     target_cache: the target's KV cache (its rows hold ``lengths_B - 1`` tokens);
     features: the target's hidden features [B, capacity, F] of the committed positions (those
       ``< lengths_B - 1``), for feature-level draft heads (``None`` unless the drafter names
@@ -109,7 +109,7 @@ class DraftContext:
     active_B: [B] bool, the rows still generating (the others' proposals are never committed);
       ``None``: all. A drafter may skip work that only finished rows would need.
     """
-    tokens_BL: jax.Array
+    tokens_BS: jax.Array
     lengths_B: jax.Array
     target_cache: PyTree
     features: PyTree = None

@@ -38,10 +38,10 @@ def ranking_probs(logits_BV, sampling):
     return sampling_lib.probabilities(logits_BV, sampling)
 
 
-def draw_children(key_B, q_BPV, k: int, mode: str):
+def draw_children(key_B, q_BOV, k: int, mode: str):
     """k children of each of P parents -> tokens_BPk, ok_BPk (False: could not be drawn)."""
-    B, P, V = q_BPV.shape
-    logq = jnp.log(q_BPV)
+    B, P, V = q_BOV.shape
+    logq = jnp.log(q_BOV)
     if mode == "deterministic":
         vals, toks = jax.lax.top_k(logq, k)
         return toks.astype(jnp.int32), vals > -jnp.inf
@@ -74,8 +74,8 @@ def expand_static(model, params, cache, root_logits_BV, key_B, shape: trees_lib.
         par = parents[start:stop]
         uniq = sorted(set(par.tolist()))
         k = max(int(ranks[start:stop].max()) + 1, 1)
-        q_BPV = jnp.stack([q_rows[p + 1] for p in uniq], axis=1)
-        toks_BPk, ok_BPk = draw_children(level_keys_B[:, d - 1], q_BPV, k, mode)
+        q_BOV = jnp.stack([q_rows[p + 1] for p in uniq], axis=1)
+        toks_BPk, ok_BPk = draw_children(level_keys_B[:, d - 1], q_BOV, k, mode)
         pos = np.asarray([uniq.index(p) for p in par])
         tok_BW = toks_BPk[:, pos, ranks[start:stop]]
         ok_BW = ok_BPk[:, pos, ranks[start:stop]]
@@ -136,16 +136,16 @@ def expand_dynamic(model, params, cache, root_logits_BV, spec: trees_lib.Dynamic
     front_tok, front_score = tok_Bk.astype(jnp.int32), score_Bk
     anc_BkW = jnp.zeros((B, k, 0), bool)                      # which forwarded slots each frontier node sees
     P = k + (D - 1) * k * k
-    slot_BP = jnp.full((B, P), -1, jnp.int32)
-    q_BPV = jnp.zeros((B, P, V), jnp.float32)
+    slot_BO = jnp.full((B, P), -1, jnp.int32)
+    q_BOV = jnp.zeros((B, P, V), jnp.float32)
     rows = jnp.arange(B)[:, None]
     for d in range(1, D):
         vis_BkW = jnp.concatenate([anc_BkW, jnp.broadcast_to(jnp.eye(k, dtype=bool)[None], (B, k, k))], axis=2)
         block = models.TreeBlock(rel_positions_BT=jnp.full((B, k), d - 1, jnp.int32), visible_BTW=vis_BkW)
         logits_BkV, cache = model.apply(params, front_tok, cache, tree=block)
         q_BkV = ranking_probs(logits_BkV, sampling)
-        slot_BP = slot_BP.at[rows, front_idx].set((d - 1) * k + jnp.arange(k, dtype=jnp.int32)[None])
-        q_BPV = q_BPV.at[rows, front_idx].set(q_BkV)
+        slot_BO = slot_BO.at[rows, front_idx].set((d - 1) * k + jnp.arange(k, dtype=jnp.int32)[None])
+        q_BOV = q_BOV.at[rows, front_idx].set(q_BkV)
         cv_Bkk, ct_Bkk = jax.lax.top_k(jnp.log(q_BkV), k)
         cand_score = (front_score[:, :, None] + cv_Bkk).reshape(B, k * k)
         base = len(pool_depth)
@@ -158,27 +158,27 @@ def expand_dynamic(model, params, cache, root_logits_BV, spec: trees_lib.Dynamic
         front_idx = (base + best).astype(jnp.int32)
         anc_BkW = jnp.take_along_axis(vis_BkW, (best // k)[..., None], axis=1)   # parent's view incl. itself
     tok_BP = jnp.concatenate(pool_tok, axis=1)
-    score_BP = jnp.concatenate(pool_score, axis=1)
-    parent_BP = jnp.concatenate(pool_parent, axis=1)
-    depth_P = jnp.asarray(pool_depth, jnp.int32)
+    score_BO = jnp.concatenate(pool_score, axis=1)
+    parent_BO = jnp.concatenate(pool_parent, axis=1)
+    depth_O = jnp.asarray(pool_depth, jnp.int32)
     P = tok_BP.shape[1]
-    slot_BP, q_BPV = slot_BP[:, :P], q_BPV[:, :P]
+    slot_BO, q_BOV = slot_BO[:, :P], q_BOV[:, :P]
     # Keep the best `budget` (score desc, then depth asc, then pool order), then lay them out
     # breadth-first (depth asc, score desc).
-    idx_P = jnp.arange(P)
-    keep = jax.vmap(lambda sc: jnp.lexsort((idx_P, depth_P, -sc))[:budget])(score_BP)       # [B, N]
-    kd = depth_P[keep]
-    ks = jnp.take_along_axis(score_BP, keep, axis=1)
+    idx_O = jnp.arange(P)
+    keep = jax.vmap(lambda sc: jnp.lexsort((idx_O, depth_O, -sc))[:budget])(score_BO)       # [B, N]
+    kd = depth_O[keep]
+    ks = jnp.take_along_axis(score_BO, keep, axis=1)
     order = jax.vmap(lambda dd, sc, ii: jnp.lexsort((ii, -sc, dd)))(kd, ks, keep)
     sel_BN = jnp.take_along_axis(keep, order, axis=1)
     new_index_BP = jnp.full((B, P), -1, jnp.int32).at[rows, sel_BN].set(jnp.arange(budget, dtype=jnp.int32)[None])
-    par_pool = jnp.take_along_axis(parent_BP, sel_BN, axis=1)
+    par_pool = jnp.take_along_axis(parent_BO, sel_BN, axis=1)
     parents_BN = jnp.where(par_pool < 0, -1, jnp.take_along_axis(new_index_BP, jnp.maximum(par_pool, 0), axis=1))
-    score_BN = jnp.take_along_axis(score_BP, sel_BN, axis=1)
+    score_BN = jnp.take_along_axis(score_BO, sel_BN, axis=1)
     tree = trees_lib.DraftTree(
         tokens_BN=jnp.take_along_axis(tok_BP, sel_BN, axis=1), parents_BN=parents_BN.astype(jnp.int32),
-        depths_BN=depth_P[sel_BN], valid_BN=score_BN > -jnp.inf,
-        draft_slots_BN=jnp.take_along_axis(slot_BP, sel_BN, axis=1),
+        depths_BN=depth_O[sel_BN], valid_BN=score_BN > -jnp.inf,
+        draft_slots_BN=jnp.take_along_axis(slot_BO, sel_BN, axis=1),
         mode="deterministic", max_depth=D)
-    q_BN1V = jnp.concatenate([q_root_BV[:, None], jnp.take_along_axis(q_BPV, sel_BN[..., None], axis=1)], axis=1)
+    q_BN1V = jnp.concatenate([q_root_BV[:, None], jnp.take_along_axis(q_BOV, sel_BN[..., None], axis=1)], axis=1)
     return tree, q_BN1V, cache

@@ -188,37 +188,37 @@ def pack_rows(e_ND):
     return jnp.transpose(e.reshape(P, PANEL, D), (0, 2, 1))
 
 
-def unpack(panels_PDC, n: int):
+def unpack(panels, n: int):
     """Panels [P, D, 32] -> the [D, n] matrix they hold (exact inverse of `pack`)."""
-    p = jnp.asarray(panels_PDC)
+    p = jnp.asarray(panels)
     if p.ndim != 3 or p.shape[2] != PANEL or num_panels(n) != p.shape[0]:
         raise ValueError(f"panels of shape {p.shape} do not hold a matrix with {n} columns")
     P, D, _ = p.shape
     return jnp.transpose(p, (1, 0, 2)).reshape(D, P * PANEL)[:, :n]
 
 
-def _einsum(x, panels_PDC, n: int):
-    y = jnp.einsum("...d,pdc->...pc", x, panels_PDC.astype(x.dtype), preferred_element_type=jnp.float32)
+def _einsum(x, panels, n: int):
+    y = jnp.einsum("...d,pdc->...pc", x, panels.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.reshape(*y.shape[:-2], -1)[..., :n]
 
 
-def _custom_call(x, panels_PDC, n: int):
+def _custom_call(x, panels, n: int):
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
-                            vmap_method="sequential")(x, panels_PDC)
+                            vmap_method="sequential")(x, panels)
 
 
-def matmul(x, panels_PDC, n: int, use_kernel: bool = True):
-    """``x [..., D] @ W [D, n]`` in float32 for W held as `pack` panels [P, D, 32] (see module).
+def matmul(x, panels, n: int, use_kernel: bool = True):
+    """``x [..., D] @ W [D, n]`` in float32 for W held as `pack` panels [ceil(n / 32), D, 32] (see module).
 
     ``use_kernel=False`` forces the einsum path (the reference in the tests)."""
-    if panels_PDC.ndim != 3 or x.shape[-1] != panels_PDC.shape[1] or panels_PDC.shape[2] != PANEL \
-            or num_panels(n) != panels_PDC.shape[0]:
-        raise ValueError(f"matmul: x {tuple(x.shape)} and panels {tuple(panels_PDC.shape)} do not fit a "
+    if panels.ndim != 3 or x.shape[-1] != panels.shape[1] or panels.shape[2] != PANEL \
+            or num_panels(n) != panels.shape[0]:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and panels {tuple(panels.shape)} do not fit a "
                          f"[{x.shape[-1]}, {n}] weight (panels must be [ceil(n/32), D, 32])")
-    if not (use_kernel and x.dtype == jnp.float32 and panels_PDC.dtype == jnp.float32 and _registered()):
-        return _einsum(x, panels_PDC, n)
+    if not (use_kernel and x.dtype == jnp.float32 and panels.dtype == jnp.float32 and _registered()):
+        return _einsum(x, panels, n)
     return jax.lax.platform_dependent(
-        x, panels_PDC, cpu=functools.partial(_custom_call, n=n), default=functools.partial(_einsum, n=n))
+        x, panels, cpu=functools.partial(_custom_call, n=n), default=functools.partial(_einsum, n=n))
 
 
 # ----------------------------------------------------------------------------- attention
@@ -235,20 +235,20 @@ def attention_fast_on_this_cpu() -> bool:
     return attention_built() and int(_library().SpecjaxAttentionIsa()) == 2
 
 
-def _attention_call(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B):
-    B, T, N, H = q_BTNH.shape
+def _attention_call(q_BTQH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B):
+    B, T, N, H = q_BTQH.shape
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, N * H), jnp.float32),
-                            vmap_method="sequential")(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B)
+                            vmap_method="sequential")(q_BTQH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B)
 
 
-def decode_attention(q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B, reference,
+def decode_attention(q_BTQH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B, reference,
                      min_rows: int = ATTENTION_MIN_ROWS):
     """Causal grouped-query attention of T <= `ATTENTION_MAX_TOKENS` new tokens over a cache
     (the rule of `specjax.models.llama.attention` without a tree; see decode_attention.cc):
     [B, T, N * H] float32. ``reference()`` gives the same result where the kernel does not run
     (not built, another backend, another dtype, a longer block, fewer than ``min_rows`` rows)."""
-    args = (q_BTNH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS)
-    if (q_BTNH.shape[1] > ATTENTION_MAX_TOKENS or q_BTNH.shape[0] < min_rows
+    args = (q_BTQH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS)
+    if (q_BTQH.shape[1] > ATTENTION_MAX_TOKENS or q_BTQH.shape[0] < min_rows
             or any(x.dtype != jnp.float32 for x in args)
             or not attention_built() or not _registered()):
         return reference()

@@ -114,16 +114,16 @@ def _scores(s, spec: AttentionSpec):
     return s
 
 
-def reference_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
+def reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
     """Grouped-query attention of T queries over cached slots and the T new tokens: [B, T, N*H]."""
-    B, T, N, H = q_BTNH.shape
+    B, T, N, H = q_BTQH.shape
     K = k_new_BTKH.shape[2]
     G = N // K
     # A masked position gets weight exactly 0, but 0 * NaN = NaN: a NaN value vector at a later
     # (e.g. rejected draft) position would poison every earlier query. Zero it; a position whose
     # own state is NaN still yields NaN logits through the residual stream.
     v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
-    q = q_BTNH.reshape(B, T, K, G, H)
+    q = q_BTQH.reshape(B, T, K, G, H)
     s_new = _scores(jnp.einsum("btkgh,bskh->bkgts", q, k_new_BTKH, preferred_element_type=jnp.float32), spec)
     if visibility is None:
         t_T = jnp.arange(T)
@@ -134,7 +134,7 @@ def reference_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: 
         probs = jax.nn.softmax(s_new, axis=-1)
         out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_new_BTKH.dtype), v_new_BTKH,
                          preferred_element_type=jnp.float32)
-        return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+        return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
     k_BKSH, v_BKHS, lengths_B = past
     S = k_BKSH.shape[2]
     s_past = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH,
@@ -150,15 +150,15 @@ def reference_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: 
                      preferred_element_type=jnp.float32)
     out = out + jnp.einsum("bkgts,bskh->btkgh", p_new.astype(v_new_BTKH.dtype), v_new_BTKH,
                            preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
-def dot_product_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
+def dot_product_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
     """The same rule through `jax.nn.dot_product_attention` (keys: the cache's slots, then the block)."""
     if spec.softcap is not None:
         raise ValueError("attention_op='dot_product' cannot soft-cap attention scores "
                          "(jax.nn.dot_product_attention has no soft-capping); use attention_op='reference'")
-    B, T, N, H = q_BTNH.shape
+    B, T, N, H = q_BTQH.shape
     v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
     lengths_B = None if past is None else past[2]
     S = 0 if past is None else past[0].shape[2]
@@ -168,13 +168,13 @@ def dot_product_attention(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec
         keys, values, mask = k_new_BTKH, v_new_BTKH, new_mask
     else:
         k_BKSH, v_BKHS, _ = past
-        dt = q_BTNH.dtype
+        dt = q_BTQH.dtype
         keys = jnp.concatenate([jnp.swapaxes(k_BKSH, 1, 2).astype(dt), k_new_BTKH.astype(dt)], axis=1)
         values = jnp.concatenate([jnp.transpose(v_BKHS, (0, 3, 1, 2)).astype(dt), v_new_BTKH.astype(dt)], axis=1)
         mask = jnp.concatenate([jnp.broadcast_to(past_mask, (B, T, S)), new_mask], axis=-1)
-    out = jax.nn.dot_product_attention(q_BTNH, keys.astype(q_BTNH.dtype), values.astype(q_BTNH.dtype),
+    out = jax.nn.dot_product_attention(q_BTQH, keys.astype(q_BTQH.dtype), values.astype(q_BTQH.dtype),
                                        mask=mask[:, None], scale=spec.scale)
-    return out.reshape(B, T, N * H).astype(q_BTNH.dtype)
+    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
 AttentionOp = Callable[..., jax.Array]
@@ -182,7 +182,7 @@ ATTENTION_OPS: dict[str, AttentionOp] = {"reference": reference_attention, "dot_
 
 
 def register_attention_op(name: str, op: AttentionOp) -> None:
-    """Make ``op(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec) -> [B, T, N*H]`` selectable
+    """Make ``op(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec) -> [B, T, N*H]`` selectable
     as ``ModelConfig(attention_op=name)``."""
     if name in ATTENTION_OPS and ATTENTION_OPS[name] is not op:
         raise ValueError(f"attention op {name!r} is already registered")
@@ -196,17 +196,17 @@ def get_attention_op(name: str) -> AttentionOp:
         raise ValueError(f"unknown attention op {name!r} (registered: {', '.join(ATTENTION_OPS)})") from None
 
 
-def attention(q_BTNH, k_new_BTKH, v_new_BTKH, past=None, visibility=None, kernel: bool = False,
+def attention(q_BTQH, k_new_BTKH, v_new_BTKH, past=None, visibility=None, kernel: bool = False,
               spec: AttentionSpec | None = None, op: str = "reference"):
     """Attention by the op named ``op`` (see the module docstring); ``spec`` defaults to
     1/sqrt(head_dim) without soft-capping. ``kernel``: with ``past``, the plain causal rule
     (``visibility`` None) and a short block, `specjax.kernels.decode_attention` computes it
     (where it can run; the op otherwise); callers pass it only for plain attention."""
-    spec = spec or AttentionSpec(scale=float(1.0 / np.sqrt(q_BTNH.shape[-1])))
+    spec = spec or AttentionSpec(scale=float(1.0 / np.sqrt(q_BTQH.shape[-1])))
     fn = get_attention_op(op)
     if kernel and past is not None and visibility is None:
         v_safe = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
         return kernels.decode_attention(
-            q_BTNH, k_new_BTKH, v_safe, *past,
-            reference=lambda: fn(q_BTNH, k_new_BTKH, v_new_BTKH, past, None, spec)).astype(q_BTNH.dtype)
-    return fn(q_BTNH, k_new_BTKH, v_new_BTKH, past, visibility, spec)
+            q_BTQH, k_new_BTKH, v_safe, *past,
+            reference=lambda: fn(q_BTQH, k_new_BTKH, v_new_BTKH, past, None, spec)).astype(q_BTQH.dtype)
+    return fn(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec)

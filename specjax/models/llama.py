@@ -377,12 +377,12 @@ def rope_cos_sin(config: ModelConfig, positions_BT, local: bool = False):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x_BTNH, cos_BTH, sin_BTH):
-    half = x_BTNH.shape[-1] // 2
-    x = x_BTNH.astype(jnp.float32)
+def apply_rope(x_BTQH, cos_BTH, sin_BTH):
+    half = x_BTQH.shape[-1] // 2
+    x = x_BTQH.astype(jnp.float32)
     rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x * cos_BTH[:, :, None, :] + rot * sin_BTH[:, :, None, :]
-    return out.astype(x_BTNH.dtype)
+    return out.astype(x_BTQH.dtype)
 
 
 def _linear(x, w, b=None, width: int | None = None):
@@ -416,16 +416,16 @@ def _experts(config: ModelConfig, p: dict, x_BTD):
     weights_Mk, experts_Mk = jax.lax.top_k(jax.nn.softmax(logits_ME, axis=-1), k)
     if c.normalize_topk:
         weights_Mk = weights_Mk / jnp.sum(weights_Mk, axis=-1, keepdims=True)
-    order_P = jnp.argsort(experts_Mk.reshape(-1), stable=True)        # P = M * k pairs, by expert
-    token_P = order_P // k
+    order_Mk = jnp.argsort(experts_Mk.reshape(-1), stable=True)        # P = M * k pairs, by expert
+    token_Mk = order_Mk // k
     sizes_E = jnp.bincount(experts_Mk.reshape(-1), length=E).astype(jnp.int32)
-    xs_PD = x_MD[token_P]
-    gate = jax.lax.ragged_dot(xs_PD, p["we_gate"], sizes_E, preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs_PD, p["we_up"], sizes_E, preferred_element_type=jnp.float32)
-    h_PF = (_activation(c, gate.astype(x_MD.dtype)) * up.astype(x_MD.dtype))
-    out_PD = jax.lax.ragged_dot(h_PF, p["we_down"], sizes_E, preferred_element_type=jnp.float32)
-    out_PD = out_PD.astype(x_MD.dtype).astype(jnp.float32) * weights_Mk.reshape(-1)[order_P][:, None]
-    y_MD = jnp.zeros((B * T, D), jnp.float32).at[token_P].add(out_PD)
+    xs_MkD = x_MD[token_Mk]
+    gate = jax.lax.ragged_dot(xs_MkD, p["we_gate"], sizes_E, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(xs_MkD, p["we_up"], sizes_E, preferred_element_type=jnp.float32)
+    h_MkI = (_activation(c, gate.astype(x_MD.dtype)) * up.astype(x_MD.dtype))
+    out_MkD = jax.lax.ragged_dot(h_MkI, p["we_down"], sizes_E, preferred_element_type=jnp.float32)
+    out_MkD = out_MkD.astype(x_MD.dtype).astype(jnp.float32) * weights_Mk.reshape(-1)[order_Mk][:, None]
+    y_MD = jnp.zeros((B * T, D), jnp.float32).at[token_Mk].add(out_MkD)
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype)
 
 

@@ -299,7 +299,7 @@ class Scheduler:
                     o = occupant[s]
                     n = int(c.n_B[i, s])
                     if n:
-                        o["tokens"].extend(int(x) for x in c.tokens_BK[i, s, :n])
+                        o["tokens"].extend(int(x) for x in c.tokens_BC[i, s, :n])
                         if o["first"] is None:
                             o["first"] = t
                     o["rounds"] += 1
@@ -323,7 +323,7 @@ class Scheduler:
                     occupant[s] = None
                     if on_finish is not None:
                         on_finish(results[r.id])
-        gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_K))
+        gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_Z))
         ordered = [results[i] for i in sorted(results)]
         return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),
                            steps=steps)

@@ -83,11 +83,11 @@ class TraversalVerifier(TreeWalkVerifier):
         depth_BN = jnp.clip(tree.depths_BN.astype(jnp.int32), 1, L - 1)
         p_BN1V = p_BN1V.astype(jnp.float32)
         q_BN1V = q_BN1V.astype(jnp.float32)
-        level_L = jnp.arange(L, dtype=jnp.int32)
+        level_A = jnp.arange(L, dtype=jnp.int32)
 
         def row(u_N, tok_N, par_N, valid_N, depth_N, q_N1V, p_N1V):
             def step(carry, _):
-                (cur, done, last, final_V, entered_N, W_L, P_LV, Pn_LV, Q_LV, flag_L, deg,
+                (cur, done, last, final_V, entered_N, W_L, P_LV, Pn_LV, Q_LV, flag_A, deg,
                  tested_N, prob_N, passed_N) = carry
                 cur_slot = jnp.maximum(cur, 0)
                 lvl = jnp.where(cur >= 0, depth_N[cur_slot], 0)
@@ -105,7 +105,7 @@ class TraversalVerifier(TreeWalkVerifier):
                 w_new = jnp.where(num <= 0, 0.0, jnp.where(num >= qx, 1.0,
                                                            num / jnp.where(qx > 0, qx, 1.0)))
                 child_lvl = jnp.minimum(lvl + 1, L - 1)
-                at_child_L = enter & (level_L == child_lvl)
+                at_child_A = enter & (level_A == child_lvl)
 
                 # Test `cur` (all its children are gone): eta < w.
                 w_cur = W_L[lvl]
@@ -123,22 +123,22 @@ class TraversalVerifier(TreeWalkVerifier):
                 denom = mass + 1.0 - wz
                 wz_new = jnp.where(plvl == 0, 1.0,
                                    jnp.where(denom > 0, mass / jnp.where(denom > 0, denom, 1.0), 0.0))
-                at_parent_L = reject & (level_L == plvl)
+                at_parent_A = reject & (level_A == plvl)
 
                 p_child_V, q_child_V = p_N1V[nxt + 1], q_N1V[nxt + 1]
-                P_LV = jnp.where(at_child_L[:, None], p_child_V[None],
-                                 jnp.where(at_parent_L[:, None], resid_V[None], P_LV))
-                Pn_LV = jnp.where(at_child_L[:, None], p_child_V[None], Pn_LV)
-                Q_LV = jnp.where(at_child_L[:, None], q_child_V[None],
-                                 jnp.where(at_parent_L[:, None],
+                P_LV = jnp.where(at_child_A[:, None], p_child_V[None],
+                                 jnp.where(at_parent_A[:, None], resid_V[None], P_LV))
+                Pn_LV = jnp.where(at_child_A[:, None], p_child_V[None], Pn_LV)
+                Q_LV = jnp.where(at_child_A[:, None], q_child_V[None],
+                                 jnp.where(at_parent_A[:, None],
                                            remove_drawn(Q_LV[plvl], xc, mode)[None], Q_LV))
                 # A degenerate residual counts once, when it is first used: a later child's
                 # weight is computed from it (with w > 0), or the final token is drawn from it.
-                used_L = (((enter & (W_L[lvl] > 0)) | accept) & (level_L == lvl)
-                          | (at_root_end & (level_L == 0)))
-                deg = deg + jnp.sum(flag_L & used_L).astype(jnp.int32)
-                flag_L = jnp.where(at_parent_L, degenerate, flag_L & ~used_L & ~at_child_L)
-                W_L = jnp.where(at_child_L, w_new, jnp.where(at_parent_L, wz_new, W_L))
+                used_A = (((enter & (W_L[lvl] > 0)) | accept) & (level_A == lvl)
+                          | (at_root_end & (level_A == 0)))
+                deg = deg + jnp.sum(flag_A & used_A).astype(jnp.int32)
+                flag_A = jnp.where(at_parent_A, degenerate, flag_A & ~used_A & ~at_child_A)
+                W_L = jnp.where(at_child_A, w_new, jnp.where(at_parent_A, wz_new, W_L))
                 is_cur_N = leave & (jnp.arange(N) == cur)
                 tested_N = tested_N | is_cur_N
                 prob_N = jnp.where(is_cur_N, w_cur, prob_N)
@@ -148,15 +148,15 @@ class TraversalVerifier(TreeWalkVerifier):
                 last = jnp.where(accept, cur, last)
                 done = done | accept | at_root_end
                 cur = jnp.where(enter, nxt, jnp.where(reject, par_N[cur_slot], cur))
-                return (cur, done, last, final_V, entered_N, W_L, P_LV, Pn_LV, Q_LV, flag_L, deg,
+                return (cur, done, last, final_V, entered_N, W_L, P_LV, Pn_LV, Q_LV, flag_A, deg,
                         tested_N, prob_N, passed_N), None
 
-            zeros_LV = jnp.zeros((L, V), jnp.float32)
+            zeros_AV = jnp.zeros((L, V), jnp.float32)
             init = (jnp.int32(-1), jnp.bool_(False), jnp.int32(-1), p_N1V[0],
                     jnp.zeros((N,), bool),
                     jnp.zeros((L,), jnp.float32).at[0].set(1.0),
-                    zeros_LV.at[0].set(p_N1V[0]), zeros_LV.at[0].set(p_N1V[0]),
-                    zeros_LV.at[0].set(q_N1V[0]), jnp.zeros((L,), bool), jnp.int32(0),
+                    zeros_AV.at[0].set(p_N1V[0]), zeros_AV.at[0].set(p_N1V[0]),
+                    zeros_AV.at[0].set(q_N1V[0]), jnp.zeros((L,), bool), jnp.int32(0),
                     jnp.zeros((N,), bool), jnp.zeros((N,), jnp.float32), jnp.zeros((N,), bool))
             out, _ = jax.lax.scan(step, init, None, length=2 * N + 1)
             _, _, last, final_V, _, _, _, _, _, _, deg, tested_N, prob_N, passed_N = out

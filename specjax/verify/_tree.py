@@ -40,12 +40,12 @@ from specjax.verify._result import PAD_TOKEN, row_keys, row_uniforms, sample_row
 
 @struct.dataclass
 class TreeVerifyResult:
-    """Outcome of verifying one draft tree per row (shape-suffixed; D = ``tree.max_depth``).
+    """Outcome of verifying one draft tree per row (shape-suffixed; A = ``tree.max_depth``).
 
     Attributes:
-      n_accepted_B: int32 in ``[0, D]``: accepted drafted nodes on the path.
-      path_BD: int32 ``[B, D]``: the accepted node indices by depth, -1 after the path.
-      committed_BD1: int32 ``[B, D+1]``: the accepted nodes' tokens, then one final token
+      n_accepted_B: int32 in ``[0, A]``: accepted drafted nodes on the path.
+      path_BA: int32 ``[B, A]``: the accepted node indices by depth, -1 after the path.
+      committed_BA1: int32 ``[B, A+1]``: the accepted nodes' tokens, then one final token
         (replacement or bonus), then ``PAD_TOKEN``.
       last_node_B: int32: the node whose (possibly residual) target distribution the final
         token came from (-1 = the root); the deepest node of the path.
@@ -53,21 +53,21 @@ class TreeVerifyResult:
         the row -- a residual whose mass was at most the tolerance and that then served as a
         node's target (a later child was tested against it, or the final token drawn from it).
         On a chain this is what the linear verifiers count.
-      tested_accept_BD: float32 ``[B, D]``: for the root (column 0) and each accepted node of
+      tested_accept_BA: float32 ``[B, A]``: for the root (column 0) and each accepted node of
         the path (column = its depth) that has a valid child, the acceptance probability
         ``min(1, p(x) / q_1(x))`` of its FIRST child x at the node's own target p (q_1: the
         proposal of a first child under the tree's mode; greedy: ``1[x == argmax p]``), an
-        estimate of the acceptance rate alpha; 0 where ``tested_BD`` is False.
-      tested_BD: bool ``[B, D]``: which entries of ``tested_accept_BD`` are meaningful.
+        estimate of the acceptance rate alpha; 0 where ``tested_BA`` is False.
+      tested_BA: bool ``[B, A]``: which entries of ``tested_accept_BA`` are meaningful.
     """
 
     n_accepted_B: jax.Array
-    path_BD: jax.Array
-    committed_BD1: jax.Array
+    path_BA: jax.Array
+    committed_BA1: jax.Array
     last_node_B: jax.Array
     degenerate_residual_B: jax.Array
-    tested_accept_BD: jax.Array
-    tested_BD: jax.Array
+    tested_accept_BA: jax.Array
+    tested_BA: jax.Array
 
     @property
     def num_committed_B(self) -> jax.Array:
@@ -137,13 +137,13 @@ def _clip_tokens(tokens, vocab):
 
 
 def first_children(tree: DraftTree):
-    """``(first_BS, has_BS)`` for every slot s (0 = root, n + 1 = node n): the index of the
+    """``(first_BN1, has_BN1)`` for every slot s (0 = root, n + 1 = node n): the index of the
     slot's first valid child (lowest index) and whether it has one."""
     B, N = tree.tokens_BN.shape
-    slot_node_S = jnp.arange(N + 1, dtype=jnp.int32) - 1
-    is_child_BSN = ((tree.parents_BN.astype(jnp.int32)[:, None, :] == slot_node_S[None, :, None])
+    slot_node_N1 = jnp.arange(N + 1, dtype=jnp.int32) - 1
+    is_child_BN1N = ((tree.parents_BN.astype(jnp.int32)[:, None, :] == slot_node_N1[None, :, None])
                     & tree.valid_BN[:, None, :])
-    return jnp.argmax(is_child_BSN, axis=-1).astype(jnp.int32), jnp.any(is_child_BSN, axis=-1)
+    return jnp.argmax(is_child_BN1N, axis=-1).astype(jnp.int32), jnp.any(is_child_BN1N, axis=-1)
 
 
 class TreeWalkVerifier:
@@ -179,15 +179,15 @@ class TreeWalkVerifier:
 
     def first_child_accept(self, tree: DraftTree, q_BN1V, p_BN1V):
         """``[B, N+1]``: per slot, ``min(1, p(x) / q_1(x))`` of its first valid child x."""
-        first_BS, has_BS = first_children(tree)
+        first_BN1, has_BN1 = first_children(tree)
         V = p_BN1V.shape[-1]
-        x_BS = _clip_tokens(jnp.take_along_axis(tree.tokens_BN, first_BS, axis=1), V)
-        px_BS = jnp.take_along_axis(p_BN1V.astype(jnp.float32), x_BS[..., None], axis=-1)[..., 0]
+        x_BN1 = _clip_tokens(jnp.take_along_axis(tree.tokens_BN, first_BN1, axis=1), V)
+        px_BN1 = jnp.take_along_axis(p_BN1V.astype(jnp.float32), x_BN1[..., None], axis=-1)[..., 0]
         if tree.mode == "deterministic":
-            qx_BS = jnp.ones_like(px_BS)
+            qx_BN1 = jnp.ones_like(px_BN1)
         else:
-            qx_BS = jnp.take_along_axis(q_BN1V.astype(jnp.float32), x_BS[..., None], axis=-1)[..., 0]
-        return jnp.where(has_BS, ratio_accept_prob(px_BS, qx_BS), 0.0), has_BS
+            qx_BN1 = jnp.take_along_axis(q_BN1V.astype(jnp.float32), x_BN1[..., None], axis=-1)[..., 0]
+        return jnp.where(has_BN1, ratio_accept_prob(px_BN1, qx_BN1), 0.0), has_BN1
 
     def __call__(self, key, tree: DraftTree, q_BN1V, p_BN1V) -> TreeVerifyResult:
         B, N = tree.tokens_BN.shape
@@ -205,29 +205,29 @@ class TreeWalkVerifier:
         return assemble_tree_result(tree, walk, final_B, *self.first_child_accept(tree, q_BN1V, p_BN1V))
 
 
-def assemble_tree_result(tree: DraftTree, walk: TreeWalk, final_B, first_accept_BS, has_child_BS):
+def assemble_tree_result(tree: DraftTree, walk: TreeWalk, final_B, first_accept_BN1, has_child_BN1):
     """Lay out the path, committed tokens and first-child acceptance estimates of a walk."""
-    D = tree.max_depth
-    path_BD, n_B = path_nodes(tree.parents_BN, walk.last_node_B, D)
-    tok_BD = jnp.take_along_axis(tree.tokens_BN.astype(jnp.int32), jnp.maximum(path_BD, 0), axis=1)
-    j_D1 = jnp.arange(D + 1, dtype=jnp.int32)[None]
-    tok_BD1 = jnp.concatenate([tok_BD, jnp.zeros_like(tok_BD[:, :1])], axis=1)
-    committed = jnp.where(j_D1 < n_B[:, None], tok_BD1,
-                          jnp.where(j_D1 == n_B[:, None], final_B.astype(jnp.int32)[:, None], PAD_TOKEN))
+    A = tree.max_depth
+    path_BA, n_B = path_nodes(tree.parents_BN, walk.last_node_B, A)
+    tok_BA = jnp.take_along_axis(tree.tokens_BN.astype(jnp.int32), jnp.maximum(path_BA, 0), axis=1)
+    j_BA1 = jnp.arange(A + 1, dtype=jnp.int32)[None]
+    tok_BA1 = jnp.concatenate([tok_BA, jnp.zeros_like(tok_BA[:, :1])], axis=1)
+    committed = jnp.where(j_BA1 < n_B[:, None], tok_BA1,
+                          jnp.where(j_BA1 == n_B[:, None], final_B.astype(jnp.int32)[:, None], PAD_TOKEN))
     # Column j: the path's node at depth j (the root for j = 0), if the path reaches it.
-    slot_BD = jnp.concatenate([jnp.zeros_like(path_BD[:, :1]), path_BD[:, :-1] + 1], axis=1)
-    on_path_BD = j_D1[:, :D] <= n_B[:, None]
-    slot_BD = jnp.where(on_path_BD, slot_BD, 0)
-    tested_BD = on_path_BD & jnp.take_along_axis(has_child_BS, slot_BD, axis=1)
-    tested_accept_BD = jnp.where(tested_BD, jnp.take_along_axis(first_accept_BS, slot_BD, axis=1), 0.0)
+    slot_BA = jnp.concatenate([jnp.zeros_like(path_BA[:, :1]), path_BA[:, :-1] + 1], axis=1)
+    on_path_BA = j_BA1[:, :A] <= n_B[:, None]
+    slot_BA = jnp.where(on_path_BA, slot_BA, 0)
+    tested_BA = on_path_BA & jnp.take_along_axis(has_child_BN1, slot_BA, axis=1)
+    tested_accept_BA = jnp.where(tested_BA, jnp.take_along_axis(first_accept_BN1, slot_BA, axis=1), 0.0)
     return TreeVerifyResult(
         n_accepted_B=n_B.astype(jnp.int32),
-        path_BD=path_BD.astype(jnp.int32),
-        committed_BD1=committed.astype(jnp.int32),
+        path_BA=path_BA.astype(jnp.int32),
+        committed_BA1=committed.astype(jnp.int32),
         last_node_B=walk.last_node_B.astype(jnp.int32),
         degenerate_residual_B=walk.degenerate_B.astype(jnp.int32),
-        tested_accept_BD=tested_accept_BD.astype(jnp.float32),
-        tested_BD=tested_BD,
+        tested_accept_BA=tested_accept_BA.astype(jnp.float32),
+        tested_BA=tested_BA,
     )
 
 
@@ -245,7 +245,7 @@ class GreedyTreeVerifier(TreeWalkVerifier):
     is the current node's target argmax (ties: the lowest token index, as ``jnp.argmax``),
     until no child matches; the final token is the argmax at the last node. The committed
     tokens are exactly greedy target decoding. Any children mode; ``q`` and ``key`` unused;
-    ``accept_prob_BN`` and ``tested_accept_BD`` are ``1[x == argmax p]``; never degenerate.
+    ``accept_prob_BN`` and ``tested_accept_BA`` are ``1[x == argmax p]``; never degenerate.
     """
 
     def walk(self, u_BN, tree: DraftTree, q_BN1V, p_BN1V) -> TreeWalk:
@@ -253,22 +253,22 @@ class GreedyTreeVerifier(TreeWalkVerifier):
         del u_BN, q_BN1V
         B, N = tree.tokens_BN.shape
         V = p_BN1V.shape[-1]
-        choice_BS = argmax(p_BN1V)
+        choice_BN1 = argmax(p_BN1V)
         tok_BN, par_BN, valid_BN = _node_inputs(tree, V)
 
-        def row(choice_S, tok_N, par_N, valid_N):
+        def row(choice_N1, tok_N, par_N, valid_N):
             def step(cur, xs):
                 n, x, par, ok = xs
                 tried = ok & (par == cur)
-                passed = tried & (x == choice_S[cur + 1])
+                passed = tried & (x == choice_N1[cur + 1])
                 return jnp.where(passed, n, cur), (tried, passed)
 
             last, (tried_N, passed_N) = jax.lax.scan(
                 step, jnp.int32(-1), (jnp.arange(N, dtype=jnp.int32), tok_N, par_N, valid_N))
             return last, tried_N, passed_N
 
-        last_B, tried_BN, passed_BN = jax.vmap(row)(choice_BS, tok_BN, par_BN, valid_BN)
-        final_B = jnp.take_along_axis(choice_BS, last_B[:, None] + 1, axis=1)[:, 0]
+        last_B, tried_BN, passed_BN = jax.vmap(row)(choice_BN1, tok_BN, par_BN, valid_BN)
+        final_B = jnp.take_along_axis(choice_BN1, last_B[:, None] + 1, axis=1)[:, 0]
         return TreeWalk(last_node_B=last_B,
                         final_dist_BV=jax.nn.one_hot(final_B, V, dtype=jnp.float32),
                         degenerate_B=jnp.zeros((B,), jnp.int32), tested_BN=tried_BN,
@@ -278,10 +278,10 @@ class GreedyTreeVerifier(TreeWalkVerifier):
         return argmax(final_dist_BV)
 
     def first_child_accept(self, tree: DraftTree, q_BN1V, p_BN1V):
-        first_BS, has_BS = first_children(tree)
-        x_BS = jnp.take_along_axis(tree.tokens_BN.astype(jnp.int32), first_BS, axis=1)
-        match_BS = x_BS == argmax(p_BN1V)
-        return jnp.where(has_BS, match_BS.astype(jnp.float32), 0.0), has_BS
+        first_BN1, has_BN1 = first_children(tree)
+        x_BN1 = jnp.take_along_axis(tree.tokens_BN.astype(jnp.int32), first_BN1, axis=1)
+        match_BN1 = x_BN1 == argmax(p_BN1V)
+        return jnp.where(has_BN1, match_BN1.astype(jnp.float32), 0.0), has_BN1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters import _eagle3
-from specjax.drafters._heads import (EAGLE3_PUBLISHED, HEAD_KINDS, EagleHead, FeatureHeadDrafter, HeadConfig,
-                                     MedusaDrafter, head_params, init_head_params)
+from specjax.drafters.heads import _eagle3_layer
+from specjax.drafters.heads._config import HeadConfig, head_kinds, head_params, init_head_params
 from specjax.models.config import CheckpointError, CorruptCheckpointError, MissingTensorError
 from specjax.models.draft_artifact import read_description, read_tensors, write_tensors
 from specjax.models.reduced_head import check_vocab_map
@@ -47,15 +46,15 @@ def is_head_dir(directory) -> bool:
 
 
 def head_kind(directory) -> str:
-    """The kind ('eagle3', 'eagle', 'medusa') of a saved head, from its checked head.json
+    """The kind (`specjax.drafters.heads.head_kinds`) of a saved head, from its checked head.json
     (`CheckpointError` naming the file when it is missing or broken)."""
     d = pathlib.Path(directory)
     if not is_head_dir(d):
         raise CheckpointError(f"{d} holds no head.json (not a draft-head directory)")
     desc = read_description(d / "head.json", FORMAT, ("head",))
     kind = desc["head"].get("kind") if isinstance(desc["head"], dict) else None
-    if kind not in HEAD_KINDS:
-        raise CheckpointError(f"{d / 'head.json'}: head kind {kind!r} is not one of {HEAD_KINDS}")
+    if kind not in head_kinds():
+        raise CheckpointError(f"{d / 'head.json'}: head kind {kind!r} is not one of {head_kinds()}")
     return kind
 
 
@@ -79,12 +78,12 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     if not isinstance(h.get("input_norm", False), bool):
         raise CorruptCheckpointError(f"{d}/head.json: 'input_norm' must be true or false, got {h['input_norm']!r}")
     try:
-        layer = None if h.get("layer") is None else _eagle3.layer_from_dict(h["layer"], tc)
+        layer = None if h.get("layer") is None else _eagle3_layer.layer_from_dict(h["layer"], tc)
         hc = HeadConfig.make(h["kind"], tc, num_heads=int(h["num_heads"]), head_size=h["head_size"],
                              feature_layers=tuple(h["feature_layers"]), input_norm=h.get("input_norm", False),
                              layer=layer, own_embedding=bool(h.get("own_embedding", False)))
         # The target's layout at inference (a published EAGLE-3 head runs the plain one).
-        run = dataclasses.replace(hc, packed=bool(tc.packed_projections) and hc.kind != EAGLE3_PUBLISHED)
+        run = dataclasses.replace(hc, packed=bool(tc.packed_projections) and hc.spec.can_pack)
     except (KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None
     own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))
@@ -106,5 +105,4 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
     if hc.head_size is not None:
         check_vocab_map(np.asarray(own["head_ids"]), tc.vocab_size, hc.head_size, f"{blob_path} 'head_ids'")
     params = head_params(run, own, target_params)
-    drafter = MedusaDrafter(run) if run.kind == "medusa" else FeatureHeadDrafter(EagleHead(run))
-    return drafter, params
+    return run.spec.drafter(run), params

@@ -52,9 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters import _eagle3
-from specjax.drafters._heads import (EAGLE3_PUBLISHED, EagleHead, FeatureHeadDrafter, HeadConfig,
-                                     default_feature_layers, head_params)
+from specjax.drafters.heads import _eagle3_layer as _eagle3
+from specjax.drafters.heads._config import HeadConfig, head_params
+from specjax.drafters.heads._eagle import EagleHead, FeatureHeadDrafter
+from specjax.drafters.heads._eagle3_published import EAGLE3_PUBLISHED, EAGLE3_PUBLISHED_KIND
 from specjax.models import ModelConfig, families
 from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError, TensorShapeError,
                                    UnsupportedArchitectureError)
@@ -157,7 +158,7 @@ def _capture_layers(cfg: dict, layout: str, num_layers: int, where) -> tuple[int
         elif inputs is not None:          # vLLM / speculators: layer inputs
             ids = [int(i) - 1 for i in inputs]
         else:                             # the reference's and the engines' default
-            ids = list(default_feature_layers(EAGLE3_PUBLISHED, num_layers))
+            ids = list(EAGLE3_PUBLISHED_KIND.default_feature_layers(num_layers))
     except (TypeError, ValueError):
         raise CorruptCheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers") from None
     ids = sorted(ids)

@@ -1,0 +1,331 @@
+"""What every head kind shares: the static `HeadConfig`, the `HeadKind` protocol with its
+registry, and the parameters and scores of heads that draft through the target's own head.
+
+A head kind is one object (`HeadKind`) in one module of this package: it validates its
+settings, names, initializes and lays out its own parameters, runs its forward for drafting
+(its drafter), for training (`train_outputs`, `extra_loss`) and for evaluation
+(`eval_outputs`), and declares the defaults its training config takes. `HeadConfig` carries the
+kind's name and delegates every kind-specific question to it, so a new kind is one module that
+calls `register_head_kind` (imported by this package's ``__init__``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kernels
+from specjax.drafters.heads import _eagle3_layer
+from specjax.models import Llama, ModelConfig
+from specjax.models import llama as llama_lib
+
+INIT_STD = 0.02
+
+
+# ------------------------------------------------------------------------------ the kind protocol
+
+class HeadKind:
+    """A head kind. Subclasses override what differs from a head over one target feature that
+    scores through the target's final norm and output layer (the defaults here).
+
+    Training defaults (the ``head.*`` settings of configs/distill_head.py when a config leaves
+    them unset) are class attributes: ``default_ttt_steps``, ``default_feature_weight``,
+    ``autoregressive`` (False: the kind drafts all tokens at once, ``ttt_steps`` must be 1),
+    ``has_input_norm`` (the ``input_norm`` option applies), ``state_keys`` (the config keys that
+    shape its parameters, so a training workdir only resumes under the same values)."""
+    name: str = ""
+    autoregressive: bool = True
+    default_ttt_steps: int = 1
+    default_feature_weight: float = 0.0
+    has_input_norm: bool = False
+    can_pack: bool = True
+    configurable_layer: bool = False      # `HeadConfig.layer` and `own_embedding` apply
+    state_keys: tuple[str, ...] = ("head.feature_layers",)
+
+    # -- configuration
+    def default_feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        return (-1,)
+
+    def check(self, hc: "HeadConfig") -> None:
+        """Kind-specific validation of a config (the generic checks ran already)."""
+        if len(hc.feature_layers) != 1:
+            raise ValueError(f"a {self.name} head reads one feature layer, got {hc.feature_layers}")
+
+    def layer_config(self, hc: "HeadConfig") -> ModelConfig | None:
+        """The head's own decoder layer in its stored (training) layout, None without one."""
+        return None
+
+    def run_layer_config(self, hc: "HeadConfig") -> ModelConfig | None:
+        return self.layer_config(hc)
+
+    def own_names(self, hc: "HeadConfig") -> tuple[str, ...]:
+        """The head's own parameters besides ``head_ids`` (what is trained and exported)."""
+        raise NotImplementedError
+
+    # -- parameters
+    def init_weights(self, hc: "HeadConfig", key) -> dict:
+        """Random own weights (all own parameters but ``head_ids``)."""
+        raise NotImplementedError
+
+    def init_own(self, hc: "HeadConfig", key, head_ids=None) -> dict:
+        """Random own parameters: `init_weights` and the reduced head's sorted ``head_ids``."""
+        own = self.init_weights(hc, key)
+        ids = check_head_ids(hc, head_ids)
+        if ids is not None:
+            own["head_ids"] = ids
+        return own
+
+    def run_params(self, hc: "HeadConfig", p: dict, target_params: dict) -> dict:
+        """The parameters the head runs with, from its own (``p``) and the target's."""
+        return target_head_params(hc, p, target_params, self.pack)
+
+    def pack(self, hc: "HeadConfig", p: dict) -> dict:
+        """The kind's own matrices as `specjax.kernels` panels (a packed head)."""
+        return p
+
+    # -- forwards
+    def scores(self, hc: "HeadConfig", params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
+        """(float32 scores [B, T, S] of head outputs, the rows' token ids [S] or None for the
+        whole vocabulary)."""
+        return target_head_scores(hc, params, h_BTD)
+
+    def train_scores(self, hc: "HeadConfig", params: dict, head_UD, h_BTD) -> jax.Array:
+        """Training logits [B, T, S] over the trainer's rows ``head_UD`` of the target's head."""
+        x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
+        s = jnp.einsum("btd,sd->bts", x, head_UD.astype(x.dtype), preferred_element_type=jnp.float32)
+        return llama_lib.softcap(s, hc.target.final_softcap)
+
+    def drafter(self, hc: "HeadConfig"):
+        """The drafter that runs this head (its config as it runs: packed or not)."""
+        raise NotImplementedError
+
+    def train_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int) -> list:
+        """[(output [B, T, D], shift)]: teacher-forced outputs on whole sequences; output at
+        position t is scored against the target's distribution at position t + shift."""
+        raise NotImplementedError
+
+    def eval_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int) -> list:
+        """[output [B, T, D]] per drafting step j = 1..steps, row o being the draft from origin
+        o (step j scores token x_{o+j})."""
+        raise NotImplementedError
+
+    def extra_loss(self, hc: "HeadConfig", outs: list, f_BTF, mask_BT) -> jax.Array | None:
+        """A loss term besides the divergence (weighted by ``feature_weight``), None if none."""
+        return None
+
+    def max_steps(self, hc: "HeadConfig") -> int | None:
+        """The most tokens the head drafts per round (None: no limit)."""
+        return None
+
+
+_KINDS: dict[str, HeadKind] = {}
+
+
+def register_head_kind(kind: HeadKind) -> HeadKind:
+    """Make a head kind known by its name (what ``draft.kind`` and head.json say)."""
+    if not kind.name:
+        raise ValueError("a head kind needs a name")
+    if kind.name in _KINDS and type(_KINDS[kind.name]) is not type(kind):
+        raise ValueError(f"head kind {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def head_kinds() -> tuple[str, ...]:
+    return tuple(_KINDS)
+
+
+def head_kind_of(name: str) -> HeadKind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise ValueError(f"head kind must be one of {head_kinds()}, got {name!r}") from None
+
+
+# ------------------------------------------------------------------------------ the config
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """Static description of a draft head over a given target (hashable)."""
+    kind: str
+    target: ModelConfig
+    feature_layers: tuple[int, ...]
+    num_heads: int = 4                  # Medusa: heads (the longest chain it drafts)
+    head_size: int | None = None        # reduced-vocabulary head (None: the target's full head)
+    # Inference layout: the head's matrices as `specjax.kernels` panels and its layer in the
+    # target's packed layout (unrolled, fused), as the target runs on the CPU kernel. Set by
+    # `load_head` for a packed target; training and export use the plain layout.
+    packed: bool = False
+    # EAGLE kinds: RMS-normalize the embedding and the feature before ``fc``.
+    input_norm: bool = False
+    # Published EAGLE-3 only: the head layer's own dimensions (heads, head_dim, MLP width, RoPE,
+    # norm eps; one layer, the target's width and vocabulary), None = the target's; and whether
+    # the head has its own embedding (a file whose embedding differs from the target's).
+    layer: ModelConfig | None = None
+    own_embedding: bool = False
+
+    def __post_init__(self):
+        spec = head_kind_of(self.kind)
+        if (self.layer is not None or self.own_embedding) and not spec.configurable_layer:
+            raise ValueError(f"layer and own_embedding describe heads with a layer of their own dimensions "
+                             f"(eagle3_published), not {self.kind!r}")
+        L = self.target.num_layers
+        if not self.feature_layers or any(not -L <= int(i) < L for i in self.feature_layers):
+            raise ValueError(f"feature layers {self.feature_layers} must be non-empty, in [-{L}, {L}) "
+                             f"(the target has {L} layers)")
+        if self.head_size is not None and not 0 < self.head_size <= self.target.vocab_size:
+            raise ValueError(f"head_size must be in [1, {self.target.vocab_size}], got {self.head_size}")
+        if self.input_norm and not spec.has_input_norm:
+            raise ValueError(f"input_norm applies to EAGLE heads (their fc input); a {self.kind} head has none")
+        if self.packed and not spec.can_pack:
+            raise ValueError(f"a {self.kind} head runs in the plain layout (no kernel panels for it)")
+        if self.packed and not self.target.packed_projections:
+            raise ValueError("a packed head runs beside a packed target (packed_projections=True): "
+                             "its full-vocabulary head and its layer use the target's panel layout")
+        spec.check(self)
+
+    @classmethod
+    def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
+             feature_layers: tuple[int, ...] | None = None, packed: bool = False,
+             input_norm: bool = False, layer: ModelConfig | None = None,
+             own_embedding: bool = False) -> "HeadConfig":
+        layers = (head_kind_of(kind).default_feature_layers(target.num_layers) if feature_layers is None
+                  else feature_layers)
+        return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
+                   head_size=head_size, packed=packed, input_norm=bool(input_norm), layer=layer,
+                   own_embedding=bool(own_embedding))
+
+    @property
+    def spec(self) -> HeadKind:
+        """The kind's implementation."""
+        return head_kind_of(self.kind)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.feature_layers) * self.target.hidden_size
+
+    @property
+    def layer_config(self) -> ModelConfig | None:
+        """The head's own decoder layer in its stored and trained layout (None: no layer)."""
+        return self.spec.layer_config(self)
+
+    @property
+    def run_layer_config(self) -> ModelConfig | None:
+        """The layer's layout at inference: `layer_config`, or packed like the target's."""
+        return self.spec.run_layer_config(self)
+
+    @property
+    def own_param_names(self) -> tuple[str, ...]:
+        """The head's own parameters (what is trained and exported); the rest are the target's."""
+        names = self.spec.own_names(self)
+        return names + (("head_ids",) if self.head_size is not None and "head_ids" not in names else ())
+
+    def to_dict(self) -> dict:
+        d = {"kind": self.kind, "feature_layers": list(self.feature_layers), "num_heads": self.num_heads,
+             "head_size": self.head_size, "input_norm": self.input_norm}
+        if self.layer is not None:
+            d["layer"] = _eagle3_layer.layer_to_dict(self.layer)
+        if self.own_embedding:
+            d["own_embedding"] = True
+        return d
+
+
+# ------------------------------------------------------------------------------ parameters
+
+def check_head_ids(hc: HeadConfig, head_ids) -> jax.Array | None:
+    """The reduced head's tokens as sorted int32 ids (required iff ``hc.head_size``)."""
+    if (hc.head_size is None) != (head_ids is None):
+        raise ValueError("head_ids must be given exactly when the head config has a head_size")
+    if head_ids is None:
+        return None
+    ids = np.unique(np.asarray(head_ids, np.int64))
+    if ids.size != hc.head_size or ids[0] < 0 or ids[-1] >= hc.target.vocab_size:
+        raise ValueError(f"head_ids must be {hc.head_size} distinct ids in [0, {hc.target.vocab_size})")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
+    """Random own parameters of a head (the kind's `init_own`). ``head_ids``: the reduced
+    head's tokens (required iff ``hc.head_size``; a published EAGLE-3 head: its draft
+    vocabulary in row order, default ``arange(head_size)``)."""
+    return hc.spec.init_own(hc, key, head_ids)
+
+
+def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
+    """The parameters a head runs with: its own plus what it shares with the target (shared
+    arrays, not copies; a reduced head gathers its rows once, here). A packed head
+    (`HeadConfig.packed`) gets its matrices as `specjax.kernels` panels, converted once here."""
+    missing = [n for n in hc.own_param_names if n not in own]
+    if missing:
+        raise ValueError(f"{hc.kind} head parameters lack {missing}")
+    return hc.spec.run_params(hc, {n: own[n] for n in hc.own_param_names}, target_params)
+
+
+def target_head_params(hc: HeadConfig, p: dict, target_params: dict, pack) -> dict:
+    """A head that drafts through the target's embedding, final norm and output layer: those
+    added to its own ``p`` (a reduced head's rows gathered), packed by ``pack`` if ``hc.packed``."""
+    p = dict(p)
+    p["embed"] = target_params["embed"]
+    p["final_norm"] = target_params["final_norm"]
+    if hc.head_size is not None:
+        ids = p["head_ids"]
+        p["head"] = (jnp.take(target_params["embed"], ids, axis=0) if hc.target.tie_embeddings
+                     else jnp.take(target_params["lm_head"], ids, axis=1).T)
+    elif not hc.target.tie_embeddings:
+        p["lm_head"] = target_params["lm_head"]
+    if "head_panels" in target_params and (hc.head_size is None or hc.packed):
+        p["head_panels"] = target_params["head_panels"]     # a packed target's head (its layer reads it too)
+    if hc.packed:
+        if "head_panels" not in p:
+            raise ValueError("a packed head needs the packed target's params (with 'head_panels'): "
+                             "target.prepare_params(params)")
+        if hc.head_size is not None:
+            p["head"] = kernels.pack_rows(p["head"])                          # [S, D] rows -> panels of [D, S]
+        p = pack(hc, p)
+    return p
+
+
+def matmul(x, w, width: int):
+    """x [..., in] @ w in float32: w a matrix [in, width], or `specjax.kernels` panels of it."""
+    if jnp.ndim(w) == 3:
+        return kernels.matmul(x, w, width)
+    return jnp.einsum("...e,ed->...d", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------ scores
+
+def target_head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
+    """Head outputs through the target's final norm and the head's rows of the target's output
+    layer, soft-capped as the target's logits."""
+    x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
+    if hc.head_size is not None:
+        if jnp.ndim(params["head"]) == 3:                                   # packed: panels
+            s = kernels.matmul(x, params["head"], hc.head_size)
+        else:
+            s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
+        return llama_lib.softcap(s, hc.target.final_softcap), params["head_ids"]
+    return Llama(hc.target).logits_from_hidden(params, x), None
+
+
+def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
+    """(float32 logits [B, T, S] of head outputs over the head's rows, the token ids of those
+    rows [S] or None for the full vocabulary (S = V)). Heads without their own output layer
+    score through the target's final norm and output layer; a published EAGLE-3 head through
+    its own norm and LM head over its draft vocabulary."""
+    return hc.spec.scores(hc, params, h_BTD)
+
+
+def head_logits(hc: HeadConfig, params: dict, h_BTD) -> jax.Array:
+    """float32 logits [B, T, V] of head outputs (a reduced head: its tokens' logits, -inf elsewhere)."""
+    s, ids = head_scores(hc, params, h_BTD)
+    if ids is None:
+        return s
+    full = jnp.full(s.shape[:2] + (hc.target.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[:, :, ids].set(s)
