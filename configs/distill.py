@@ -100,4 +100,7 @@ def get_config():
     c.export_dir = ""                   # write the draft artifact here at the end ("" = skip)
     c.export_dtype = "bfloat16"
     c.progress = True
+    # Steps the host lets the device run ahead before reading a step's metrics: 1 = the next
+    # step is dispatched before this one's loss comes back; 0 = read every step at once.
+    c.metrics_lag = 1
     return c

@@ -451,3 +451,32 @@ def test_fresh_draft_shares_the_embedding_and_learns(toy_pair):
     for i in range(30):
         state, _ = step(state, frozen, head, {k: jnp.asarray(v) for k, v in plan.batch(i).items()})
     assert float(distill.loss_fn(state.params, frozen, head, b0, draft=draft, spec=spec)[0]) < 0.85 * loss0
+
+
+def test_metrics_read_one_step_late_are_the_same_records(toy_pair, tmp_path):
+    """`metrics_lag` = 1 (the host dispatches the next step before reading this one's metrics)
+    writes the same training records as reading every step at once, in the same order, with
+    the token counts the host derives from its batches equal to the device's loss_tokens, and
+    checkpoints at the same steps. A non-finite step is reported at its own step number
+    (test_bad_input_distill covers stopping and skipping)."""
+    runs = {}
+    for lag in (0, 1):
+        c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"],
+                       data_root=tmp_path / "cache", budget=1500, checkpoint_every=4)
+        c.metrics_lag = lag
+        work = tmp_path / f"work{lag}"
+        distill.train(c, work, log=lambda *_: None)
+        recs = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+        runs[lag] = ([r for r in recs if r["kind"] == "train"], sorted(p.name for p in (work / "checkpoints").iterdir()))
+    (sync, ck0), (lagged, ck1) = runs[0], runs[1]
+    assert len(sync) >= 6 and [r["step"] for r in sync] == list(range(1, len(sync) + 1))
+    assert ck0 == ck1
+    drop = ("tokens_per_s", "elapsed_s")              # wall-clock
+    assert [{k: v for k, v in r.items() if k not in drop} for r in lagged] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in sync]
+    for r in sync:
+        assert r["tokens"] == sum(int(x["loss_tokens"]) for x in sync if x["step"] <= r["step"])
+    c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache")
+    c.metrics_lag = 2
+    with pytest.raises(ValueError, match="metrics_lag=2"):
+        distill.train(c, tmp_path / "bad", log=lambda *_: None)

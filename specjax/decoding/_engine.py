@@ -64,16 +64,8 @@ from specjax import verify as verify_lib
 from specjax.decoding import _adaptive, _slots, _timing
 from specjax.decoding._round import RoundStages
 from specjax.decoding._state import (PAD_ID, Batch, Commit, EngineParams, GenerateOutput, LoopState, Metrics,
-                                     Prefill, StreamEvent)
+                                     Prefill, StreamEvent, check_batch)
 from specjax.drafters import Drafter
-
-
-def _host(x) -> np.ndarray:
-    """A (possibly multi-process, sharded) array's global value on the host."""
-    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-        from specjax import sharding
-        return sharding.to_host(x)
-    return np.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,38 +196,6 @@ class Engine(RoundStages):
                     for g in self.config.gamma.gammas]
         return jax.lax.switch(chosen, branches, state)
 
-
-    def _choose(self, state):
-        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
-        regime, regime_B = self._regime(state)
-        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime)
-        return chosen, probe, regime, regime_B
-
-    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
-        """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
-        ``probe``, ``regime`` and ``regime_B`` as `_choose` gave them), with the round's
-        acceptance folded into each regime's estimate (its rows' tested positions)."""
-        state, commit, tested_sum_B, tested_n_B = self._round(params, sampling, gamma, state)
-        in_BR = regime_B[:, None] == jnp.arange(self.regimes)[None]
-        sum_R = jnp.sum(jnp.where(in_BR, tested_sum_B[:, None], 0.0), axis=0)
-        n_R = jnp.sum(jnp.where(in_BR, tested_n_B[:, None], 0), axis=0)
-        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, sum_R, n_R, regime)
-        return self._constrain(state.replace(policy=policy)), commit
-
-    def _chosen_round(self, params, sampling, index, state):
-        """`_step`'s adaptive round when the host already knows the policy's choice ``index``
-        (static: the previous round's ``Commit.next_index``, or `_first_choice`): that round
-        alone, compiled without the `lax.switch` over every candidate (whose copies of the
-        caches cost more per round, see `_run`); the commit carries the next round's choice.
-        Same keys, same policy update, same state as `_step`."""
-        chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
-        state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
-                                           regime, regime_B, state)
-        return state, commit.replace(next_index=self._choose(state)[0])
-
-    def _first_choice(self, state):
-        return self._choose(state)[0]
-
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
         """(target cache, drafter state or None) after the prompts: every prompt token but the
         last enters the caches (the last is the first round's input)."""
@@ -364,53 +324,16 @@ class Engine(RoundStages):
 
     _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(_steps)
     _round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(RoundStages._round)
-    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
-    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
+    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(
+        RoundStages._chosen_round)
+    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(RoundStages._first_choice)
 
     def _round_time_RZ(self, round_time_s):
         """[regimes, gammas] round times for the policy (`calibration.round_time_table`)."""
         return jnp.asarray(calibration.round_time_table(round_time_s, self.config.gammas, self.regimes))
 
     def _check(self, batch: Batch):
-        """Host-side checks of a batch against this engine before anything runs: XLA clamps
-        out-of-range gathers and writes silently, so a bad length, id or capacity would
-        otherwise give wrong tokens without an error."""
-        prompt_BP, lengths_B = _host(batch.prompt_BP), _host(batch.prompt_lengths_B)
-        B, P = prompt_BP.shape
-        if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
-            raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
-        V = self.target.vocab_size
-        valid_BP = np.arange(P)[None, :] < lengths_B[:, None]
-        bad_B = (valid_BP & ((prompt_BP < 0) | (prompt_BP >= V))).any(axis=1)
-        if bad_B.any():
-            b = int(np.argmax(bad_B))
-            row = prompt_BP[b, :lengths_B[b]]
-            raise ValueError(f"prompt {b} has token ids outside [0, {V}) (the target's vocabulary): "
-                             f"min {row.min()}, max {row.max()}")
-        # The target's context length: every committed token's position must be one the model
-        # is defined for, prompt + max_new_tokens <= max_position. Drafted tokens scored past
-        # the end (up to a verification block) are scratch whose outputs are discarded.
-        context = getattr(getattr(self.target, "config", None), "max_position", None)
-        longest = int(lengths_B.max())
-        if context is not None and longest >= context:
-            b = int(lengths_B.argmax())
-            raise ValueError(f"prompt {b} is too long: {longest} tokens, the target's context length is {context} "
-                             f"(no position is left for a new token); shorten it to at most {context - 1} tokens")
-        if context is not None and longest + self.config.max_new_tokens > context:
-            b = int(lengths_B.argmax())
-            raise ValueError(
-                f"prompt {b} has {longest} tokens and max_new_tokens={self.config.max_new_tokens}: "
-                f"{longest + self.config.max_new_tokens} positions exceed the target's context length "
-                f"{context} (verification block of {self.config.max_block + 1} not counted; it is scratch). "
-                f"Shorten the prompt or use max_new_tokens <= {max(context - longest, 0)}.")
-        need = self.config.slots_needed(longest)
-        if need > batch.capacity:
-            raise models.CacheCapacityError(
-                f"cache capacity {batch.capacity} is too small: the longest prompt has {int(lengths_B.max())} "
-                f"tokens, max_new_tokens={self.config.max_new_tokens} and a verification block of "
-                f"gamma+1={self.config.max_gamma + 1} need {need} slots. Raise the capacity or shorten the prompt.")
-        if P > batch.capacity:
-            raise models.CacheCapacityError(f"padded prompt width {P} exceeds the cache capacity {batch.capacity}")
+        check_batch(self.target, self.config, batch)
 
     def check(self, batch: Batch) -> None:
         """Raise ValueError / `CacheCapacityError` for a batch this engine cannot run (see `_check`)."""
@@ -428,25 +351,7 @@ class Engine(RoundStages):
                        target_cache=cache, draft_state=draft_state, features_BSF=features_BSF)
 
     def _pre(self, batch: Batch, prefill: Prefill | None):
-        """(target cache, drafter state or None) of a `Prefill` checked against this engine and
-        batch, or None (prefill inside the run)."""
-        if prefill is None:
-            return None
-        if prefill.target != self.target:
-            raise ValueError("this prefill was made with a different target model than the engine's")
-        b = prefill.batch
-        if b is not batch and (b.capacity != batch.capacity
-                               or np.shape(b.prompt_BP) != np.shape(batch.prompt_BP)
-                               or not np.array_equal(_host(b.prompt_BP), _host(batch.prompt_BP))
-                               or not np.array_equal(_host(b.prompt_lengths_B), _host(batch.prompt_lengths_B))):
-            raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
-                             "make one with engine.prefill(params, batch) for this batch")
-        same_drafter = prefill.drafter is not None and prefill.drafter == self.drafter
-        if self.feature_layers and (prefill.features_BSF is None or not same_drafter):
-            raise ValueError("this prefill was not made for this engine's feature head (it holds no target "
-                             "features, or features for another drafter): make it with this engine's prefill "
-                             "(or let the run prefill)")
-        return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BSF
+        return None if prefill is None else prefill.parts(self.target, self.drafter, self.feature_layers, batch)
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:
         """Prefill the target (and the drafter) on the batch, or take ``prefill``: the state

@@ -234,6 +234,37 @@ class RoundStages:
         """Counts one round of this candidate (`Metrics.gamma_rounds_Z`)."""
         return (jnp.arange(len(self.config.gammas)) == self.config.gammas.index(proposal)).astype(jnp.int32)
 
+    def _choose(self, state):
+        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
+        regime, regime_B = self._regime(state)
+        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime)
+        return chosen, probe, regime, regime_B
+
+    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
+        """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
+        ``probe``, ``regime`` and ``regime_B`` as `_choose` gave them), with the round's
+        acceptance folded into each regime's estimate (its rows' tested positions)."""
+        state, commit, tested_sum_B, tested_n_B = self._round(params, sampling, gamma, state)
+        in_BR = regime_B[:, None] == jnp.arange(self.regimes)[None]
+        sum_R = jnp.sum(jnp.where(in_BR, tested_sum_B[:, None], 0.0), axis=0)
+        n_R = jnp.sum(jnp.where(in_BR, tested_n_B[:, None], 0), axis=0)
+        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, sum_R, n_R, regime)
+        return self._constrain(state.replace(policy=policy)), commit
+
+    def _chosen_round(self, params, sampling, index, state):
+        """`_step`'s adaptive round when the host already knows the policy's choice ``index``
+        (static: the previous round's ``Commit.next_index``, or `_first_choice`): that round
+        alone, compiled without the `lax.switch` over every candidate (whose copies of the
+        caches cost more per round, see `_run`); the commit carries the next round's choice.
+        Same keys, same policy update, same state as `_step`."""
+        chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
+        state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
+                                           regime, regime_B, state)
+        return state, commit.replace(next_index=self._choose(state)[0])
+
+    def _first_choice(self, state):
+        return self._choose(state)[0]
+
     def _round(self, params: EngineParams, sampling, gamma, state: LoopState):
         """One draft-verify round with a static gamma or tree -> (state, Commit, tested_sum_B,
         tested_n_B): per row, the sum and count of the tested acceptances (see `_finish`)."""

@@ -1,6 +1,7 @@
 """The generation loop's state and what it returns: plain data (struct dataclasses and frozen
-dataclasses), the status codes, and the row-wise buffer writes the rounds share. `_engine`
-runs the rounds over these; nothing here knows a model or a drafter."""
+dataclasses), the status codes, the row-wise buffer writes the rounds share, and the host-side
+checks of a batch (`check_batch`) and of a prefill (`Prefill.parts`). `_engine` runs the rounds
+over these."""
 
 from __future__ import annotations
 
@@ -185,6 +186,27 @@ class Prefill:
                                    features_BSF=_repeat_rows(self.features_BSF, n))
 
 
+    def parts(self, target, drafter, feature_layers, batch: Batch):
+        """(target cache, drafter state or None, features) of this prefill, checked against the
+        engine (its target, drafter and the feature layers it reads) and the batch it runs."""
+        prefill = self
+        if prefill.target != target:
+            raise ValueError("this prefill was made with a different target model than the engine's")
+        b = prefill.batch
+        if b is not batch and (b.capacity != batch.capacity
+                               or np.shape(b.prompt_BP) != np.shape(batch.prompt_BP)
+                               or not np.array_equal(_host(b.prompt_BP), _host(batch.prompt_BP))
+                               or not np.array_equal(_host(b.prompt_lengths_B), _host(batch.prompt_lengths_B))):
+            raise ValueError("this prefill was made for a different batch (prompts, lengths or capacity differ); "
+                             "make one with engine.prefill(params, batch) for this batch")
+        same_drafter = prefill.drafter is not None and prefill.drafter == drafter
+        if feature_layers and (prefill.features_BSF is None or not same_drafter):
+            raise ValueError("this prefill was not made for this engine's feature head (it holds no target "
+                             "features, or features for another drafter): make it with this engine's prefill "
+                             "(or let the run prefill)")
+        return prefill.target_cache, (prefill.draft_state if same_drafter else None), prefill.features_BSF
+
+
 def _map_rows(fn, *trees):
     """``fn(axis, *leaves)`` over matching leaves of state trees, with ``axis`` the batch axis of
     each array: a `KVCache`'s buffers on theirs (1 for stacked layers, 0 per layer, its lengths
@@ -246,3 +268,54 @@ def _write_rows(buf_BS, block_BC, start_B, n_B):
         return jax.lax.dynamic_update_slice(row_S, new_C.astype(row_S.dtype), (start,))
 
     return jax.vmap(one)(buf_BS, block_BC, start_B, n_B)
+
+
+def _host(x) -> np.ndarray:
+    """A (possibly multi-process, sharded) array's global value on the host."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from specjax import sharding
+        return sharding.to_host(x)
+    return np.asarray(x)
+
+
+def check_batch(target, config, batch: "Batch") -> None:
+    """Host-side checks of a batch against an engine's target and `GenerationConfig` before
+    anything runs: XLA clamps
+    out-of-range gathers and writes silently, so a bad length, id or capacity would
+    otherwise give wrong tokens without an error."""
+    prompt_BP, lengths_B = _host(batch.prompt_BP), _host(batch.prompt_lengths_B)
+    B, P = prompt_BP.shape
+    if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
+        raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
+    V = target.vocab_size
+    valid_BP = np.arange(P)[None, :] < lengths_B[:, None]
+    bad_B = (valid_BP & ((prompt_BP < 0) | (prompt_BP >= V))).any(axis=1)
+    if bad_B.any():
+        b = int(np.argmax(bad_B))
+        row = prompt_BP[b, :lengths_B[b]]
+        raise ValueError(f"prompt {b} has token ids outside [0, {V}) (the target's vocabulary): "
+                         f"min {row.min()}, max {row.max()}")
+    # The target's context length: every committed token's position must be one the model
+    # is defined for, prompt + max_new_tokens <= max_position. Drafted tokens scored past
+    # the end (up to a verification block) are scratch whose outputs are discarded.
+    context = getattr(getattr(target, "config", None), "max_position", None)
+    longest = int(lengths_B.max())
+    if context is not None and longest >= context:
+        b = int(lengths_B.argmax())
+        raise ValueError(f"prompt {b} is too long: {longest} tokens, the target's context length is {context} "
+                         f"(no position is left for a new token); shorten it to at most {context - 1} tokens")
+    if context is not None and longest + config.max_new_tokens > context:
+        b = int(lengths_B.argmax())
+        raise ValueError(
+            f"prompt {b} has {longest} tokens and max_new_tokens={config.max_new_tokens}: "
+            f"{longest + config.max_new_tokens} positions exceed the target's context length "
+            f"{context} (verification block of {config.max_block + 1} not counted; it is scratch). "
+            f"Shorten the prompt or use max_new_tokens <= {max(context - longest, 0)}.")
+    need = config.slots_needed(longest)
+    if need > batch.capacity:
+        raise models.CacheCapacityError(
+            f"cache capacity {batch.capacity} is too small: the longest prompt has {int(lengths_B.max())} "
+            f"tokens, max_new_tokens={config.max_new_tokens} and a verification block of "
+            f"gamma+1={config.max_gamma + 1} need {need} slots. Raise the capacity or shorten the prompt.")
+    if P > batch.capacity:
+        raise models.CacheCapacityError(f"padded prompt width {P} exceeds the cache capacity {batch.capacity}")

@@ -234,6 +234,9 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
         end_lr_fraction=c.optim.end_lr_fraction, clip_norm=c.optim.clip_norm,
         weight_decay=c.optim.weight_decay, accumulate=c.optim.accumulate)
     on_nonfinite = _train.check_on_nonfinite(c.optim.get("on_nonfinite", "stop"))
+    lag = c.get("metrics_lag", 1)
+    if lag not in (0, 1):
+        raise ValueError(f"metrics_lag={lag!r}: expected 0 (read each step's metrics at once) or 1 (one step later)")
     workdir = pathlib.Path(workdir)
     mesh = _mesh_of(c)
     primary = distributed.is_primary()
@@ -509,23 +512,16 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
     # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
     last_eval = _last_eval_at(writer.path, start) if primary else None
     skipped = 0
-    while tokens_done < c.budget_tokens:
-        if stop_after_steps is not None and step >= stop_after_steps:
-            break
-        name = mixture.names[mixture.choice(step)]
-        if name == "draft":
-            plan, idx = draft_plan(step, state)
-        else:
-            plan, idx = sources[name], mixture.index_within(step)
-        batch = place_batch(plan.batch(idx))
-        state, aux = step_fn(state, frozen, head_UD, batch)
+    pending = None      # (step, source, tokens after it, lr, its metrics still on the device)
+
+    def report(p):
+        """Bring one step's metrics to the host, act on its on-device non-finite flag, log it."""
+        nonlocal skipped
+        at, name, tokens_at, loop_tokens_at, lr, aux = p
         aux = {k: float(v) for k, v in jax.device_get(aux).items()}
-        step += 1
-        # Checked every step: the metrics come to the host every step anyway (logging), so the
-        # check costs one comparison, and no non-finite state can reach a checkpoint or export.
         if aux.pop("nonfinite"):
             what = f"non-finite loss ({aux['loss']}), gradient norm ({aux['grad_norm']}) or parameters"
-            writer.write({"kind": "event", "event": "nonfinite", "step": step, "source": name,
+            writer.write({"kind": "event", "event": "nonfinite", "step": at, "source": name,
                           "action": on_nonfinite, "loss": aux["loss"], "grad_norm": aux["grad_norm"]})
             if on_nonfinite == "stop":
                 ckpt.wait()
@@ -534,28 +530,56 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
                 if bar is not None:
                     bar.close()
                 raise FloatingPointError(
-                    f"step {step} (source {name}): {what}; stopped (optim.on_nonfinite='stop'). The last "
+                    f"step {at} (source {name}): {what}; stopped (optim.on_nonfinite='stop'). The last "
                     f"checkpoint is from before this step; lower optim.learning_rate, or set "
                     f"optim.on_nonfinite='skip' to skip such steps")
             skipped += 1
-            log(f"step {step} (source {name}): {what}; step skipped ({skipped} so far)")
-        n = int(aux["loss_tokens"])
+            log(f"step {at} (source {name}): {what}; step skipped ({skipped} so far)")
+        elapsed = time.perf_counter() - t_loop          # this step's metrics on the host, since the loop began
+        writer.write({"kind": "train", "step": at, "tokens": tokens_at, "source": name, "skipped_steps": skipped,
+                      "lr": lr, "tokens_per_s": loop_tokens_at / max(elapsed, 1e-9), "elapsed_s": elapsed, **aux})
+        if bar is not None:
+            bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=at)
+
+    while tokens_done < c.budget_tokens:
+        if stop_after_steps is not None and step >= stop_after_steps:
+            break
+        name = mixture.names[mixture.choice(step)]
+        if name == "draft":
+            plan, idx = draft_plan(step, state)
+        else:
+            plan, idx = sources[name], mixture.index_within(step)
+        host_batch = plan.batch(idx)
+        # The step's loss tokens (its metrics' loss_tokens) counted from the host's batch, so the
+        # budget needs nothing back from the device.
+        n = int(np.sum(np.asarray(host_batch["mask"])))
+        state, aux = step_fn(state, frozen, head_UD, place_batch(host_batch))
+        step += 1
         tokens_done += n
         tok_loop += n
-        rate = tok_loop / max(time.perf_counter() - t_loop, 1e-9)
-        rec = {"kind": "train", "step": step, "tokens": tokens_done, "source": name, "skipped_steps": skipped,
-               "lr": float(schedule(max(0, (step - 1) // accumulate))), "tokens_per_s": rate, **aux}
-        writer.write(rec)
         if bar is not None:
             bar.update(n)
-            bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=step)
+        # Metrics are read `metrics_lag` steps late, so the host dispatches the next step before
+        # waiting on this one. The non-finite flag is computed on the device with the step
+        # (`make_train_step`); every pending step is read before a checkpoint, an evaluation or
+        # the end, so no non-finite state reaches a checkpoint or export (with 'skip' such a
+        # step never changed the parameters; with 'stop' the run stops at the read).
+        if pending is not None:
+            report(pending)
+            pending = None
+        pending = (step, name, tokens_done, tok_loop, float(schedule(max(0, (step - 1) // accumulate))), aux)
         done = tokens_done >= c.budget_tokens
+        if lag == 0 or done or step % c.checkpoint_every == 0 or (c.eval.every > 0 and step % c.eval.every == 0):
+            report(pending)
+            pending = None
         if step % c.checkpoint_every == 0 or done:
             meta = {"tokens": tokens_done, "elapsed_s": elapsed0 + time.perf_counter() - t_start,
                     "data_fingerprints": fingerprints}
             ckpt.save(step, state, meta, force=True)
         if c.eval.every > 0 and (step % c.eval.every == 0 or done):
             last_eval = run_eval(step, state)
+    if pending is not None:         # a stop_after_steps break
+        report(pending)
     ckpt.wait()
     if bar is not None:
         bar.close()
