@@ -4,7 +4,9 @@ The target, its dtype and layer layout and the drafters' settings come from the 
 configuration (`configs/generate.py`: unrolled layers, fused projections); this file picks the
 prompts, lengths, batch sizes and drafters. Variant "tiny": a random 4-layer target (seconds). Variant "trees": token-tree speculation
 (static trees for the n-gram and early-exit drafters, an EAGLE-2 dynamic tree for the distilled
-draft), written to results_trees.jsonl.
+draft), written to results_trees.jsonl. Variant "current": what the main command and the studies
+run today (the hybrid default, the shipped head in a chain and in a dynamic tree, the n-gram and
+the distilled draft in trees), batch 1, written to results_current.jsonl.
 """
 
 import ml_collections
@@ -30,12 +32,16 @@ def get_config(variant: str = ""):
     elif variant == "trees":
         c.update(drafters=("ngram:branching:3,1,1,1", "early_exit:branching:2,2,1", "distilled:dynamic:4,3,12"),
                  out="experiments/greedy_exactness/results_trees.jsonl")
+    elif variant == "current":
+        c.update(drafters=("hybrid:3", "head:3", "head:dynamic:4,3,12", "ngram:branching:3,1,1,1",
+                           "distilled:dynamic:4,3,12"), batch_sizes=(1,),
+                 out="experiments/greedy_exactness/results_current.jsonl")
     elif variant == "tiny_trees":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
                  early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results_trees.jsonl",
                  drafters=("ngram:branching:3,1,1", "early_exit:branching:2,2", "early_exit:dynamic:3,2,5"))
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees' or 'tiny_trees'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current' or 'tiny_trees'")
     return c
 
 
