@@ -7,7 +7,7 @@ Floors (a module imports only from floors below it):
     decoding/                           the engine object and the one request path
     drafters/   verify/                 who proposes; exact acceptance / residual sampling
     models/                             one decoder for every family, KV cache, attention ops, loaders, tokenizer
-    sampling.py  analysis.py  sharding.py  specbench.py  trees.py  reporting.py     primitives
+    sampling.py  analysis.py  sharding.py  specbench.py  trees.py  reporting.py  settings.py   primitives
     kernels/                            CPU custom calls through XLA's FFI (panel matmul)
 
 Shape suffixes. An array's name ends in its axes, one capital letter each (``q_BGV``: batch,

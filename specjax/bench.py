@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from specjax import reporting
+from specjax.settings import generate_settings
 
 TARGET_ONLY = "target_only"
 
@@ -225,24 +226,22 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     kinds = tuple(c.drafters)
     if not kinds:
         raise ValueError("drafters=(): name at least one drafter, e.g. ('ngram',)")
+    base = generate_settings(c)                  # the generation settings, typed once
     configs = {}
     for kind in kinds:
         if kind == "none":
             raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
-        cc = c.copy_and_resolve_references()
-        with cc.unlocked():
-            cc.drafter = kind
-            if kind.startswith("head:"):         # head:<directory>: a feature-level draft head
-                cc.drafter, cc.draft_model = "head", kind.split(":", 1)[1]
+        if kind.startswith("head:"):             # head:<directory>: a feature-level draft head
+            cc = base.replace(drafter="head", draft_model=kind.split(":", 1)[1])
+        else:
+            cc = base.replace(drafter=kind)
         build.check_config(cc)                   # every drafter's settings before anything loads
         configs[kind] = cc
     prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
     out = pathlib.Path(c.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)
 
-    base_c = c.copy_and_resolve_references()
-    with base_c.unlocked():
-        base_c.drafter = "none"
+    base_c = base.replace(drafter="none")
     build.check_config(base_c)
     t0 = time.perf_counter()
     target, params, tokenizer = build.load_target_with_tokenizer(base_c)
@@ -250,7 +249,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     for kind, cc in configs.items():
         gens[kind] = build.generator_for(cc, target, params, tokenizer)
     load_s = time.perf_counter() - t0
-    samp = build.sampling_config(c)
+    samp = build.sampling_config(base)
     setup = {"kind": "setup", "command": command, "config": c.to_dict(), "commit": _commit(),
              "machine": calibration.machine_key(), "load_s": load_s, "prompts": len(prompts),
              "prompt_ids": [p["id"] for p in prompts], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

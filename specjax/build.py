@@ -8,6 +8,7 @@ import numbers
 import pathlib
 
 from specjax import decoding, drafters, models, sampling, trees
+from specjax.settings import generate_settings
 
 
 # Distilled drafts shipped with the package, by target registry name (see experiments/distill).
@@ -141,8 +142,9 @@ def use_cpu_kernel(c, backend: str | None = None) -> bool:
     ``backend`` (default: JAX's default backend, which this starts) is only read for 'auto'. A
     bad value is a ValueError naming the setting; `check_config` calls this with ``backend=''``
     (validation only, no backend started)."""
+    c = generate_settings(c)
     from specjax import kernels
-    value = c.get("cpu_kernel", "auto")
+    value = c.cpu_kernel
     if value not in CPU_KERNEL_CHOICES:
         raise ValueError(f"cpu_kernel={value!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
     fits = not c.scan_layers and c.dtype == "float32"
@@ -288,6 +290,7 @@ def make_drafter(kind: str, target, target_params, *, dtype: str = "float32", sc
 
 
 def sampling_config(c) -> sampling.SamplingConfig:
+    c = generate_settings(c)
     return sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
 
@@ -313,6 +316,7 @@ def check_generation_settings(c) -> None:
     ``adaptive_gammas``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
     ``tree_children``, ``temperature``, ``top_k``, ``top_p``. Raises one ``ValueError`` that
     starts with ``setting=value``."""
+    c = generate_settings(c)
     _int_setting("max_new_tokens", c.max_new_tokens, 1)
     if c.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
         # From the config alone: no checkpoint has a context this long, and the cache for it
@@ -334,10 +338,10 @@ def check_generation_settings(c) -> None:
         if g > MAX_GAMMA:
             raise ValueError(f"adaptive_gammas={gammas!r}: expected integers <= {MAX_GAMMA} (a round verifies "
                              f"gamma + 1 tokens in one target pass), got {g!r}")
-    tree = c.get("tree", "")
+    tree = c.tree
     if tree:
         _tree_setting("tree", tree)
-    raw_trees = c.get("adaptive_trees", ())
+    raw_trees = c.adaptive_trees
     if isinstance(raw_trees, (str, bytes)) or not hasattr(raw_trees, "__iter__"):
         raise ValueError(f"adaptive_trees={raw_trees!r}: expected a tuple of tree strings")
     raw_trees = tuple(raw_trees)
@@ -360,10 +364,10 @@ def check_generation_settings(c) -> None:
     # setting's name and give the value); a one-node chain makes it check the tree verifier's
     # exactness for tree_children too, as it would for a real tree.
     decoding.GenerationConfig(max_new_tokens=1, gamma=trees.TreeShape.chain(1), verifier=c.verifier,
-                              tree_verifier=c.get("tree_verifier", "traversal"),
-                              tree_children=c.get("tree_children", "iid"))
+                              tree_verifier=c.tree_verifier,
+                              tree_children=c.tree_children)
     for name in ("temperature", "top_p"):
-        value = c[name]
+        value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name}={value!r}: expected a number")
     _int_setting("top_k", c.top_k, 0)
@@ -371,24 +375,25 @@ def check_generation_settings(c) -> None:
         sampling_config(c)
     except ValueError as e:
         name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
-        raise ValueError(f"{name}={c[name]!r}: {e}") from None
+        raise ValueError(f"{name}={getattr(c, name)!r}: {e}") from None
 
 
 def generation_config(c, eos_ids) -> decoding.GenerationConfig:
+    c = generate_settings(c)
     check_generation_settings(c)
-    tree = c.get("tree", "")
+    tree = c.tree
     if c.drafter == "none":
         gamma = 0
     elif tree:
         gamma = trees.parse_tree(tree)
     elif c.adaptive_gamma:
         gamma = decoding.AdaptiveGamma(gammas=tuple(c.adaptive_gammas)
-                                       + tuple(trees.parse_tree(t) for t in c.get("adaptive_trees", ())))
+                                       + tuple(trees.parse_tree(t) for t in c.adaptive_trees))
     else:
         gamma = int(c.gamma)
     return decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, verifier=c.verifier,
-                                     eos_ids=tuple(eos_ids), tree_verifier=c.get("tree_verifier", "traversal"),
-                                     tree_children=c.get("tree_children", "iid"))
+                                     eos_ids=tuple(eos_ids), tree_verifier=c.tree_verifier,
+                                     tree_children=c.tree_children)
 
 
 def check_target_context(c):
@@ -400,6 +405,7 @@ def check_target_context(c):
     the loaded config). Returns the target's `ModelConfig` or None. Raises ValueError (numbers in
     the message), FileNotFoundError / ModelFetchError for a path that does not exist,
     CheckpointError for a header that does not parse."""
+    c = generate_settings(c)
     from specjax.models import registry
     if c.target in registry.KNOWN:
         config = registry.known_config(c.target)
@@ -515,12 +521,12 @@ def _block_setting(c, config: decoding.GenerationConfig) -> tuple[str, object]:
     """The setting that decides a config's largest verification block, with its value."""
     if c.drafter == "none":
         return "max_new_tokens", c.max_new_tokens
-    if c.get("tree", ""):
+    if c.tree:
         return "tree", c.tree
     if config.adaptive:
         largest = max(config.gammas, key=lambda g: g if isinstance(g, int) else g.num_nodes)
         if not isinstance(largest, int):
-            return "adaptive_trees", tuple(c.get("adaptive_trees", ()))
+            return "adaptive_trees", tuple(c.adaptive_trees)
         return "adaptive_gammas", tuple(c.adaptive_gammas)
     return "gamma", c.gamma
 
@@ -532,6 +538,7 @@ def check_round_memory(c, target, batch: int = 1, available: int | None = None) 
     (default: `available_memory` of this host, where the CPU backend runs the round; no backend
     is started to ask an accelerator). ValueError naming the setting that decides the block,
     with the estimate by item and the memory available; returns the estimate."""
+    c = generate_settings(c)
     config = generation_config(c, ())
     block, capacity = config.max_block + 1, round_capacity(config)
     estimate = round_memory(target, block=block, capacity=capacity, batch=batch, tree=config.has_trees,
@@ -553,22 +560,24 @@ def check_drafter_trees(c, config: decoding.GenerationConfig) -> None:
     needs no weights: the n-gram drafter drafts k chains from the root only
     (`drafters.NGramDrafter.check_tree`). Other drafters check their trees when the engine is
     built. ValueError naming ``tree`` or ``adaptive_trees``."""
+    c = generate_settings(c)
     if c.drafter != "ngram":
         return
     lookup = drafters.NGramDrafter(vocab_size=1)
-    name = "tree" if c.get("tree", "") else "adaptive_trees"
+    name = "tree" if c.tree else "adaptive_trees"
     for g in config.gammas:
         if not isinstance(g, int):
             try:
                 lookup.check_tree(g)
             except ValueError as e:
-                value = c.tree if name == "tree" else tuple(c.get("adaptive_trees", ()))
+                value = c.tree if name == "tree" else tuple(c.adaptive_trees)
                 raise ValueError(f"{name}={value!r}: {e}") from None
 
 
 def check_hybrid_settings(c) -> None:
     """``hybrid_model`` and ``min_match`` (read by drafter='hybrid'; checked whatever the drafter)."""
-    model = c.get("hybrid_model", "head")
+    c = generate_settings(c)
+    model = c.hybrid_model
     if model not in HYBRID_MODELS:
         raise ValueError(f"hybrid_model={model!r}: expected one of {', '.join(HYBRID_MODELS)}")
     if c.drafter == "hybrid" and model == "model" and not c.draft_model:
@@ -578,7 +587,7 @@ def check_hybrid_settings(c) -> None:
         raise ValueError(f"drafter='hybrid' drafts with the {model} shipped for {', '.join(sorted(shipped))}, and none "
                          f"ships for target {c.target!r}: give draft_model=<a {model} directory written by "
                          f"specjax.distill>, or use drafter='ngram' (prompt lookup alone)")
-    m = c.get("min_match", 0)
+    m = c.min_match
     if m:
         _int_setting("min_match", m, 1)
         if not c.min_ngram <= m <= c.max_ngram:
@@ -594,6 +603,7 @@ def check_config(c) -> None:
     (`check_drafter_trees`); the target's header gives its context length
     (`check_target_context`) and a round's estimated memory, refused when this host has less
     available (`check_round_memory`)."""
+    c = generate_settings(c)
     kind = drafters.drafter_kind(c.drafter)          # ValueError naming the registered kinds
     if kind.check is not None:
         kind.check(kind.settings_from(c), c.target)
@@ -603,9 +613,9 @@ def check_config(c) -> None:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
     use_cpu_kernel(c, backend="")               # the value only; no backend started
     check_generation_settings(c)
-    if c.drafter == "hybrid" and (c.get("tree", "") or tuple(c.get("adaptive_trees", ()) or ())):
-        setting = "tree" if c.get("tree", "") else "adaptive_trees"
-        raise ValueError(f"{setting}={c.get(setting)!r}: drafter='hybrid' (the default) drafts chains only; for "
+    if c.drafter == "hybrid" and (c.tree or c.adaptive_trees):
+        setting = "tree" if c.tree else "adaptive_trees"
+        raise ValueError(f"{setting}={getattr(c, setting)!r}: drafter='hybrid' (the default) drafts chains only; for "
                          f"token trees choose a drafter that drafts them (drafter='head', 'ngram', 'distilled', ...)")
     check_drafter_trees(c, generation_config(c, ()))
     target = check_target_context(c)            # reads a local target's header, no weights
@@ -617,13 +627,14 @@ def load_target_with_tokenizer(c):
     """(target, params, tokenizer) of a generation config, from one read of the checkpoint, in
     the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``: the
     panel matmul and, with it, the attention kernel, see `use_cpu_attention`)."""
+    c = generate_settings(c)
     packed = use_cpu_kernel(c)
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
-                                                           fuse_projections=c.get("fuse_projections", False),
+                                                           fuse_projections=c.fuse_projections,
                                                            packed_projections=packed)
     if target.config.packed_projections and use_cpu_attention():
         target = type(target)(target.config.replace(cpu_attention=True))
-    op = c.get("attention_op", "reference")
+    op = c.attention_op
     if op != target.config.attention_op:
         from specjax.models import attention
         attention.get_attention_op(op)          # an unknown op named before anything runs
@@ -643,6 +654,7 @@ def generator_for(c, target, params, tokenizer, pad_multiple: int = 64) -> decod
     """The drafter and engine of a generation config around an already loaded target (one
     target, several drafters: `specjax bench`). The caller has checked the settings with
     `check_config` before loading the target (as `load_generator` does)."""
+    c = generate_settings(c)
     ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
     drafter, dparams = drafters.build_drafter(c.drafter, c, ctx)
     mesh = generation_mesh(c)
@@ -657,17 +669,18 @@ def generation_mesh(c):
     """The generation config's ``mesh`` (data x fsdp x model, -1 = the rest) when the job has
     more than one device (a multi-host job, or host devices from
     ``--xla_force_host_platform_device_count``), else None: one device runs without a mesh."""
+    c = generate_settings(c)
     import jax
     if jax.device_count() == 1:
         return None
     from specjax import sharding
-    block = c.get("mesh", None)
-    return sharding.mesh_from_config(block if block is not None else {"data": 1, "fsdp": 1, "model": -1})
+    return sharding.mesh_from_config(c.mesh_axes)
 
 
 def load_generator(c, pad_multiple: int = 64) -> decoding.Generator:
     """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
     engine of a generation config (`configs/generate.py`), as a `decoding.Generator`. The
     settings are checked before anything is loaded (`check_config`)."""
+    c = generate_settings(c)
     check_config(c)
     return generator_for(c, *load_target_with_tokenizer(c), pad_multiple=pad_multiple)

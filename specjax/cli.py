@@ -90,16 +90,18 @@ def calibration_fields(c, batch, config) -> dict:
 
     import specjax
     from specjax import build
+    from specjax.settings import generate_settings
+    c = generate_settings(c)
     return {"specjax": specjax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "target": c.target, "dtype": c.dtype, "scan_layers": bool(c.scan_layers),
-            "fuse_projections": bool(c.get("fuse_projections", False)), "cpu_kernel": build.use_cpu_kernel(c),
+            "fuse_projections": bool(c.fuse_projections), "cpu_kernel": build.use_cpu_kernel(c),
             "drafter": c.drafter, "draft_model": c.draft_model, "early_exit_layers": int(c.early_exit_layers),
             "max_ngram": int(c.max_ngram), "gammas": [str(g) for g in config.gammas],
-            **({"hybrid_model": c.get("hybrid_model", "head"), "min_match": int(c.get("min_match", 0) or 0),
+            **({"hybrid_model": c.hybrid_model, "min_match": int(c.min_match or 0),
                 "min_ngram": int(c.min_ngram)} if c.drafter == "hybrid" else {}),
             "prompt_shape": list(batch.prompt_BP.shape), "capacity": int(batch.capacity),
             "greedy": c.temperature == 0, "top_k": int(c.top_k), "top_p": float(c.top_p),
-            "verifier": c.verifier, "tree": c.get("tree", ""), "adaptive_trees": list(c.get("adaptive_trees", ())),
-            "tree_verifier": c.get("tree_verifier", "traversal"), "tree_children": c.get("tree_children", "iid")}
+            "verifier": c.verifier, "tree": c.tree, "adaptive_trees": list(c.adaptive_trees),
+            "tree_verifier": c.tree_verifier, "tree_children": c.tree_children}
 
 
 def _round_times(c, gen, batch, samp, pre) -> str:
@@ -133,26 +135,31 @@ def _round_times(c, gen, batch, samp, pre) -> str:
     return source
 
 
-def generate_main(c) -> dict:
+def generate_main(c, settings=None) -> dict:
+    """The main command's run on config ``c`` (its own keys: prompt, system, seed, ...) with the
+    generation settings typed from it (`specjax.settings.GenerateSettings`; ``settings`` if the
+    caller typed them already)."""
     import jax
 
     from specjax import build
+    from specjax.settings import generate_settings
 
+    cmd, c = c, (settings if settings is not None else generate_settings(c))
     t0 = time.perf_counter()
     gen = build.load_generator(c)
     tok = gen.tokenizer
     load_s = time.perf_counter() - t0
     # Prompts padded to a multiple of 64; target-only and speculative runs share one capacity,
     # so both attend over the same number of cache slots.
-    prompt_ids = gen.encode(c.prompt, system=c.system)
-    batch = gen.batch([prompt_ids], jax.random.key(c.seed))
+    prompt_ids = gen.encode(cmd.prompt, system=cmd.system)
+    batch = gen.batch([prompt_ids], jax.random.key(cmd.seed))
     samp = build.sampling_config(c)
     config = gen.config
 
     print(f"[specjax] target {c.target} ({gen.engine.target.config.num_layers} layers), drafter {c.drafter}, "
           f"gamma {_describe(config.gamma)}, temperature {c.temperature}; prompt {len(prompt_ids)} tokens; "
           f"loaded in {load_s:.1f}s", file=sys.stderr)
-    print(f"\n>>> {c.prompt}\n", flush=True)
+    print(f"\n>>> {cmd.prompt}\n", flush=True)
     decoder = tok.incremental_decoder(skip_special_tokens=True)
 
     round_sizes = []                        # tokens committed per round (the hybrid's replay)
@@ -169,14 +176,14 @@ def generate_main(c) -> dict:
     pre = gen.prefill(batch)
     jax.block_until_ready((pre.target_cache, pre.draft_state))
     prefill_s = time.perf_counter() - t1
-    calibration = _round_times(c, gen, batch, samp, pre) if config.adaptive else "none"
+    calibration = _round_times(cmd, gen, batch, samp, pre) if config.adaptive else "none"
     tokens, timing, out = stream_tokens(gen, batch, samp, show, prefill=pre)
     spec_tps, spec_first_s = timing["tokens_per_s"], prefill_s + timing["ttft_s"]
     print(decoder.finish(), flush=True)
     m = jax.device_get(out.metrics)
     rounds = int(np.asarray(m.rounds_B)[0])
     stats = {
-        "target": c.target, "drafter": c.drafter, "gamma": str(config.gamma), "tree": c.get("tree", ""), "temperature": c.temperature,
+        "target": c.target, "drafter": c.drafter, "gamma": str(config.gamma), "tree": c.tree, "temperature": c.temperature,
         "new_tokens": len(tokens), "tokens_per_s": spec_tps, "ttft_s_incl_compile": spec_first_s,
         "prefill_s_incl_compile": prefill_s,
         "inter_token_s": timing["inter_token_s"],
@@ -197,15 +204,15 @@ def generate_main(c) -> dict:
         lookup = dr.lookup_rounds(list(prompt_ids) + tokens, len(prompt_ids), round_sizes)
         stats["lookup_rounds"] = sum(lookup)
         why += (f"; prompt lookup drafts where the last {dr.min_match} tokens occurred earlier (they did at the "
-                f"start of {sum(lookup)} of {len(lookup)} rounds), the {c.get('hybrid_model', 'head')} elsewhere")
-    print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.get("draft_model", "") else "")
+                f"start of {sum(lookup)} of {len(lookup)} rounds), the {c.hybrid_model} elsewhere")
+    print(f"[specjax] drafter {c.drafter}" + (f" ({c.draft_model})" if c.draft_model else "")
           + ": " + why, file=sys.stderr, flush=True)
     if stats["invalid_draft_rounds"]:
         print(f"[specjax] warning: in {stats['invalid_draft_rounds']} of {rounds} rounds the drafter's q was not a "
               f"distribution over the vocabulary (NaN, negative, or not summing to 1): those proposals were "
               f"discarded and the target sampled alone (exact, but no speedup); the draft is broken",
               file=sys.stderr, flush=True)
-    if c.compare_target_only and c.drafter != "none":
+    if cmd.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp, prefill=pre)
         base_tps = base_timing["tokens_per_s"]
         stats["target_only_tokens_per_s"] = base_tps
@@ -219,9 +226,9 @@ def generate_main(c) -> dict:
             + f" (time to first token incl. compile {spec_first_s:.1f}s)")
     print(line, flush=True)
     from specjax import distributed
-    if c.metrics_jsonl and distributed.is_primary():
+    if cmd.metrics_jsonl and distributed.is_primary():
         import pathlib
-        with open(pathlib.Path(c.metrics_jsonl).expanduser(), "a") as f:
+        with open(pathlib.Path(cmd.metrics_jsonl).expanduser(), "a") as f:
             f.write(json.dumps(stats) + "\n")
     return stats
 
@@ -254,14 +261,16 @@ def main(c) -> dict:
     build.tune_xla_cpu()                  # before any backend starts
     decoding.check_text(c.get("prompt", ""), "prompt")     # bytes that are not UTF-8, before anything loads
     decoding.check_text(c.get("system", ""), "system")
-    build.check_config(c)                 # settings, and a local target's context length
+    from specjax.settings import generate_settings
+    settings = generate_settings(c)       # the generation settings, typed once
+    build.check_config(settings)          # their values, and a local target's context length
     check_output_file("metrics_jsonl", c.get("metrics_jsonl", ""))
     if c.get("distributed", False):
         from specjax import distributed
         distributed.initialize()
     build.enable_compilation_cache(c.get("compilation_cache_dir", ""))
     build.limit_heap_retention()
-    return generate_main(c)
+    return generate_main(c, settings)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -309,8 +318,10 @@ def data_main(c, workdir: str) -> dict:
     """`specjax data`: run or resume (same command) the data engine in `workdir`."""
     from specjax import build, distill
     config = distill.data_config(c)          # the typed settings, checked before anything loads
-    build.check_config(c.generate)
-    generator = build.load_generator(c.generate)
+    from specjax.settings import generate_settings
+    g = generate_settings(c.generate)        # the generator's settings, typed once
+    build.check_config(g)
+    generator = build.load_generator(g)
     report = distill.generate_data(config, generator, workdir)
     print(f"[specjax] data in {workdir}: " + ", ".join(
         f"{k} {v.get('sequences', 0)} seqs / {v.get('loss_tokens', 0)} loss tokens" for k, v in report["stages"].items()),

@@ -33,12 +33,16 @@ class DrafterKind:
     check: Callable[[Any, str], None] | None = None
     description: str = ""
 
-    def settings_from(self, values: Mapping[str, Any]):
-        """This kind's settings from a mapping (a ConfigDict, a dict): the keys it names, its
-        defaults for the others."""
-        get = values.get if hasattr(values, "get") else (lambda k, d=None: d)
+    def settings_from(self, values: Any):
+        """This kind's settings from typed settings (`specjax.settings.GenerateSettings`, any
+        object with the attributes) or a mapping: the values it names, its defaults for the
+        others."""
+        if isinstance(values, Mapping):
+            has, get = (lambda k: k in values), values.get
+        else:
+            has, get = (lambda k: hasattr(values, k)), (lambda k, d=None: getattr(values, k, d))
         fields = {f.name: get(f.name, f.default) for f in dataclasses.fields(self.settings)
-                  if f.default is not dataclasses.MISSING or f.name in values}
+                  if f.default is not dataclasses.MISSING or has(f.name)}
         return self.settings(**fields)
 
 
