@@ -188,6 +188,44 @@ def pack_rows(e_ND):
     return jnp.transpose(e.reshape(P, PANEL, D), (0, 2, 1))
 
 
+def panel_shape(d_in: int, d_out: int) -> tuple[int, int, int]:
+    """The shape `pack` gives a [d_in, d_out] matrix."""
+    return (num_panels(d_out), int(d_in), PANEL)
+
+
+def is_packed(w) -> bool:
+    """Whether ``w`` is held as panels (3-D) rather than a matrix [in, out]."""
+    return jnp.ndim(w) == 3
+
+
+def pack_tree(tree: dict, names) -> dict:
+    """The packed layout as a load-time transform: a copy of ``tree`` with each matrix [in, out]
+    at a key in ``names`` as `pack` panels (panels already, or keys absent: left as they are)."""
+    out = dict(tree)
+    for name in names:
+        if name in out and not is_packed(out[name]):
+            out[name] = pack(out[name])
+    return out
+
+
+def unpack_tree(tree: dict, widths: dict) -> dict:
+    """The inverse of `pack_tree`: a copy with the panels at each key of ``widths`` back as the
+    [in, width] matrices they hold."""
+    out = dict(tree)
+    for name, width in widths.items():
+        if name in out and is_packed(out[name]):
+            out[name] = unpack(out[name], width)
+    return out
+
+
+def dense(x, w, width: int):
+    """``x [..., in] @ w`` in float32 for ``w`` a matrix [in, width] or its `pack` panels (the
+    one product every packed-or-plain weight in specjax goes through)."""
+    if is_packed(w):
+        return matmul(x, w, width)
+    return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
+
+
 def unpack(panels, n: int):
     """Panels [P, D, 32] -> the [D, n] matrix they hold (exact inverse of `pack`)."""
     p = jnp.asarray(panels)

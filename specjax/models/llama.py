@@ -159,8 +159,8 @@ def _layout_specs(config: ModelConfig) -> dict:
             for name in _PROJECTIONS:
                 if name in layer:
                     (d_in, d_out), (a_in, a_out), init = layer[name]
-                    layer[name] = ((kernels.num_panels(d_out), d_in, kernels.PANEL), (a_out, a_in, None), init)
-            specs["head_panels"] = ((kernels.num_panels(config.vocab_size), config.hidden_size, kernels.PANEL),
+                    layer[name] = (kernels.panel_shape(d_in, d_out), (a_out, a_in, None), init)
+            specs["head_panels"] = (kernels.panel_shape(config.hidden_size, config.vocab_size),
                                     ("vocab", "embed", None), "normal")
         specs["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
     return specs
@@ -239,17 +239,12 @@ def _proj_width(name: str, config: ModelConfig) -> int:
 
 def _unpack(lp: dict, config: ModelConfig) -> dict:
     """One layer's dict with every panel array back as an [in, out] matrix (no-op if unpacked)."""
-    for name in _PROJECTIONS:
-        if name in lp and jnp.ndim(lp[name]) == 3:
-            lp[name] = kernels.unpack(lp[name], _proj_width(name, config))
-    return lp
+    return kernels.unpack_tree(lp, {n: _proj_width(n, config) for n in _PROJECTIONS if n in lp})
 
 
 def _pack(lp: dict) -> dict:
-    for name in _PROJECTIONS:
-        if name in lp and jnp.ndim(lp[name]) == 2:
-            lp[name] = kernels.pack(lp[name])
-    return lp
+    """One layer's projections in `specjax.kernels`' packed layout (`kernels.pack_tree`)."""
+    return kernels.pack_tree(lp, _PROJECTIONS)
 
 
 def _head_panels(params: dict, config: ModelConfig):
@@ -387,10 +382,7 @@ def apply_rope(x_BTQH, cos_BTH, sin_BTH):
 
 def _linear(x, w, b=None, width: int | None = None):
     """x @ w (+ b); ``w`` a matrix [in, out], or `specjax.kernels` panels of ``width`` columns."""
-    if jnp.ndim(w) == 3:
-        y = kernels.matmul(x, w, width)
-    else:
-        y = jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
+    y = kernels.dense(x, w, width)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -483,7 +475,7 @@ def _describe(layers) -> str:
         kind = f"a dict of arrays stacked over {n} layers"
     else:
         return f"a {type(layers).__name__}"
-    packed = any(jnp.ndim(first.get(n)) == 3 for n in _PROJECTIONS if n in first) if isinstance(layers, (list, tuple)) else False
+    packed = any(kernels.is_packed(first.get(n)) for n in _PROJECTIONS if n in first) if isinstance(layers, (list, tuple)) else False
     return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}{', packed' if packed else ''}"
 
 

@@ -293,10 +293,8 @@ def target_head_params(hc: HeadConfig, p: dict, target_params: dict, pack) -> di
 
 
 def matmul(x, w, width: int):
-    """x [..., in] @ w in float32: w a matrix [in, width], or `specjax.kernels` panels of it."""
-    if jnp.ndim(w) == 3:
-        return kernels.matmul(x, w, width)
-    return jnp.einsum("...e,ed->...d", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    """x [..., in] @ w in float32: w a matrix [in, width] (in x's dtype) or its kernel panels."""
+    return kernels.dense(x, w if kernels.is_packed(w) else w.astype(x.dtype), width)
 
 
 # ------------------------------------------------------------------------------ scores
@@ -306,9 +304,9 @@ def target_head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, 
     layer, soft-capped as the target's logits."""
     x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
     if hc.head_size is not None:
-        if jnp.ndim(params["head"]) == 3:                                   # packed: panels
+        if kernels.is_packed(params["head"]):                               # panels of [D, U]
             s = kernels.matmul(x, params["head"], hc.head_size)
-        else:
+        else:                                                               # rows [U, D]
             s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
         return llama_lib.softcap(s, hc.target.final_softcap), params["head_ids"]
     return Llama(hc.target).logits_from_hidden(params, x), None
