@@ -278,23 +278,38 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+@jax.jit
+def _id_range(prompt_BP, lengths_B):
+    """Per row, the smallest and largest id among its valid prompt tokens."""
+    valid_BP = jnp.arange(prompt_BP.shape[1])[None, :] < lengths_B[:, None]
+    info = jnp.iinfo(prompt_BP.dtype)
+    return (jnp.min(jnp.where(valid_BP, prompt_BP, info.max), axis=1),
+            jnp.max(jnp.where(valid_BP, prompt_BP, info.min), axis=1))
+
+
 def check_batch(target, config, batch: "Batch") -> None:
-    """Host-side checks of a batch against an engine's target and `GenerationConfig` before
-    anything runs: XLA clamps
-    out-of-range gathers and writes silently, so a bad length, id or capacity would
-    otherwise give wrong tokens without an error."""
-    prompt_BP, lengths_B = _host(batch.prompt_BP), _host(batch.prompt_lengths_B)
-    B, P = prompt_BP.shape
+    """Checks of a batch against an engine's target and `GenerationConfig` before anything
+    runs: XLA clamps out-of-range gathers and writes silently, so a bad length, id or capacity
+    would otherwise give wrong tokens without an error. Only the lengths [B] and, per row, the
+    smallest and largest prompt id come to the host (reduced where the prompts are, so a batch
+    sharded over a pod is not gathered)."""
+    lengths_B = _host(batch.prompt_lengths_B)
+    B, P = np.shape(batch.prompt_BP)
     if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
         raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
     V = target.vocab_size
-    valid_BP = np.arange(P)[None, :] < lengths_B[:, None]
-    bad_B = (valid_BP & ((prompt_BP < 0) | (prompt_BP >= V))).any(axis=1)
+    if isinstance(batch.prompt_BP, jax.Array):
+        lo_B, hi_B = (_host(x) for x in _id_range(batch.prompt_BP, jnp.asarray(lengths_B)))
+    else:                                       # host ids (any integer width): checked as they are
+        prompt_BP = np.asarray(batch.prompt_BP)
+        valid_BP = np.arange(P)[None, :] < lengths_B[:, None]
+        lo_B = np.where(valid_BP, prompt_BP, 0).min(axis=1)
+        hi_B = np.where(valid_BP, prompt_BP, 0).max(axis=1)
+    bad_B = (lo_B < 0) | (hi_B >= V)
     if bad_B.any():
         b = int(np.argmax(bad_B))
-        row = prompt_BP[b, :lengths_B[b]]
         raise ValueError(f"prompt {b} has token ids outside [0, {V}) (the target's vocabulary): "
-                         f"min {row.min()}, max {row.max()}")
+                         f"min {lo_B[b]}, max {hi_B[b]}")
     # The target's context length: every committed token's position must be one the model
     # is defined for, prompt + max_new_tokens <= max_position. Drafted tokens scored past
     # the end (up to a verification block) are scratch whose outputs are discarded.
