@@ -14,9 +14,9 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.stats
 from specjax import decoding, drafters, models, sampling, trees
 from specjax.models import llama as llama_lib
+from _tabular import support_chisquare
 
 V = 97
 
@@ -527,29 +527,10 @@ def _law(samp_kw):
 
 
 def _pvalue(gen_BN, law):
-    """Pooled chi-square p-value (cells with expected count < 5 pooled; see
-    test_engine_distribution.py), the number of samples in cells of exact probability 0, and
+    """Pooled chi-square p-value (`_tabular.support_chisquare`), the number of samples in cells of exact probability 0, and
     the number of cells tested."""
     index = gen_BN @ (DV ** np.arange(D_NEW - 1, -1, -1))
-    observed = np.bincount(index, minlength=len(law)).astype(np.float64)
-    n = observed.sum()
-    impossible = int(observed[law == 0].sum())
-    expected = n * law
-    support = law > 0
-    big = support & (expected >= 5)
-    small = support & ~big
-    obs, exp = list(observed[big]), list(expected[big])
-    if small.any():
-        obs.append(observed[small].sum())
-        exp.append(expected[small].sum())
-        if exp[-1] < 5:
-            i = int(np.argmin(exp[:-1]))
-            obs[i] += obs.pop()
-            exp[i] += exp.pop()
-    obs, exp = np.array(obs), np.array(exp)
-    exp *= obs.sum() / exp.sum()
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return float(scipy.stats.chi2.sf(stat, len(obs) - 1)), impossible, len(obs)
+    return support_chisquare(np.bincount(index, minlength=len(law)), law)
 
 
 PACKED_CFG = CFG.replace(scan_layers=False, fuse_projections=True, packed_projections=True)

@@ -141,6 +141,32 @@ def pooled_chisquare(observed: np.ndarray, expected_probs: np.ndarray, min_expec
     return scipy.stats.chisquare(obs, exp)
 
 
+def support_chisquare(observed: np.ndarray, law: np.ndarray, min_expected: float = 5.0):
+    """Chi-square goodness of fit of counts against an exact law, over the law's support: cells
+    of expected count < min_expected pooled (a pooled remainder still below it merged into the
+    smallest other cell); samples in cells of exact probability 0 are counted apart (any is an
+    error the caller asserts on). Returns (p-value, samples in impossible cells, cells tested)."""
+    observed = np.asarray(observed, np.float64)
+    n = observed.sum()
+    impossible = int(observed[law == 0].sum())
+    expected = n * law
+    support = law > 0
+    big = support & (expected >= min_expected)
+    small = support & ~big
+    obs, exp = list(observed[big]), list(expected[big])
+    if small.any():
+        obs.append(observed[small].sum())
+        exp.append(expected[small].sum())
+        if exp[-1] < min_expected:
+            i = int(np.argmin(exp[:-1]))
+            obs[i] += obs.pop()
+            exp[i] += exp.pop()
+    obs, exp = np.array(obs), np.array(exp)
+    exp *= obs.sum() / exp.sum()    # zero-probability cells are reported separately
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(scipy.stats.chi2.sf(stat, len(obs) - 1)), impossible, len(obs)
+
+
 def sequence_pvalue(seqs: np.ndarray, n_tokens: int, table=TARGET_TABLE) -> float:
     probs = exact_sequence_probs(table, n_tokens)
     observed = np.bincount(sequence_index(seqs), minlength=probs.size)

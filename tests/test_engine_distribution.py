@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 from flax import struct
 
 from specjax import decoding, drafters, sampling
 
+from _tabular import support_chisquare
 from _toy import TabularModel, ToyCache, random_table, sequence_probs
 
 V = 3
@@ -230,26 +230,7 @@ def _pvalue(gen_BN, setup, samp_kw):
     probs = np.array([exact[c] for c in cells], np.float64)
     probs /= probs.sum()
     index = gen_BN @ (V ** np.arange(N_NEW - 1, -1, -1))     # same order as itertools.product
-    observed = np.bincount(index, minlength=len(cells)).astype(np.float64)
-    n = observed.sum()
-    impossible = int(observed[probs == 0].sum())
-    expected = n * probs
-    support = probs > 0
-    big = support & (expected >= 5)
-    small = support & ~big
-    obs = list(observed[big])
-    exp = list(expected[big])
-    if small.any():
-        obs.append(observed[small].sum())
-        exp.append(expected[small].sum())
-        if exp[-1] < 5:  # merge the pooled remainder into the smallest big cell
-            i = int(np.argmin(exp[:-1]))
-            obs[i] += obs.pop()
-            exp[i] += exp.pop()
-    obs, exp = np.array(obs), np.array(exp)
-    exp *= obs.sum() / exp.sum()    # zero-probability cells are reported separately
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return float(scipy.stats.chi2.sf(stat, len(obs) - 1)), impossible, len(obs)
+    return support_chisquare(np.bincount(index, minlength=len(cells)), probs)
 
 
 def _report(name, p, rejection, n_cells, extra=""):
