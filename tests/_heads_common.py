@@ -112,7 +112,7 @@ def _head_config(kind: str, cfg=CFG) -> drafters.HeadConfig:
 
 
 def _drafter(hc: drafters.HeadConfig):
-    return drafters.MedusaDrafter(hc) if hc.kind == "medusa" else drafters.FeatureHeadDrafter(drafters.EagleHead(hc))
+    return hc.spec.drafter(hc)
 
 
 def _head_ids(hc: drafters.HeadConfig, seed: int):

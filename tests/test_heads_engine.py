@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decoding, drafters, sampling, trees
+from specjax import decoding, distill, drafters, sampling, trees
+from specjax.drafters import heads
 from specjax.models.reduced_head import ReducedHeadLlama
 from _heads_common import (CFG, D, GREEDY, PACKED_CFG, PROMPTS, V, _assert_target_tokens, _drafter, _eagle_setup,
                            _eagle_stepped, _gen, _head, _head_config, _medusa_stepped, _own_params, _packed_target,
@@ -161,3 +162,46 @@ def test_scheduler_refills_head_rows():
     assert [r.counters["accepted"] for r in out.results] == np.asarray(whole.accepted_B).tolist()
     assert [r.counters["proposed"] for r in out.results] == np.asarray(whole.proposed_B).tolist()
     assert sum(r.counters["accepted"] for r in out.results) > 0
+
+
+SPEC = distill.LossSpec("fkl", 0.5, 1.0)
+
+
+class HalfFeatureEagle(heads.Eagle):
+    """A head kind defined in this test (one class, one registration): EAGLE reading the
+    target's features at half their size, trained with EAGLE's feature regression."""
+    name = "test_half_feature_eagle"
+
+    def fuse(self, hc, params, f_BTF):
+        return (0.5 * f_BTF).astype(f_BTF.dtype)
+
+
+def test_a_head_kind_defined_here_drafts_exactly_and_trains():
+    """A new kind needs no change anywhere else: registered, it is a `HeadConfig` kind, its
+    drafter runs in the engine (greedy equal to the target-only reference, with its proposals
+    accepted somewhere and rejected somewhere), and the trainer's head loss (divergence and
+    the feature regression the kind inherits) has a gradient on every own weight."""
+    kind = drafters.register_head_kind(HalfFeatureEagle())
+    try:
+        model, tp = _target()
+        hc = drafters.HeadConfig.make(kind.name, CFG)
+        assert hc.spec is kind and kind.name in drafters.head_kinds()
+        own = jax.tree.map(jnp.asarray, dict(_own_params(_head_config("eagle"), "good")))
+        eng = decoding.Engine(model, hc.spec.drafter(hc), _gen(3))
+        batch = decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+        out = eng.run(decoding.EngineParams(target=tp, draft=drafters.head_params(hc, own, tp)), GREEDY, batch)
+        _assert_target_tokens(out)
+        m = out.metrics
+        assert 0 < int(np.sum(m.accepted_B)) < int(np.sum(m.proposed_B))
+        obj = distill.HeadObjective(config=hc, target=model, feature_weight=1.0)
+        tokens = jnp.asarray(_target_only()[1][0][:16])[None]
+        data = {"tokens": tokens, "mask": jnp.ones_like(tokens, jnp.float32)}
+        head_UD = tp["embed"]
+        grads, aux = jax.grad(lambda t: distill.head_loss(t, {"target": tp}, head_UD, data, draft=obj, spec=SPEC),
+                              has_aux=True)({k: own[k] for k in obj.trainable})
+        assert "feature_loss" in aux and np.isfinite(float(aux["loss"]))
+        assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
+    finally:
+        drafters.unregister_head_kind(kind.name)
+    with pytest.raises(ValueError, match="head kind must be one of"):
+        drafters.HeadConfig.make(kind.name, CFG)

@@ -20,10 +20,11 @@ and write, published EAGLE-3 heads only).
 """
 
 from specjax.drafters.heads._config import (INIT_STD, HeadConfig, HeadKind, head_kind_of, head_kinds, head_logits,
-                                            head_params, head_scores, init_head_params, register_head_kind)
-from specjax.drafters.heads._medusa import MedusaDrafter, medusa_features, medusa_logits
-from specjax.drafters.heads._eagle import (EagleFamily, EagleHead, FeatureHeadDrafter, HeadCache, eagle_input,
-                                           eagle_train_forward, fuse_features)
+                                            head_params, head_scores, init_head_params, register_head_kind,
+                                            unregister_head_kind)
+from specjax.drafters.heads._medusa import Medusa, MedusaDrafter, medusa_features, medusa_logits
+from specjax.drafters.heads._eagle import (Eagle, Eagle3, EagleFamily, EagleHead, FeatureHeadDrafter, HeadCache,
+                                           eagle_input, eagle_train_forward, fuse_features)
 from specjax.drafters.heads._eagle3_published import EAGLE3_PUBLISHED
 from specjax.drafters.heads._artifact import head_kind, is_head_dir, load_head, save_head
 from specjax.drafters.heads._eagle3_files import LAYOUTS as EAGLE3_LAYOUTS
@@ -32,9 +33,9 @@ from specjax.drafters.heads._eagle3_files import (eagle3_config, eagle3_layout, 
 
 HEAD_KINDS = head_kinds()      # the built-in kinds, in registration order
 
-__all__ = ["EAGLE3_LAYOUTS", "EAGLE3_PUBLISHED", "HEAD_KINDS", "INIT_STD", "EagleFamily", "EagleHead",
+__all__ = ["EAGLE3_LAYOUTS", "EAGLE3_PUBLISHED", "HEAD_KINDS", "INIT_STD", "Eagle", "Eagle3", "EagleFamily", "Medusa", "EagleHead",
            "FeatureHeadDrafter", "HeadCache", "HeadConfig", "HeadKind", "MedusaDrafter", "eagle3_config",
            "eagle3_layout", "eagle3_tensors", "eagle_input", "eagle_train_forward", "fuse_features", "head_kind",
            "head_kind_of", "head_kinds", "head_logits", "head_params", "head_scores", "init_head_params",
            "is_head_dir", "load_eagle3", "load_head", "medusa_features", "medusa_logits", "read_eagle3",
-           "register_head_kind", "save_eagle3", "save_head"]
+           "register_head_kind", "save_eagle3", "save_head", "unregister_head_kind"]

@@ -134,6 +134,11 @@ def register_head_kind(kind: HeadKind) -> HeadKind:
     return kind
 
 
+def unregister_head_kind(name: str) -> None:
+    """Forget a registered kind (a test's own)."""
+    _KINDS.pop(name, None)
+
+
 def head_kinds() -> tuple[str, ...]:
     return tuple(_KINDS)
 
