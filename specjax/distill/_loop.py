@@ -265,7 +265,7 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
 
     widths = tuple(c.data.widths)
     max_prompt = int(c.data.get("max_prompt_tokens", 0))
-    is_head = c.draft.kind in drafters.HEAD_KINDS
+    is_head = c.draft.kind in drafters.head_kinds()
     # A head's features come with its data when the config caches them (head.feature_cache).
     feature_layers = _heads.feature_layers_of(c, target) if is_head else None
     # ---- data ----------------------------------------------------------------------------
