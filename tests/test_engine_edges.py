@@ -839,3 +839,12 @@ def test_one_compilation_per_static_configuration(env):
     decoding.Engine(target, drafter, config3).init(
         params, decoding.make_batch([[1, 2, 3], [4, 5]], config3, jax.random.key(0)))
     assert len(CountingTabular.traces) > n_stream
+
+
+def test_engine_rejects_a_batch_of_non_integer_ids(env):
+    """A hand-built batch of float ids is named, not reduced or gathered into nonsense."""
+    engine = decoding.Engine(TARGET, None, CFG_G0)
+    batch = batch_for(CFG_G0, [[1, 2]])
+    bad = dataclasses.replace(batch, prompt_BP=jnp.asarray(batch.prompt_BP, jnp.float32))
+    with pytest.raises(ValueError, match="prompt ids must be integers"):
+        engine.run(decoding.EngineParams(target=env["table"]), GREEDY, bad)

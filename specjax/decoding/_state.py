@@ -298,6 +298,9 @@ def check_batch(target, config, batch: "Batch") -> None:
     if lengths_B.shape != (B,) or lengths_B.min() < 1 or lengths_B.max() > P:
         raise ValueError(f"prompt lengths must be one per row in [1, {P}] (the padded width), got {lengths_B}")
     V = target.vocab_size
+    if not np.issubdtype(np.dtype(batch.prompt_BP.dtype), np.integer):
+        raise ValueError(f"prompt ids must be integers, got dtype {batch.prompt_BP.dtype} (build batches with "
+                         f"specjax.decoding.make_batch)")
     if isinstance(batch.prompt_BP, jax.Array):
         lo_B, hi_B = (_host(x) for x in _id_range(batch.prompt_BP, jnp.asarray(lengths_B)))
     else:                                       # host ids (any integer width): checked as they are
