@@ -546,6 +546,11 @@ def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: i
             break
         name = mixture.names[mixture.choice(step)]
         if name == "draft":
+            # On-policy data is generated from the current draft and cached on disk: the last
+            # step's non-finite check comes first, so no data is made from a broken draft.
+            if pending is not None:
+                report(pending)
+                pending = None
             plan, idx = draft_plan(step, state)
         else:
             plan, idx = sources[name], mixture.index_within(step)
