@@ -63,3 +63,64 @@ def test_the_library_reads_the_typed_settings():
         build.check_generation_settings(s.replace(gamma=-1))
     with pytest.raises(TypeError, match="ConfigDict, a mapping or GenerateSettings"):
         generate_settings(["drafter"])
+
+
+# ----------------------------------------------------------------------------- distillation
+
+def test_distill_defaults_are_the_configs():
+    """DistillSettings() is configs/distill.py, block by block (its draft block included, whose
+    defaults differ from a bare DraftChoice's); configs/distill_head.py's head block is read
+    as it sets it, and a config without one keeps the kind's defaults (None)."""
+    from configs import distill as distill_config
+    from configs import distill_head
+    from specjax.distill import DistillSettings, distill_settings
+    c = distill_config.get_config()
+    s = distill_settings(c)
+    assert s == DistillSettings()
+    flat = distill_settings(c).to_dict()
+    for block in ("data", "draft", "loss", "optim", "eval"):
+        want = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in c[block].to_dict().items()
+                if not isinstance(v, dict)}
+        assert {k: flat[block][k] for k in want} == want, block
+    assert flat["data"]["shards"] == {**c.data.shards.to_dict(), "dirs": tuple(c.data.shards.dirs)}
+    assert (s.head.ttt_steps, s.head.feature_weight) == (None, None)
+    h = distill_head.get_config()
+    hs = distill_settings(h).head
+    assert dataclasses.asdict(hs) == {k: tuple(v) if isinstance(v, (list, tuple)) else v
+                                      for k, v in h.head.to_dict().items()}
+    assert distill_settings(h).is_head and not s.is_head
+    assert distill_settings(s) is s and hash(s)
+
+
+def test_distill_settings_round_trip_through_a_workdirs_config_json():
+    import json
+    from configs import distill_head
+    from specjax.distill import distill_settings
+    s = distill_settings(distill_head.get_config())
+    assert distill_settings(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"data": {"tokens_per_bach": 2048}}, r"unknown distillation setting\(s\) data.tokens_per_bach"),
+    ({"optim": {"accumulate": "2"}}, "optim.accumulate='2': expected an integer"),
+    ({"optim": {"learning_rate": "1e-3"}}, "optim.learning_rate='1e-3': expected a number"),
+    ({"head": {"input_norm": "yes"}}, "head.input_norm='yes': expected true or false"),
+    ({"data": {"shards": {"dirs": 3}}}, "data.shards.dirs=3: expected a sequence"),
+    ({"eval": 5}, "eval=5: expected a block of settings"),
+    ({"mesh": {"data": "x"}}, "mesh=.*expected axis sizes"),
+])
+def test_a_distill_setting_of_the_wrong_type_or_name_is_named(values, message):
+    from specjax.distill import distill_settings
+    with pytest.raises(ValueError, match=message):
+        distill_settings(values)
+
+
+def test_train_reads_no_configdict():
+    """Below `train`, the distillation modules read typed settings only: no `.get(key, default)`
+    on a config (the public entry points that accept a ConfigDict type it first)."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1] / "specjax" / "distill"
+    for name in ("_loop.py", "_setup.py", "_prepare.py", "_heads.py"):
+        text = (root / name).read_text()
+        assert not re.search(r"\b(c|s|d|e|h|o|sh)\.(\w+\.)*get\(", text), name

@@ -46,18 +46,18 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "{repo}/tests")
     import _distill_toy as toy
     from specjax import distill, sharding
-    from specjax.distill import _loop
+    from specjax.distill import _setup
     assert jax.device_count() == 8, jax.devices()
     root = pathlib.Path("{root}")
     kw = dict(target_dir=root / "target", data_path=root / "data.jsonl", data_root=root / "data_root",
               budget=10**9, checkpoint_every=1)
     seen = {{}}
-    orig = _loop._train_shardings
+    orig = _setup._train_shardings
     def spy(mesh, state, *a):
         out = orig(mesh, state, *a)
         seen[tuple(mesh.shape.values())] = out[0]
         return out
-    _loop._train_shardings = spy
+    _setup._train_shardings = spy
     # 1) data 2 x fsdp 2 x model 2, the whole run
     c = toy.config(**kw)
     c.keep_checkpoints = 100

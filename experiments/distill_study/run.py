@@ -74,10 +74,10 @@ def _finished(workdir: pathlib.Path, tc) -> dict | None:
         return None
     try:
         summary = json.loads(f.read_text())
-        old = distill.flatten(json.loads(stored.read_text()))
+        old = distill.flatten(distill.distill_settings(json.loads(stored.read_text())).to_dict())
     except (OSError, ValueError) as e:
         raise ValueError(f"{workdir}: unreadable finished run ({e}); delete the directory to train it again") from None
-    new = distill.flatten(json.loads(tc.to_json_best_effort()))
+    new = distill.flatten(distill.distill_settings(tc).to_dict())
     diff = [f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}" for k in sorted(set(old) | set(new))
             if k not in NOT_COMPARED and old.get(k) != new.get(k)]
     if diff:

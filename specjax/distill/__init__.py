@@ -1,6 +1,7 @@
 """Draft distillation (DistillSpec, Zhou et al., ICLR 2024): align a draft to its target.
 
     train(config, workdir)        the restartable run (python -m specjax.distill --config=...)
+    DistillSettings / distill_settings   its typed settings, made once from a ConfigDict or mapping
     with_overrides / flatten      set dotted or nested config keys
     check_resume_config           refuse a workdir whose checkpoints hold a differently shaped state
     make_train_step / LossSpec    the pure jitted step and its loss
@@ -33,6 +34,7 @@ from specjax.distill._drafts import DraftChoice, build_draft, select_layers
 from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batch, head_loss, noisy_features,
                                    objective_from_config)
 from specjax.distill._loop import check_resume_config, flatten, train, with_overrides
+from specjax.distill._settings import DistillSettings, distill_settings
 from specjax.distill._prepare import eval_plan, feature_file, with_features
 from specjax.distill._sources import generated_data, second_turn_prompts, spec_bench_prompts
 from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
@@ -47,6 +49,7 @@ __all__ = [
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
     "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
+    "DistillSettings", "distill_settings",
     "feature_file", "with_features", "generated_data", "second_turn_prompts", "spec_bench_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
     "make_train_step", "merge_params", "split_params", "teacher_head",

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import drafters
-from specjax.distill import _divergence
+from specjax.distill import _divergence, _settings
 from specjax.distill._train import chain_tokens_per_pass, teacher_logits
 from specjax.models import Llama
 from specjax.models import llama as llama_lib
@@ -73,22 +73,26 @@ class HeadObjective:
 
 
 def feature_layers_of(c, target: Llama) -> tuple[int, ...]:
-    """The target layers a config's head reads (its ``head.feature_layers`` or the kind's default)."""
-    layers = tuple(int(i) for i in c.get("head", {}).get("feature_layers", ())) or None
-    return drafters.HeadConfig.make(c.draft.kind, target.config, feature_layers=layers).feature_layers
+    """The target layers a run's head reads (its ``head.feature_layers`` or the kind's default);
+    `c`: a distillation config or its `DistillSettings`."""
+    c = _settings.distill_settings(c)
+    return drafters.HeadConfig.make(c.draft.kind, target.config,
+                                    feature_layers=tuple(c.head.feature_layers) or None).feature_layers
 
 
 def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
-    """The objective of a distillation config whose ``draft.kind`` is a head kind."""
-    h = c.get("head", {})
-    layers = tuple(int(i) for i in h.get("feature_layers", ())) or None
+    """The objective of a run whose ``draft.kind`` is a head kind (`c`: a distillation config or
+    its `DistillSettings`)."""
+    c = _settings.distill_settings(c)
+    h = c.head
     spec = drafters.head_kind_of(c.draft.kind)
-    hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=int(h.get("num_heads", 4)),
-                                  head_size=int(c.draft.head_vocab) or None, feature_layers=layers,
-                                  input_norm=bool(h.get("input_norm", False)) and spec.has_input_norm)
-    return HeadObjective(config=hc, target=target, ttt_steps=int(h.get("ttt_steps", spec.default_ttt_steps)),
-                         feature_weight=float(h.get("feature_weight", spec.default_feature_weight)),
-                         feature_noise=float(h.get("feature_noise", 0.0)))
+    hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=h.num_heads,
+                                  head_size=c.draft.head_vocab or None, feature_layers=tuple(h.feature_layers) or None,
+                                  input_norm=h.input_norm and spec.has_input_norm)
+    return HeadObjective(config=hc, target=target,
+                         ttt_steps=spec.default_ttt_steps if h.ttt_steps is None else h.ttt_steps,
+                         feature_weight=spec.default_feature_weight if h.feature_weight is None else h.feature_weight,
+                         feature_noise=h.feature_noise)
 
 
 def _shift(x, k: int):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import pathlib
 import time
 from typing import Callable
@@ -38,10 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoint as ckpt_lib
-from specjax import distributed, drafters, files, models, sharding
-from specjax.distill import _data, _drafts, _heads, _prepare, _sources, _stream, _train
-
-MIX_STREAM = 7     # a fixed stream id for the per-step source choice
+from specjax import distributed, drafters, files, sharding
+from specjax.distill import _data, _heads, _prepare, _settings, _setup, _sources, _train
+from specjax.distill._setup import MIX_STREAM, Mixture  # noqa: F401  (re-exported)
 
 
 def with_overrides(config, overrides: dict):
@@ -114,42 +112,9 @@ class MetricsWriter:
             self.tb.close()
 
 
-class Mixture:
-    """Source choice per step: ``default_rng([seed, MIX_STREAM, step])`` draws from the weights;
-    each source's own batch index is the number of earlier steps that chose it."""
-
-    def __init__(self, names: list[str], weights: list[float], seed: int):
-        w = np.asarray(weights, np.float64)
-        if len(names) == 0 or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"source weights must be >= 0 with a positive sum, got {dict(zip(names, weights))}")
-        self.names, self.p, self.seed = names, w / w.sum(), seed
-        self._choices: list[int] = []
-        self._prefix: list[tuple[int, ...]] = [(0,) * len(names)]   # per-source counts of steps < s
-
-    def _extend(self, step: int) -> None:
-        while len(self._choices) <= step:
-            s = len(self._choices)
-            c = int(np.random.default_rng([self.seed, MIX_STREAM, s]).choice(len(self.p), p=self.p))
-            self._choices.append(c)
-            counts = list(self._prefix[-1])
-            counts[c] += 1
-            self._prefix.append(tuple(counts))
-
-    def choice(self, step: int) -> int:
-        self._extend(step)
-        return self._choices[step]
-
-    def index_within(self, step: int, start: int = 0) -> int:
-        """How many steps in [start, step) chose the same source as `step`."""
-        c = self.choice(step)
-        return self._prefix[step][c] - self._prefix[start][c]
-
-
 # Config keys that fix the shapes / structure of the checkpointed train state (the draft's
 # parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
 STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
-# What a key absent from an older workdir's config.json meant (keys added since).
-STATE_DEFAULTS = {"head.input_norm": False}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -163,22 +128,33 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _flat_settings(values) -> dict:
+    """A config's dotted keys after the typed settings' defaults and types (so a key absent
+    from an older workdir's config.json reads as the default it meant); the raw keys when it
+    is not a config this trainer reads any more."""
+    try:
+        values = _settings.distill_settings(values).to_dict()
+    except (TypeError, ValueError):
+        pass
+    return flatten(json.loads(json.dumps(values)))
+
+
 def check_resume_config(c, workdir) -> None:
     """``ValueError`` naming each differing key (old and new value) when `workdir` already holds
-    checkpoints written under a config that differs from `c` on a `STATE_KEYS` key (or a key
-    of its head kind's `HeadKind.state_keys`: a kind ignores the others, e.g. Medusa the input
-    norm that configs/distill_head.py turns on). Reads only:
+    checkpoints written under a config that differs from `c` (a config or `DistillSettings`) on
+    a `STATE_KEYS` key (or a key of its head kind's `HeadKind.state_keys`: a kind ignores the
+    others, e.g. Medusa the input norm that configs/distill_head.py turns on). Reads only:
     called before anything in the workdir is written."""
     workdir = pathlib.Path(workdir)
     stored_path, ckpt_dir = workdir / "config.json", workdir / "checkpoints"
     if not stored_path.is_file() or not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
         return
     try:
-        old = flatten(json.loads(stored_path.read_text()))
+        old = _flat_settings(json.loads(stored_path.read_text()))
     except (OSError, ValueError) as e:
         raise ValueError(f"{stored_path}: unreadable ({e}); cannot check that the checkpoints in {ckpt_dir} "
                          f"match this config. Use a new workdir.") from e
-    new = flatten(json.loads(c.to_json_best_effort()))
+    new = _flat_settings(_settings.distill_settings(c))
     missing = object()
     diff = []
     kind = new.get("draft.kind")
@@ -186,7 +162,7 @@ def check_resume_config(c, workdir) -> None:
     for k in sorted(set(old) | set(new)):
         if not any(k == s or k.startswith(s + ".") for s in keys):
             continue
-        a, b = old.get(k, STATE_DEFAULTS.get(k, missing)), new.get(k, STATE_DEFAULTS.get(k, missing))
+        a, b = old.get(k, missing), new.get(k, missing)
         if a != b:
             diff.append(f"{k}: {'(absent)' if a is missing else json.dumps(a)} -> "
                         f"{'(absent)' if b is missing else json.dumps(b)}")
@@ -226,409 +202,339 @@ def _tokenizer(c):
     return _tokenizer_cached(_checkpoint_signature(c.target), c.target)
 
 
-def train(c, workdir, *, log: Callable[[str], None] = print, stop_after_steps: int | None = None) -> dict:
-    """Run (or resume) a distillation. Returns the final summary (also in final.json)."""
-    # Optimizer settings first: a bad one (e.g. clip_norm < 0) fails before anything is loaded.
+def check_settings(s) -> None:
+    """The settings `train` checks before it loads anything (optimizer, non-finite policy,
+    metrics lag): ``ValueError`` naming the setting."""
+    o = s.optim
     _train.check_optimizer_settings(
-        learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
-        end_lr_fraction=c.optim.end_lr_fraction, clip_norm=c.optim.clip_norm,
-        weight_decay=c.optim.weight_decay, accumulate=c.optim.accumulate)
-    on_nonfinite = _train.check_on_nonfinite(c.optim.get("on_nonfinite", "stop"))
-    lag = c.get("metrics_lag", 1)
-    if lag not in (0, 1):
-        raise ValueError(f"metrics_lag={lag!r}: expected 0 (read each step's metrics at once) or 1 (one step later)")
-    workdir = pathlib.Path(workdir)
-    mesh = _mesh_of(c)
-    primary = distributed.is_primary()
-    if not primary:
-        log = _silent
-    # Before anything in the workdir is written: its checkpoints must fit this config.
-    check_resume_config(c, workdir)
+        learning_rate=o.learning_rate, warmup_steps=o.warmup_steps, end_lr_fraction=o.end_lr_fraction,
+        clip_norm=o.clip_norm, weight_decay=o.weight_decay, accumulate=o.accumulate)
+    _train.check_on_nonfinite(o.on_nonfinite)
+    if s.metrics_lag not in (0, 1):
+        raise ValueError(f"metrics_lag={s.metrics_lag!r}: expected 0 (read each step's metrics at once) or 1 "
+                         f"(one step later)")
+
+
+def _claim_workdir(s, workdir: pathlib.Path) -> None:
+    """Check the workdir's checkpoints against `s` (before anything is written), then record `s`
+    as its config.json."""
+    check_resume_config(s, workdir)
     distributed.barrier("specjax-distill-checked")     # every process has read the old config.json
-    if primary:
+    if distributed.is_primary():
         workdir.mkdir(parents=True, exist_ok=True)
         tmp = workdir / "config.json.tmp"
-        tmp.write_text(c.to_json_best_effort(indent=1))
+        tmp.write_text(json.dumps(s.to_dict(), indent=1))
         tmp.replace(workdir / "config.json")
     distributed.barrier("specjax-distill-workdir")
+
+
+class _Tokenizer:
+    """The target's tokenizer, loaded on first call (a run on tokenized data never loads it)."""
+
+    def __init__(self, s):
+        self.s, self.loaded = s, None
+
+    def __call__(self):
+        if self.loaded is None:
+            self.loaded = _tokenizer(self.s)
+        return self.loaded
+
+
+def train(config, workdir, *, log: Callable[[str], None] = print, stop_after_steps: int | None = None) -> dict:
+    """Run (or resume) a distillation. `config`: a ConfigDict of configs/distill.py's layout, a
+    nested mapping, or `DistillSettings` (typed here, once). Returns the final summary (also in
+    final.json)."""
+    s = _settings.distill_settings(config)
+    check_settings(s)        # a bad setting fails before anything is loaded
+    workdir = pathlib.Path(workdir)
+    mesh = _setup.mesh_of(s)
+    if not distributed.is_primary():
+        log = _silent
+    _claim_workdir(s, workdir)
     if mesh is not None:
         log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
     t_start = time.perf_counter()
-    target, target_params = _load_target(c)
-    tok = None
+    target, target_params = _load_target(s)
+    tokenizer = _Tokenizer(s)
+    sources = _setup.load_sources(s, target, target_params, tokenizer, log=log)
+    head_ids = _setup.head_vocabulary(s, sources, target, tokenizer.loaded, log)
+    trainee = _setup.build_trainee(s, sources, target, target_params, head_ids, mesh)
+    run = _Run(s, workdir, trainee, sources, target, target_params, tokenizer, log, t_start)
+    try:
+        run.loop(stop_after_steps)
+    except BaseException:
+        run.close(abort=True)
+        raise
+    run.close()
+    return run.finish(time.perf_counter() - t_start)
 
-    def tokenizer():
-        nonlocal tok
-        if tok is None:
-            tok = _tokenizer(c)
-        return tok
 
-    widths = tuple(c.data.widths)
-    max_prompt = int(c.data.get("max_prompt_tokens", 0))
-    is_head = c.draft.kind in drafters.head_kinds()
-    # A head's features come with its data when the config caches them (head.feature_cache).
-    feature_layers = _heads.feature_layers_of(c, target) if is_head else None
-    # ---- data ----------------------------------------------------------------------------
-    # Process 0 makes the data sets first; the others then find them in the cache.
-    if not primary:
-        distributed.barrier("specjax-distill-data")
-    sources: dict[str, _data.BatchPlan] = {}
-    weights: dict[str, float] = {}
-    timings = {}
-    # On-policy data alone still needs prompts (and a reduced head its tokens): the target's
-    # data set then serves as their source without being trained on (weight 0).
-    prompts_only = c.data.target_weight <= 0 and c.data.draft_weight > 0 and c.data.fixed_weight <= 0
-    if c.data.target_weight > 0 or prompts_only:
-        t0 = time.perf_counter()
-        sources["target"] = _data.BatchPlan(_prepare.target_data(c, target, target_params, tokenizer(), log,
-                                                                 feature_layers=feature_layers),
-                                            c.seed, c.data.tokens_per_batch, widths, max_prompt)
-        if not prompts_only:
-            weights["target"] = c.data.target_weight
-        timings["target_data_s"] = time.perf_counter() - t0
-    if c.data.fixed_weight > 0:
-        t0 = time.perf_counter()
-        needs_tok = any("tokens" not in json.loads(l) for l in
-                        pathlib.Path(c.data.fixed_jsonl).read_text().splitlines()[:1] if l.strip())
-        sources["fixed"] = _data.BatchPlan(
-            _prepare.fixed_data(c, target, target_params, tokenizer() if needs_tok else None, log,
-                                feature_layers=feature_layers),
-            c.seed + 1, c.data.tokens_per_batch, widths, max_prompt)
-        weights["fixed"] = c.data.fixed_weight
-        timings["fixed_data_s"] = time.perf_counter() - t0
-    if c.data.draft_weight > 0:
-        weights["draft"] = c.data.draft_weight
-    sh = c.data.get("shards", None)
-    if sh is not None and sh.weight > 0:
-        if not sh.dirs:
-            raise ValueError("data.shards.weight > 0 but data.shards.dirs is empty: name the data engine's answer "
-                             "directories (e.g. WORKDIR/responses_greedy)")
-        if not is_head:
-            raise ValueError(f"data.shards (streamed shards, tokens only) trains feature heads; draft.kind="
-                             f"{c.draft.kind!r} needs the teacher's states of its data: use target or fixed data")
-        t0 = time.perf_counter()
-        sources["shards"] = _stream.ShardStream(
-            list(sh.dirs), seed=c.seed + 2, tokens_per_batch=c.data.tokens_per_batch, widths=widths,
-            window=int(sh.window), max_prompt=max_prompt, max_loss_tokens=int(sh.max_loss_tokens))
-        weights["shards"] = sh.weight
-        st = sources["shards"]
-        log(f"shards: {st.num_sequences} sequences, {st.loss_tokens_used()} loss tokens in {len(st.shards)} shards of "
-            f"{', '.join(map(str, sh.dirs))} (the target's features computed in each step)")
-        timings["shards_index_s"] = time.perf_counter() - t0
-    if primary:
-        distributed.barrier("specjax-distill-data")
-    if not weights:
-        raise ValueError("no data source: set target_weight, fixed_weight or draft_weight > 0")
-    mixture = Mixture(list(weights), list(weights.values()), c.seed)
+class _Run:
+    """One distillation's loop: metrics, checkpoints (resumed from the newest readable one),
+    evaluation, on-policy data, the steps, the summary and the export."""
 
-    # ---- draft ---------------------------------------------------------------------------
-    if is_head and "draft" in weights:
-        raise ValueError(f"draft.kind={c.draft.kind!r} (a feature head) trains on target or fixed data only: "
-                         f"set data.draft_weight = 0 (on-policy data for heads is not built yet)")
-    choice = _drafts.DraftChoice.from_config(c.draft)
-    head_ids = None
-    if choice.head_vocab:
-        # (streamed answers end in the stop token and count it among their loss tokens)
-        eos = _prepare.eos_ids(target, tok) if tok is not None or "shards" in sources else ()
-        if not sources:
-            raise ValueError("a reduced head needs target, fixed or shard data to pick its tokens from")
-        counts = sum(p.token_counts(target.vocab_size) if isinstance(p, _stream.ShardStream)
-                     else _sources.token_frequencies([p.data], target.vocab_size) for p in sources.values())
-        head_ids = _prepare.head_vocabulary(counts, choice.head_vocab, always=eos)
-        cover = counts[head_ids].sum() / max(int(counts.sum()), 1)
-        log(f"reduced head: {len(head_ids)} tokens cover {cover:.4f} of the training continuations")
-    if is_head:
-        # The "draft" of the step is the head's static objective; its trainable params are the
-        # head's own, and the target's params ride along in `frozen` (outside the gradient).
-        draft = _heads.objective_from_config(c, target, head_ids)
-        params = drafters.init_head_params(draft.config, _sources.key_for(c.seed, "draft-init"), head_ids=head_ids)
-        trainable = draft.trainable
-    else:
-        draft, params = _drafts.build_draft(choice, target, target_params,
-                                            key=_sources.key_for(c.seed, "draft-init"), head_ids=head_ids)
-        trainable = choice.trainable
-    spec = _train.LossSpec(c.loss.divergence, float(c.loss.beta), float(c.loss.temperature))
-    # Loss tokens per step, for the schedule's length: the trained sources' (on-policy data alone:
-    # its prompts' data set as the estimate).
-    trained = [p for n, p in sources.items() if n in weights] or list(sources.values())
-    mean_tokens = np.mean([p.mean_tokens_per_batch() for p in trained]) if trained else c.data.tokens_per_batch / 2
-    total_steps = int(math.ceil(c.budget_tokens / max(mean_tokens, 1.0)))
-    accumulate = int(c.optim.accumulate)
-    optimizer, schedule = _train.make_optimizer(
-        learning_rate=c.optim.learning_rate, warmup_steps=c.optim.warmup_steps,
-        total_updates=max(1, total_steps // accumulate), end_lr_fraction=c.optim.end_lr_fraction,
-        clip_norm=c.optim.clip_norm, weight_decay=c.optim.weight_decay, accumulate=accumulate)
-    state, frozen = _train.init_state(params, trainable, optimizer, _sources.key_for(c.seed, "train"))
-    head_UD = _train.teacher_head(target, target_params, head_ids)
-    full_head = _train.teacher_head(target, target_params, None)
-    if is_head:
-        frozen = {**frozen, "target": target_params}
-    # Evaluation, on-policy generation and the export read host copies (`own_params`); the
-    # step reads the placed ones.
-    frozen_local = frozen
-    state_sh = None
-    if mesh is not None:
-        state_sh, frozen_sh, head_sh = _train_shardings(mesh, state, frozen, head_UD, optimizer, draft, target)
-        state = sharding.put(state, state_sh)
-        frozen, head_UD = sharding.put(frozen, frozen_sh), sharding.put(head_UD, head_sh)
-    step_fn = _train.make_train_step(draft, spec, optimizer, skip_nonfinite=on_nonfinite == "skip",
-                                     loss=_heads.head_loss if is_head else _train.loss_fn, state_shardings=state_sh)
+    def __init__(self, s, workdir: pathlib.Path, trainee: _setup.Trainee, sources: _setup.Sources, target,
+                 target_params, tokenizer: _Tokenizer, log, t_start: float):
+        self.s, self.workdir, self.t, self.sources, self.log = s, workdir, trainee, sources, log
+        self.target, self.target_params, self.tokenizer = target, target_params, tokenizer
+        self.primary = distributed.is_primary()
+        self.t_start = t_start
+        self.bar = None
+        self.skipped = 0
+        self.last_eval = None
+        self._onpolicy: dict[int, _data.BatchPlan] = {}
+        self._open()
+        self.eval_plan = self._eval_plan()
 
-    def own_params(state):
-        return sharding.to_host(state.params) if mesh is not None else state.params
-
-    def place_batch(b):
-        if mesh is None:
-            return {k: jnp.asarray(v) for k, v in b.items()}
-        return sharding.put(b, sharding.batch_shardings(b, mesh))
-
-    # ---- resume --------------------------------------------------------------------------
-    if primary:     # a run that died mid-write left a torn last record: keep the whole ones
-        kept, aside = files.recover_jsonl(workdir / "metrics.jsonl")
+    # ----------------------------------------------------------------------------- resume
+    def _open(self) -> None:
+        s, workdir, log = self.s, self.workdir, self.log
+        aside = None
+        if self.primary:     # a run that died mid-write left a torn last record: keep the whole ones
+            kept, aside = files.recover_jsonl(workdir / "metrics.jsonl")
+            if aside is not None:
+                log(f"{workdir / 'metrics.jsonl'}: its last record was torn (a run stopped mid-write); kept {kept} "
+                    f"complete records, set the rest aside as {aside.name}")
+        self.writer = writer = MetricsWriter(workdir) if self.primary else _NullWriter(workdir)
         if aside is not None:
-            log(f"{workdir / 'metrics.jsonl'}: its last record was torn (a run stopped mid-write); kept {kept} "
-                f"complete records, set the rest aside as {aside.name}")
-    writer = MetricsWriter(workdir) if primary else _NullWriter(workdir)
-    if primary and aside is not None:
-        writer.write({"kind": "event", "event": "torn_metrics", "set_aside": aside.name, "records_kept": kept})
-    ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=c.keep_checkpoints, async_save=c.async_checkpoints)
-    meta = {"tokens": 0, "elapsed_s": 0.0}
-    restored = ckpt.restore_latest(state)
-    # Streamed shards are read in an order fixed by their contents: a resumed run must see the same ones.
-    fingerprints = {n: p.fingerprint() for n, p in sources.items() if isinstance(p, _stream.ShardStream)}
-    if restored is not None:
-        old = restored.meta.get("data_fingerprints", {})
-        changed = [n for n, f in fingerprints.items() if n in old and old[n] != f]
-        if changed:
-            ckpt.close()
-            raise ValueError(f"{workdir}: the checkpoints were trained on other shards than data.shards names now "
-                             f"({', '.join(f'{n}: {old[n]} -> {fingerprints[n]}' for n in changed)}: shards added, "
-                             f"removed or remade, or another max_loss_tokens); resuming would not continue the same "
-                             f"data order. Use a new workdir, or restore the shards")
-        state, meta = restored.state, restored.meta
-        for s, err in restored.skipped:
-            writer.write({"kind": "event", "event": "unreadable_checkpoint", "step": s, "error": err})
-        writer.write({"kind": "event", "event": "resume", "step": restored.step, "tokens": meta["tokens"]})
-        log(f"resumed from step {restored.step} ({meta['tokens']} tokens)")
-    start = int(state.step)
-    tokens_done = int(meta["tokens"])
-    logged = _last_logged_step(writer.path) if primary else 0
-    if logged > start:      # steps after the checkpoint run again: mark where the old records stop counting
-        writer.write({"kind": "event", "event": "rewind", "step": start, "logged_up_to": logged})
-        log(f"steps {start + 1}..{logged} were logged by an earlier run after its last checkpoint; they run again "
-            f"(the records before the 'rewind' event are superseded)")
+            writer.write({"kind": "event", "event": "torn_metrics", "set_aside": aside.name, "records_kept": kept})
+        self.ckpt = ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=s.keep_checkpoints,
+                                                 async_save=s.async_checkpoints)
+        self.state, meta = self.t.state, {"tokens": 0, "elapsed_s": 0.0}
+        restored = ckpt.restore_latest(self.state)
+        # Streamed shards are read in an order fixed by their contents: a resumed run must see the same ones.
+        self.fingerprints = fingerprints = self.sources.fingerprints()
+        if restored is not None:
+            old = restored.meta.get("data_fingerprints", {})
+            changed = [n for n, f in fingerprints.items() if n in old and old[n] != f]
+            if changed:
+                ckpt.close()
+                raise ValueError(f"{workdir}: the checkpoints were trained on other shards than data.shards names now "
+                                 f"({', '.join(f'{n}: {old[n]} -> {fingerprints[n]}' for n in changed)}: shards added, "
+                                 f"removed or remade, or another max_loss_tokens); resuming would not continue the "
+                                 f"same data order. Use a new workdir, or restore the shards")
+            self.state, meta = restored.state, restored.meta
+            for step, err in restored.skipped:
+                writer.write({"kind": "event", "event": "unreadable_checkpoint", "step": step, "error": err})
+            writer.write({"kind": "event", "event": "resume", "step": restored.step, "tokens": meta["tokens"]})
+            log(f"resumed from step {restored.step} ({meta['tokens']} tokens)")
+        self.start = self.step = int(self.state.step)
+        self.tokens_done = int(meta["tokens"])
+        self.elapsed0 = float(meta.get("elapsed_s", 0.0))
+        logged = _last_logged_step(writer.path) if self.primary else 0
+        if logged > self.start:      # steps after the checkpoint run again: mark where the old records stop counting
+            writer.write({"kind": "event", "event": "rewind", "step": self.start, "logged_up_to": logged})
+            log(f"steps {self.start + 1}..{logged} were logged by an earlier run after its last checkpoint; they run "
+                f"again (the records before the 'rewind' event are superseded)")
+        # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
+        self.last_eval = _last_eval_at(writer.path, self.start) if self.primary else None
 
-    # ---- evaluation ----------------------------------------------------------------------
-    eval_plan = None
-    if c.eval.every > 0:
-        fixed_eval = c.eval.get("data_jsonl", "")
-        needs_tok = not fixed_eval or any("tokens" not in json.loads(l) for l in
-                                          pathlib.Path(fixed_eval).read_text().splitlines()[:1] if l.strip())
-        if not primary:                  # process 0 makes the evaluation set; the others then read it
+    # ----------------------------------------------------------------------------- evaluation
+    def _eval_plan(self):
+        s = self.s
+        if s.eval.every <= 0:
+            return None
+        needs_tok = not s.eval.data_jsonl or any("tokens" not in json.loads(l) for l in
+                                                 pathlib.Path(s.eval.data_jsonl).read_text().splitlines()[:1]
+                                                 if l.strip())
+        if not self.primary:             # process 0 makes the evaluation set; the others then read it
             distributed.barrier("specjax-distill-eval-data")
-        eval_plan = _prepare.eval_plan(c, target, target_params, tokenizer() if needs_tok else None, log)
-        if primary:
+        plan = _prepare.eval_plan(s, self.target, self.target_params, self.tokenizer() if needs_tok else None,
+                                  self.log)
+        if self.primary:
             distributed.barrier("specjax-distill-eval-data")
+        return plan
 
-    def run_eval(step, state):
-        if eval_plan is None:
+    def evaluate(self) -> dict | None:
+        if self.eval_plan is None:
             return None
         t0 = time.perf_counter()
-        gammas = tuple(range(1, int(c.eval.gamma) + 1))
-        if is_head:
-            own = {**own_params(state), **{k: v for k, v in frozen_local.items() if k != "target"}}
-            res = _heads.evaluate_head(draft, own, target_params, eval_plan, gammas)
+        gammas = tuple(range(1, self.s.eval.gamma + 1))
+        t = self.t
+        if self.s.is_head:
+            res = _heads.evaluate_head(t.draft, t.head_params(self.state), self.target_params, self.eval_plan, gammas)
         else:
-            full = _train.merge_params(own_params(state), frozen_local)
-            res = _train.evaluate(draft, full, full_head, eval_plan, gammas)
-        res.update({"kind": "eval", "step": int(step), "tokens": tokens_done, "eval_s": time.perf_counter() - t0})
-        writer.write(res)
-        log(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
+            res = _train.evaluate(t.draft, t.full_params(self.state), t.full_head, self.eval_plan, gammas)
+        res.update({"kind": "eval", "step": self.step, "tokens": self.tokens_done,
+                    "eval_s": time.perf_counter() - t0})
+        self.writer.write(res)
+        self.log(f"eval step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
+        self.last_eval = res
         return res
 
-    # ---- on-policy data ------------------------------------------------------------------
-    onpolicy: dict[int, _data.BatchPlan] = {}
-
-    def train_prompts() -> list[list[int]]:
-        """The distinct prompts of the target / fixed data (for the target data: the Spec-Bench
-        train split), in first-seen order."""
-        seen, out = set(), []
-        limit = int(c.data.get("draft_max_prompt_tokens", 0)) or None
-        for plan in sources.values():
-            for t, p in zip(plan.data.seqs.tokens, plan.data.seqs.prompt_lengths):
-                if limit and p > limit:
-                    continue
-                key = tuple(int(x) for x in t[:p])
-                if key not in seen:
-                    seen.add(key)
-                    out.append(list(key))
-        if not out:
-            raise ValueError("on-policy data (draft_weight > 0) needs target or fixed data for its prompts "
-                             "(no prompt within draft_max_prompt_tokens?)")
-        return out
-
-    def draft_plan(step, state) -> tuple[_data.BatchPlan, int]:
-        R = int(c.data.draft_refresh_every)
+    # ----------------------------------------------------------------------------- on-policy data
+    def onpolicy_plan(self) -> tuple[_data.BatchPlan, int]:
+        """The current refresh's on-policy data (made from the current draft on first use, kept in
+        workdir/onpolicy) and this step's batch index within it."""
+        s, d, step = self.s, self.s.data, self.step
+        R = d.draft_refresh_every
         r = step // R
-        if r not in onpolicy:
-            onpolicy.clear()
+        if r not in self._onpolicy:
+            self._onpolicy.clear()
             t0 = time.perf_counter()
-            prompts = train_prompts()
-            pick = np.random.default_rng([c.seed, 11, r]).choice(len(prompts), min(c.data.draft_prompts, len(prompts)),
-                                                                  replace=False)
-            full = _train.merge_params(own_params(state), frozen_local)
+            prompts = self.sources.prompts(d.draft_max_prompt_tokens or None)
+            pick = np.random.default_rng([s.seed, 11, r]).choice(len(prompts), min(d.draft_prompts, len(prompts)),
+                                                                 replace=False)
             # a host copy of the key (the train state's lives on the mesh), in every process
-            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(sharding.to_host(state.key))), r)
-            if not primary:         # process 0 writes the refresh; the others then read it
+            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(sharding.to_host(self.state.key))), r)
+            if not self.primary:         # process 0 writes the refresh; the others then read it
                 distributed.barrier(f"specjax-onpolicy-{r}")
             data = _sources.generated_data(
-                workdir / "onpolicy" / f"refresh_{r:05d}", draft, full, target, target_params,
-                [prompts[i] for i in sorted(pick)],
-                key=key, temperature=c.data.temperature, samples_per_prompt=1,
-                max_new_tokens=c.data.draft_max_new_tokens, batch_size=c.data.gen_batch_size,
-                eos_ids=_prepare.eos_ids(target, tok), widths=widths, source=f"draft-r{r}", log=log)
-            if primary:
+                self.workdir / "onpolicy" / f"refresh_{r:05d}", self.t.draft, self.t.full_params(self.state),
+                self.target, self.target_params, [prompts[i] for i in sorted(pick)],
+                key=key, temperature=d.temperature, samples_per_prompt=1, max_new_tokens=d.draft_max_new_tokens,
+                batch_size=d.gen_batch_size, eos_ids=_prepare.eos_ids(self.target, self.tokenizer.loaded),
+                widths=d.widths, source=f"draft-r{r}", log=self.log)
+            if self.primary:
                 distributed.barrier(f"specjax-onpolicy-{r}")
             if data.num_loss_tokens == 0:
                 raise ValueError(f"on-policy refresh {r} at step {step}: the draft generated no tokens for "
                                  f"{len(pick)} prompts (source {data.seqs.source}; non-finite draft "
                                  f"parameters?), so there is no on-policy data to train on")
-            onpolicy[r] = _data.BatchPlan(data, c.seed * 1000 + r, c.data.tokens_per_batch, widths)
-            writer.write({"kind": "event", "event": "onpolicy_refresh", "step": step, "refresh": r,
-                          "loss_tokens": data.num_loss_tokens, "seconds": time.perf_counter() - t0})
-        return onpolicy[r], mixture.index_within(step, r * R)
+            self._onpolicy[r] = _data.BatchPlan(data, s.seed * 1000 + r, d.tokens_per_batch, d.widths)
+            self.writer.write({"kind": "event", "event": "onpolicy_refresh", "step": step, "refresh": r,
+                               "loss_tokens": data.num_loss_tokens, "seconds": time.perf_counter() - t0})
+        return self._onpolicy[r], self.sources.mixture.index_within(step, r * R)
 
-    # ---- loop ----------------------------------------------------------------------------
-    if start == 0 and c.eval.at_start:
-        run_eval(0, state)
-    bar = None
-    if c.progress and primary:
-        from tqdm import tqdm
-        bar = tqdm(total=c.budget_tokens, initial=min(tokens_done, c.budget_tokens), unit="tok", dynamic_ncols=True,
-                   desc="distill")
-    step = start
-    t_loop, tok_loop = time.perf_counter(), 0
-    elapsed0 = float(meta.get("elapsed_s", 0.0))
-    # A run resumed after its last evaluation (e.g. stopped before the export) keeps that record.
-    last_eval = _last_eval_at(writer.path, start) if primary else None
-    skipped = 0
-    pending = None      # (step, source, tokens after it, lr, its metrics still on the device)
-
-    def report(p):
+    # ----------------------------------------------------------------------------- steps
+    def report(self, p) -> None:
         """Bring one step's metrics to the host, act on its on-device non-finite flag, log it."""
-        nonlocal skipped
         at, name, tokens_at, loop_tokens_at, lr, aux = p
         aux = {k: float(v) for k, v in jax.device_get(aux).items()}
         if aux.pop("nonfinite"):
+            mode = self.s.optim.on_nonfinite
             what = f"non-finite loss ({aux['loss']}), gradient norm ({aux['grad_norm']}) or parameters"
-            writer.write({"kind": "event", "event": "nonfinite", "step": at, "source": name,
-                          "action": on_nonfinite, "loss": aux["loss"], "grad_norm": aux["grad_norm"]})
-            if on_nonfinite == "stop":
-                ckpt.wait()
-                writer.close()
-                ckpt.close()
-                if bar is not None:
-                    bar.close()
+            self.writer.write({"kind": "event", "event": "nonfinite", "step": at, "source": name, "action": mode,
+                               "loss": aux["loss"], "grad_norm": aux["grad_norm"]})
+            if mode == "stop":
                 raise FloatingPointError(
                     f"step {at} (source {name}): {what}; stopped (optim.on_nonfinite='stop'). The last "
                     f"checkpoint is from before this step; lower optim.learning_rate, or set "
                     f"optim.on_nonfinite='skip' to skip such steps")
-            skipped += 1
-            log(f"step {at} (source {name}): {what}; step skipped ({skipped} so far)")
-        elapsed = time.perf_counter() - t_loop          # this step's metrics on the host, since the loop began
-        writer.write({"kind": "train", "step": at, "tokens": tokens_at, "source": name, "skipped_steps": skipped,
-                      "lr": lr, "tokens_per_s": loop_tokens_at / max(elapsed, 1e-9), "elapsed_s": elapsed, **aux})
-        if bar is not None:
-            bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=at)
+            self.skipped += 1
+            self.log(f"step {at} (source {name}): {what}; step skipped ({self.skipped} so far)")
+        elapsed = time.perf_counter() - self.t_loop          # this step's metrics on the host, since the loop began
+        self.writer.write({"kind": "train", "step": at, "tokens": tokens_at, "source": name,
+                           "skipped_steps": self.skipped, "lr": lr, "tokens_per_s": loop_tokens_at / max(elapsed, 1e-9),
+                           "elapsed_s": elapsed, **aux})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{aux['loss']:.3f}", alpha=f"{aux['alpha_on_head']:.3f}", step=at)
 
-    while tokens_done < c.budget_tokens:
-        if stop_after_steps is not None and step >= stop_after_steps:
-            break
-        name = mixture.names[mixture.choice(step)]
-        if name == "draft":
-            # On-policy data is generated from the current draft and cached on disk: the last
-            # step's non-finite check comes first, so no data is made from a broken draft.
+    def loop(self, stop_after_steps: int | None) -> None:
+        s, t, mixture = self.s, self.t, self.sources.mixture
+        if self.start == 0 and s.eval.at_start:
+            self.evaluate()
+        if s.progress and self.primary:
+            from tqdm import tqdm
+            self.bar = tqdm(total=s.budget_tokens, initial=min(self.tokens_done, s.budget_tokens), unit="tok",
+                            dynamic_ncols=True, desc="distill")
+        self.t_loop, self.tok_loop = time.perf_counter(), 0
+        accumulate = s.optim.accumulate
+        pending = None      # (step, source, tokens after it, loop tokens, lr, its metrics still on the device)
+        while self.tokens_done < s.budget_tokens:
+            if stop_after_steps is not None and self.step >= stop_after_steps:
+                break
+            name = mixture.names[mixture.choice(self.step)]
+            if name == "draft":
+                # On-policy data is generated from the current draft and cached on disk: the last
+                # step's non-finite check comes first, so no data is made from a broken draft.
+                if pending is not None:
+                    self.report(pending)
+                    pending = None
+                plan, idx = self.onpolicy_plan()
+            else:
+                plan, idx = self.sources.plans[name], mixture.index_within(self.step)
+            host_batch = plan.batch(idx)
+            # The step's loss tokens (its metrics' loss_tokens) counted from the host's batch, so the
+            # budget needs nothing back from the device.
+            n = int(np.sum(np.asarray(host_batch["mask"])))
+            self.state, aux = t.step_fn(self.state, t.frozen, t.head_UD, t.place_batch(host_batch))
+            self.step += 1
+            self.tokens_done += n
+            self.tok_loop += n
+            if self.bar is not None:
+                self.bar.update(n)
+            # Metrics are read `metrics_lag` steps late, so the host dispatches the next step before
+            # waiting on this one. The non-finite flag is computed on the device with the step
+            # (`make_train_step`); every pending step is read before a checkpoint, an evaluation or
+            # the end, so no non-finite state reaches a checkpoint or export (with 'skip' such a
+            # step never changed the parameters; with 'stop' the run stops at the read).
             if pending is not None:
-                report(pending)
+                self.report(pending)
+            pending = (self.step, name, self.tokens_done, self.tok_loop,
+                       float(t.schedule(max(0, (self.step - 1) // accumulate))), aux)
+            done = self.tokens_done >= s.budget_tokens
+            at_checkpoint = self.step % s.checkpoint_every == 0 or done
+            at_eval = s.eval.every > 0 and (self.step % s.eval.every == 0 or done)
+            if s.metrics_lag == 0 or at_checkpoint or at_eval:
+                self.report(pending)
                 pending = None
-            plan, idx = draft_plan(step, state)
+            if at_checkpoint:
+                meta = {"tokens": self.tokens_done, "elapsed_s": self.elapsed0 + time.perf_counter() - self.t_start,
+                        "data_fingerprints": self.fingerprints}
+                self.ckpt.save(self.step, self.state, meta, force=True)
+            if at_eval:
+                self.evaluate()
+        if pending is not None:         # a stop_after_steps break
+            self.report(pending)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the checkpoint writes and close the progress bar; `abort` (the loop raised):
+        close the metrics and the checkpointer too (`finish` closes them otherwise)."""
+        self.ckpt.wait()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if abort:
+            self.writer.close()
+            self.ckpt.close()
+
+    # ----------------------------------------------------------------------------- the end
+    def finish(self, wall_s: float) -> dict:
+        """The summary (final.json) and, at the end of the budget, the export; closes the run."""
+        s, t = self.s, self.t
+        summary = {"steps": self.step, "tokens": self.tokens_done,
+                   "train_tokens_per_s": self.tok_loop / max(time.perf_counter() - self.t_loop, 1e-9),
+                   "wall_s": wall_s, **self.sources.timings, "divergence": t.spec.divergence,
+                   "skipped_steps": self.skipped, "data_loss_tokens": self.sources.loss_tokens(),
+                   "draft": t.describe(s), "eval": self.last_eval}
+        finished = self.tokens_done >= s.budget_tokens and bool(s.export_dir)
+        # Host copies of the parameters in every process (gathering them is a collective), then
+        # process 0 alone exports and writes.
+        host_params = t.own_params(self.state) if finished else None
+        try:
+            if not self.primary:
+                return summary
+            if finished:
+                summary["export"] = self._export(host_params)
+            (self.workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
+            return summary
+        finally:
+            self.writer.close()
+            self.ckpt.close()
+
+    def _export(self, own: dict) -> dict:
+        s, t = self.s, self.t
+        info = {"target": s.target, "target_sha256": _target_sha(s.target), "divergence": t.spec.divergence}
+        if s.is_head:
+            params = {**own, **{k: v for k, v in t.frozen_local.items() if k != "target"}}
+            if not bool(_train.all_finite(params)):
+                raise FloatingPointError(f"not exporting to {s.export_dir}: the head's parameters are not finite")
+            desc = drafters.save_head(s.export_dir, t.draft.config, params, dtype=s.export_dtype, info={
+                **info, "ttt_steps": t.draft.ttt_steps, "feature_weight": t.draft.feature_weight,
+                "feature_noise": t.draft.feature_noise, "tokens": self.tokens_done, "steps": self.step,
+                "eval": self.last_eval})
+            what = "head"
         else:
-            plan, idx = sources[name], mixture.index_within(step)
-        host_batch = plan.batch(idx)
-        # The step's loss tokens (its metrics' loss_tokens) counted from the host's batch, so the
-        # budget needs nothing back from the device.
-        n = int(np.sum(np.asarray(host_batch["mask"])))
-        state, aux = step_fn(state, frozen, head_UD, place_batch(host_batch))
-        step += 1
-        tokens_done += n
-        tok_loop += n
-        if bar is not None:
-            bar.update(n)
-        # Metrics are read `metrics_lag` steps late, so the host dispatches the next step before
-        # waiting on this one. The non-finite flag is computed on the device with the step
-        # (`make_train_step`); every pending step is read before a checkpoint, an evaluation or
-        # the end, so no non-finite state reaches a checkpoint or export (with 'skip' such a
-        # step never changed the parameters; with 'stop' the run stops at the read).
-        if pending is not None:
-            report(pending)
-            pending = None
-        pending = (step, name, tokens_done, tok_loop, float(schedule(max(0, (step - 1) // accumulate))), aux)
-        done = tokens_done >= c.budget_tokens
-        if lag == 0 or done or step % c.checkpoint_every == 0 or (c.eval.every > 0 and step % c.eval.every == 0):
-            report(pending)
-            pending = None
-        if step % c.checkpoint_every == 0 or done:
-            meta = {"tokens": tokens_done, "elapsed_s": elapsed0 + time.perf_counter() - t_start,
-                    "data_fingerprints": fingerprints}
-            ckpt.save(step, state, meta, force=True)
-        if c.eval.every > 0 and (step % c.eval.every == 0 or done):
-            last_eval = run_eval(step, state)
-    if pending is not None:         # a stop_after_steps break
-        report(pending)
-    ckpt.wait()
-    if bar is not None:
-        bar.close()
-    summary = {"steps": step, "tokens": tokens_done, "train_tokens_per_s": tok_loop / max(time.perf_counter() - t_loop, 1e-9),
-               "wall_s": time.perf_counter() - t_start, **timings, "divergence": spec.divergence,
-               "skipped_steps": skipped,
-               # Loss tokens of one pass over each fixed data set that is trained on (prompts longer than
-               # max_prompt_tokens left out, as the batches leave them); on-policy data has no fixed size.
-               "data_loss_tokens": {name: plan.loss_tokens_used() for name, plan in sources.items()
-                                    if name in weights},
-               "draft": ({"kind": c.draft.kind, **draft.config.to_dict(), "ttt_steps": draft.ttt_steps,
-                          "feature_weight": draft.feature_weight, "feature_noise": draft.feature_noise} if is_head else
-                         {k: getattr(choice, k) for k in ("kind", "layers", "num_layers", "head_vocab", "train_head")}),
-               "eval": last_eval}
-    # Host copies of the parameters in every process (gathering them is a collective), then
-    # process 0 alone exports and writes.
-    host_params = own_params(state) if tokens_done >= c.budget_tokens and c.export_dir else None
-    if not primary:
-        ckpt.close()
-        return summary
-    if tokens_done >= c.budget_tokens and c.export_dir and is_head:
-        own = {**host_params, **{k: v for k, v in frozen_local.items() if k != "target"}}
-        if not bool(_train.all_finite(own)):
-            raise FloatingPointError(f"not exporting to {c.export_dir}: the head's parameters are not finite")
-        desc = drafters.save_head(c.export_dir, draft.config, own, dtype=c.export_dtype, info={
-            "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
-            "ttt_steps": draft.ttt_steps, "feature_weight": draft.feature_weight,
-            "feature_noise": draft.feature_noise, "tokens": tokens_done, "steps": step, "eval": last_eval})
-        summary["export"] = {"dir": str(c.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
-        log(f"exported the head to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
-    elif tokens_done >= c.budget_tokens and c.export_dir:
-        from specjax.models.draft_artifact import save_draft
-        full = _train.merge_params(host_params, frozen_local)
-        if not bool(_train.all_finite(full)):      # the loop's check makes this unreachable; never export NaN
-            raise FloatingPointError(f"not exporting to {c.export_dir}: the draft's parameters are not finite")
-        desc = save_draft(c.export_dir, draft, full, shared=choice.shared, dtype=c.export_dtype, info={
-            "target": c.target, "target_sha256": _target_sha(c.target), "divergence": spec.divergence,
-            "tokens": tokens_done, "steps": step, "eval": last_eval})
-        summary["export"] = {"dir": str(c.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
-        log(f"exported the draft to {c.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
-    (workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
-    writer.close()
-    ckpt.close()
-    return summary
+            from specjax.models.draft_artifact import save_draft
+            params = _train.merge_params(own, t.frozen_local)
+            if not bool(_train.all_finite(params)):   # the loop's check makes this unreachable; never export NaN
+                raise FloatingPointError(f"not exporting to {s.export_dir}: the draft's parameters are not finite")
+            desc = save_draft(s.export_dir, t.draft, params, shared=t.choice.shared, dtype=s.export_dtype, info={
+                **info, "tokens": self.tokens_done, "steps": self.step, "eval": self.last_eval})
+            what = "draft"
+        self.log(f"exported the {what} to {s.export_dir} ({desc['bytes'] / 1e6:.1f} MB)")
+        return {"dir": str(s.export_dir), "bytes": desc["bytes"], "sha256": desc["sha256"]}
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -646,30 +552,6 @@ class _NullWriter:
 
     def close(self):
         pass
-
-
-def _mesh_of(c):
-    """The config's mesh when the job has more than one device (across processes too), else
-    None (one device: the plain jitted step)."""
-    if jax.device_count() == 1:
-        return None
-    block = c.get("mesh", None)
-    return sharding.mesh_from_config(block if block is not None else {"data": -1, "fsdp": 1, "model": 1})
-
-
-def _train_shardings(mesh, state, frozen, head_UD, optimizer, draft, target):
-    """Shardings of the train state, the frozen inputs and the teacher's head rows: Llama-layout
-    parameters by `sharding.TRAIN_RULES` (a draft made of target layers by the draft's config,
-    the target's own weights, which a head's step reads, by the target's), others by
-    `sharding.fsdp_spec`."""
-    draft_cfg = draft.config if isinstance(getattr(draft, "config", None), models.ModelConfig) else None
-    state_sh = sharding.train_state_shardings(state, optimizer, mesh, config=draft_cfg)
-    frozen_sh = {k: (sharding.param_shardings(v, mesh, config=target.config) if k == "target"
-                     else sharding.param_shardings({k: v}, mesh, config=draft_cfg)[k])
-                 for k, v in frozen.items()}
-    head_sh = jax.sharding.NamedSharding(
-        mesh, sharding.logical_to_spec(("vocab", "embed"), sharding.TRAIN_RULES, mesh, np.shape(head_UD)))
-    return state_sh, frozen_sh, head_sh
 
 
 def _target_sha(name: str) -> str:

@@ -1,4 +1,5 @@
-"""Build (or reuse from the on-disk cache) the training and evaluation data of a config."""
+"""Build (or reuse from the on-disk cache) the training and evaluation data of a run's settings
+(`DistillSettings`: every function here takes them as ``c``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from specjax.distill import _data, _sources
+from specjax.distill import _data, _settings, _sources
 
 
 def data_root(c) -> pathlib.Path:
@@ -27,7 +28,7 @@ def eos_ids(target, tokenizer):
 
 def feature_spec(c, feature_layers) -> dict | None:
     """What a head's feature cache depends on (None: no cache; the step runs the target)."""
-    dtype = c.get("head", {}).get("feature_cache", "")
+    dtype = c.head.feature_cache
     if dtype and dtype not in _data.FEATURE_DTYPES:
         raise ValueError(f"head.feature_cache must be '' (no cache) or one of {_data.FEATURE_DTYPES}, got {dtype!r}")
     if not feature_layers or not dtype:
@@ -70,15 +71,15 @@ def target_data(c, target, target_params, tokenizer, log=None, feature_layers=No
     config caches them (see `feature_spec`)."""
     d = c.data
     # Prompts longer than max_prompt_tokens are never trained on (`BatchPlan`): not generated either.
-    max_prompt = int(d.get("max_prompt_tokens", 0))
-    per_category = int(d.get("per_category", 0))     # > 0: the first n train prompts of each category only
+    max_prompt = d.max_prompt_tokens
+    per_category = d.per_category     # > 0: the first n train prompts of each category only
     prompts, qids = _sources.spec_bench_prompts(tokenizer, "train", max_prompt_tokens=max_prompt,
                                                 per_category=per_category)
     widths = tuple(d.widths)
     eos = eos_ids(target, tokenizer)
     parts, greedy = [], None
     stages = [("greedy", 0.0, d.greedy_samples), ("sampled", d.temperature, d.sampled_samples)]
-    if d.get("second_turns", False):
+    if d.second_turns:
         if d.greedy_samples != 1:
             raise ValueError("data.second_turns needs data.greedy_samples = 1 (the first answers it continues)")
         stages.append(("second-turn", 0.0, 1))
@@ -117,7 +118,7 @@ def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherDat
     ``eval.per_category`` of each category (among those of at most ``eval.max_prompt_tokens``
     when that is set)."""
     e = c.eval
-    max_prompt = int(e.get("max_prompt_tokens", 0))
+    max_prompt = e.max_prompt_tokens
     prompts, _ = _sources.spec_bench_prompts(tokenizer, "held_out", per_category=e.per_category,
                                              max_prompt_tokens=max_prompt)
     widths = tuple(c.data.widths)
@@ -135,8 +136,10 @@ def eval_data(c, target, target_params, tokenizer, log=None) -> _data.TeacherDat
 def eval_plan(c, target, target_params, tokenizer, log=None) -> _data.BatchPlan:
     """The held-out evaluation set of a training config in one fixed order: the target's greedy
     continuations of held-out Spec-Bench prompts (`eval_data`, cached), or, with
-    ``eval.data_jsonl`` set, that fixed JSONL set (no tokenizer needed when it holds tokens)."""
-    if c.eval.get("data_jsonl", ""):
+    ``eval.data_jsonl`` set, that fixed JSONL set (no tokenizer needed when it holds tokens).
+    `c`: a distillation config or its `DistillSettings`."""
+    c = _settings.distill_settings(c)
+    if c.eval.data_jsonl:
         data = fixed_data(c, target, target_params, tokenizer, log, path=c.eval.data_jsonl)
     else:
         data = eval_data(c, target, target_params, tokenizer, log)
