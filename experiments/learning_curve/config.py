@@ -14,9 +14,11 @@ CORPUS = "experiments/data_engine/corpus"
 
 def get_config(variant: str = ""):
     c = ml_collections.ConfigDict()
-    # Answer stages of `specjax data` (the user-turn stages, instructions and followups, are not
-    # the target's answers and are left out).
-    c.shard_dirs = tuple(f"{CORPUS}/{s}" for s in ("responses_greedy", "responses_sampled", "followup_responses"))
+    # Answer stages of `specjax data` to the corpus's first turns, greedy and sampled (the
+    # user-turn stages, instructions and followups, are not the target's answers; the answers to
+    # follow-up turns are left to the shipped head, so the curve's nested sizes are fixed once
+    # these two stages are complete).
+    c.shard_dirs = tuple(f"{CORPUS}/{s}" for s in ("responses_greedy", "responses_sampled"))
     c.sizes = (150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
     c.kinds = ("eagle", "eagle3")
     # Per-kind settings over configs/distill_head.py: EAGLE with input norms and the feature
@@ -27,9 +29,12 @@ def get_config(variant: str = ""):
     })
     # Training tokens per point: epochs x size, clipped to [min_budget, max_budget]; the same
     # for every kind at a size.
-    c.epochs = 3.0
+    c.epochs = 1.0
     c.min_budget = 300_000
-    c.max_budget = 3_000_000
+    c.max_budget = 2_200_000
+    # Sequence buckets of the batches (() = configs/distill_head.py's): finer buckets pad less
+    # (the answers are 100-600 tokens), so a step spends more of its positions on loss tokens.
+    c.widths = (128, 256, 384, 512, 640, 768, 1024)
     c.window = 8                         # shards shuffled together
     c.eval_gamma = 5                     # simulated chains gamma = 1..eval_gamma
     c.workdir = "/tmp/specjax-learning-curve"   # one resumable training workdir per point
@@ -41,6 +46,7 @@ def get_config(variant: str = ""):
         c.sizes = (300, 900)
         c.kind_overrides.eagle3.head.ttt_steps = 2
         c.epochs, c.min_budget, c.max_budget = 2.0, 600, 2000
+        c.widths = ()
         c.window, c.eval_gamma, c.progress = 2, 2, False
         c.out = "/tmp/specjax-learning-curve-tiny/learning_curve.jsonl"
         c.workdir = "/tmp/specjax-learning-curve-tiny/work"

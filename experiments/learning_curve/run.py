@@ -34,6 +34,8 @@ def point_config(c, kind: str, size: int):
     distill.with_overrides(h, c.kind_overrides[kind].to_dict())
     h.data.target_weight = 0.0
     h.data.shards.update(dirs=tuple(c.shard_dirs), weight=1.0, window=int(c.window), max_loss_tokens=int(size))
+    if c.widths:
+        h.data.widths = tuple(int(w) for w in c.widths)
     h.budget_tokens = budget(c, size)
     h.eval.every = 1 << 40               # only the evaluation at the end
     h.eval.at_start = False
