@@ -234,8 +234,8 @@ def render(records: list[dict], targets: dict | None) -> tuple[str, dict]:
         f", stop at EOS: {not c['ignore_eos']}, repeats {c['repeats']} (medians), temperatures {c['temperatures']}, "
         f"prompts and cache capacity padded to multiples of {c['pad_multiple']}, verifier {c['verifier']}", "",
         "Every configuration runs once untimed per compiled shape (its trace + compile seconds: *compile s*), then "
-        "`repeats` timed runs; *tokens/s* = generated tokens / decode seconds (decode = generation - prefill, "
-        "timed apart), summed over prompts; *e2e* includes the prefill. See `experiments/bench_speed/README.md`.", ""]
+        "`repeats` timed runs; *tokens/s* = generated tokens / decode seconds (the prefill and the decoding "
+        "that continues from it timed apart), summed over prompts; *e2e* includes the prefill. See `experiments/bench_speed/README.md`.", ""]
     if prov.get("random_weights"):
         out += ["> **Random weights**: acceptance and measured speedups say nothing about a trained model; read "
                 "them as cost measurements (the oracle's round is the per-round cost of verification).", ""]
