@@ -19,8 +19,32 @@ import numbers
 from typing import Any, Mapping
 
 
+class Settings:
+    """Base of the frozen settings dataclasses (`GenerateSettings`, `specjax.distill.DistillSettings`)."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Nested plain values, the mesh as a mapping (the layout of the config files)."""
+        d = dataclasses.asdict(self)
+        if "mesh" in d:
+            d["mesh"] = dict(self.mesh)
+        return d
+
+
+def mesh_pairs(value, example: str) -> tuple:
+    """A mesh setting (a mapping or (axis, size) pairs) as (axis, size) pairs; ValueError
+    naming it otherwise."""
+    items = value.items() if hasattr(value, "items") else value
+    try:
+        return tuple((str(k), int(v)) for k, v in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"mesh={value!r}: expected axis sizes such as {example}") from None
+
+
 @dataclasses.dataclass(frozen=True)
-class GenerateSettings:
+class GenerateSettings(Settings):
     target: str = "smollm2-135m-instruct"   # registry name, GGUF path or HF checkpoint dir
     dtype: str = "float32"
     scan_layers: bool = False               # stacked layers under lax.scan (else unrolled)
@@ -47,14 +71,6 @@ class GenerateSettings:
     top_p: float = 1.0
     max_new_tokens: int = 128
     mesh: tuple = (("data", 1), ("fsdp", 1), ("model", -1))   # (axis, size) pairs, -1 = the rest
-
-    def replace(self, **changes) -> "GenerateSettings":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["mesh"] = dict(self.mesh)
-        return d
 
     @property
     def mesh_axes(self) -> dict:
@@ -87,12 +103,7 @@ def _typed(name: str, value):
     if name == "mesh":
         if value is None:
             return FIELDS["mesh"].default
-        items = value.items() if hasattr(value, "items") else value
-        try:
-            return tuple((str(k), int(v)) for k, v in items)
-        except (TypeError, ValueError):
-            raise ValueError(f"mesh={value!r}: expected axis sizes such as {{'data': 1, 'fsdp': 1, 'model': -1}}") \
-                from None
+        return mesh_pairs(value, "{'data': 1, 'fsdp': 1, 'model': -1}")
     return value
 
 

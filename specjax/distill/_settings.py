@@ -21,6 +21,7 @@ import typing
 from typing import Any, Mapping, Optional
 
 from specjax.distill._drafts import DraftChoice
+from specjax.settings import Settings, mesh_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ class EvalSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillSettings:
+class DistillSettings(Settings):
     target: str = "smollm2-135m-instruct"
     dtype: str = "float32"
     seed: int = 0
@@ -116,15 +117,6 @@ class DistillSettings:
     export_dtype: str = "bfloat16"
     progress: bool = True
     metrics_lag: int = 1
-
-    def replace(self, **changes) -> "DistillSettings":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        """Nested plain values (the layout of configs/distill.py; the mesh as a mapping)."""
-        d = dataclasses.asdict(self)
-        d["mesh"] = dict(self.mesh)
-        return d
 
     @property
     def is_head(self) -> bool:
@@ -163,12 +155,7 @@ def _typed(path: str, hint, value):
             raise ValueError(f"{path}={value!r}: expected a string")
         return value
     if path == "mesh":
-        items = value.items() if hasattr(value, "items") else value
-        try:
-            return tuple((str(k), int(v)) for k, v in items)
-        except (TypeError, ValueError):
-            raise ValueError(f"mesh={value!r}: expected axis sizes such as {{'data': -1, 'fsdp': 1, 'model': 1}}") \
-                from None
+        return mesh_pairs(value, "{'data': -1, 'fsdp': 1, 'model': 1}")
     if kind is tuple:
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
             raise ValueError(f"{path}={value!r}: expected a sequence")
