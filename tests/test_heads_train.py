@@ -516,8 +516,15 @@ def test_a_head_trains_from_streamed_shards_and_resumes_mid_epoch_to_the_same_lo
                                             "feature_layers": (), "feature_cache": "float32"})
         return c
 
-    full = distill.train(cfg(), tmp_path / "full", log=lambda m: None)
+    c = cfg()
+    c.export_dir = str(tmp_path / "head")
+    full = distill.train(c, tmp_path / "full", log=lambda m: None)
     stream = distill.ShardStream(dirs, seed=2, tokens_per_batch=256, widths=(32, 64), window=2)
+    # The exported head records what it learned from: the shards' loss tokens and what it read.
+    info = json.loads((tmp_path / "head" / "head.json").read_text())["info"]
+    assert info["data"] == {"loss_tokens": {"shards": stream.loss_tokens_used()},
+                            "fingerprints": {"shards": distill.ShardStream(
+                                dirs, seed=2, widths=(32, 64), max_prompt=c.data.max_prompt_tokens).fingerprint()}}
     assert full["steps"] > stream.batches_per_epoch > 5        # more than one epoch; the resume at step 5 is mid-epoch
     distill.train(cfg(), tmp_path / "split", log=lambda m: None, stop_after_steps=7)
     distill.train(cfg(), tmp_path / "split", log=lambda m: None)

@@ -515,7 +515,10 @@ class _Run:
 
     def _export(self, own: dict) -> dict:
         s, t = self.s, self.t
-        info = {"target": s.target, "target_sha256": _target_sha(s.target), "divergence": t.spec.divergence}
+        # What it learned from: loss tokens of one pass over each trained set, and what each
+        # streamed set read (its shards' sha256s and cut).
+        info = {"target": s.target, "target_sha256": _target_sha(s.target), "divergence": t.spec.divergence,
+                "data": {"loss_tokens": self.sources.loss_tokens(), "fingerprints": self.fingerprints}}
         if s.is_head:
             params = {**own, **{k: v for k, v in t.frozen_local.items() if k != "target"}}
             if not bool(_train.all_finite(params)):
