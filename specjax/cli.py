@@ -346,8 +346,9 @@ def eval_main(c) -> dict:
             raise ValueError(f"gammas={gammas!r}: expected integers >= 1")
     if c.drafter == "model" and not c.draft_model:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
-    target, params = build.load_target(c.target, c.dtype, True)
-    tokenizer = None if c.eval.get("data_jsonl", "") else models.load_tokenizer(c.target)
+    s = distill.distill_settings(c, extra="ignore")      # the target, data and eval keys, typed before loading
+    target, params = build.load_target(s.target, s.dtype, True)
+    tokenizer = None if s.eval.data_jsonl else models.load_tokenizer(s.target)
     if c.drafter == "early_exit" and not 1 <= int(c.early_exit_layers) <= target.config.num_layers:
         raise ValueError(f"early_exit_layers={c.early_exit_layers}: expected 1..{target.config.num_layers}")
     # The draft as the engine would run it (`build.make_drafter`: loading, vocab check); scored
@@ -356,10 +357,10 @@ def eval_main(c) -> dict:
                                           target, params, early_exit_layers=int(c.early_exit_layers),
                                           draft_model=c.draft_model, dtype=c.dtype, target_name=c.target)
     draft = drafter.model
-    plan = distill.eval_plan(c, target, params, tokenizer, log=lambda m: print(f"[specjax] {m}", file=sys.stderr))
+    plan = distill.eval_plan(s, target, params, tokenizer, log=lambda m: print(f"[specjax] {m}", file=sys.stderr))
     result = distill.evaluate(draft, dparams, distill.teacher_head(target, params, None), plan, gammas)
     result = {"target": c.target, "drafter": c.drafter, "draft_model": c.draft_model,
-              "data": c.eval.get("data_jsonl", "") or f"held-out Spec-Bench, {c.eval.per_category} per category",
+              "data": s.eval.data_jsonl or f"held-out Spec-Bench, {s.eval.per_category} per category",
               **result}
     line = json.dumps(result)
     print(line, flush=True)

@@ -124,3 +124,17 @@ def test_train_reads_no_configdict():
     for name in ("_loop.py", "_setup.py", "_prepare.py", "_heads.py"):
         text = (root / name).read_text()
         assert not re.search(r"\b(c|s|d|e|h|o|sh)\.(\w+\.)*get\(", text), name
+
+
+def test_a_commands_own_keys_are_left_out_when_it_asks():
+    """`specjax eval`'s config is a distillation config with keys of its own: typed with
+    extra='ignore' (its own keys left to it), refused by the trainer's strict reading; tuple
+    elements are typed too."""
+    from configs import eval as eval_config
+    from specjax.distill import distill_settings
+    c = eval_config.get_config()
+    assert distill_settings(c, extra="ignore").eval.per_category == c.eval.per_category
+    with pytest.raises(ValueError, match="unknown distillation setting.*draft_model"):
+        distill_settings(c)
+    with pytest.raises(ValueError, match=r"draft.layers\[1\]='2': expected an integer"):
+        distill_settings({"draft": {"layers": (0, "2")}})

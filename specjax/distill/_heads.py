@@ -75,7 +75,7 @@ class HeadObjective:
 def feature_layers_of(c, target: Llama) -> tuple[int, ...]:
     """The target layers a run's head reads (its ``head.feature_layers`` or the kind's default);
     `c`: a distillation config or its `DistillSettings`."""
-    c = _settings.distill_settings(c)
+    c = _settings.distill_settings(c, extra="ignore")
     return drafters.HeadConfig.make(c.draft.kind, target.config,
                                     feature_layers=tuple(c.head.feature_layers) or None).feature_layers
 
@@ -83,7 +83,7 @@ def feature_layers_of(c, target: Llama) -> tuple[int, ...]:
 def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     """The objective of a run whose ``draft.kind`` is a head kind (`c`: a distillation config or
     its `DistillSettings`)."""
-    c = _settings.distill_settings(c)
+    c = _settings.distill_settings(c, extra="ignore")
     h = c.head
     spec = drafters.head_kind_of(c.draft.kind)
     hc = drafters.HeadConfig.make(c.draft.kind, target.config, num_heads=h.num_heads,

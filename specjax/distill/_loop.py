@@ -130,13 +130,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def _flat_settings(values) -> dict:
     """A config's dotted keys after the typed settings' defaults and types (so a key absent
-    from an older workdir's config.json reads as the default it meant); the raw keys when it
-    is not a config this trainer reads any more."""
-    try:
-        values = _settings.distill_settings(values).to_dict()
-    except (TypeError, ValueError):
-        pass
-    return flatten(json.loads(json.dumps(values)))
+    from an older workdir's config.json reads as the default it meant)."""
+    return flatten(json.loads(json.dumps(_settings.distill_settings(values).to_dict())))
 
 
 def check_resume_config(c, workdir) -> None:
@@ -152,8 +147,9 @@ def check_resume_config(c, workdir) -> None:
     try:
         old = _flat_settings(json.loads(stored_path.read_text()))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{stored_path}: unreadable ({e}); cannot check that the checkpoints in {ckpt_dir} "
-                         f"match this config. Use a new workdir.") from e
+        raise ValueError(f"{stored_path}: unreadable or not a distillation config this trainer reads ({e}); "
+                         f"cannot check that the checkpoints in {ckpt_dir} match this config. Use a new workdir.") \
+            from e
     new = _flat_settings(_settings.distill_settings(c))
     missing = object()
     diff = []
@@ -283,8 +279,13 @@ class _Run:
         self.skipped = 0
         self.last_eval = None
         self._onpolicy: dict[int, _data.BatchPlan] = {}
-        self._open()
-        self.eval_plan = self._eval_plan()
+        self.writer = self.ckpt = None
+        try:
+            self._open()
+            self.eval_plan = self._eval_plan()
+        except BaseException:
+            self._close_files()
+            raise
 
     # ----------------------------------------------------------------------------- resume
     def _open(self) -> None:
@@ -300,7 +301,8 @@ class _Run:
             writer.write({"kind": "event", "event": "torn_metrics", "set_aside": aside.name, "records_kept": kept})
         self.ckpt = ckpt = ckpt_lib.Checkpointer(workdir / "checkpoints", keep=s.keep_checkpoints,
                                                  async_save=s.async_checkpoints)
-        self.state, meta = self.t.state, {"tokens": 0, "elapsed_s": 0.0}
+        # The run owns the state from here (a restored one replaces the initial one, which is freed).
+        (self.state, self.t.state), meta = (self.t.state, None), {"tokens": 0, "elapsed_s": 0.0}
         restored = ckpt.restore_latest(self.state)
         # Streamed shards are read in an order fixed by their contents: a resumed run must see the same ones.
         self.fingerprints = fingerprints = self.sources.fingerprints()
@@ -359,7 +361,6 @@ class _Run:
                     "eval_s": time.perf_counter() - t0})
         self.writer.write(res)
         self.log(f"eval step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
-        self.last_eval = res
         return res
 
     # ----------------------------------------------------------------------------- on-policy data
@@ -375,12 +376,14 @@ class _Run:
             prompts = self.sources.prompts(d.draft_max_prompt_tokens or None)
             pick = np.random.default_rng([s.seed, 11, r]).choice(len(prompts), min(d.draft_prompts, len(prompts)),
                                                                  replace=False)
-            # a host copy of the key (the train state's lives on the mesh), in every process
+            # Host copies of the draft and the key (the train state lives on the mesh), gathered in
+            # every process before the barrier (gathers are collectives, in the same order everywhere).
+            params = self.t.full_params(self.state)
             key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(sharding.to_host(self.state.key))), r)
             if not self.primary:         # process 0 writes the refresh; the others then read it
                 distributed.barrier(f"specjax-onpolicy-{r}")
             data = _sources.generated_data(
-                self.workdir / "onpolicy" / f"refresh_{r:05d}", self.t.draft, self.t.full_params(self.state),
+                self.workdir / "onpolicy" / f"refresh_{r:05d}", self.t.draft, params,
                 self.target, self.target_params, [prompts[i] for i in sorted(pick)],
                 key=key, temperature=d.temperature, samples_per_prompt=1, max_new_tokens=d.draft_max_new_tokens,
                 batch_size=d.gen_batch_size, eos_ids=_prepare.eos_ids(self.target, self.tokenizer.loaded),
@@ -474,7 +477,7 @@ class _Run:
                         "data_fingerprints": self.fingerprints}
                 self.ckpt.save(self.step, self.state, meta, force=True)
             if at_eval:
-                self.evaluate()
+                self.last_eval = self.evaluate()
         if pending is not None:         # a stop_after_steps break
             self.report(pending)
 
@@ -486,7 +489,12 @@ class _Run:
             self.bar.close()
             self.bar = None
         if abort:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        if self.writer is not None:
             self.writer.close()
+        if self.ckpt is not None:
             self.ckpt.close()
 
     # ----------------------------------------------------------------------------- the end
@@ -510,8 +518,7 @@ class _Run:
             (self.workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
             return summary
         finally:
-            self.writer.close()
-            self.ckpt.close()
+            self._close_files()
 
     def _export(self, own: dict) -> dict:
         s, t = self.s, self.t

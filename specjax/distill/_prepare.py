@@ -138,7 +138,7 @@ def eval_plan(c, target, target_params, tokenizer, log=None) -> _data.BatchPlan:
     continuations of held-out Spec-Bench prompts (`eval_data`, cached), or, with
     ``eval.data_jsonl`` set, that fixed JSONL set (no tokenizer needed when it holds tokens).
     `c`: a distillation config or its `DistillSettings`."""
-    c = _settings.distill_settings(c)
+    c = _settings.distill_settings(c, extra="ignore")
     if c.eval.data_jsonl:
         data = fixed_data(c, target, target_params, tokenizer, log, path=c.eval.data_jsonl)
     else:

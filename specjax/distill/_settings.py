@@ -26,7 +26,7 @@ from specjax.settings import Settings, mesh_pairs
 
 @dataclasses.dataclass(frozen=True)
 class ShardSettings:
-    dirs: tuple = ()                # answer shard directories of `specjax data`
+    dirs: tuple[str, ...] = ()      # answer shard directories of `specjax data`
     weight: float = 0.0             # mixture weight of the streamed shards
     window: int = 8                 # shards shuffled together
     max_loss_tokens: int = 0        # > 0: only the first N loss tokens of the canonical order
@@ -40,7 +40,7 @@ class DataSettings:
     second_turns: bool = False
     max_new_tokens: int = 256
     gen_batch_size: int = 32
-    widths: tuple = (256, 512, 1024)
+    widths: tuple[int, ...] = (256, 512, 1024)
     tokens_per_batch: int = 4096
     max_prompt_tokens: int = 512
     per_category: int = 0
@@ -62,7 +62,7 @@ class HeadSettings:
     feature_noise: float = 0.0
     num_heads: int = 4
     input_norm: bool = False
-    feature_layers: tuple = ()              # (): the kind's default layers
+    feature_layers: tuple[int, ...] = ()    # (): the kind's default layers
     feature_cache: str = ""                 # '' | 'float32' | 'float16'
 
 
@@ -124,16 +124,19 @@ class DistillSettings(Settings):
         return self.draft.kind in drafters.head_kinds()
 
 
-def _kind(hint) -> tuple[type, bool]:
-    """(the value type, whether None is allowed) of a field's annotation."""
+def _kind(hint) -> tuple[type, bool, type | None]:
+    """(the value type, whether None is allowed, the element type of a tuple[T, ...]) of a
+    field's annotation."""
     args = typing.get_args(hint)
     if args and type(None) in args:
-        return _kind(next(a for a in args if a is not type(None)))[0], True
-    return (typing.get_origin(hint) or hint), False
+        kind, _, element = _kind(next(a for a in args if a is not type(None)))
+        return kind, True, element
+    origin = typing.get_origin(hint)
+    return (origin or hint), False, (args[0] if origin is tuple and args else None)
 
 
 def _typed(path: str, hint, value):
-    kind, optional = _kind(hint)
+    kind, optional, element = _kind(hint)
     if value is None and optional:
         return None
     if dataclasses.is_dataclass(kind):
@@ -159,11 +162,12 @@ def _typed(path: str, hint, value):
     if kind is tuple:
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
             raise ValueError(f"{path}={value!r}: expected a sequence")
-        return tuple(value)
+        items = tuple(value)
+        return items if element is None else tuple(_typed(f"{path}[{i}]", element, v) for i, v in enumerate(items))
     raise TypeError(f"{path}: no rule for the type {kind!r}")   # a field added without one
 
 
-def _build(cls, values, prefix: str = ""):
+def _build(cls, values, prefix: str = "", extra: str = "error"):
     if isinstance(values, cls):
         return values
     if hasattr(values, "to_dict"):
@@ -173,7 +177,9 @@ def _build(cls, values, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
-    if unknown:
+    if extra == "ignore":
+        values = {k: v for k, v in values.items() if k in names}
+    elif unknown:
         raise ValueError(f"unknown distillation setting(s) {', '.join(prefix + k for k in unknown)} (known here: "
                          f"{', '.join(sorted(names))})")
     given = {k: _typed(prefix + k, hints[k], v) for k, v in values.items()}
@@ -182,13 +188,17 @@ def _build(cls, values, prefix: str = ""):
     return cls(**given)
 
 
-def distill_settings(c: Any) -> DistillSettings:
+def distill_settings(c: Any, *, extra: str = "error") -> DistillSettings:
     """`DistillSettings` of a distillation config: a ConfigDict, a nested mapping or settings
-    (returned as they are). Absent keys keep their defaults; an unknown key or a mistyped
-    value is a ValueError naming its dotted path."""
+    (returned as they are). Absent keys keep their defaults; a mistyped value is a ValueError
+    naming its dotted path, and so is an unknown key, unless ``extra='ignore'``: a command
+    whose config is a distillation config plus keys of its own (`specjax eval`) leaves its own
+    top-level keys out."""
+    if extra not in ("error", "ignore"):
+        raise ValueError(f"extra={extra!r}: expected 'error' or 'ignore'")
     if isinstance(c, DistillSettings):
         return c
     if not (hasattr(c, "to_dict") or isinstance(c, Mapping)):
         raise TypeError(f"a distillation config must be a ConfigDict, a mapping or DistillSettings, "
                         f"got {type(c).__name__}")
-    return _build(DistillSettings, c)
+    return _build(DistillSettings, c, extra=extra)
