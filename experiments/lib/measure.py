@@ -123,20 +123,20 @@ class Runner:
             jax.block_until_ready((p.target_cache, p.draft_state, p.features_BSF))
             return p
 
-        decode = lambda pre: engine.run(params, samp, batch, round_time_s, prefill=pre)  # noqa: E731
+        decode_from = lambda made: engine.run(params, samp, batch, round_time_s, prefill=made)  # noqa: E731
         key = (method, float(temperature), tuple(batch.prompt_BP.shape), batch.capacity)
         warm = {"compile_s": 0.0, "compiles": 0}
         if key not in self.warmed:
             with self.log.section() as warm:
-                toolkit.timed(lambda: decode(toolkit.timed(prefill)[1]))
+                toolkit.timed(lambda: decode_from(prefill()))
             self.warmed.add(key)
         pre_s, dec_s = [], []
         with self.log.section() as timed_box:
             for _ in range(self.c.repeats):
                 out = None                                   # free the previous output first
-                t_pre, pre = toolkit.timed(prefill)
-                t_dec, out = toolkit.timed(lambda: decode(pre))
-                pre = None
+                t_pre, made = toolkit.timed(prefill)
+                t_dec, out = toolkit.timed(lambda: decode_from(made))
+                made = None
                 pre_s.append(t_pre)
                 dec_s.append(t_dec)
         out = jax.device_get(out)
