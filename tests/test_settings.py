@@ -138,3 +138,28 @@ def test_a_commands_own_keys_are_left_out_when_it_asks():
         distill_settings(c)
     with pytest.raises(ValueError, match=r"draft.layers\[1\]='2': expected an integer"):
         distill_settings({"draft": {"layers": (0, "2")}})
+
+
+def test_a_workdirs_config_json_is_read_through_the_settings(tmp_path):
+    """The resume check reads a workdir's stored config.json as settings: a key absent there
+    means its default (no difference), a changed state key is named, and a stored config that is
+    not JSON or holds a key the trainer does not know is refused naming the file, before
+    anything is written."""
+    import json
+    from configs import distill_head
+    from specjax.distill import check_resume_config, distill_settings
+    s = distill_settings(distill_head.get_config())
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    stored = s.to_dict()
+    del stored["head"]["input_norm"], stored["metrics_lag"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    check_resume_config(s.replace(head=dataclasses.replace(s.head, input_norm=False)), tmp_path)
+    with pytest.raises(ValueError, match=r"head.input_norm: false -> true"):
+        check_resume_config(s, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**stored, "lerning_rate": 1.0}))
+    with pytest.raises(ValueError, match="config.json: unreadable or not a distillation config.*lerning_rate"):
+        check_resume_config(s, tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: unreadable"):
+        check_resume_config(s, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "config.json"]
