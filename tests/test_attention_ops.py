@@ -3,8 +3,9 @@
 `dot_product` (jax.nn.dot_product_attention) against `reference` (einsums) on the same inputs:
 no cache, a cache with ragged lengths, a token tree with a window of tentative entries, and a
 sliding window; then whole models (a windowed Mistral-like and a Llama) built with each op give
-the same logits for a prefill, a decode step and a tree block. Tolerance: 2e-5 absolute on
-float32 values of order 1.
+the same logits for a prefill, a decode step and a tree block. The training-time-test rule
+(`TrainingTimeTest`, a block-structured visibility) against the same rule as dense masks through
+`reference`, values and gradients. Tolerance: 2e-5 absolute on float32 values of order 1.
 """
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,40 @@ def test_ops_agree_on_every_visibility():
     # window 0 is no window
     np.testing.assert_allclose(_both(q, k_new, v_new, past, attn.window_mask(None, positions, lengths, S, 0)),
                                plain, atol=ATOL)
+
+
+@pytest.mark.parametrize("blocks,hides_first,softcap", [(1, False, None), (2, True, None), (4, False, 3.0),
+                                                       (3, True, 3.0)])
+def test_training_time_test_equals_its_dense_masks(blocks, hides_first, softcap):
+    """`training_time_test_attention` (a causal block and diagonal entries) == `reference` under
+    `TrainingTimeTest.dense` (grouped queries, soft-capping, the first slot hidden or not), and so
+    do the gradients with respect to every input; the dense masks are not the plain causal rule
+    (the outputs differ from causal attention over the same keys)."""
+    ks = jax.random.split(jax.random.key(blocks), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k_new, v_new = jax.random.normal(ks[1], (B, T, K, H)), jax.random.normal(ks[2], (B, T, K, H))
+    k_past = jax.random.normal(ks[3], (B, K, blocks * T, H))
+    v_past = jax.random.normal(ks[4], (B, K, H, blocks * T))
+    spec = attn.AttentionSpec(scale=H ** -0.5, softcap=softcap)
+    tt = attn.TrainingTimeTest(hides_first=hides_first)
+
+    def fast(q, kn, vn, kp, vp):
+        return attn.attention(q, kn, vn, (kp, vp, None), tt, spec=spec)
+
+    def dense(q, kn, vn, kp, vp):
+        return attn.reference_attention(q, kn, vn, (kp, vp, None), tt.dense(B, T, blocks), spec)
+
+    args = (q, k_new, v_new, k_past, v_past)
+    np.testing.assert_allclose(np.asarray(fast(*args)), np.asarray(dense(*args)), atol=ATOL)
+    w = jax.random.normal(jax.random.key(9), (B, T, N * H))
+    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    for a, b in zip(g_fast, g_dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
+    causal = attn.reference_attention(q, k_new, v_new, (k_past, v_past, jnp.full((B,), blocks * T)), None, spec)
+    assert np.abs(np.asarray(causal) - np.asarray(fast(*args))).max() > 1e-2
+    with pytest.raises(ValueError, match="whole blocks"):
+        attn.attention(q, k_new, v_new, (k_past[:, :, 1:], v_past[..., 1:], None), tt, spec=spec)
 
 
 def test_softcap_is_reference_only_and_named():

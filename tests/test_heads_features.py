@@ -156,6 +156,40 @@ def test_prefill_features_chunked_equals_one_call():
     assert not np.allclose(ref_f[0, 1:], ref_f[0, :-1], atol=1e-3)        # positions differ
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_published"])
+def test_eagle_train_forward_structured_equals_dense(kind):
+    """The training-time test through `TrainingTimeTest` (a causal block and diagonal entries)
+    gives the outputs and gradients of the same rule as dense masks, over 4 steps (so steps 3
+    and 4 read diagonal blocks of earlier steps) and for the published layout (first slot hidden)."""
+    model, tp = _target()
+    if kind == "eagle3":
+        hc = _head_config(kind)
+        own = _own_params(hc, "random")
+    else:           # the initial weights, matrices scaled up so that attention is far from uniform
+        hc = drafters.HeadConfig.make(kind, CFG, feature_layers=(0, 2, 3))
+        own = jax.tree.map(lambda x: x * 15 if x.ndim == 2 else x, drafters.init_head_params(hc, jax.random.key(3)))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, V, (2, 10)), jnp.int32)
+    feats = model.apply_with_features(tp, tokens, None, layers=hc.feature_layers)[1]
+
+    floats = {k for k, v in own.items() if all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(v))}
+
+    def loss(weights, dense):
+        hp = drafters.head_params(hc, {**own, **weights}, tp)
+        outs = drafters.eagle_train_forward(hc, hp, tokens, feats, steps=4, with_logits=False,
+                                            dense_visibility=dense)
+        return sum(jnp.sum(jnp.sin(h)) for h, _ in outs), [h for h, _ in outs]
+
+    weights = {k: own[k] for k in floats}
+    (_, h_fast), g_fast = jax.value_and_grad(loss, has_aux=True)(weights, False)
+    (_, h_dense), g_dense = jax.value_and_grad(loss, has_aux=True)(weights, True)
+    for a, b in zip(h_fast, h_dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL)
+    for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_dense)):    # gradients of order 1e2-1e3:
+        b = np.asarray(b)                                                  # float32 rounding relative to each
+        np.testing.assert_allclose(np.asarray(a), b, atol=1e-5 * np.abs(b).max(), rtol=0)   # leaf's scale
+    assert not np.allclose(np.asarray(h_fast[2]), np.asarray(h_fast[3]), atol=1e-3)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_train_forward_matches_inference(kind):
     """Step 1 at position s == the inference head with the true features (one call over all

@@ -9,6 +9,10 @@ A layer hands an op the queries of its T new tokens, their keys and values, the 
 * ``(visible_past_BTS, visible_new_BTT)`` (``visible_past`` may be [B, 1, S]): any other rule.
   `tree_attention_mask` gives a token tree's (a node sees its ancestors), `window_mask` narrows
   a rule to a sliding window.
+* `TrainingTimeTest`: the rule of a feature head's training-time test (EAGLE-3, cache-free over
+  whole sequences): the past is J blocks of T entries, the first causal, every later block and
+  the new tokens diagonal. Every op gets it through `training_time_test_attention`, which never
+  forms the mostly-empty [T, (J + 1) T] score matrix the dense mask would need.
 
 Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
 holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
@@ -74,6 +78,65 @@ def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
         window_BTS = jnp.take_along_axis(visible_BTW[:, :, :offset], w_BTS, axis=2)
         past_BTS = past_BTS | (window_BTS & in_window_BS[:, None, :])
     return past_BTS, visible_BTW[:, :, offset:]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingTimeTest:
+    """Visibility of drafting step j > 1 of a training-time test over whole sequences (no cache;
+    `specjax.drafters.heads.eagle_train_forward`): ``past`` holds J = j - 1 blocks of T entries
+    (k [B, K, J T, H]): block 0 the step-1 entries, seen causally (slot 0 by nobody but query 0's
+    own step 1 when ``hides_first``: query t sees slot s of block 0 iff s <= t and, with
+    ``hides_first``, s >= 1); blocks 1..J-1 and the T new tokens seen on the diagonal only (query
+    t sees entry t of each: its own origin's earlier steps)."""
+    hides_first: bool = False
+
+    def dense(self, B: int, T: int, blocks: int):
+        """The same rule as a dense ``(visible_past_BTS, visible_new_BTT)`` (for tests and the ops'
+        agreement): [B, T, blocks T] and [B, T, T]."""
+        eye_TT = jnp.eye(T, dtype=bool)
+        causal_TT = jnp.tril(jnp.ones((T, T), bool))
+        if self.hides_first:
+            causal_TT = causal_TT & (jnp.arange(T) >= 1)[None, :]
+        past_TS = jnp.concatenate([causal_TT] + [eye_TT] * (blocks - 1), axis=1)
+        return jnp.broadcast_to(past_TS[None], (B, T, blocks * T)), jnp.broadcast_to(eye_TT[None], (B, T, T))
+
+
+def training_time_test_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, tt: TrainingTimeTest,
+                                 spec: AttentionSpec):
+    """Attention under `TrainingTimeTest` in O(T^2 + J T) scores per head: one causal block
+    ([T, T]) and J diagonal entries per query, one softmax over both (what the dense mask
+    computes, without its (J - 1) T^2 masked-out scores). [B, T, N*H]."""
+    B, T, N, H = q_BTQH.shape
+    K = k_new_BTKH.shape[2]
+    G = N // K
+    k_BKSH, v_BKHS, _ = past
+    J = k_BKSH.shape[2] // T
+    if J * T != k_BKSH.shape[2]:
+        raise ValueError(f"training-time-test attention: {k_BKSH.shape[2]} past entries are not whole blocks of "
+                         f"T={T}")
+    v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
+    q = q_BTQH.reshape(B, T, K, G, H)
+    k1_BKTH, v1_BKHT = k_BKSH[:, :, :T], v_BKHS[..., :T]
+    s_causal = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k1_BKTH,
+                                  preferred_element_type=jnp.float32), spec)
+    t_T = jnp.arange(T)
+    visible_TT = t_T[None, :] <= t_T[:, None]
+    if tt.hides_first:
+        visible_TT = visible_TT & (t_T >= 1)[None, :]
+    s_causal = jnp.where(visible_TT[None, None, None], s_causal, NEG)
+    # diagonal keys: blocks 1..J-1 of the past, then the new tokens: [B, T, K, J, H]
+    kd = jnp.concatenate([jnp.transpose(k_BKSH[:, :, T:].reshape(B, K, J - 1, T, H), (0, 3, 1, 2, 4)
+                                        ).astype(k_new_BTKH.dtype),
+                          k_new_BTKH[:, :, :, None]], axis=3)
+    vd = jnp.concatenate([jnp.transpose(v_BKHS[..., T:].reshape(B, K, H, J - 1, T), (0, 4, 1, 3, 2)
+                                        ).astype(v_new_BTKH.dtype), v_new_BTKH[:, :, :, None]], axis=3)
+    s_diag = _scores(jnp.einsum("btkgh,btkjh->bkgtj", q.astype(kd.dtype), kd, preferred_element_type=jnp.float32),
+                     spec)
+    probs = jax.nn.softmax(jnp.concatenate([s_causal, s_diag], axis=-1), axis=-1)
+    p_causal, p_diag = probs[..., :T], probs[..., T:]
+    out = jnp.einsum("bkgts,bkhs->btkgh", p_causal.astype(v1_BKHT.dtype), v1_BKHT, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgtj,btkjh->btkgh", p_diag.astype(vd.dtype), vd, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
 def causal_mask(lengths_B, T: int, capacity: int | None):
@@ -204,6 +267,8 @@ def attention(q_BTQH, k_new_BTKH, v_new_BTKH, past=None, visibility=None, kernel
     (where it can run; the op otherwise); callers pass it only for plain attention."""
     spec = spec or AttentionSpec(scale=float(1.0 / np.sqrt(q_BTQH.shape[-1])))
     fn = get_attention_op(op)
+    if isinstance(visibility, TrainingTimeTest):
+        return training_time_test_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec)
     if kernel and past is not None and visibility is None:
         v_safe = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
         return kernels.decode_attention(

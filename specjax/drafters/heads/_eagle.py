@@ -45,6 +45,7 @@ from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.drafters.heads._config import (INIT_STD, HeadConfig, HeadKind, head_logits, head_scores, matmul,
                                             register_head_kind)
 from specjax.models import Llama, prefill
+from specjax.models import attention as attention_lib
 from specjax.models import llama as llama_lib
 from specjax.models.kv_cache import KVCache
 
@@ -383,7 +384,7 @@ class FeatureHeadDrafter(ModelDrafter):
 # ------------------------------------------------------------------------------ training forward
 
 def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, steps: int = 1,
-                        with_logits: bool = True):
+                        with_logits: bool = True, dense_visibility: bool = False):
     """Teacher-forced head outputs on whole sequences, cache-free: a list over drafting steps
     j = 1..steps of (h_BTD, logits_BTV), row o of step j being the draft that starts at
     position o (its first step reads the target's ``f_{o-1}``).
@@ -398,8 +399,11 @@ def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, step
     their outputs are the caller's to mask. ``with_logits=False``: logits are None (a trainer
     scores the outputs itself, e.g. over a reduced vocabulary).
 
-    The kind's layer (`EagleFamily.train_layer`) runs under that visibility; a published EAGLE-3
-    head at RoPE positions one less, with the entry at position 0 seen by itself only."""
+    The kind's layer (`EagleFamily.train_layer`) runs under that visibility
+    (`specjax.models.attention.TrainingTimeTest`; ``dense_visibility``: as the equivalent dense
+    masks through the layer's attention op instead, the slow reference the tests compare with);
+    a published EAGLE-3 head at RoPE positions one less, with the entry at position 0 seen by
+    itself only."""
     B, T = tokens_BT.shape
     lc, spec = hc.layer_config, hc.spec
     dtype = lc.jnp_dtype
@@ -416,15 +420,11 @@ def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, step
         if j == 1:
             h_new, (k, v) = run(None, spec.first_visibility(T))
         else:
-            eye_TT = jnp.eye(T, dtype=bool)
-            causal_TT = jnp.tril(jnp.ones((T, T), bool))
-            if spec.hides_first:         # the step-1 entry at position 0 is seen by nobody else
-                causal_TT = causal_TT & (jnp.arange(T) >= 1)[None, :]
-            vis_past = jnp.concatenate([causal_TT] + [eye_TT] * (j - 2), axis=1)       # [T, (j-1) T]
-            vis_past_BTS = jnp.broadcast_to(vis_past[None], (B, T, (j - 1) * T))
-            vis_new_BTT = jnp.broadcast_to(eye_TT[None], (B, T, T))
+            # step-1 entries causal (the one at position 0 seen by nobody else when hides_first),
+            # the origin's own entries of steps 2..j on the diagonal
+            tt = attention_lib.TrainingTimeTest(hides_first=spec.hides_first)
             past = (jnp.concatenate(past_k, axis=2), jnp.concatenate(past_v, axis=3), None)
-            h_new, (k, v) = run(past, (vis_past_BTS, vis_new_BTT))
+            h_new, (k, v) = run(past, tt.dense(B, T, j - 1) if dense_visibility else tt)
         past_k.append(jnp.transpose(k, (0, 2, 1, 3)))        # [B, T, K, H] -> [B, K, T, H]
         past_v.append(jnp.transpose(v, (0, 2, 3, 1)))        # -> [B, K, H, T]
         h_BTD = h_new
