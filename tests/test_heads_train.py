@@ -550,6 +550,76 @@ def test_a_head_trains_from_streamed_shards_and_resumes_mid_epoch_to_the_same_lo
         distill.train(c, tmp_path / "split", log=lambda m: None)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_streamed_shards_cache_their_features_once_and_train_as_online(toy_pair, tmp_path, kind):
+    """With head.feature_cache, a head trained on streamed shards reads the target's features from
+    per-(shard, layer) files computed once (the teacher from the last layer's file through the
+    final norm) and its steps give the losses of the online loop (which runs the target in every
+    step); a second run, and a run of another kind after the union of both kinds' layers was
+    cached, compute nothing; a partial file is never read; a file of the wrong length is named."""
+    import ml_collections
+    dirs = toy.write_shards(tmp_path / "corpus", toy_pair["data_path"])
+
+    def cfg(cache):
+        c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"],
+                       data_root=tmp_path / "cache", budget=3000, head_vocab=40)
+        c.draft.kind = kind
+        c.data.fixed_weight = c.data.draft_weight = 0.0
+        c.data.shards.update(dirs=tuple(dirs), weight=1.0, window=2)
+        c.head = ml_collections.ConfigDict({"ttt_steps": 2 if kind == "eagle3" else 1, "feature_weight": 0.0,
+                                            "num_heads": 3, "feature_layers": (), "feature_cache": cache})
+        c.eval.every = 0
+        return c
+
+    runs = {}
+    for name, cache in (("online", ""), ("cached", "float32"), ("again", "float32")):
+        logs = []
+        distill.train(cfg(cache), tmp_path / name, log=logs.append, stop_after_steps=4)
+        recs = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r["loss"] for r in recs if r["kind"] == "train"], logs)
+    files = sorted((tmp_path / "cache").rglob("*-L*.npy"))
+    L = toy_pair["target"].config.num_layers
+    layers = {int(f.stem.rsplit("-L", 1)[1]) for f in files}
+    assert layers == ({L - 1} if kind == "eagle" else {1, 0, L - 1} | {L // 2 - 1})        # the kind's + the last
+    assert not list((tmp_path / "cache").rglob("*.partial.npy"))
+    assert any("shard features: shard" in m for m in runs["cached"][1])
+    assert not any("shard features: shard" in m for m in runs["again"][1])
+    assert any("features cached in" in m for m in runs["again"][1])
+    np.testing.assert_allclose(runs["cached"][0], runs["online"][0], rtol=1e-4)
+    assert runs["again"][0] == runs["cached"][0]
+    # The cached rows are the target's features of the batch's tokens, position by position.
+    s = distill.distill_settings(cfg("float32"))
+    stream = distill.ShardStream(dirs, seed=2, tokens_per_batch=256, widths=(32, 64), window=2)
+    feats = distill.shard_features(s, stream, toy_pair["target"])
+    stream.with_features(feats)
+    b = stream.batch(3)
+    _, want, _ = toy_pair["target"].trunk(toy_pair["params"], jnp.asarray(b["tokens"]), None,
+                                          collect=tuple(feats.layers) + (L - 1,))
+    valid = b["tokens"] != 0
+    for k, w in enumerate(want[:-1]):
+        D = w.shape[-1]
+        np.testing.assert_allclose(b["features"][..., k * D:(k + 1) * D][valid], np.asarray(w)[valid], atol=2e-5)
+    np.testing.assert_allclose(b["final_residual"][valid], np.asarray(want[-1])[valid], atol=2e-5)
+    # Filling the union of both kinds' layers (one pass) leaves nothing for the other kind to compute.
+    other = cfg("float32")
+    other.draft.kind = "eagle3" if kind == "eagle" else "eagle"
+    other.head.ttt_steps = 1
+    n = distill.fill_shard_features([cfg("float32"), other], log=lambda m: None)
+    assert (n > 0) == (kind == "eagle")         # EAGLE-3 runs had cached the last layer, EAGLE's own
+    assert distill.fill_shard_features([other], log=lambda m: None) == 0
+    assert not distill.shard_features(distill.distill_settings(other), stream, toy_pair["target"]).missing()
+    with pytest.raises(ValueError, match="same target"):
+        distill.fill_shard_features([cfg("float32"), cfg("float16")])
+    # A file cut short (not a partial one: a complete name) is named when read.
+    victim = feats.path(0, L - 1)
+    np.save(victim, np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="stale feature cache"):
+        stream.with_features(distill.shard_features(s, stream, toy_pair["target"]))
+    victim.write_bytes(b"not an npy file")
+    with pytest.raises(ValueError, match="unreadable feature cache"):
+        stream.with_features(distill.shard_features(s, stream, toy_pair["target"]))
+
+
 def test_streamed_shards_are_for_heads_only(toy_pair, tmp_path):
     dirs = toy.write_shards(tmp_path / "corpus", toy_pair["data_path"])
     c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache")

@@ -65,6 +65,10 @@ def run(c, log=print) -> list[dict]:
                               config=c.to_dict())
     made = []
     for size in sorted(int(s) for s in c.sizes):
+        todo = [point_config(c, kind, size) for kind in c.kinds if (kind, size) not in have]
+        if todo and todo[0].head.feature_cache:     # every kind's layers in one target pass per shard
+            n = distill.fill_shard_features(todo, log=lambda m: log(f"[features {size}] {m}"))
+            log(f"features at {size:,} loss tokens: {n:,} positions computed")
         for kind in c.kinds:
             if (kind, size) in have:
                 log(f"{kind} at {size:,} loss tokens: in {out} already")

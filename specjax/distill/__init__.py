@@ -17,6 +17,8 @@
                                   (build_corpus, near_duplicates, template_prefix), answers as `shards`
     ShardStream                   training batches streamed from shard directories (bounded memory,
                                   seeded shuffle, length buckets, nested data-size cuts, mid-epoch resume)
+    ShardFeatures / shard_features / shard_feature_forward / fill_shard_features   the target's features of
+                                  streamed shards, computed once per (shard, layer) and read with the batches
 """
 
 from specjax.distill import _shards as shards
@@ -25,16 +27,17 @@ from specjax.distill._datagen import STAGES as DATA_STAGES
 from specjax.distill._datagen import DataConfig, StageSettings
 from specjax.distill._datagen import config_from_dict as data_config
 from specjax.distill._datagen import run as generate_data
-from specjax.distill._stream import ShardStream
+from specjax.distill._stream import ShardFeatures, ShardStream
 from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_states, from_jsonl, generate,
-                                   teacher_states)
+                                   shard_feature_forward, teacher_states)
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
 from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batch, head_loss, noisy_features,
                                    objective_from_config)
-from specjax.distill._loop import check_resume_config, flatten, train, with_overrides
+from specjax.distill._loop import check_resume_config, fill_shard_features, flatten, train, with_overrides
 from specjax.distill._settings import DistillSettings, distill_settings
+from specjax.distill._setup import shard_features
 from specjax.distill._prepare import eval_plan, feature_file, with_features
 from specjax.distill._sources import generated_data, second_turn_prompts, spec_bench_prompts
 from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
@@ -44,7 +47,7 @@ from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass,
 
 __all__ = [
     "shards", "Candidate", "build_corpus", "near_duplicates", "template_prefix", "DataConfig", "StageSettings", "data_config", "DATA_STAGES",
-    "generate_data", "ShardStream",
+    "generate_data", "ShardStream", "ShardFeatures", "shard_features", "shard_feature_forward", "fill_shard_features",
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",

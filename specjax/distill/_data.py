@@ -257,6 +257,12 @@ def _features_and_final_hidden(target, layers, params, tokens_BT):
     return jnp.concatenate(feats, axis=-1), target.final_norm(params, h)
 
 
+def shard_feature_forward(target) -> Callable:
+    """``(params, tokens_BT, layers) -> [B, T, len(layers) x D]``: the target's residual stream
+    after each of `layers`, concatenated (what `ShardFeatures.compute` stores)."""
+    return lambda params, tokens_BT, layers: _features_and_final_hidden(target, tuple(layers), params, tokens_BT)[0]
+
+
 def _teacher_sink(target, seqs: SequenceSet, max_width: int):
     """(the teacher-state array, emit(i, h_TD) filling sequence i's loss positions)."""
     counts = _clipped_loss_counts(seqs, max_width)

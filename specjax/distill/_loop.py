@@ -38,7 +38,7 @@ import numpy as np
 
 from specjax import checkpoint as ckpt_lib
 from specjax import distributed, drafters, files, sharding
-from specjax.distill import _data, _heads, _prepare, _settings, _setup, _sources, _train
+from specjax.distill import _data, _heads, _prepare, _settings, _setup, _sources, _stream, _train
 from specjax.distill._setup import MIX_STREAM, Mixture  # noqa: F401  (re-exported)
 
 
@@ -263,6 +263,28 @@ def train(config, workdir, *, log: Callable[[str], None] = print, stop_after_ste
         raise
     run.close()
     return run.finish(time.perf_counter() - t_start)
+
+
+def fill_shard_features(configs, *, log: Callable[[str], None] = print) -> int:
+    """Cache, in one target forward per shard, the streamed-shard features every config in
+    `configs` reads (the union of their heads' layers and the last; all must name the same
+    target, data root, shards and cache dtype), so that runs of several head kinds over the same
+    shards do not each run the target over them. Returns the positions computed (0: all there)."""
+    settings = [_settings.distill_settings(c) for c in configs]
+    s = settings[0]
+    keys = {(x.target, x.dtype, x.data_root, x.head.feature_cache, x.data.shards.dirs, x.data.widths) for x in settings}
+    if len(keys) != 1 or not s.head.feature_cache or not s.is_head:
+        raise ValueError("fill_shard_features: the configs must be feature heads caching features "
+                         "(head.feature_cache) of the same target, data root, shards and widths")
+    target, target_params = _load_target(s)
+    layers = sorted({int(i) % target.config.num_layers for x in settings for i in _heads.feature_layers_of(x, target)})
+    d, sh = s.data, s.data.shards
+    widest = max(settings, key=lambda x: x.data.shards.max_loss_tokens or float("inf"))
+    stream = _stream.ShardStream(list(sh.dirs), seed=s.seed, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
+                                 window=sh.window, max_prompt=d.max_prompt_tokens,
+                                 max_loss_tokens=widest.data.shards.max_loss_tokens)
+    feats = _setup.shard_features(s, stream, target, layers=layers)
+    return feats.compute(_data.shard_feature_forward(target), target_params, log=log)
 
 
 class _Run:

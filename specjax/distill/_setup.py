@@ -145,9 +145,18 @@ def load_sources(s, target, target_params, tokenizer: Callable[[], Any], *, log)
             list(sh.dirs), seed=s.seed + 2, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
             window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens)
         weights["shards"] = sh.weight
-        log(f"shards: {st.num_sequences} sequences, {st.loss_tokens_used()} loss tokens in {len(st.shards)} shards of "
-            f"{', '.join(map(str, sh.dirs))} (the target's features computed in each step)")
         timings["shards_index_s"] = time.perf_counter() - t0
+        where = "the target's features computed in each step"
+        if s.head.feature_cache:
+            t0 = time.perf_counter()
+            feats = shard_features(s, st, target)
+            if primary:
+                feats.compute(_data.shard_feature_forward(target), target_params, log=log)
+            st.with_features(feats)
+            where = f"the target's features cached in {feats.dir}"
+            timings["shard_features_s"] = time.perf_counter() - t0
+        log(f"shards: {st.num_sequences} sequences, {st.loss_tokens_used()} loss tokens in {len(st.shards)} shards of "
+            f"{', '.join(map(str, sh.dirs))} ({where})")
     if primary:
         distributed.barrier("specjax-distill-data")
     if not weights:
@@ -156,6 +165,17 @@ def load_sources(s, target, target_params, tokenizer: Callable[[], Any], *, log)
         raise ValueError(f"draft.kind={s.draft.kind!r} (a feature head) trains on target or fixed data only: "
                          f"set data.draft_weight = 0 (on-policy data for heads is not built yet)")
     return Sources(plans, weights, Mixture(list(weights), list(weights.values()), s.seed), timings)
+
+
+def shard_features(s, stream: _stream.ShardStream, target, layers=None) -> _stream.ShardFeatures:
+    """The feature cache of a head's streamed shards (``head.feature_cache`` its dtype) under the
+    run's data root, for the head's layers (`layers` to name others, e.g. to fill the cache for
+    several head kinds in one forward)."""
+    L = target.config.num_layers
+    layers = _heads.feature_layers_of(s, target) if layers is None else layers
+    return _stream.ShardFeatures(stream, _prepare.data_root(s), key=dict(target=s.target, model_dtype=s.dtype),
+                                 layers=[int(i) % L for i in layers], final_layer=L - 1,
+                                 dtype=s.head.feature_cache or "float32")
 
 
 def head_vocabulary(s, sources: Sources, target, tok, log) -> np.ndarray | None:

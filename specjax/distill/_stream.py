@@ -21,6 +21,11 @@ of the target's own answer tokens), without holding the corpus:
   continues mid-epoch with the batches an uninterrupted run would have seen. `fingerprint`
   names the shards a stream reads (their sha256s and the cut), so a resumed run can refuse a
   corpus that changed under it.
+* **Features.** A head's training step otherwise runs the target over every batch. With
+  `ShardFeatures` attached (`with_features`), batches also carry ``features`` [B, W, F] (the
+  residual stream after the head's layers) and ``final_residual`` [B, W, D] (after the last
+  layer; the step applies the target's final norm for the teacher), read from per-(shard,
+  layer) files computed once: every later step, epoch, run and nested data size reuses them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import collections
 import hashlib
 import json
 import pathlib
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -95,6 +101,22 @@ class ShardStream:
         self._loss_total = total
         self._epochs: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
         self._cache: collections.OrderedDict[int, _shards.Sequences] = collections.OrderedDict()
+        self.features: ShardFeatures | None = None
+
+    def with_features(self, features: "ShardFeatures") -> "ShardStream":
+        """Emit the cached features of `features` (computed for every shard) with each batch."""
+        features.check_complete()
+        self.features = features
+        return self
+
+    def shard_sha256(self, s: int) -> str:
+        di, name = self.shards[s]
+        return self._manifests[di]["shards"][name]["sha256"]
+
+    def positions(self, s: int) -> np.ndarray:
+        """Positions of each sequence of shard s that a batch can read (its length cut at the
+        widest width)."""
+        return np.minimum(self._index[s][0], self.widths[-1])
 
     # ----------------------------------------------------------------------------- reading
     def _read(self, s: int) -> _shards.Sequences:
@@ -161,7 +183,10 @@ class ShardStream:
             t, m = seqs.tokens[q][:W], seqs.loss_masks[q][:W]
             tokens[r, :len(t)] = t
             mask[r, :len(t) - 1] = m[1:]
-        return {"tokens": tokens, "mask": mask}
+        out = {"tokens": tokens, "mask": mask}
+        if self.features is not None:
+            out.update(self.features.batch(rows, B, W))
+        return out
 
     # ----------------------------------------------------------------------------- totals
     def loss_tokens_used(self) -> int:
@@ -185,3 +210,125 @@ class ShardStream:
                 t, m = seqs.tokens[q][:W], seqs.loss_masks[q][:W]
                 np.add.at(counts, t[1:][m[1:]], 1)
         return counts
+
+
+class ShardFeatures:
+    """The target's residual stream after each of ``layers`` (and after its last layer, the
+    teacher's input) at every position of a `ShardStream`'s sequences, cut at its widest width:
+    one ``.npy`` file per (shard, layer) under ``root / shard-features-<key>`` (the key names the
+    target, its dtype, the storage dtype and the width), named by the shard's sha256, so nested
+    data sizes, both head kinds and later runs share what is computed once. A file is written
+    under a temporary name and renamed when complete: a killed run leaves no file to trust.
+
+    `compute` makes the missing files (one target forward per shard for all its missing layers);
+    `batch` assembles a batch's ``features`` (the head's layers, concatenated) and
+    ``final_residual`` from memory maps."""
+
+    def __init__(self, stream: ShardStream, root, *, key: dict, layers: Sequence[int], final_layer: int,
+                 dtype: str = "float32"):
+        if dtype not in _data.FEATURE_DTYPES:
+            raise ValueError(f"feature cache dtype must be one of {_data.FEATURE_DTYPES}, got {dtype!r}")
+        self.stream, self.dtype = stream, dtype
+        self.layers, self.final_layer = tuple(int(i) for i in layers), int(final_layer)
+        self.dir = pathlib.Path(root) / f"shard-features-{_data.cache_key(**key, dtype=dtype, width=stream.widths[-1])}"
+        self._offsets = [np.concatenate([[0], np.cumsum(stream.positions(s))]).astype(np.int64)
+                         for s in range(len(stream.shards))]
+        self._maps: dict[tuple[int, int], np.ndarray] = {}
+
+    def path(self, s: int, layer: int) -> pathlib.Path:
+        return self.dir / f"{self.stream.shard_sha256(s)[:24]}-L{layer}.npy"
+
+    def missing(self, layers: Sequence[int] | None = None) -> dict[int, list[int]]:
+        """{shard: [its layers without a complete file]} over `layers` (default: the head's and the last)."""
+        want = sorted(set(self.layers) | {self.final_layer} if layers is None else {int(i) for i in layers})
+        out = {}
+        for s in range(len(self.stream.shards)):
+            todo = [i for i in want if not self.path(s, i).is_file()]
+            if todo:
+                out[s] = todo
+        return out
+
+    def check_complete(self) -> None:
+        """Every file of the head's layers and the last is there and holds its shard's positions
+        (ValueError naming the first that does not; only the .npy headers are read)."""
+        gaps = self.missing()
+        if gaps:
+            s, layers = next(iter(gaps.items()))
+            raise ValueError(f"{self.path(s, layers[0])}: no cached features ({len(gaps)} shards incomplete); "
+                             f"`ShardFeatures.compute` makes them")
+        for s in range(len(self.stream.shards)):
+            for i in sorted(set(self.layers) | {self.final_layer}):
+                self._map(s, i)
+
+    def compute(self, forward: Callable, params, *, layers: Sequence[int] | None = None, tokens_per_batch: int = 8192,
+                log: Callable[[str], None] | None = None) -> int:
+        """Make every missing file of `layers` (default: the head's and the last).
+        ``forward(params, tokens_BW, layers) -> [B, W, len(layers) x D]`` is the target's trunk
+        collecting those layers (`shard_feature_forward`). Returns the positions computed."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        done = 0
+        gaps = self.missing(layers)
+        t0 = time.perf_counter()
+        for n, (s, todo) in enumerate(gaps.items()):
+            seqs = self.stream._read(s)
+            cut = self.stream.positions(s)
+            offsets = self._offsets[s]
+            tmps = {i: self.path(s, i).with_suffix(".partial.npy") for i in todo}
+            outs = None
+            limit = float(np.finfo(np.dtype(self.dtype)).max)
+
+            def emit(q, f_TF):
+                nonlocal outs
+                D = f_TF.shape[-1] // len(todo)
+                if outs is None:
+                    outs = {i: np.lib.format.open_memmap(tmps[i], mode="w+", dtype=np.dtype(self.dtype),
+                                                         shape=(int(offsets[-1]), D)) for i in todo}
+                f = f_TF[:cut[q]]
+                if not np.isfinite(f).all():
+                    raise FloatingPointError(f"shard {self.stream.shards[s][1]} sequence {q}: the target's features "
+                                             f"are not finite (layers {todo})")
+                if np.abs(f).max() > limit:
+                    raise OverflowError(f"shard {self.stream.shards[s][1]} sequence {q}: a feature of magnitude "
+                                        f"{np.abs(f).max():.3g} does not fit {self.dtype}; cache features as float32")
+                for k, i in enumerate(todo):
+                    outs[i][offsets[q]:offsets[q + 1]] = f[:, k * D:(k + 1) * D]
+
+            fn = lambda p, tokens_BW: forward(p, tokens_BW, tuple(todo))     # noqa: E731
+            _data._batched_forward(fn, params, seqs, tokens_per_batch=tokens_per_batch, widths=self.stream.widths,
+                                   emit=emit, what=f"shard features {n + 1}/{len(gaps)} (layers {todo})")
+            for i in todo:
+                outs[i].flush()
+            outs = None
+            for i in todo:
+                tmps[i].replace(self.path(s, i))
+            done += int(offsets[-1])
+            if log:
+                log(f"shard features: shard {n + 1}/{len(gaps)} ({self.stream.shards[s][1]}, layers {todo}), "
+                    f"{done / (time.perf_counter() - t0):.0f} positions/s")
+        return done
+
+    def _map(self, s: int, layer: int) -> np.ndarray:
+        k = (s, layer)
+        if k not in self._maps:
+            try:
+                m = np.load(self.path(s, layer), mmap_mode="r")
+            except (ValueError, OSError) as e:
+                raise ValueError(f"{self.path(s, layer)}: unreadable feature cache ({e}); delete it to recompute") from None
+            if m.ndim != 2 or m.shape[0] != self._offsets[s][-1]:
+                raise ValueError(f"{self.path(s, layer)}: {m.shape[0]} positions for the shard's "
+                                 f"{int(self._offsets[s][-1])} (stale feature cache?); delete it to recompute")
+            self._maps[k] = m
+        return self._maps[k]
+
+    def batch(self, rows: Sequence[tuple[int, int]], B: int, W: int) -> dict:
+        """``features`` [B, W, len(layers) x D] and ``final_residual`` [B, W, D] (float32) of a
+        batch's (shard, sequence) rows, zero past each sequence."""
+        D = self._map(rows[0][0], self.final_layer).shape[1]
+        feats = np.zeros((B, W, len(self.layers) * D), np.float32)
+        final = np.zeros((B, W, D), np.float32)
+        for r, (s, q) in enumerate(rows):
+            o, e = self._offsets[s][q], self._offsets[s][q + 1]
+            for k, i in enumerate(self.layers):
+                feats[r, :e - o, k * D:(k + 1) * D] = self._map(s, i)[o:e]
+            final[r, :e - o] = self._map(s, self.final_layer)[o:e]
+        return {"features": feats, "final_residual": final}
