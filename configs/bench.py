@@ -14,7 +14,9 @@ def get_config():
     c = generate.get_config()
     for key in ("drafter", "prompt", "system", "compare_target_only", "metrics_jsonl"):
         del c[key]                      # one prompt's settings; the bench has its own below
-    # drafter kinds as in generate.py (not 'none': target-only always runs); 'head:<dir>' = a head directory
+    # drafter kinds as in generate.py (not 'none': target-only always runs); 'head:<dir>' = a head
+    # directory; '<kind>@key=value;key=value' = that drafter with generation settings of its own
+    # (e.g. 'head@tree=dynamic:5,4,20' beside 'head': the head in a dynamic tree and in a chain)
     c.drafters = ("ngram", "distilled")
     c.prompts = ""                      # "" = Spec-Bench held-out split; else a JSONL file (turns or prompt)
     c.per_category = 1                  # prompts per category (file order); 0 = all

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from specjax import reporting
+from specjax import settings as settings_lib
 from specjax.settings import generate_settings
 
 TARGET_ONLY = "target_only"
@@ -215,6 +216,35 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def drafter_settings(base, entry: str):
+    """The generation settings of one ``drafters`` entry: a drafter kind, or ``head:<directory>``
+    (a feature-level draft head), optionally followed by ``@key=value;key=value`` overriding
+    generation settings for this entry alone (e.g. ``head@tree=dynamic:5,4,20`` beside ``head``:
+    the same head in a dynamic tree and in a chain). String settings take the text as it is;
+    the others read it as JSON (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the
+    entry for an unknown key or a value of the wrong type."""
+    kind, _, overrides = entry.partition("@")
+    if kind == "none":
+        raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
+    changes = {"drafter": kind}
+    if kind.startswith("head:"):                 # head:<directory>: a feature-level draft head
+        changes = {"drafter": "head", "draft_model": kind.split(":", 1)[1]}
+    for item in filter(None, overrides.split(";")):
+        key, sep, text = item.partition("=")
+        if not sep or key not in settings_lib.FIELDS or key in ("drafter", "draft_model"):
+            raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a generation setting "
+                             f"(other than drafter and draft_model)")
+        try:
+            value = text if key in settings_lib.STRING_FIELDS else json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"drafters entry {entry!r}: {key}={text!r} is not a JSON value") from None
+        try:
+            changes[key] = settings_lib.typed(key, value)
+        except ValueError as e:
+            raise ValueError(f"drafters entry {entry!r}: {e}") from None
+    return base.replace(**changes)
+
+
 def run(c, command: str = "specjax bench") -> list[dict]:
     """Run the bench of a `configs/bench.py` config; returns the summary records and writes
     ``results.jsonl`` and ``results.md`` into ``c.out``."""
@@ -229,14 +259,8 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     base = generate_settings(c)                  # the generation settings, typed once
     configs = {}
     for kind in kinds:
-        if kind == "none":
-            raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
-        if kind.startswith("head:"):             # head:<directory>: a feature-level draft head
-            cc = base.replace(drafter="head", draft_model=kind.split(":", 1)[1])
-        else:
-            cc = base.replace(drafter=kind)
-        build.check_config(cc)                   # every drafter's settings before anything loads
-        configs[kind] = cc
+        configs[kind] = drafter_settings(base, kind)
+        build.check_config(configs[kind])        # every drafter's settings before anything loads
     prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
     out = pathlib.Path(c.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)

@@ -78,16 +78,16 @@ class GenerateSettings(Settings):
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings)}
-_STRINGS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "draft_model", "hybrid_model", "verifier",
+STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "draft_model", "hybrid_model", "verifier",
             "tree", "tree_verifier", "tree_children")
 _FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma")
 
 
-def _typed(name: str, value):
+def typed(name: str, value):
     """One setting as its field's type; ValueError naming the setting otherwise. Numbers are
     passed as given (their ranges are `specjax.build.check_config`'s to check, with messages
     that name the range)."""
-    if name in _STRINGS:
+    if name in STRING_FIELDS:
         if not isinstance(value, str):
             raise ValueError(f"{name}={value!r}: expected a string")
         return value
@@ -117,4 +117,4 @@ def generate_settings(c: Any) -> GenerateSettings:
     if not hasattr(values, "items"):
         raise TypeError(f"a generation config must be a ConfigDict, a mapping or GenerateSettings, "
                         f"got {type(c).__name__}")
-    return GenerateSettings(**{k: _typed(k, v) for k, v in values.items() if k in FIELDS})
+    return GenerateSettings(**{k: typed(k, v) for k, v in values.items() if k in FIELDS})

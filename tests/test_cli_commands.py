@@ -76,6 +76,13 @@ def test_command_help_lists_the_config_keys(capsys):
     (("generate", "--config=configs/generate.py", "--config.cpu_kernel=fast"),
      "cpu_kernel='fast': expected one of auto, on, off"),
     (("bench", "--config=configs/bench.py", "--config.drafters=('none',)"), "drafters: 'none' is the target-only"),
+    (("bench", "--config=configs/bench.py", "--config.drafters=('head@gama=4',)"),
+     "drafters entry 'head@gama=4': 'gama=4' is not KEY=VALUE of a generation setting"),
+    (("bench", "--config=configs/bench.py", "--config.drafters=('head@gamma=four',)"),
+     "drafters entry 'head@gamma=four': gamma='four' is not a JSON value"),
+    (("bench", "--config=configs/bench.py", "--config.drafters=('head@adaptive_gamma=3',)"),
+     "drafters entry 'head@adaptive_gamma=3': adaptive_gamma=3: expected true or false"),
+    (("bench", "--config=configs/bench.py", "--config.drafters=('head@tree=dynamic:0,4,20',)"), "tree"),
     (("distill", "--config=configs/distill.py"), "--workdir is required"),
     (("eval", "--config=configs/eval.py", "--config.drafter=ngram"),
      "drafter='ngram': expected one of distilled, model, early_exit"),
@@ -123,7 +130,8 @@ def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, caps
         {"prompt": "A third prompt, cut by num_prompts."}]) + "\n")
     out = tmp_path / "out"
     assert _dispatch("bench", "--config=configs/bench.py", *_quick(target, draft)[:1], *_quick(target, draft)[2:],
-                     "--config.drafters=('model','ngram')", f"--config.prompts={prompts}", "--config.per_category=0",
+                     "--config.drafters=('model','ngram','model@gamma=1')", f"--config.prompts={prompts}",
+                     "--config.per_category=0",
                      "--config.num_prompts=2", "--config.max_new_tokens=8", f"--config.out={out}",
                      "--config.progress=False") == 0
     assert "model:" in capsys.readouterr().out
@@ -131,13 +139,17 @@ def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, caps
     assert [r["kind"] for r in recs].count("setup") == 1 and recs[0]["machine"]["cpu"]
     runs = [r for r in recs if r["kind"] == "run"]
     assert sorted((r["method"], r["id"]) for r in runs) == sorted(
-        (m, i) for m in ("target_only", "model", "ngram") for i in (7, 2))
+        (m, i) for m in ("target_only", "model", "ngram", "model@gamma=1") for i in (7, 2))
+    # the entry with its own gamma drafts one token a round (its acceptance is tested at one position)
+    assert all(len(r["tested_at"]) == 1 for r in runs if r["method"] == "model@gamma=1")
+    assert any(len(r["tested_at"]) > 1 for r in runs if r["method"] == "model")
     assert {r["category"] for r in runs} == {"alpha", "beta"}
     for r in runs:
         assert r["new_tokens"] == 8 and r["committed"] == 8 and r["rounds"] >= 1
         assert r["same_as_target_only"] is (None if r["method"] == "target_only" else True)    # greedy
     sums = {(r["method"], r["category"]): r for r in recs if r["kind"] == "summary"}
-    assert set(sums) == {(m, c) for m in ("target_only", "model", "ngram") for c in ("alpha", "beta", "all")}
+    assert set(sums) == {(m, c) for m in ("target_only", "model", "ngram", "model@gamma=1")
+                         for c in ("alpha", "beta", "all")}
     model_all = sums["model", "all"]
     rs = [r for r in runs if r["method"] == "model"]
     assert model_all["mean_accepted_tokens"] == pytest.approx(sum(r["committed"] for r in rs) / sum(r["rounds"] for r in rs))
