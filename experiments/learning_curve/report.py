@@ -51,9 +51,12 @@ def write(path=DEFAULT) -> pathlib.Path:
     for r in recs:
         ev = r["eval"] or {}
         chain, g = _best_chain(ev) if ev else (float("nan"), 0)
+        prov = r.get("provenance") or {}
         rows.append([r["kind_of_head"], f"{r['data_loss_tokens']:,}", f"{r['train_tokens']:,}",
                      *(toolkit.fmt(ev.get(f"greedy_agreement_step{k}"), 3) for k in (1, 2, 3)),
-                     toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})"])
+                     toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})",
+                     f"{r['wall_s'] / 60:.0f} min ({r['train_tokens_per_s']:.0f}/s)",
+                     f"`{(prov.get('git_commit') or '?')[:8]}`{'+' if prov.get('git_dirty') else ''}"])
     kinds = sorted({r["kind_of_head"] for r in recs})
     fits = {k: fit([r for r in recs if r["kind_of_head"] == k and r["eval"]]) for k in kinds}
     prov = recs[-1]["provenance"]
@@ -61,7 +64,9 @@ def write(path=DEFAULT) -> pathlib.Path:
              f"`python -m experiments.learning_curve.run --config=experiments/learning_curve/config.py`; "
              f"{toolkit.run_caption(prov)}; {len(recs)} points.", "",
              toolkit.table(["head", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
-                            "chain tokens / pass"], rows), "",
+                            "chain tokens / pass", "training time (tokens/s)", "commit"], rows), "",
+             "Training time: the point's run alone (a resumed run: its last part), on a machine shared with "
+             "other jobs; commit: the code it ran (+: with uncommitted changes).", "",
              f"Fit per kind, agreement at k = 1 = a + b log2(data tokens); data for {AIM}:", ""]
     for k, f in fits.items():
         if f is None:
