@@ -93,10 +93,18 @@ def data_tokens(runs: dict) -> dict:
 
 
 def data_mix(config: dict) -> str:
-    """'greedy/sampled/second turns' continuations per train prompt ('?' where the config lacks it)."""
+    """'greedy/sampled/second turns' continuations per train prompt ('?' where the config lacks
+    it) when the run trained on the target's Spec-Bench data, and the data engine's shard
+    directories (``shards: a, b``) when it trained on those."""
     d = config.get("data", {})
-    turns = {True: "yes", False: "no"}.get(d.get("second_turns", DATA_DEFAULTS["data.second_turns"]), "?")
-    return f"{d.get('greedy_samples', '?')}/{d.get('sampled_samples', '?')}/{turns}"
+    parts = []
+    if d.get("target_weight", 1.0) > 0:
+        turns = {True: "yes", False: "no"}.get(d.get("second_turns", DATA_DEFAULTS["data.second_turns"]), "?")
+        parts.append(f"{d.get('greedy_samples', '?')}/{d.get('sampled_samples', '?')}/{turns}")
+    sh = d.get("shards") or {}
+    if sh.get("weight", 0) > 0:
+        parts.append("shards: " + ", ".join(pathlib.Path(x).name for x in sh.get("dirs", ())))
+    return "; ".join(parts) or "–"
 
 
 def _read(path: pathlib.Path) -> dict:
@@ -138,7 +146,8 @@ def render(results_dir: pathlib.Path) -> str:
                 for k in kinds for t, tr, ho in generalization(results_dir / f"train-{k}.jsonl")]
     return "\n".join([
         "# Draft heads: training and held-out evaluation", "",
-        toolkit.table(["run", "kind", "input norm", "feature noise", "data: greedy/sampled/2nd turns",
+        toolkit.table(["run", "kind", "input norm", "feature noise",
+                       "data: greedy/sampled/2nd turns per Spec-Bench train prompt, or shards",
                        "data tokens", "loss tokens", "train tokens/s (median step)", "alpha (T = 1)",
                        "greedy agreement k=1", "k=2", "k=3", "tokens/pass γ = 1", "best chain"], rows),
         "", "Data tokens: the target loss tokens of the run's training data; \"N (run)\": the run's summary "
