@@ -60,8 +60,9 @@ def generalization(jsonl: pathlib.Path) -> list[list]:
 # target data: its cache key), with that code's defaults for keys older configs lack.
 DATA_SETTINGS = ("target", "dtype", "seed", "data.greedy_samples", "data.sampled_samples", "data.temperature",
                  "data.second_turns", "data.max_new_tokens", "data.widths", "data.max_prompt_tokens",
-                 "data.per_category")
-DATA_DEFAULTS = {"data.second_turns": False, "data.max_prompt_tokens": 0, "data.per_category": 0}
+                 "data.per_category", "data.target_weight")
+DATA_DEFAULTS = {"data.second_turns": False, "data.max_prompt_tokens": 0, "data.per_category": 0,
+                 "data.target_weight": 1.0}
 
 
 def data_settings(config: dict) -> tuple | None:
@@ -75,6 +76,8 @@ def data_settings(config: dict) -> tuple | None:
         if node is None:
             return None
         out.append(json.dumps(node, sort_keys=True))
+    sh = (config.get("data") or {}).get("shards") or {}
+    out.append(json.dumps(list(sh.get("dirs", ())) if sh.get("weight", 0) > 0 else []))   # streamed shards, if any
     return tuple(out)
 
 
