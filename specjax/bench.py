@@ -216,11 +216,18 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What one drafters entry may set for itself: how it drafts and verifies. The target, the sampling
+# settings and the length are shared by every method of a bench (one target-only reference).
+ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptive_trees", "tree_verifier",
+                  "tree_children", "verifier", "max_ngram", "min_ngram", "min_match", "early_exit_layers",
+                  "hybrid_model")
+
+
 def drafter_settings(base, entry: str):
     """The generation settings of one ``drafters`` entry: a drafter kind, or ``head:<directory>``
     (a feature-level draft head), optionally followed by ``@key=value;key=value`` overriding
-    generation settings for this entry alone (e.g. ``head@tree=dynamic:5,4,20`` beside ``head``:
-    the same head in a dynamic tree and in a chain). String settings take the text as it is;
+    drafting settings (`ENTRY_SETTINGS`) for this entry alone (e.g. ``head@tree=dynamic:5,4,20``
+    beside ``head``: the same head in a dynamic tree and in a chain). String settings take the text as it is;
     the others read it as JSON (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the
     entry for an unknown key or a value of the wrong type."""
     kind, _, overrides = entry.partition("@")
@@ -231,9 +238,9 @@ def drafter_settings(base, entry: str):
         changes = {"drafter": "head", "draft_model": kind.split(":", 1)[1]}
     for item in filter(None, overrides.split(";")):
         key, sep, text = item.partition("=")
-        if not sep or key not in settings_lib.FIELDS or key in ("drafter", "draft_model"):
-            raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a generation setting "
-                             f"(other than drafter and draft_model)")
+        if not sep or key not in ENTRY_SETTINGS:
+            raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting "
+                             f"({', '.join(ENTRY_SETTINGS)}; the target, sampling and length are the bench's own)")
         try:
             value = text if key in settings_lib.STRING_FIELDS else json.loads(text)
         except json.JSONDecodeError:

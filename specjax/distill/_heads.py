@@ -137,7 +137,8 @@ def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, 
     if "features" in batch:         # cached on disk with the data (`feature_states`): no target forward
         f_BTF = batch["features"]
         h_BTD = (batch["teacher_hidden"] if "teacher_hidden" in batch else           # streamed shards
-                 llama_lib.norm(obj.target.config, batch["final_residual"], tp["final_norm"]))
+                 llama_lib.norm(obj.target.config, batch["final_residual"].astype(obj.target.config.jnp_dtype),
+                                tp["final_norm"]))
     else:
         h_BTD, f_BTF = _target_pass(obj, tp, tokens)
     p_logits = teacher_logits(head_UD, h_BTD, obj.target.config.final_softcap)

@@ -167,14 +167,6 @@ def check_resume_config(c, workdir) -> None:
                          f"on {'; '.join(diff)} (stored -> new). Use a new workdir, or restore the old values.")
 
 
-def _checkpoint_signature(name: str) -> tuple:
-    """What identifies the contents of a target given by name or path: a registry name as it is;
-    a file or directory by its files' sizes and modification times."""
-    path = pathlib.Path(name).expanduser()
-    files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
-    return (str(name),) + tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-
-
 @functools.lru_cache(maxsize=1)
 def _load_target_cached(signature: tuple, name: str, dtype: str):
     from specjax import build
@@ -191,11 +183,11 @@ def _tokenizer_cached(signature: tuple, name: str):
 # target and tokenizer are kept, keyed by the checkpoint's files (a rewritten checkpoint is
 # read again). The parameters are immutable arrays, so runs cannot change each other's.
 def _load_target(c):
-    return _load_target_cached(_checkpoint_signature(c.target), c.target, c.dtype)
+    return _load_target_cached(_prepare.checkpoint_signature(c.target), c.target, c.dtype)
 
 
 def _tokenizer(c):
-    return _tokenizer_cached(_checkpoint_signature(c.target), c.target)
+    return _tokenizer_cached(_prepare.checkpoint_signature(c.target), c.target)
 
 
 def check_settings(s) -> None:
@@ -271,18 +263,17 @@ def fill_shard_features(configs, *, log: Callable[[str], None] = print) -> int:
     target, data root, shards and cache dtype), so that runs of several head kinds over the same
     shards do not each run the target over them. Returns the positions computed (0: all there)."""
     settings = [_settings.distill_settings(c) for c in configs]
-    s = settings[0]
-    keys = {(x.target, x.dtype, x.data_root, x.head.feature_cache, x.data.shards.dirs, x.data.widths) for x in settings}
-    if len(keys) != 1 or not s.head.feature_cache or not s.is_head:
+    keys = {(x.target, x.dtype, x.data_root, x.head.feature_cache, x.data.shards.dirs, x.data.widths,
+             x.data.max_prompt_tokens) for x in settings}
+    if len(keys) != 1 or not all(x.head.feature_cache and x.is_head for x in settings):
         raise ValueError("fill_shard_features: the configs must be feature heads caching features "
-                         "(head.feature_cache) of the same target, data root, shards and widths")
+                         "(head.feature_cache) of the same target, data root, shards, widths and prompt limit")
+    s = max(settings, key=lambda x: x.data.shards.max_loss_tokens or float("inf"))   # the most shards
     target, target_params = _load_target(s)
     layers = sorted({int(i) % target.config.num_layers for x in settings for i in _heads.feature_layers_of(x, target)})
     d, sh = s.data, s.data.shards
-    widest = max(settings, key=lambda x: x.data.shards.max_loss_tokens or float("inf"))
     stream = _stream.ShardStream(list(sh.dirs), seed=s.seed, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
-                                 window=sh.window, max_prompt=d.max_prompt_tokens,
-                                 max_loss_tokens=widest.data.shards.max_loss_tokens)
+                                 window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens)
     feats = _setup.shard_features(s, stream, target, layers=layers)
     return feats.compute(_data.shard_feature_forward(target), target_params, log=log)
 

@@ -18,6 +18,14 @@ def data_root(c) -> pathlib.Path:
     return pathlib.Path(base) / "distill"
 
 
+def checkpoint_signature(name: str) -> tuple:
+    """What identifies the contents of a target given by name or path: a registry name as it is;
+    a file or directory by its files' sizes and modification times."""
+    path = pathlib.Path(name).expanduser()
+    files = sorted(path.rglob("*")) if path.is_dir() else [path] if path.is_file() else []
+    return (str(name),) + tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
 def eos_ids(target, tokenizer):
     ids = set(getattr(tokenizer, "stop_token_ids", ()) or ())
     e = target.config.eos_token_id

@@ -173,8 +173,12 @@ def shard_features(s, stream: _stream.ShardStream, target, layers=None) -> _stre
     several head kinds in one forward)."""
     L = target.config.num_layers
     layers = _heads.feature_layers_of(s, target) if layers is None else layers
-    return _stream.ShardFeatures(stream, _prepare.data_root(s), key=dict(target=s.target, model_dtype=s.dtype),
-                                 layers=[int(i) % L for i in layers], final_layer=L - 1,
+    key = dict(target=s.target, model_dtype=s.dtype)
+    files = _prepare.checkpoint_signature(s.target)[1:]
+    if files:       # a target given by path: its files (resolved), sizes and times, so a rewritten one is not matched
+        key["files"] = [(str(pathlib.Path(f).resolve()), size, mtime) for f, size, mtime in files]
+    return _stream.ShardFeatures(stream, _prepare.data_root(s), key=key, layers=[int(i) % L for i in layers],
+                                 final_layer=L - 1, hidden_size=target.config.hidden_size,
                                  dtype=s.head.feature_cache or "float32")
 
 

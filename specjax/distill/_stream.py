@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
 import pathlib
 import time
 from typing import Callable, Sequence
@@ -225,10 +226,10 @@ class ShardFeatures:
     ``final_residual`` from memory maps."""
 
     def __init__(self, stream: ShardStream, root, *, key: dict, layers: Sequence[int], final_layer: int,
-                 dtype: str = "float32"):
+                 hidden_size: int, dtype: str = "float32"):
         if dtype not in _data.FEATURE_DTYPES:
             raise ValueError(f"feature cache dtype must be one of {_data.FEATURE_DTYPES}, got {dtype!r}")
-        self.stream, self.dtype = stream, dtype
+        self.stream, self.dtype, self.hidden_size = stream, dtype, int(hidden_size)
         self.layers, self.final_layer = tuple(int(i) for i in layers), int(final_layer)
         self.dir = pathlib.Path(root) / f"shard-features-{_data.cache_key(**key, dtype=dtype, width=stream.widths[-1])}"
         self._offsets = [np.concatenate([[0], np.cumsum(stream.positions(s))]).astype(np.int64)
@@ -273,16 +274,22 @@ class ShardFeatures:
             seqs = self.stream._read(s)
             cut = self.stream.positions(s)
             offsets = self._offsets[s]
-            tmps = {i: self.path(s, i).with_suffix(".partial.npy") for i in todo}
-            outs = None
+            D, P = self.hidden_size, int(offsets[-1])
+            # a name of this process's own: two processes filling one cache never share a file
+            tmps = {i: self.path(s, i).with_name(f"{self.path(s, i).stem}.partial-{os.getpid()}.npy") for i in todo}
+            if P == 0:                    # no positions (an empty shard): empty files, no forward
+                for i in todo:
+                    np.save(tmps[i], np.zeros((0, D), np.dtype(self.dtype)))
+                    tmps[i].replace(self.path(s, i))
+                continue
+            outs = {i: np.lib.format.open_memmap(tmps[i], mode="w+", dtype=np.dtype(self.dtype), shape=(P, D))
+                    for i in todo}
             limit = float(np.finfo(np.dtype(self.dtype)).max)
 
             def emit(q, f_TF):
-                nonlocal outs
-                D = f_TF.shape[-1] // len(todo)
-                if outs is None:
-                    outs = {i: np.lib.format.open_memmap(tmps[i], mode="w+", dtype=np.dtype(self.dtype),
-                                                         shape=(int(offsets[-1]), D)) for i in todo}
+                if f_TF.shape[-1] != D * len(todo):
+                    raise ValueError(f"the forward gave {f_TF.shape[-1]} features per position for layers {todo}, "
+                                     f"expected {len(todo)} x {D}")
                 f = f_TF[:cut[q]]
                 if not np.isfinite(f).all():
                     raise FloatingPointError(f"shard {self.stream.shards[s][1]} sequence {q}: the target's features "
@@ -298,7 +305,7 @@ class ShardFeatures:
                                    emit=emit, what=f"shard features {n + 1}/{len(gaps)} (layers {todo})")
             for i in todo:
                 outs[i].flush()
-            outs = None
+            del outs
             for i in todo:
                 tmps[i].replace(self.path(s, i))
             done += int(offsets[-1])

@@ -11,8 +11,10 @@ A layer hands an op the queries of its T new tokens, their keys and values, the 
   a rule to a sliding window.
 * `TrainingTimeTest`: the rule of a feature head's training-time test (EAGLE-3, cache-free over
   whole sequences): the past is J blocks of T entries, the first causal, every later block and
-  the new tokens diagonal. Every op gets it through `training_time_test_attention`, which never
-  forms the mostly-empty [T, (J + 1) T] score matrix the dense mask would need.
+  the new tokens diagonal. Whatever the op, `attention` computes it with
+  `training_time_test_attention` (einsums, soft-capping included), which never forms the
+  mostly-empty [T, (J + 1) T] score matrix the dense mask would need; `TrainingTimeTest.dense`
+  gives the same rule as masks for an op to be checked against.
 
 Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
 holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
