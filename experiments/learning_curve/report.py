@@ -31,13 +31,15 @@ def _best_chain(ev: dict) -> tuple[float, int]:
 
 def fit(points: list[dict]) -> dict | None:
     """Least squares agreement_1 = a + b log2(data tokens) over one kind's points (None below 2
-    distinct sizes) and the data tokens at which it reaches `AIM` (None when b <= 0)."""
+    distinct sizes) and the data tokens at which it reaches `AIM` (None when b <= 0 or beyond
+    2^64 tokens)."""
     xs = np.log2([p["data_loss_tokens"] for p in points])
     ys = np.asarray([p["eval"]["greedy_agreement_step1"] for p in points])
     if len(set(xs.tolist())) < 2:
         return None
     b, a = np.polyfit(xs, ys, 1)
-    need = 2.0 ** ((AIM - a) / b) if b > 0 else None
+    doublings = (AIM - a) / b if b > 0 else math.inf
+    need = 2.0 ** doublings if doublings < 64 else None       # None: not reached by 2^64 tokens (or b <= 0)
     return {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": need}
 
 
@@ -72,7 +74,8 @@ def write(path=DEFAULT) -> pathlib.Path:
         if f is None:
             lines.append(f"- {k}: fewer than two data sizes")
         else:
-            need = "not reached (b <= 0)" if f["tokens_for_aim"] is None else f"{f['tokens_for_aim']:,.0f} tokens"
+            need = ("not reached (b <= 0, or beyond 2^64 tokens)" if f["tokens_for_aim"] is None
+                    else f"{f['tokens_for_aim']:,.0f} tokens")
             lines.append(f"- {k}: a = {f['a']:.3f}, b = {f['b_per_doubling']:+.4f} per doubling; {AIM}: {need}")
     md = path.with_name("learning_curve.md")
     md.write_text("\n".join(lines) + "\n")
