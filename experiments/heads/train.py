@@ -2,6 +2,7 @@
 
     python -m experiments.heads.train [--kinds=eagle3,eagle,medusa] [--budget=N] [--workdir=DIR]
                                       [--eval_every=STEPS] [--name=NAME --set=KEY=VALUE ...]
+                                      [--shards=responses_greedy,responses_sampled,...]
 
 A run resumes from its workdir; a larger --budget there continues training (the cosine
 schedule is laid out again over the new budget, so the learning rate restarts near its peak).
@@ -12,7 +13,8 @@ heads), resuming from its workdir, and exports the head to experiments/heads/<ki
 weights only, bfloat16) with the held-out evaluation in head.json and metrics in
 experiments/heads/results/train-<kind>.jsonl. ``--name`` (one kind) runs a variant beside the
 default one, e.g. ``--kinds=eagle --name=eagle-norm --set=head.input_norm=True``: workdir,
-export and results under that name.
+export and results under that name. ``--shards``: the data engine's answer stages as the only
+data (streamed, `specjax.distill.ShardStream`), as the learning curve reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ SET = flags.DEFINE_multi_string("set", [], "config overrides KEY=VALUE (after th
 EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "steps between held-out evaluations (0 = the config's)")
 SAMPLED = flags.DEFINE_integer("sampled_samples", -1, "target temperature-1 continuations per train prompt "
                                "(-1 = the config's)")
+SHARDS = flags.DEFINE_list("shards", [], "train on these answer stages of the data engine's corpus "
+                           "(experiments/data_engine/corpus/<stage>, e.g. responses_greedy,responses_sampled) "
+                           "instead of the Spec-Bench train data, with the learning curve's length buckets")
 
 OVERRIDES = {
     "eagle3": {},
@@ -72,6 +77,13 @@ def main(argv):
             c.eval.every = EVAL_EVERY.value
         if SAMPLED.value >= 0:
             c.data.sampled_samples = SAMPLED.value
+        if SHARDS.value:
+            from experiments.learning_curve import config as curve_config
+            curve = curve_config.get_config()
+            c.data.target_weight = 0.0
+            c.data.shards.update(dirs=tuple(f"{curve_config.CORPUS}/{stage}" for stage in SHARDS.value), weight=1.0,
+                                 window=int(curve.window))
+            c.data.widths = tuple(curve.widths)
         c.export_dir = heads_config.head_dir(name)
         c.progress = False
         workdir = pathlib.Path(WORKDIR.value) / name
