@@ -2,6 +2,7 @@
 nested data sizes, equal budgets per size, one evaluated record per (kind, size), a rerun that
 skips finished points, and the report's table, fit and plot from the JSONL alone."""
 import json
+import pathlib
 
 import pytest
 
@@ -58,3 +59,21 @@ def test_a_rerun_skips_finished_points_and_the_report_reads_the_jsonl(curve, tmp
     assert md.with_name("learning_curve.png").stat().st_size > 0
     f = report.fit([r for r in lines if r["kind_of_head"] == "eagle"])
     assert f is not None and set(f) == {"a", "b_per_doubling", "tokens_for_aim"}
+
+
+def test_a_series_of_its_own_is_kept_apart(curve, tmp_path):
+    """Points of a named series (another budget rule, e.g. the 'fixed' variant) get their own
+    workdirs, are not taken for the main curve's points (nor those for theirs), and have their own
+    rows, fit and command in the report."""
+    c, _ = curve
+    fixed = toolkit.load_config("experiments/learning_curve/config.py", "fixed")
+    assert fixed.kinds == ("eagle",) and fixed.min_budget == fixed.max_budget and fixed.series
+    c2 = type(c)(c.to_dict())
+    c2.kinds, c2.series, c2.min_budget, c2.max_budget = ("eagle",), "fixed-test", 700, 700
+    recs = run.run(c2, log=lambda m: None)
+    assert [(r["size"], r["series"], r["budget_tokens"]) for r in recs] == [(300, "fixed-test", 700),
+                                                                           (900, "fixed-test", 700)]
+    assert (pathlib.Path(c.workdir) / "eagle-300-fixed-test").is_dir()
+    assert run.run(c2, log=lambda m: None) == [] and run.run(c, log=lambda m: None) == []
+    text = report.write(c.out).read_text()
+    assert text.count("| eagle (fixed-test) |") == 2 and "- eagle (fixed-test): a = " in text

@@ -1,9 +1,10 @@
-"""Settings of the heads' learning curve (`python -m experiments.learning_curve.run --config=<this file>[:tiny]`).
+"""Settings of the heads' learning curve (`python -m experiments.learning_curve.run --config=<this file>[:fixed|:tiny]`).
 
 Each point trains one head kind on the first `size` loss tokens of the data engine's answer
 shards (nested prefixes, `specjax.distill.ShardStream`) for the same budget as the other kinds
 at that size, from configs/distill_head.py, and evaluates it on the held-out Spec-Bench
-continuations at the end. Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
+continuations at the end. Variant "fixed": EAGLE at one budget for every size (series
+"fixed-2.2M"), so that only the data varies. Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
 passes a toy target, shards and evaluation set through `set`).
 """
 
@@ -44,7 +45,16 @@ def get_config(variant: str = ""):
     # little when the same command resumes it.
     c.set = ml_collections.ConfigDict({"checkpoint_every": 25})
     c.progress = True
-    if variant == "tiny":
+    # A name for points made under other budget settings than the one-pass curve's (records,
+    # workdirs and the report keep the series apart); "" = the main curve.
+    c.series = ""
+    if variant == "fixed":
+        # Data alone varied: every size trained for the same 2.2M tokens (several passes over the
+        # small sizes), EAGLE only (the cheap kind on cached features).
+        c.kinds = ("eagle",)
+        c.min_budget = c.max_budget = 2_200_000
+        c.series = "fixed-2.2M"
+    elif variant == "tiny":
         c.sizes = (300, 900)
         c.kind_overrides.eagle3.head.ttt_steps = 2
         c.epochs, c.min_budget, c.max_budget = 2.0, 600, 2000
@@ -53,5 +63,5 @@ def get_config(variant: str = ""):
         c.out = "/tmp/specjax-learning-curve-tiny/learning_curve.jsonl"
         c.workdir = "/tmp/specjax-learning-curve-tiny/work"
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '' or 'tiny'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'fixed' or 'tiny'")
     return c

@@ -48,19 +48,21 @@ def write(path=DEFAULT) -> pathlib.Path:
     recs = [r for r in toolkit.read_jsonl(path) if r.get("kind") == "point"]
     if not recs:
         raise ValueError(f"{path}: no learning-curve points")
-    recs.sort(key=lambda r: (r["kind_of_head"], r["data_loss_tokens"]))
+    for r in recs:     # a point's curve: its kind, and its series when it has one
+        r["label"] = r["kind_of_head"] + (f" ({r['series']})" if r.get("series") else "")
+    recs.sort(key=lambda r: (r["label"], r["data_loss_tokens"]))
     rows = []
     for r in recs:
         ev = r["eval"] or {}
         chain, g = _best_chain(ev) if ev else (float("nan"), 0)
         prov = r.get("provenance") or {}
-        rows.append([r["kind_of_head"], f"{r['data_loss_tokens']:,}", f"{r['train_tokens']:,}",
+        rows.append([r["label"], f"{r['data_loss_tokens']:,}", f"{r['train_tokens']:,}",
                      *(toolkit.fmt(ev.get(f"greedy_agreement_step{k}"), 3) for k in (1, 2, 3)),
                      toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})",
                      f"{r['wall_s'] / 60:.0f} min ({r['train_tokens_per_s']:.0f}/s)",
                      f"`{(prov.get('git_commit') or '?')[:8]}`{'+' if prov.get('git_dirty') else ''}"])
-    kinds = sorted({r["kind_of_head"] for r in recs})
-    fits = {k: fit([r for r in recs if r["kind_of_head"] == k and r["eval"]]) for k in kinds}
+    kinds = sorted({r["label"] for r in recs})
+    fits = {k: fit([r for r in recs if r["label"] == k and r["eval"]]) for k in kinds}
     prov = recs[-1]["provenance"]
     lines = ["# Learning curve of the feature heads", "",
              f"`python -m experiments.learning_curve.run --config=experiments/learning_curve/config.py`; "
@@ -68,7 +70,9 @@ def write(path=DEFAULT) -> pathlib.Path:
              toolkit.table(["head", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
                             "chain tokens / pass", "training time (tokens/s)", "commit"], rows), "",
              "Training time: the point's run alone (a resumed run: its last part), on a machine shared with "
-             "other jobs; commit: the code it ran (+: with uncommitted changes).", "",
+             "other jobs; commit: the code it ran (+: with uncommitted changes). Commands:", "",
+             *[f"- {k}: `{[r for r in recs if r['label'] == k][-1]['provenance'].get('command', '?')}`" for k in kinds],
+             "",
              f"Fit per kind, agreement at k = 1 = a + b log2(data tokens); data for {AIM}:", ""]
     for k, f in fits.items():
         if f is None:
@@ -82,7 +86,7 @@ def write(path=DEFAULT) -> pathlib.Path:
     plt = toolkit.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for k in kinds:
-        pts = [r for r in recs if r["kind_of_head"] == k and r["eval"]]
+        pts = [r for r in recs if r["label"] == k and r["eval"]]
         x = [p["data_loss_tokens"] for p in pts]
         for step, style in ((1, "-o"), (2, "--s"), (3, ":^")):
             ax1.plot(x, [p["eval"].get(f"greedy_agreement_step{step}", math.nan) for p in pts], style,

@@ -46,12 +46,18 @@ def point_config(c, kind: str, size: int):
     return h
 
 
-def done_points(path) -> set[tuple[str, int]]:
-    """(kind, size) of the points already in the results file (a torn last line set aside)."""
+def done_points(path) -> set[tuple[str, int, str]]:
+    """(kind, size, series) of the points already in the results file (a torn last line set aside)."""
     from specjax import files
     path = pathlib.Path(path)
     files.recover_jsonl(path)
-    return {(r["kind_of_head"], int(r["size"])) for r in toolkit.read_jsonl(path)} if path.is_file() else set()
+    return ({(r["kind_of_head"], int(r["size"]), r.get("series", "")) for r in toolkit.read_jsonl(path)}
+            if path.is_file() else set())
+
+
+def point_name(c, kind: str, size: int) -> str:
+    """A point's workdir name: ``<kind>-<size>`` (``-<series>`` for a series of its own)."""
+    return f"{kind}-{size}" + (f"-{c.series}" if c.series else "")
 
 
 def run(c, log=print) -> list[dict]:
@@ -65,18 +71,19 @@ def run(c, log=print) -> list[dict]:
                               config=c.to_dict())
     made = []
     for size in sorted(int(s) for s in c.sizes):
-        todo = [point_config(c, kind, size) for kind in c.kinds if (kind, size) not in have]
+        todo = [point_config(c, kind, size) for kind in c.kinds if (kind, size, c.series) not in have]
         if todo and todo[0].head.feature_cache:     # every kind's layers in one target pass per shard
             n = distill.fill_shard_features(todo, log=lambda m: log(f"[features {size}] {m}"))
             log(f"features at {size:,} loss tokens: {n:,} positions computed")
         for kind in c.kinds:
-            if (kind, size) in have:
+            if (kind, size, c.series) in have:
                 log(f"{kind} at {size:,} loss tokens: in {out} already")
                 continue
             h = point_config(c, kind, size)
             log(f"{kind} at {size:,} loss tokens of data, {h.budget_tokens:,} training tokens")
-            s = distill.train(h, pathlib.Path(c.workdir) / f"{kind}-{size}", log=lambda m: log(f"[{kind} {size}] {m}"))
-            rec = {"kind": "point", "kind_of_head": kind, "size": size,
+            s = distill.train(h, pathlib.Path(c.workdir) / point_name(c, kind, size),
+                              log=lambda m: log(f"[{kind} {size}] {m}"))
+            rec = {"kind": "point", "kind_of_head": kind, "size": size, "series": c.series,
                    "data_loss_tokens": s["data_loss_tokens"]["shards"], "budget_tokens": h.budget_tokens,
                    "steps": s["steps"], "train_tokens": s["tokens"], "wall_s": s["wall_s"],
                    "train_tokens_per_s": s["train_tokens_per_s"], "eval": s["eval"],
