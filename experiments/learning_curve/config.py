@@ -22,6 +22,8 @@ def get_config(variant: str = ""):
     c.shard_dirs = tuple(f"{CORPUS}/{s}" for s in ("responses_greedy", "responses_sampled"))
     c.sizes = (150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
     c.kinds = ("eagle", "eagle3")
+    c.feature_kinds = ("eagle", "eagle3")   # kinds whose layers each size's feature cache holds (filled in one
+                                         # target pass per shard, whichever kinds this run trains)
     # Per-kind settings over configs/distill_head.py: EAGLE with input norms and the feature
     # regression, EAGLE-3 with a training-time test of 7 steps.
     c.kind_overrides = ml_collections.ConfigDict({

@@ -73,7 +73,8 @@ def run(c, log=print) -> list[dict]:
     for size in sorted(int(s) for s in c.sizes):
         todo = [point_config(c, kind, size) for kind in c.kinds if (kind, size, c.series) not in have]
         if todo and todo[0].head.feature_cache:     # every kind's layers in one target pass per shard
-            n = distill.fill_shard_features(todo, log=lambda m: log(f"[features {size}] {m}"))
+            also = [point_config(c, k, size) for k in c.feature_kinds if k not in c.kinds]
+            n = distill.fill_shard_features(todo + also, log=lambda m: log(f"[features {size}] {m}"))
             log(f"features at {size:,} loss tokens: {n:,} positions computed")
         for kind in c.kinds:
             if (kind, size, c.series) in have:
