@@ -27,7 +27,7 @@ import sys
 from absl import app, flags
 
 from configs import distill_head
-from experiments.lib import toolkit
+from experiments.lib import engine_data, toolkit
 from experiments.heads import config as heads_config
 from specjax import distill
 
@@ -78,12 +78,9 @@ def main(argv):
         if SAMPLED.value >= 0:
             c.data.sampled_samples = SAMPLED.value
         if SHARDS.value:
-            from experiments.learning_curve import config as curve_config
-            curve = curve_config.get_config()
             c.data.target_weight = 0.0
-            c.data.shards.update(dirs=tuple(f"{curve_config.CORPUS}/{stage}" for stage in SHARDS.value), weight=1.0,
-                                 window=int(curve.window))
-            c.data.widths = tuple(curve.widths)
+            c.data.shards.update(dirs=engine_data.stage_dirs(*SHARDS.value), weight=1.0, window=engine_data.WINDOW)
+            c.data.widths = engine_data.WIDTHS
         c.export_dir = heads_config.head_dir(name)
         c.progress = False
         workdir = pathlib.Path(WORKDIR.value) / name

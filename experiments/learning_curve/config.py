@@ -10,7 +10,7 @@ passes a toy target, shards and evaluation set through `set`).
 
 import ml_collections
 
-CORPUS = "experiments/data_engine/corpus"
+from experiments.lib import engine_data
 
 
 def get_config(variant: str = ""):
@@ -19,7 +19,7 @@ def get_config(variant: str = ""):
     # user-turn stages, instructions and followups, are not the target's answers; the answers to
     # follow-up turns are left to the shipped head, so the curve's nested sizes are fixed once
     # these two stages are complete).
-    c.shard_dirs = tuple(f"{CORPUS}/{s}" for s in ("responses_greedy", "responses_sampled"))
+    c.shard_dirs = engine_data.stage_dirs("responses_greedy", "responses_sampled")
     c.sizes = (150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
     c.kinds = ("eagle", "eagle3")
     c.feature_kinds = ("eagle", "eagle3")   # kinds whose layers each size's feature cache holds (filled in one
@@ -35,10 +35,10 @@ def get_config(variant: str = ""):
     c.epochs = 1.0
     c.min_budget = 300_000
     c.max_budget = 2_200_000
-    # Sequence buckets of the batches (() = configs/distill_head.py's): finer buckets pad less
-    # (the answers are 100-600 tokens), so a step spends more of its positions on loss tokens.
-    c.widths = (128, 256, 384, 512, 640, 768, 1024)
-    c.window = 8                         # shards shuffled together
+    # Sequence buckets of the batches (() = configs/distill_head.py's; `engine_data.WIDTHS`: finer,
+    # so a step spends more of its positions on loss tokens)
+    c.widths = engine_data.WIDTHS
+    c.window = engine_data.WINDOW        # shards shuffled together
     c.eval_gamma = 5                     # simulated chains gamma = 1..eval_gamma
     c.workdir = "/tmp/specjax-learning-curve"   # one resumable training workdir per point
     c.out = "experiments/heads/results/learning_curve.jsonl"
