@@ -610,6 +610,25 @@ def test_streamed_shards_cache_their_features_once_and_train_as_online(toy_pair,
     assert not distill.shard_features(distill.distill_settings(other), stream, toy_pair["target"]).missing()
     with pytest.raises(ValueError, match="same target"):
         distill.fill_shard_features([cfg("float32"), cfg("float16")])
+    # A forward that fails mid-shard leaves no temporary file and no file under a complete name.
+    fresh = distill.shard_features(s.replace(data_root=str(tmp_path / "cache2")), stream, toy_pair["target"])
+    calls = []
+
+    def failing(params, tokens_BW, layers):
+        calls.append(1)
+        if len(calls) > 1:
+            raise FloatingPointError("injected")
+        return distill.shard_feature_forward(toy_pair["target"])(params, tokens_BW, layers)
+
+    with pytest.raises(FloatingPointError, match="injected"):
+        fresh.compute(failing, toy_pair["params"], tokens_per_batch=64)
+    assert len(calls) == 2 and not list(fresh.dir.iterdir())
+    # A file of the wrong width (another model's) is named when read.
+    wide = feats.path(0, L - 1)
+    n = np.load(wide, mmap_mode="r").shape[0]
+    np.save(wide, np.zeros((n, 3), np.float32))
+    with pytest.raises(ValueError, match=r"float32\[\d+, 3\] where the shard needs float32"):
+        stream.with_features(distill.shard_features(s, stream, toy_pair["target"]))
     # A file cut short (not a partial one: a complete name) is named when read.
     victim = feats.path(0, L - 1)
     np.save(victim, np.zeros((3, 4), np.float32))

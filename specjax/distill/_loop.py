@@ -38,7 +38,7 @@ import numpy as np
 
 from specjax import checkpoint as ckpt_lib
 from specjax import distributed, drafters, files, sharding
-from specjax.distill import _data, _heads, _prepare, _settings, _setup, _sources, _stream, _train
+from specjax.distill import _data, _heads, _prepare, _settings, _setup, _sources, _train
 from specjax.distill._setup import MIX_STREAM, Mixture  # noqa: F401  (re-exported)
 
 
@@ -271,10 +271,7 @@ def fill_shard_features(configs, *, log: Callable[[str], None] = print) -> int:
     s = max(settings, key=lambda x: x.data.shards.max_loss_tokens or float("inf"))   # the most shards
     target, target_params = _load_target(s)
     layers = sorted({int(i) % target.config.num_layers for x in settings for i in _heads.feature_layers_of(x, target)})
-    d, sh = s.data, s.data.shards
-    stream = _stream.ShardStream(list(sh.dirs), seed=s.seed, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
-                                 window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens)
-    feats = _setup.shard_features(s, stream, target, layers=layers)
+    feats = _setup.shard_features(s, _setup.shard_stream(s), target, layers=layers)
     return feats.compute(_data.shard_feature_forward(target), target_params, log=log)
 
 

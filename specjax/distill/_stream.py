@@ -271,10 +271,7 @@ class ShardFeatures:
         gaps = self.missing(layers)
         t0 = time.perf_counter()
         for n, (s, todo) in enumerate(gaps.items()):
-            seqs = self.stream._read(s)
-            cut = self.stream.positions(s)
-            offsets = self._offsets[s]
-            D, P = self.hidden_size, int(offsets[-1])
+            D, P = self.hidden_size, int(self._offsets[s][-1])
             # a name of this process's own: two processes filling one cache never share a file
             tmps = {i: self.path(s, i).with_name(f"{self.path(s, i).stem}.partial-{os.getpid()}.npy") for i in todo}
             if P == 0:                    # no positions (an empty shard): empty files, no forward
@@ -282,37 +279,51 @@ class ShardFeatures:
                     np.save(tmps[i], np.zeros((0, D), np.dtype(self.dtype)))
                     tmps[i].replace(self.path(s, i))
                 continue
-            outs = {i: np.lib.format.open_memmap(tmps[i], mode="w+", dtype=np.dtype(self.dtype), shape=(P, D))
-                    for i in todo}
-            limit = float(np.finfo(np.dtype(self.dtype)).max)
-
-            def emit(q, f_TF):
-                if f_TF.shape[-1] != D * len(todo):
-                    raise ValueError(f"the forward gave {f_TF.shape[-1]} features per position for layers {todo}, "
-                                     f"expected {len(todo)} x {D}")
-                f = f_TF[:cut[q]]
-                if not np.isfinite(f).all():
-                    raise FloatingPointError(f"shard {self.stream.shards[s][1]} sequence {q}: the target's features "
-                                             f"are not finite (layers {todo})")
-                if np.abs(f).max() > limit:
-                    raise OverflowError(f"shard {self.stream.shards[s][1]} sequence {q}: a feature of magnitude "
-                                        f"{np.abs(f).max():.3g} does not fit {self.dtype}; cache features as float32")
-                for k, i in enumerate(todo):
-                    outs[i][offsets[q]:offsets[q + 1]] = f[:, k * D:(k + 1) * D]
-
-            fn = lambda p, tokens_BW: forward(p, tokens_BW, tuple(todo))     # noqa: E731
-            _data._batched_forward(fn, params, seqs, tokens_per_batch=tokens_per_batch, widths=self.stream.widths,
-                                   emit=emit, what=f"shard features {n + 1}/{len(gaps)} (layers {todo})")
-            for i in todo:
-                outs[i].flush()
-            del outs
-            for i in todo:
-                tmps[i].replace(self.path(s, i))
-            done += int(offsets[-1])
+            try:
+                self._compute_shard(s, todo, tmps, forward, params, tokens_per_batch, n, len(gaps))
+            except BaseException:         # a failed or interrupted shard leaves no temporary file behind
+                for t in tmps.values():
+                    t.unlink(missing_ok=True)
+                raise
+            done += P
             if log:
                 log(f"shard features: shard {n + 1}/{len(gaps)} ({self.stream.shards[s][1]}, layers {todo}), "
                     f"{done / (time.perf_counter() - t0):.0f} positions/s")
         return done
+
+    def _compute_shard(self, s: int, todo: list[int], tmps: dict, forward, params, tokens_per_batch: int, n: int,
+                       of: int) -> None:
+        """One shard's missing layers: a target forward over its sequences into `tmps`, renamed
+        into place once every position is written."""
+        seqs = self.stream._read(s)
+        cut, offsets = self.stream.positions(s), self._offsets[s]
+        D, P = self.hidden_size, int(offsets[-1])
+        outs = {i: np.lib.format.open_memmap(tmps[i], mode="w+", dtype=np.dtype(self.dtype), shape=(P, D))
+                for i in todo}
+        limit = float(np.finfo(np.dtype(self.dtype)).max)
+
+        def emit(q, f_TF):
+            if f_TF.shape[-1] != D * len(todo):
+                raise ValueError(f"the forward gave {f_TF.shape[-1]} features per position for layers {todo}, "
+                                 f"expected {len(todo)} x {D}")
+            f = f_TF[:cut[q]]
+            if not np.isfinite(f).all():
+                raise FloatingPointError(f"shard {self.stream.shards[s][1]} sequence {q}: the target's features "
+                                         f"are not finite (layers {todo})")
+            if np.abs(f).max() > limit:
+                raise OverflowError(f"shard {self.stream.shards[s][1]} sequence {q}: a feature of magnitude "
+                                    f"{np.abs(f).max():.3g} does not fit {self.dtype}; cache features as float32")
+            for k, i in enumerate(todo):
+                outs[i][offsets[q]:offsets[q + 1]] = f[:, k * D:(k + 1) * D]
+
+        fn = lambda p, tokens_BW: forward(p, tokens_BW, tuple(todo))     # noqa: E731
+        _data._batched_forward(fn, params, seqs, tokens_per_batch=tokens_per_batch, widths=self.stream.widths,
+                               emit=emit, what=f"shard features {n + 1}/{of} (layers {todo})")
+        for i in todo:
+            outs[i].flush()
+        del outs
+        for i in todo:
+            tmps[i].replace(self.path(s, i))
 
     def _map(self, s: int, layer: int) -> np.ndarray:
         k = (s, layer)
@@ -321,16 +332,17 @@ class ShardFeatures:
                 m = np.load(self.path(s, layer), mmap_mode="r")
             except (ValueError, OSError) as e:
                 raise ValueError(f"{self.path(s, layer)}: unreadable feature cache ({e}); delete it to recompute") from None
-            if m.ndim != 2 or m.shape[0] != self._offsets[s][-1]:
-                raise ValueError(f"{self.path(s, layer)}: {m.shape[0]} positions for the shard's "
-                                 f"{int(self._offsets[s][-1])} (stale feature cache?); delete it to recompute")
+            want = (int(self._offsets[s][-1]), self.hidden_size)
+            if m.shape != want or m.dtype != np.dtype(self.dtype):
+                raise ValueError(f"{self.path(s, layer)}: {m.dtype}{list(m.shape)} where the shard needs "
+                                 f"{self.dtype}{list(want)} (stale feature cache?); delete it to recompute")
             self._maps[k] = m
         return self._maps[k]
 
     def batch(self, rows: Sequence[tuple[int, int]], B: int, W: int) -> dict:
         """``features`` [B, W, len(layers) x D] and ``final_residual`` [B, W, D] (float32) of a
         batch's (shard, sequence) rows, zero past each sequence."""
-        D = self._map(rows[0][0], self.final_layer).shape[1]
+        D = self.hidden_size
         feats = np.zeros((B, W, len(self.layers) * D), np.float32)
         final = np.zeros((B, W, D), np.float32)
         for r, (s, q) in enumerate(rows):
