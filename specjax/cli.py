@@ -321,6 +321,7 @@ def data_main(c, workdir: str) -> dict:
     from specjax.settings import generate_settings
     g = generate_settings(c.generate)        # the generator's settings, typed once
     build.check_config(g)
+    build.limit_heap_retention()             # batches of other capacities reuse no retained heap
     generator = build.load_generator(g)
     report = distill.generate_data(config, generator, workdir)
     print(f"[specjax] data in {workdir}: " + ", ".join(

@@ -30,8 +30,8 @@ from specjax.decoding._engine import Engine
 from specjax.decoding._state import STATUS_NAMES, EngineParams
 from specjax.decoding._request import _round_up, make_batch
 
-# The most bytes one batch's target KV cache may take before its rows are cut (the prefill's
-# copy held by the run doubles it while the batch runs).
+# The most bytes one batch's target KV cache may take before its rows are cut (the run updates
+# the prefill's cache in place, `Engine.run(consume_prefill=True)`, so it is held once).
 MAX_CACHE_BYTES = 4 << 30
 
 
@@ -126,7 +126,8 @@ def generate_batched(engine: Engine, params: EngineParams, prompts: Sequence[Seq
             jax.block_until_ready((pre.target_cache, pre.draft_state, pre.features_BSF))
         t1 = time.perf_counter()
         with wrap("decode"):
-            out = jax.device_get(engine.run(params, sampling, batch, prefill=pre))
+            # The run takes the prefill's caches over: one copy of them in memory, not two.
+            out = jax.device_get(engine.run(params, sampling, batch, prefill=pre, consume_prefill=True))
         t2 = time.perf_counter()
         del pre
         generated = out.generated()

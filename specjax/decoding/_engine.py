@@ -272,7 +272,8 @@ class Engine(RoundStages):
                                                     self.mesh, self.rules or sharding.DEFAULT_RULES)
         return Batch(prompt, lengths, keys, batch.capacity)
 
-    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None):
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None,
+             with_state: bool = False):
         state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity=capacity, pre=pre)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
 
@@ -282,7 +283,7 @@ class Engine(RoundStages):
         policy = self.config.gamma if self.config.adaptive else None
         if policy is None or not _adaptive._is_zero(policy.gammas[0]) or len(policy.gammas) == 1:
             state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
-            return GenerateOutput.from_state(state)
+            return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
 
         # Adaptive gamma with gamma 0 among the choices: the rounds the policy runs at gamma 0
         # go through an inner loop of plain gamma-0 rounds, and only the others through the
@@ -309,7 +310,7 @@ class Engine(RoundStages):
             return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
 
         state = jax.lax.while_loop(cond, body, state)
-        return GenerateOutput.from_state(state)
+        return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
 
 
     # ------------------------------------------------------------------ compiled entry points
@@ -317,6 +318,17 @@ class Engine(RoundStages):
     _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
     _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
     _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
+
+    def _run_consuming(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre):
+        # `_run` that also returns the final caches: with ``pre`` donated, the loop's caches then
+        # alias the prefill's buffers (updated in place) instead of a copy beside them.
+        out, state = self._run(params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity,
+                               pre=pre, with_state=True)
+        return out, (state.target_cache, state.draft_state if pre[1] is not None else None,
+                     state.features_BSF if pre[2] is not None else None)
+
+    _run_consuming_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity",
+                                           donate_argnames="pre")(_run_consuming)
     _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
 
     def _steps(self, params, sampling, state, n: int):
@@ -374,12 +386,20 @@ class Engine(RoundStages):
         return self._steps_jit(params, sampling, state, int(n))
 
     def run(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
-            prefill: Prefill | None = None) -> GenerateOutput:
-        """The whole generation in one jitted `lax.while_loop`, fully on device."""
+            prefill: Prefill | None = None, consume_prefill: bool = False) -> GenerateOutput:
+        """The whole generation in one jitted `lax.while_loop`, fully on device.
+
+        ``consume_prefill`` (with ``prefill``): the run takes the prefill's buffers over (they
+        are donated: the loop updates its caches in place in them), so a batch's caches are in
+        memory once, not twice; the prefill cannot be used again. Without it the loop works on
+        a copy and the prefill stays valid for other runs. The same tokens either way."""
         self._check(batch)
-        return self._run_jit(params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
-                             self._round_time_RZ(round_time_s), capacity=batch.capacity,
-                             pre=self._pre(batch, prefill))
+        pre = self._pre(batch, prefill)
+        args = (params, sampling, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B,
+                self._round_time_RZ(round_time_s))
+        if consume_prefill and pre is not None:
+            return self._run_consuming_jit(*args, capacity=batch.capacity, pre=pre)[0]
+        return self._run_jit(*args, capacity=batch.capacity, pre=pre)
 
     def stream(self, params: EngineParams, sampling, batch: Batch, round_time_s=None,
                prefill: Prefill | None = None, precompile: bool = False) -> Iterator[StreamEvent]:

@@ -159,7 +159,8 @@ class Prefill:
 
     Any engine with the same target takes ``target_cache``; ``draft_state`` (the drafter's state
     after its own prefill, or None) is used only by an engine with the same drafter, others
-    make their own. Engines never donate it: it stays valid for the next run."""
+    make their own. It stays valid for the next run, unless a run was told to consume it
+    (`Engine.run(consume_prefill=True)`, which donates its buffers)."""
     batch: Batch
     target: Any                     # the target model it was made with (static, hashable)
     drafter: Any                    # the drafter whose state it holds, or None
