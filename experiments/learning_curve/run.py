@@ -95,6 +95,24 @@ def run(c, log=print) -> list[dict]:
     return made
 
 
+def export_point(c, kind: str, size: int, dest, log=print) -> dict:
+    """Export the head of a finished point (its workdir's last checkpoint) to ``dest``, in the
+    format `experiments.heads.ship` takes: `distill.train` on the point's config with an export
+    directory resumes at its budget, trains nothing more, evaluates and exports. Returns the
+    export's summary (dir, bytes, sha256). ValueError for a point whose training has not ended."""
+    from specjax import distill
+    workdir = pathlib.Path(c.workdir) / point_name(c, kind, size)
+    if not (workdir / "final.json").is_file():
+        raise ValueError(f"{workdir}: no finished {kind} point at {size:,} loss tokens (no final.json); "
+                         "run the curve first")
+    h = point_config(c, kind, size)
+    h.export_dir = str(dest)
+    s = distill.train(h, workdir, log=lambda m: log(f"[{kind} {size}] {m}"))
+    if s["tokens"] < h.budget_tokens or "export" not in s:
+        raise ValueError(f"{workdir}: the point stopped at {s['tokens']:,} of {h.budget_tokens:,} training tokens")
+    return s["export"]
+
+
 def main(c):
     run(c)
     from experiments.learning_curve import report

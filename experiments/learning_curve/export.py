@@ -1,0 +1,28 @@
+"""Export a finished learning-curve point's head, e.g. to ship it (`experiments.heads.ship`).
+
+    python -m experiments.learning_curve.export --config=experiments/learning_curve/config.py \\
+        --config.workdir=DIR --kind=eagle3 --size=2200000 --to=experiments/heads/eagle3-engine
+
+The point's workdir (``DIR/<kind>-<size>``) must hold its finished training; its head (own
+weights, head.json with the data tokens and the held-out evaluation) goes to ``--to``.
+"""
+
+import pathlib
+
+from absl import flags
+
+from experiments.learning_curve import run
+from experiments.lib import toolkit
+
+KIND = flags.DEFINE_string("kind", None, "head kind of the point (eagle, eagle3)", required=True)
+SIZE = flags.DEFINE_integer("size", None, "data size of the point (loss tokens, one of config.sizes)", required=True)
+TO = flags.DEFINE_string("to", None, "directory to write the head to", required=True)
+
+
+def main(c):
+    out = run.export_point(c, KIND.value, SIZE.value, pathlib.Path(TO.value))
+    print(f"exported {KIND.value} at {SIZE.value:,} -> {out['dir']} ({out['bytes'] / 1e6:.1f} MB, sha256 {out['sha256']})")
+
+
+if __name__ == "__main__":
+    toolkit.main_with_config(main, pathlib.Path(__file__).with_name("config.py"), "learning-curve settings")
