@@ -60,6 +60,27 @@ def test_stages_shards_and_report(tiny_generator, tmp_path):
                 assert not mask[:k].any() and mask[k:].all() and 1 <= mask.sum() <= 6
     assert report["stages"]["responses_greedy"]["sequences"] == len(corpus)
     assert (tmp_path / "REPORT.md").read_text().startswith("# Data engine report")
+    _assert_generation_recorded(tmp_path, report, rows=4)
+    # shards from before entries recorded their generation are counted apart
+    m = json.loads((tmp_path / "instructions" / "manifest.json").read_text())
+    first = sorted(m["shards"])[0]
+    del m["shards"][first]["generation"]
+    (rec,) = distill._datagen.recorded_throughput(m)
+    assert rec["shards_unrecorded"] == 1 and rec["shards"] == len(m["shards"]) - 1
+
+
+def _assert_generation_recorded(workdir, report, rows):
+    """Every shard's manifest entry records its generation (its new tokens are its loss tokens:
+    the loss covers exactly the generated tail), and the report sums them per CPU."""
+    for stage, entries in _manifests(workdir).items():
+        for e in entries.values():
+            g = e["generation"]
+            assert g["new_tokens"] == e["loss_tokens"] and g["seconds"] > 0 and 1 <= g["max_rows"] <= rows
+            assert g["prompt_tokens"] == e["tokens"] - e["loss_tokens"] and g["batches"] >= 1
+        (rec,) = report["stages"][stage]["recorded"]
+        assert rec["new_tokens"] == report["stages"][stage]["loss_tokens"] and rec["shards_unrecorded"] == 0
+        assert rec["shards"] == len(entries) and rec["new_tokens_per_s"] > 0
+    assert "Generation throughput, every run" in (workdir / "REPORT.md").read_text()
 
 
 @pytest.mark.parametrize("refill_rounds", [0, 3])
@@ -100,7 +121,8 @@ def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch, ref
     del m["shards"][last]
     (d / "manifest.json").write_text(json.dumps(m))
     logs = []
-    distill.generate_data(cfg, gen, resumed, progress=False, log=logs.append)
+    report = distill.generate_data(cfg, gen, resumed, progress=False, log=logs.append)
+    _assert_generation_recorded(resumed, report, rows=4)
     assert (d / (last + ".unlisted")).is_file() and any("set aside" in s for s in logs)
     a, b = _manifests(whole), _manifests(resumed)
     assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()} == \

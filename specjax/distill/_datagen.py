@@ -161,11 +161,18 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
         lo, hi = k * c.shard_requests, min(len(requests), (k + 1) * c.shard_requests)
         chunk = requests[lo:hi]
         out: dict[int, list[int]] = {}
+        # This shard's generation, recorded in its manifest entry (a corpus grown over several
+        # runs keeps every shard's throughput, not only the last run's).
+        made = {"new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "batches": 0, "max_rows": 0}
         if c.refill_rounds:
             def group_done(g):
                 stats["new_tokens"] += g["new_tokens"]
                 stats["seconds"] += g["seconds"]
                 stats["batches"].append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
+                made["new_tokens"] += g["new_tokens"]
+                made["seconds"] += g["seconds"]
+                made["batches"] += 1
+                made["max_rows"] = max(made["max_rows"], int(g["rows"]))
 
             toks = serving.generate_offline(engine, ctx.generator.params, [r.ids for r in chunk], samp, key,
                                             request_ids=list(range(lo, hi)), slots=c.batch_size,
@@ -173,6 +180,7 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
                                             on_finish=lambda res: show(1, len(res.tokens)), on_group=group_done)
             out = {rid - lo: t for rid, t in toks.items()}
             stats["prompt_tokens"] += sum(len(r.ids) for r in chunk)
+            made["prompt_tokens"] += sum(len(r.ids) for r in chunk)
         else:
             for results, rep in decoding.generate_batched(engine, ctx.generator.params, [r.ids for r in chunk], samp,
                                                           key, batch_size=c.batch_size, pad_multiple=c.pad_multiple,
@@ -184,12 +192,18 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
                 stats["batches"].append({"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
                                          "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
                 show(len(results), rep.new_tokens)
+                made["new_tokens"] += rep.new_tokens
+                made["prompt_tokens"] += rep.prompt_tokens
+                made["seconds"] += rep.seconds
+                made["batches"] += 1
+                made["max_rows"] = max(made["max_rows"], rep.rows)
         seqs = _shards.Sequences(
             tokens=[np.asarray(chunk[i].ids + out[i], np.int32) for i in range(len(chunk))],
             loss_masks=[np.asarray([False] * len(chunk[i].ids) + [True] * len(out[i])) for i in range(len(chunk))],
             sources=[r.source for r in chunk], requests=list(range(lo, hi)))
+        made["seconds"] = round(made["seconds"], 2)
         sd.write(k, seqs, requests=[lo, hi], cpu=_cpu_model(), backend=jax.default_backend(),
-                 made_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                 made_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), generation=made)
     if bar is not None:
         bar.close()
     ctx.log(f"{stage}: {sd.totals()}")
@@ -293,6 +307,7 @@ def run(config: DataConfig, generator: decoding.Generator, workdir, *, log: Call
             e = m["shards"].values()
             report["stages"][stage] = {k: int(sum(x[k] for x in e)) for k in ("sequences", "tokens", "loss_tokens",
                                                                                "bytes")}
+            report["stages"][stage]["recorded"] = recorded_throughput(m)
     for stage, s in ctx.throughput.items():
         report["stages"].setdefault(stage, {})["this_run"] = {
             "new_tokens": s["new_tokens"], "prompt_tokens": s["prompt_tokens"], "seconds": round(s["seconds"], 2),
@@ -312,6 +327,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def recorded_throughput(manifest: dict) -> list[dict]:
+    """Generation throughput of a stage from its manifest, per (CPU, backend): the shards whose
+    entries record their generation (``generation``: new and prompt tokens, seconds, batches,
+    most rows), summed. Shards written before entries recorded it are counted apart
+    (``shards_unrecorded``)."""
+    groups: dict[tuple[str, str], dict] = {}
+    for e in manifest["shards"].values():
+        g = groups.setdefault((e.get("cpu", "?"), e.get("backend", "?")), {
+            "cpu": e.get("cpu", "?"), "backend": e.get("backend", "?"), "shards": 0, "shards_unrecorded": 0,
+            "new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "max_rows": 0})
+        made = e.get("generation")
+        if not made:
+            g["shards_unrecorded"] += 1
+            continue
+        g["shards"] += 1
+        for k in ("new_tokens", "prompt_tokens", "seconds"):
+            g[k] += made[k]
+        g["max_rows"] = max(g["max_rows"], int(made.get("max_rows", 0)))
+    for g in groups.values():
+        g["seconds"] = round(g["seconds"], 2)
+        g["new_tokens_per_s"] = round(g["new_tokens"] / g["seconds"], 1) if g["seconds"] else None
+    return list(groups.values())
+
+
 def report_markdown(report: dict) -> str:
     lines = ["# Data engine report", "", f"Machine: {report['machine']['cpu']} ({report['machine']['backend']}).", "",
              "## Corpus", "", _corpus.report_markdown(report["corpus"])]
@@ -324,6 +363,16 @@ def report_markdown(report: dict) -> str:
         rate = s.get("this_run", {}).get("new_tokens_per_s")
         lines.append(f"| {stage} | {s.get('sequences', 0)} | {s.get('tokens', 0)} | {s.get('loss_tokens', 0)} | "
                      f"{s.get('bytes', 0) / 1e6:.2f} | {'' if rate is None else f'{rate:.1f}'} |")
+    lines += ["", "## Generation throughput, every run (from the shards' manifest entries)", "",
+              "Generated tokens over generation seconds (prefill included) of the shards that record them, "
+              "per CPU; the machine may have been shared with other jobs.", "",
+              "| stage | CPU (backend) | shards | new tokens | seconds | new tokens/s | most rows a batch | "
+              "shards without a record |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for stage, s in report["stages"].items():
+        for g in s.get("recorded", []):
+            rate = "" if g["new_tokens_per_s"] is None else f"{g['new_tokens_per_s']:.1f}"
+            lines.append(f"| {stage} | {g['cpu']} ({g['backend']}) | {g['shards']} | {g['new_tokens']} | "
+                         f"{g['seconds']:.0f} | {rate} | {g['max_rows'] or ''} | {g['shards_unrecorded']} |")
     return "\n".join(lines) + "\n"
 
 
