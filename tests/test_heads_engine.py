@@ -18,8 +18,8 @@ import pytest
 from specjax import decoding, distill, drafters, sampling, trees
 from specjax.drafters import heads
 from specjax.models.reduced_head import ReducedHeadLlama
-from _heads_common import (CFG, D, GREEDY, PACKED_CFG, PROMPTS, V, _assert_target_tokens, _drafter, _eagle_setup,
-                           _eagle_stepped, _gen, _head, _head_config, _medusa_stepped, _own_params, _packed_target,
+from _heads_common import (ADAPTIVE, CFG, D, GREEDY, PACKED_CFG, PROMPTS, V, _assert_target_tokens, _drafter,
+                           _eagle_setup, _eagle_stepped, _gen, _head, _head_config, _medusa_stepped, _own_params, _packed_target,
                            _propose_once, _target, _target_only)
 
 
@@ -126,6 +126,26 @@ def test_prefill_reuse_with_eagle_head():
     # a prefill without the target features cannot feed a feature head
     with pytest.raises(ValueError, match="features"):
         eng.run(ep, GREEDY, batch, prefill=dataclasses.replace(pre, features_BSF=None))
+
+
+@pytest.mark.parametrize("gamma", [3, ADAPTIVE], ids=["gamma3", "adaptive_with_0"])
+def test_a_run_consuming_the_eagle_prefill_equals_the_keeping_run(gamma):
+    """`run(prefill=pre, consume_prefill=True)` with a feature head (the target's features and
+    the head's state donated with the cache), at a fixed gamma and under adaptive gamma with 0
+    among its choices (the loop's switch path): the tokens and metrics of the run that keeps
+    the prefill, every donated buffer taken (deleted, no unusable-donation warning)."""
+    import warnings
+    eng, ep, batch = _eagle_setup("good", gamma)
+    want = eng.run(ep, GREEDY, batch, prefill=eng.prefill(ep, batch))
+    pre = eng.prefill(ep, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = eng.run(ep, GREEDY, batch, prefill=pre, consume_prefill=True)
+    assert got.generated() == want.generated() == _target_only()[0]
+    for x, y in zip(jax.tree.leaves(got.metrics), jax.tree.leaves(want.metrics)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert pre.features_BSF.is_deleted()
+    assert all(x.is_deleted() for x in jax.tree.leaves(pre.target_cache) if np.ndim(x) > 1)
 
 
 def test_prefill_reuse_with_medusa_head():

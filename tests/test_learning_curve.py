@@ -81,20 +81,29 @@ def test_a_series_of_its_own_is_kept_apart(curve, tmp_path):
 
 def test_a_finished_point_exports_its_head_with_its_data_and_evaluation(curve, tmp_path):
     """`run.export_point` writes a finished point's head (to ship it): head.json records the
-    point's data tokens, training tokens and the same held-out evaluation as its record; the
-    workdir trains nothing more; a point that has not run is refused by name."""
+    point's data tokens, training tokens and its recorded held-out evaluation; nothing trains
+    and the point's config.json, final.json and metrics.jsonl are left byte for byte; an
+    existing head is not overwritten; a point that has not run, or that ran under another
+    config than the curve's, is refused by name."""
     c, recs = curve
     rec = next(r for r in recs if (r["kind_of_head"], r["size"]) == ("eagle3", 900))
-    steps = len(open(pathlib.Path(c.workdir) / "eagle3-900" / "metrics.jsonl").readlines())
+    wd = pathlib.Path(c.workdir) / "eagle3-900"
+    before = {n: (wd / n).read_bytes() for n in ("config.json", "final.json", "metrics.jsonl")}
     out = run.export_point(c, "eagle3", 900, tmp_path / "head", log=lambda m: None)
     info = json.loads((tmp_path / "head" / "head.json").read_text())["info"]
     assert out["bytes"] > 0 and (tmp_path / "head" / "head.safetensors").is_file()
     assert info["data"]["loss_tokens"]["shards"] == rec["data_loss_tokens"]
-    assert info["tokens"] == rec["train_tokens"] and info["ttt_steps"] == 2
+    assert info["tokens"] == rec["train_tokens"] and info["steps"] == rec["steps"] and info["ttt_steps"] == 2
+    assert info["eval"]["step"] == rec["steps"]
     for k in ("greedy_agreement_step1", "greedy_agreement_step2", "alpha_t1"):
         assert info["eval"][k] == pytest.approx(rec["eval"][k], rel=1e-6), k
-    lines = [json.loads(l) for l in open(pathlib.Path(c.workdir) / "eagle3-900" / "metrics.jsonl")]
-    assert any(l.get("kind") == "train" for l in lines[:steps])
-    assert not any(l.get("kind") == "train" for l in lines[steps:])      # no training step ran again
+    assert {n: (wd / n).read_bytes() for n in before} == before
+    with pytest.raises(ValueError, match="already holds a head"):
+        run.export_point(c, "eagle3", 900, tmp_path / "head", log=lambda m: None)
     with pytest.raises(ValueError, match="no finished eagle point at 5,000"):
         run.export_point(c, "eagle", 5000, tmp_path / "none", log=lambda m: None)
+    other = type(c)(c.to_dict())
+    other.epochs = 3.0                       # a larger budget than the point trained for (2,000 > 1,800)
+    with pytest.raises(ValueError, match="budget_tokens"):
+        run.export_point(other, "eagle3", 900, tmp_path / "other", log=lambda m: None)
+    assert not (tmp_path / "other").exists()

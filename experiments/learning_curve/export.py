@@ -3,8 +3,9 @@
     python -m experiments.learning_curve.export --config=experiments/learning_curve/config.py \\
         --config.workdir=DIR --kind=eagle3 --size=2200000 --to=experiments/heads/eagle3-engine
 
-The point's workdir (``DIR/<kind>-<size>``) must hold its finished training; its head (own
-weights, head.json with the data tokens and the held-out evaluation) goes to ``--to``.
+The point's workdir (``DIR/<kind>-<size>``) must hold its finished training under this config;
+its head (own weights, head.json with the data tokens and the held-out evaluation) goes to
+``--to`` (an existing head there is replaced only with ``--force``). Nothing is trained.
 """
 
 import pathlib
@@ -17,10 +18,11 @@ from experiments.lib import toolkit
 KIND = flags.DEFINE_string("kind", None, "head kind of the point (eagle, eagle3)", required=True)
 SIZE = flags.DEFINE_integer("size", None, "data size of the point (loss tokens, one of config.sizes)", required=True)
 TO = flags.DEFINE_string("to", None, "directory to write the head to", required=True)
+FORCE = flags.DEFINE_boolean("force", False, "replace a head already in --to")
 
 
 def main(c):
-    out = run.export_point(c, KIND.value, SIZE.value, pathlib.Path(TO.value))
+    out = run.export_point(c, KIND.value, SIZE.value, pathlib.Path(TO.value), force=FORCE.value)
     print(f"exported {KIND.value} at {SIZE.value:,} -> {out['dir']} ({out['bytes'] / 1e6:.1f} MB, sha256 {out['sha256']})")
 
 

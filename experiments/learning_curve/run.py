@@ -95,21 +95,65 @@ def run(c, log=print) -> list[dict]:
     return made
 
 
-def export_point(c, kind: str, size: int, dest, log=print) -> dict:
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Settings an export may differ on from the point's training: where the head goes, the progress
+# bar, and the feature cache (an export reads no batch).
+EXPORT_ONLY_KEYS = ("export_dir", "progress", "head.feature_cache")
+
+
+def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) -> dict:
     """Export the head of a finished point (its workdir's last checkpoint) to ``dest``, in the
-    format `experiments.heads.ship` takes: `distill.train` on the point's config with an export
-    directory resumes at its budget, trains nothing more, evaluates and exports. Returns the
-    export's summary (dir, bytes, sha256). ValueError for a point whose training has not ended."""
+    format `experiments.heads.ship` takes, with the point's data tokens, training tokens and
+    held-out evaluation (the one recorded at its last step) in head.json. Returns the export's
+    summary (dir, bytes, sha256).
+
+    Nothing is trained and the point's records stay as they were: the stored config must equal
+    this curve's config of the point (ValueError naming the keys that differ), `distill.train`
+    resumes it with ``stop_after_steps`` at its last step, and config.json, final.json and
+    metrics.jsonl are put back afterwards. ValueError for a point that has not finished, an
+    existing head at ``dest`` (unless ``force``) or a point without an evaluation."""
     from specjax import distill
     workdir = pathlib.Path(c.workdir) / point_name(c, kind, size)
+    dest = pathlib.Path(dest)
     if not (workdir / "final.json").is_file():
         raise ValueError(f"{workdir}: no finished {kind} point at {size:,} loss tokens (no final.json); "
                          "run the curve first")
+    if (dest / "head.json").exists() and not force:
+        raise ValueError(f"{dest} already holds a head (head.json); choose another directory or force")
     h = point_config(c, kind, size)
+    final = json.loads((workdir / "final.json").read_text())
+    stored = _flat(distill.distill_settings(json.loads((workdir / "config.json").read_text())).to_dict())
+    wanted = _flat(distill.distill_settings(h).to_dict())
+    diff = sorted(k for k in set(stored) | set(wanted)
+                  if stored.get(k) != wanted.get(k) and not k.startswith(EXPORT_ONLY_KEYS))
+    if diff:
+        raise ValueError(f"{workdir} was trained under another config than this curve's {kind} point at {size:,}: "
+                         + "; ".join(f"{k}: {stored.get(k)!r} (stored) vs {wanted.get(k)!r}" for k in diff))
+    if final["tokens"] < h.budget_tokens:
+        raise ValueError(f"{workdir}: the point stopped at {final['tokens']:,} of {h.budget_tokens:,} training tokens")
+    if not final.get("eval"):
+        raise ValueError(f"{workdir}: the point has no held-out evaluation to export with its head")
     h.export_dir = str(dest)
-    s = distill.train(h, workdir, log=lambda m: log(f"[{kind} {size}] {m}"))
-    if s["tokens"] < h.budget_tokens or "export" not in s:
-        raise ValueError(f"{workdir}: the point stopped at {s['tokens']:,} of {h.budget_tokens:,} training tokens")
+    h.head.feature_cache = ""
+    h.progress = False
+    kept = {name: (workdir / name).read_bytes() for name in ("config.json", "final.json", "metrics.jsonl")}
+    try:
+        s = distill.train(h, workdir, log=lambda m: log(f"[{kind} {size}] {m}"), stop_after_steps=final["steps"])
+    finally:
+        for name, data in kept.items():
+            (workdir / name).write_bytes(data)
+    if "export" not in s or s["steps"] != final["steps"]:
+        raise ValueError(f"{workdir}: the export did not resume at step {final['steps']} (got {s['steps']}); "
+                         "nothing exported")
     return s["export"]
 
 

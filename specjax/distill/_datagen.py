@@ -166,37 +166,24 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
         made = {"new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "batches": 0, "max_rows": 0}
         if c.refill_rounds:
             def group_done(g):
-                stats["new_tokens"] += g["new_tokens"]
-                stats["seconds"] += g["seconds"]
-                stats["batches"].append({k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
-                made["new_tokens"] += g["new_tokens"]
-                made["seconds"] += g["seconds"]
-                made["batches"] += 1
-                made["max_rows"] = max(made["max_rows"], int(g["rows"]))
+                _count(stats, made, new_tokens=g["new_tokens"], prompt_tokens=0, seconds=g["seconds"], rows=g["rows"],
+                       record={k: round(v, 3) if isinstance(v, float) else v for k, v in g.items()})
 
             toks = serving.generate_offline(engine, ctx.generator.params, [r.ids for r in chunk], samp, key,
                                             request_ids=list(range(lo, hi)), slots=c.batch_size,
                                             pad_multiple=c.pad_multiple, rounds_per_sync=c.refill_rounds,
                                             on_finish=lambda res: show(1, len(res.tokens)), on_group=group_done)
             out = {rid - lo: t for rid, t in toks.items()}
-            stats["prompt_tokens"] += sum(len(r.ids) for r in chunk)
-            made["prompt_tokens"] += sum(len(r.ids) for r in chunk)
+            _count(stats, made, new_tokens=0, prompt_tokens=sum(len(r.ids) for r in chunk), seconds=0.0, rows=0)
         else:
             for results, rep in decoding.generate_batched(engine, ctx.generator.params, [r.ids for r in chunk], samp,
                                                           key, batch_size=c.batch_size, pad_multiple=c.pad_multiple,
                                                           request_ids=list(range(lo, hi))):
                 out.update((res.index, res.tokens) for res in results)
-                stats["new_tokens"] += rep.new_tokens
-                stats["prompt_tokens"] += rep.prompt_tokens
-                stats["seconds"] += rep.seconds
-                stats["batches"].append({"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
-                                         "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
+                _count(stats, made, new_tokens=rep.new_tokens, prompt_tokens=rep.prompt_tokens, seconds=rep.seconds,
+                       rows=rep.rows, record={"rows": rep.rows, "width": rep.width, "new_tokens": rep.new_tokens,
+                                              "prefill_s": round(rep.prefill_s, 3), "decode_s": round(rep.decode_s, 3)})
                 show(len(results), rep.new_tokens)
-                made["new_tokens"] += rep.new_tokens
-                made["prompt_tokens"] += rep.prompt_tokens
-                made["seconds"] += rep.seconds
-                made["batches"] += 1
-                made["max_rows"] = max(made["max_rows"], rep.rows)
         seqs = _shards.Sequences(
             tokens=[np.asarray(chunk[i].ids + out[i], np.int32) for i in range(len(chunk))],
             loss_masks=[np.asarray([False] * len(chunk[i].ids) + [True] * len(out[i])) for i in range(len(chunk))],
@@ -208,6 +195,20 @@ def run_stage(ctx: Context, stage: str, requests: Sequence[Request], settings: S
         bar.close()
     ctx.log(f"{stage}: {sd.totals()}")
     return sd
+
+
+def _count(run: dict, shard: dict, *, new_tokens: int, prompt_tokens: int, seconds: float, rows: int,
+           record: dict | None = None) -> None:
+    """Add generated work to this run's stage totals (``record``: one batch's entry of its list)
+    and to the shard's (``batches``: records counted, ``max_rows``: the most rows of one)."""
+    for d in (run, shard):
+        d["new_tokens"] += new_tokens
+        d["prompt_tokens"] += prompt_tokens
+        d["seconds"] += seconds
+    if record is not None:
+        run["batches"].append(record)
+        shard["batches"] += 1
+        shard["max_rows"] = max(shard["max_rows"], int(rows))
 
 
 def _stage_texts(sd: _shards.ShardDir, num_shards: int, stop_ids: Sequence[int]):
@@ -370,9 +371,11 @@ def report_markdown(report: dict) -> str:
               "shards without a record |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for stage, s in report["stages"].items():
         for g in s.get("recorded", []):
+            timed = g["shards"] > 0          # else: shards from before entries recorded it, nothing to sum
+            new, secs = (str(g["new_tokens"]), f"{g['seconds']:.0f}") if timed else ("", "")
             rate = "" if g["new_tokens_per_s"] is None else f"{g['new_tokens_per_s']:.1f}"
-            lines.append(f"| {stage} | {g['cpu']} ({g['backend']}) | {g['shards']} | {g['new_tokens']} | "
-                         f"{g['seconds']:.0f} | {rate} | {g['max_rows'] or ''} | {g['shards_unrecorded']} |")
+            lines.append(f"| {stage} | {g['cpu']} ({g['backend']}) | {g['shards']} | {new} | {secs} | {rate} | "
+                         f"{g['max_rows'] or ''} | {g['shards_unrecorded']} |")
     return "\n".join(lines) + "\n"
 
 
