@@ -95,16 +95,6 @@ def run(c, log=print) -> list[dict]:
     return made
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 # Settings an export may differ on from the point's training: where the head goes, the progress
 # bar, and the feature cache (an export reads no batch).
 EXPORT_ONLY_KEYS = ("export_dir", "progress", "head.feature_cache")
@@ -131,8 +121,8 @@ def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) 
         raise ValueError(f"{dest} already holds a head (head.json); choose another directory or force")
     h = point_config(c, kind, size)
     final = json.loads((workdir / "final.json").read_text())
-    stored = _flat(distill.distill_settings(json.loads((workdir / "config.json").read_text())).to_dict())
-    wanted = _flat(distill.distill_settings(h).to_dict())
+    stored = distill.flatten(distill.distill_settings(json.loads((workdir / "config.json").read_text())).to_dict())
+    wanted = distill.flatten(distill.distill_settings(h).to_dict())
     diff = sorted(k for k in set(stored) | set(wanted)
                   if stored.get(k) != wanted.get(k) and not k.startswith(EXPORT_ONLY_KEYS))
     if diff:
