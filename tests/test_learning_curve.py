@@ -56,6 +56,9 @@ def test_a_rerun_skips_finished_points_and_the_report_reads_the_jsonl(curve, tmp
     md = report.write(c.out)
     text = md.read_text()
     assert text.count("| eagle") == 4 and "per doubling" in text
+    se = max((x * (1 - x) / m) ** 0.5 for x, m in [(r["eval"]["greedy_agreement_step1"], r["eval"]["eval_tokens"])
+                                                     for r in lines])
+    assert f"standard error of agreement k=1 is at most {se:.3f}" in text
     assert md.with_name("learning_curve.png").stat().st_size > 0
     f = report.fit([r for r in lines if r["kind_of_head"] == "eagle"])
     assert f is not None and set(f) == {"a", "b_per_doubling", "tokens_for_aim"}

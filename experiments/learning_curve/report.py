@@ -43,6 +43,19 @@ def fit(points: list[dict]) -> dict | None:
     return {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": need}
 
 
+def _error_note(recs: list[dict]) -> str:
+    """How far the held-out agreement at k = 1 may move by chance: its binomial standard error
+    sqrt(a (1 - a) / n) over the n evaluated tokens, the largest among the points."""
+    errs = [(math.sqrt(a * (1 - a) / n), n) for r in recs if r["eval"]
+            for a, n in [(r["eval"].get("greedy_agreement_step1"), r["eval"].get("eval_tokens"))] if a is not None and n]
+    if not errs:
+        return "Evaluation: no evaluated points."
+    se, n = max(errs)
+    return (f"Evaluation: the held-out Spec-Bench continuations, {n:,} tokens; the standard error of agreement "
+            f"k=1 is at most {se:.3f} (binomial, tokens taken as independent; tokens of one continuation are "
+            "correlated, so the true spread is somewhat larger): differences of 2 x that or less are noise.")
+
+
 def write(path=DEFAULT) -> pathlib.Path:
     path = pathlib.Path(path)
     recs = [r for r in toolkit.read_jsonl(path) if r.get("kind") == "point"]
@@ -70,7 +83,9 @@ def write(path=DEFAULT) -> pathlib.Path:
              toolkit.table(["head", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
                             "chain tokens / pass", "training time (tokens/s)", "commit"], rows), "",
              "Training time: the point's run alone (a resumed run: its last part), on a machine shared with "
-             "other jobs; commit: the code it ran (+: with uncommitted changes). Commands:", "",
+             "other jobs; commit: the code it ran (+: with uncommitted changes).", "",
+             _error_note(recs), "",
+             "Commands:", "",
              *[f"- {k}: `{[r for r in recs if r['label'] == k][-1]['provenance'].get('command', '?')}`" for k in kinds],
              "",
              f"Fit per kind, agreement at k = 1 = a + b log2(data tokens); data for {AIM}:", ""]
