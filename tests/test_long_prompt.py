@@ -201,9 +201,10 @@ def test_a_run_that_consumes_its_prefill_holds_the_caches_once(per_layer):
     """`Engine.run(prefill=pre, consume_prefill=True)` (the data engine's batches): the same
     tokens and metrics as the run that keeps the prefill, for target-only and speculative
     engines; the prefill's buffers are donated (deleted after the call, with no "donated buffers
-    were not usable" warning); and XLA's memory analysis of the compiled run shows no second
-    target cache: its temporaries are smaller than the keeping run's by at least 0.9 of the
-    cache's bytes (the keeping run's loop works on a copy of the prefill's cache)."""
+    were not usable" warning; a later run given it is refused by name); and XLA's memory
+    analysis of the compiled run shows no second target cache: its temporaries are smaller than
+    the keeping run's by at least 0.9 of the cache's bytes (the keeping run's loop works on a
+    copy of the prefill's cache)."""
     import warnings
     model = models.Llama(CONFIG.replace(scan_layers=not per_layer))
     params = model.init_params(jax.random.key(0))
@@ -225,6 +226,8 @@ def test_a_run_that_consumes_its_prefill_holds_the_caches_once(per_layer):
         for x, y in zip(jax.tree.leaves(got.metrics), jax.tree.leaves(want.metrics)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         assert all(x.is_deleted() for x in jax.tree.leaves(pre.target_cache) if np.ndim(x) > 1)
+        with pytest.raises(ValueError, match="consumed by an earlier run"):      # named, not a deleted-array error
+            engine.run(ep, samp, batch, prefill=pre)
         # compiled memory of the two programs on the same arguments
         pre = engine.prefill(ep, batch)
         args = (ep, samp, batch.prompt_BP, batch.prompt_lengths_B, batch.key_B, engine._round_time_RZ(None))

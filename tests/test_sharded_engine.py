@@ -4,7 +4,8 @@ one device), speculative generation on data x model, model-only and data-only me
 exactly the tokens of the single-device run, greedy and sampled (the same per-request keys):
 prompt lookup (greedy), an early-exit draft (sampled) and a separate draft model (both) on a
 4 x 2 mesh, and the draft model greedy also on 1 x 8 and 8 x 1; the weights and the loop
-state are really sharded (checked on their `NamedSharding` specs).
+state are really sharded (checked on their `NamedSharding` specs); `decoding.generate_batched`
+(whose runs consume their prefills) gives the single-device tokens on the 4 x 2 mesh.
 
 Exactness here is equality: the tiny random target's greedy choices beat the runner-up by far
 more than the rounding differences of sharded matmuls (~1e-7; the script checks the margin),
@@ -74,6 +75,18 @@ _SCRIPT = textwrap.dedent("""
     assert tuple(st.tokens_BS.sharding.spec)[0] == "data"
     assert tuple(st.draft_state.cache.k[0].sharding.spec)[:2] == ("data", "model")
     assert len(k0.addressable_shards) == 8 and k0.addressable_shards[0].data.shape[0] == 2
+    # The data engine's path on the mesh: length-sorted batches whose runs consume their
+    # prefills (donated sharded buffers, every one usable: a warning fails), the tokens of the
+    # single-device run.
+    import warnings
+    p2 = eng.place_params(decoding.EngineParams(target=tp, draft=sp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = {r.index: r.tokens for results, _ in decoding.generate_batched(
+            eng, p2, prompts, samplings["greedy"], jax.random.key(7), batch_size=8) for r in results}
+    ref = decoding.Engine(target, setups["model"][0], gen).run(
+        decoding.EngineParams(target=tp, draft=sp), samplings["greedy"], batch).generated()
+    assert got == dict(enumerate(ref)), (got, ref)
     print("OK", checked)
 """)
 

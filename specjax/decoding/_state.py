@@ -193,6 +193,10 @@ class Prefill:
         prefill = self
         if prefill.target != target:
             raise ValueError("this prefill was made with a different target model than the engine's")
+        if any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in jax.tree.leaves((prefill.target_cache, prefill.draft_state, prefill.features_BSF))):
+            raise ValueError("this prefill was consumed by an earlier run (run(consume_prefill=True) takes its "
+                             "buffers over); make another with engine.prefill(params, batch)")
         b = prefill.batch
         if b is not batch and (b.capacity != batch.capacity
                                or np.shape(b.prompt_BP) != np.shape(batch.prompt_BP)
