@@ -65,8 +65,10 @@ def test_stages_shards_and_report(tiny_generator, tmp_path):
     m = json.loads((tmp_path / "instructions" / "manifest.json").read_text())
     first = sorted(m["shards"])[0]
     del m["shards"][first]["generation"]
+    second = sorted(m["shards"])[1]
+    m["shards"][second]["generation"] = {"new_tokens": 5}          # a damaged record: not summed
     (rec,) = distill._datagen.recorded_throughput(m)
-    assert rec["shards_unrecorded"] == 1 and rec["shards"] == len(m["shards"]) - 1
+    assert rec["shards_unrecorded"] == 2 and rec["shards"] == len(m["shards"]) - 2
 
 
 def _assert_generation_recorded(workdir, report, rows):

@@ -110,3 +110,13 @@ def test_a_finished_point_exports_its_head_with_its_data_and_evaluation(curve, t
     with pytest.raises(ValueError, match="budget_tokens"):
         run.export_point(other, "eagle3", 900, tmp_path / "other", log=lambda m: None)
     assert not (tmp_path / "other").exists()
+    # a damaged record is named, and nothing is written
+    final = wd / "final.json"
+    kept = final.read_bytes()
+    final.write_text("{not json")
+    try:
+        with pytest.raises(ValueError, match="final.json: unreadable"):
+            run.export_point(c, "eagle3", 900, tmp_path / "damaged", log=lambda m: None)
+    finally:
+        final.write_bytes(kept)
+    assert not (tmp_path / "damaged").exists()

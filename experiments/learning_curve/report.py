@@ -46,8 +46,11 @@ def fit(points: list[dict]) -> dict | None:
 def _error_note(recs: list[dict]) -> str:
     """How far the held-out agreement at k = 1 may move by chance: its binomial standard error
     sqrt(a (1 - a) / n) over the n evaluated tokens, the largest among the points."""
-    errs = [(math.sqrt(a * (1 - a) / n), n) for r in recs if r["eval"]
-            for a, n in [(r["eval"].get("greedy_agreement_step1"), r["eval"].get("eval_tokens"))] if a is not None and n]
+    errs = []
+    for r in recs:
+        a, n = (r["eval"] or {}).get("greedy_agreement_step1"), (r["eval"] or {}).get("eval_tokens")
+        if a is not None and n:
+            errs.append((math.sqrt(a * (1 - a) / n), n))
     if not errs:
         return "Evaluation: no evaluated points."
     se, n = max(errs)

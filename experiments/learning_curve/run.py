@@ -100,6 +100,13 @@ def run(c, log=print) -> list[dict]:
 EXPORT_ONLY_KEYS = ("export_dir", "progress", "head.feature_cache")
 
 
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e}); the point's record is damaged, run it again") from None
+
+
 def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) -> dict:
     """Export the head of a finished point (its workdir's last checkpoint) to ``dest``, in the
     format `experiments.heads.ship` takes, with the point's data tokens, training tokens and
@@ -120,8 +127,8 @@ def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) 
     if (dest / "head.json").exists() and not force:
         raise ValueError(f"{dest} already holds a head (head.json); choose another directory or force")
     h = point_config(c, kind, size)
-    final = json.loads((workdir / "final.json").read_text())
-    stored = distill.flatten(distill.distill_settings(json.loads((workdir / "config.json").read_text())).to_dict())
+    final, stored = (_read_json(workdir / name) for name in ("final.json", "config.json"))
+    stored = distill.flatten(distill.distill_settings(stored).to_dict())
     wanted = distill.flatten(distill.distill_settings(h).to_dict())
     diff = sorted(k for k in set(stored) | set(wanted)
                   if stored.get(k) != wanted.get(k) and not k.startswith(EXPORT_ONLY_KEYS))

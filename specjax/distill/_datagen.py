@@ -328,6 +328,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+GENERATION_KEYS = ("new_tokens", "prompt_tokens", "seconds")     # summed over a stage's recorded shards
+
+
 def recorded_throughput(manifest: dict) -> list[dict]:
     """Generation throughput of a stage from its manifest, per (CPU, backend): the shards whose
     entries record their generation (``generation``: new and prompt tokens, seconds, batches,
@@ -339,11 +342,11 @@ def recorded_throughput(manifest: dict) -> list[dict]:
             "cpu": e.get("cpu", "?"), "backend": e.get("backend", "?"), "shards": 0, "shards_unrecorded": 0,
             "new_tokens": 0, "prompt_tokens": 0, "seconds": 0.0, "max_rows": 0})
         made = e.get("generation")
-        if not made:
-            g["shards_unrecorded"] += 1
+        if not isinstance(made, dict) or not all(isinstance(made.get(k), (int, float)) for k in GENERATION_KEYS):
+            g["shards_unrecorded"] += 1          # older entries (or a hand-edited one): nothing to sum
             continue
         g["shards"] += 1
-        for k in ("new_tokens", "prompt_tokens", "seconds"):
+        for k in GENERATION_KEYS:
             g[k] += made[k]
         g["max_rows"] = max(g["max_rows"], int(made.get("max_rows", 0)))
     for g in groups.values():
