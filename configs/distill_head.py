@@ -36,8 +36,7 @@ def get_config():
                                         # `specjax.distill.noisy_features`), a = this
     c.head.num_heads = 4                # Medusa heads
     c.head.input_norm = True            # EAGLE kinds (Medusa ignores it): RMS-normalize the embedding and the
-                                        # feature before fc (held-out agreement 0.23 -> 0.29 for EAGLE at 280k
-                                        # tokens, experiments/heads/results/TRAINING.md)
+                                        # feature before fc (its effect: experiments/heads/results/TRAINING.md)
     c.head.feature_layers = ()          # () = the kind's default (EAGLE-3: low, middle, high; else the last)
     c.head.feature_cache = "float32"    # features computed once per data set, stored beside it ('' = a target
                                         # forward in every step; 'float16' halves the file)

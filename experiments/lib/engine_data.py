@@ -3,8 +3,8 @@
 
 CORPUS = "experiments/data_engine/corpus"       # `specjax data --workdir` of the committed corpus
 
-# Length buckets of the answer shards' batches: finer than configs/distill_head.py's (the answers
-# are 100-600 tokens), so a step spends more of its positions on loss tokens.
+# Length buckets of the answer shards' batches: finer than configs/distill_head.py's, so a step
+# spends more of its positions on loss tokens (measured in experiments/learning_curve/README.md).
 WIDTHS = (128, 256, 384, 512, 640, 768, 1024)
 WINDOW = 8                                       # shards shuffled together
 
