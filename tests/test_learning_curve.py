@@ -120,3 +120,45 @@ def test_a_finished_point_exports_its_head_with_its_data_and_evaluation(curve, t
     finally:
         final.write_bytes(kept)
     assert not (tmp_path / "damaged").exists()
+
+
+def _summary(kind, input_norm, tokens, agreement, data=None, shards=0.0, noise=0.0, greedy=1):
+    ev = {"greedy_agreement_step1": agreement, "greedy_agreement_step2": agreement / 2,
+          "greedy_agreement_step3": agreement / 3, "alpha_t1": agreement, "eval_tokens": 100,
+          "greedy_tokens_per_pass_g1": 1 + agreement, "greedy_tokens_per_pass_g2": 1 + agreement / 2}
+    s = {"tokens": tokens, "eval": ev, "draft": {"kind": kind, "input_norm": input_norm}}
+    if data is not None:
+        s["data_loss_tokens"] = {"target": data}
+    cfg = {"target": "t", "dtype": "float32", "seed": 0, "head": {"feature_noise": noise},
+           "data": {"greedy_samples": greedy, "sampled_samples": 2, "temperature": 1.0, "max_new_tokens": 8,
+                    "widths": [32], "shards": {"weight": shards, "dirs": ["a"]}}}
+    return {"summary": s, "provenance": {"config": cfg, "command": "x"}}
+
+
+def test_the_report_sets_the_spec_bench_split_heads_beside_the_curve(tmp_path):
+    """The report's scale section lists the EAGLE heads with input norms trained on the Spec-Bench
+    split alone (data tokens taken from a run of the same data settings when a summary predates
+    that record), ordered by (data, training tokens); other kinds, heads without input norms and
+    heads trained on shards are left out."""
+    ev = {"greedy_agreement_step1": 0.3, "greedy_agreement_step2": 0.2, "greedy_agreement_step3": 0.1,
+          "alpha_t1": 0.3, "eval_tokens": 100, "greedy_tokens_per_pass_g1": 1.3}
+    rec = {"kind": "point", "kind_of_head": "eagle", "size": 1000, "series": "", "data_loss_tokens": 1000,
+           "train_tokens": 1000, "wall_s": 60.0, "train_tokens_per_s": 16.7, "eval": ev,
+           "provenance": {"command": "c", "git_commit": "abc"}}
+    (tmp_path / "learning_curve.jsonl").write_text(json.dumps(rec) + "\n")
+    runs = {"norm-big": _summary("eagle", True, 9000, 0.38),                 # data from "norm-rec" (same settings)
+            "norm-rec": _summary("eagle", True, 2000, 0.29, data=500),
+            "norm-small": _summary("eagle", True, 9000, 0.32, data=200, greedy=2, noise=0.5),
+            "plain": _summary("eagle", False, 9000, 0.28, data=500),
+            "three": _summary("eagle3", True, 9000, 0.27, data=500),
+            "shards": _summary("eagle", True, 9000, 0.5, data=5000, shards=1.0)}
+    for name, run_ in runs.items():
+        (tmp_path / f"train-{name}.json").write_text(json.dumps(run_))
+    refs = report.reference_runs(tmp_path)
+    assert [(r["name"], r["data_loss_tokens"], r["train_tokens"]) for r in refs] == [
+        ("norm-small", 200, 9000), ("norm-rec", 500, 2000), ("norm-big", 500, 9000)]
+    text = report.write(tmp_path / "learning_curve.jsonl").read_text()
+    section = text.split("## For scale")[1]
+    assert "| norm-big | 500 | 9,000 | 0.380 |" in section
+    assert "| norm-small (feature noise 0.5) | 200 | 9,000 | 0.320 |" in section
+    assert "plain" not in section and "three" not in section and "| shards" not in section

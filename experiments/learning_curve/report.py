@@ -7,6 +7,12 @@ held-out greedy agreement at steps 1..3, alpha at T = 1, simulated chain tokens 
 best gamma; then per kind the least-squares fit agreement_1 = a + b log2(data tokens) and the
 data it puts at agreement 0.6) and ``learning_curve.png`` (agreement at steps 1..3 and chain
 tokens per pass against data tokens, log axis).
+
+Beside the curve, for scale, the EAGLE heads with input norms that `experiments.heads.train`
+trained on the target's own Spec-Bench training-split continuations (its summaries
+``train-*.json`` in the JSONL's folder, the shipped head's recipe): the same evaluation at other
+data sizes and several training budgets, so that the effect of training tokens at fixed data can
+be read beside the curve's one-pass points.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import sys
 
 import numpy as np
 
+from experiments.heads import training_report
 from experiments.lib import toolkit
 
 DEFAULT = "experiments/heads/results/learning_curve.jsonl"
@@ -59,6 +66,43 @@ def _error_note(recs: list[dict]) -> str:
             "correlated, so the true spread is somewhat larger): differences of 2 x that or less are noise.")
 
 
+def reference_runs(folder: pathlib.Path) -> list[dict]:
+    """The EAGLE runs with input norms among `folder`'s training summaries that trained on the
+    target's Spec-Bench training-split continuations only (no streamed shards), with their data
+    tokens (`training_report.data_tokens`) and last held-out evaluation, by (data, training tokens)."""
+    paths = sorted(pathlib.Path(folder).glob("train-*.json"))
+    runs = {q.stem.removeprefix("train-"): training_report._read(q) for q in paths}
+    sizes = training_report.data_tokens(runs)
+    out = []
+    for name, run in runs.items():
+        s, cfg = run["summary"], run["provenance"].get("config", {})
+        d, shards = s.get("draft") or {}, (cfg.get("data") or {}).get("shards") or {}
+        if d.get("kind") != "eagle" or not d.get("input_norm") or shards.get("weight", 0) > 0 or not s.get("eval"):
+            continue
+        out.append({"name": name, "data_loss_tokens": sizes[name][0], "train_tokens": s["tokens"], "eval": s["eval"],
+                    "feature_noise": (cfg.get("head") or {}).get("feature_noise", 0.0)})
+    return sorted(out, key=lambda r: (r["data_loss_tokens"] or 0, r["train_tokens"]))
+
+
+def _reference_lines(refs: list[dict]) -> list[str]:
+    if not refs:
+        return []
+    rows = []
+    for r in refs:
+        ev = r["eval"]
+        chain, g = _best_chain(ev)
+        rows.append([r["name"] + (f" (feature noise {r['feature_noise']})" if r["feature_noise"] else ""),
+                     "?" if r["data_loss_tokens"] is None else f"{r['data_loss_tokens']:,}", f"{r['train_tokens']:,}",
+                     *(toolkit.fmt(ev.get(f"greedy_agreement_step{k}"), 3) for k in (1, 2, 3)),
+                     toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})"])
+    return ["## For scale: EAGLE on the Spec-Bench training split", "",
+            "The same evaluation of the EAGLE heads with input norms trained by `experiments.heads.train` on the "
+            "target's continuations of the Spec-Bench training split alone (the shipped head's data; "
+            "`TRAINING.md` has their commands): the same data at several training budgets.", "",
+            toolkit.table(["run", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
+                           "chain tokens / pass"], rows), ""]
+
+
 def write(path=DEFAULT) -> pathlib.Path:
     path = pathlib.Path(path)
     recs = [r for r in toolkit.read_jsonl(path) if r.get("kind") == "point"]
@@ -99,10 +143,12 @@ def write(path=DEFAULT) -> pathlib.Path:
             need = ("not reached (b <= 0, or beyond 2^64 tokens)" if f["tokens_for_aim"] is None
                     else f"{f['tokens_for_aim']:,.0f} tokens")
             lines.append(f"- {k}: a = {f['a']:.3f}, b = {f['b_per_doubling']:+.4f} per doubling; {AIM}: {need}")
+    refs = reference_runs(path.parent)
+    lines += ["", *_reference_lines(refs)]
     md = path.with_name("learning_curve.md")
     md.write_text("\n".join(lines) + "\n")
     plt = toolkit.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 5))
     for k in kinds:
         pts = [r for r in recs if r["label"] == k and r["eval"]]
         x = [p["data_loss_tokens"] for p in pts]
@@ -110,12 +156,21 @@ def write(path=DEFAULT) -> pathlib.Path:
             ax1.plot(x, [p["eval"].get(f"greedy_agreement_step{step}", math.nan) for p in pts], style,
                      label=f"{k} k={step}")
         ax2.plot(x, [_best_chain(p["eval"])[0] for p in pts], "-o", label=k)
+    refs = [r for r in refs if r["data_loss_tokens"]]
+    if refs:    # the Spec-Bench-split heads, each labelled with its training tokens
+        x = [r["data_loss_tokens"] for r in refs]
+        ax1.plot(x, [r["eval"]["greedy_agreement_step1"] for r in refs], "kx", label="Spec-Bench split, k=1")
+        ax2.plot(x, [_best_chain(r["eval"])[0] for r in refs], "kx", label="Spec-Bench split")
+        for r in refs:
+            for ax, y in ((ax1, r["eval"]["greedy_agreement_step1"]), (ax2, _best_chain(r["eval"])[0])):
+                ax.annotate(f"{r['train_tokens'] / 1e6:.1f}M", (r["data_loss_tokens"], y), fontsize=6,
+                            textcoords="offset points", xytext=(4, -3))
     for ax, ylabel in ((ax1, "held-out greedy agreement"), (ax2, "chain tokens / target pass (best gamma)")):
         ax.set_xscale("log")
         ax.set_xlabel("data (loss tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
     fig.suptitle(f"Feature heads on SmolLM2-135M-Instruct data, {toolkit.run_caption(prov)}", fontsize=9)
     toolkit.save_figure(fig, path.with_name("learning_curve.png"))
     print(f"wrote {md} and {path.with_name('learning_curve.png')}")
