@@ -20,7 +20,7 @@ def get_config(variant: str = ""):
     # follow-up turns are left to the shipped head, so the curve's nested sizes are fixed once
     # these two stages are complete).
     c.shard_dirs = engine_data.stage_dirs("responses_greedy", "responses_sampled")
-    c.sizes = (150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
+    c.sizes = (60_000, 150_000, 400_000, 1_000_000, 2_200_000)   # loss tokens of data per point (log-spaced)
     c.kinds = ("eagle", "eagle3")
     c.feature_kinds = ("eagle", "eagle3")   # kinds whose layers each size's feature cache holds (filled in one
                                          # target pass per shard, whichever kinds this run trains)
