@@ -583,6 +583,12 @@ def test_streamed_shards_cache_their_features_once_and_train_as_online(toy_pair,
     assert layers == ({L - 1} if kind == "eagle" else {1, 0, L - 1} | {L // 2 - 1})        # the kind's + the last
     assert not list((tmp_path / "cache").rglob("*.partial*"))
     assert any("shard features: shard" in m for m in runs["cached"][1])
+    # the fill says up front what it will compute and, after each shard, what is left
+    plan = [m for m in runs["cached"][1] if "shards to compute" in m]
+    shard_lines = [m for m in runs["cached"][1] if "shard features: shard" in m]
+    assert len(plan) == 1 and shard_lines[-1].endswith(" 0:00 left")
+    total = plan[0].rsplit(", ", 1)[1].removesuffix(" positions")
+    assert f"{total}/{total} positions" in shard_lines[-1]
     assert not any("shard features: shard" in m for m in runs["again"][1])
     assert any("features cached in" in m for m in runs["again"][1])
     np.testing.assert_allclose(runs["cached"][0], runs["online"][0], rtol=1e-4)

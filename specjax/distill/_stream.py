@@ -213,6 +213,12 @@ class ShardStream:
         return counts
 
 
+def _clock(seconds: float) -> str:
+    """``h:mm`` of a duration (an estimate for a log line)."""
+    m = int(round(seconds / 60))
+    return f"{m // 60}:{m % 60:02d}"
+
+
 class ShardFeatures:
     """The target's residual stream after each of ``layers`` (and after its last layer, the
     teacher's input) at every position of a `ShardStream`'s sequences, cut at its widest width:
@@ -269,6 +275,9 @@ class ShardFeatures:
         self.dir.mkdir(parents=True, exist_ok=True)
         done = 0
         gaps = self.missing(layers)
+        total = sum(int(self._offsets[s][-1]) for s in gaps)
+        if log and gaps:
+            log(f"shard features: {len(gaps)} shards to compute, {total:,} positions")
         t0 = time.perf_counter()
         for n, (s, todo) in enumerate(gaps.items()):
             D, P = self.hidden_size, int(self._offsets[s][-1])
@@ -287,8 +296,9 @@ class ShardFeatures:
                 raise
             done += P
             if log:
+                rate = done / (time.perf_counter() - t0)
                 log(f"shard features: shard {n + 1}/{len(gaps)} ({self.stream.shards[s][1]}, layers {todo}), "
-                    f"{done / (time.perf_counter() - t0):.0f} positions/s")
+                    f"{rate:.0f} positions/s; {done:,}/{total:,} positions, {_clock((total - done) / rate)} left")
         return done
 
     def _compute_shard(self, s: int, todo: list[int], tmps: dict, forward, params, tokens_per_batch: int, n: int,
