@@ -162,3 +162,26 @@ def test_the_report_sets_the_spec_bench_split_heads_beside_the_curve(tmp_path):
     assert "| norm-big | 500 | 9,000 | 0.380 |" in section
     assert "| norm-small (feature noise 0.5) | 200 | 9,000 | 0.320 |" in section
     assert "plain" not in section and "three" not in section and "| shards" not in section
+
+
+def test_the_fit_gives_the_slope_error_and_the_aims_data_either_side():
+    """On an exact line the slope's standard error is 0 and the data for 0.6 is where the line
+    crosses it (2^20 tokens here), on both sides; on noisy points the error is scipy's linregress
+    stderr, and a steeper slope needs less data."""
+    from scipy import stats
+
+    def pts(ys):
+        return [{"data_loss_tokens": 2 ** (10 + i), "eval": {"greedy_agreement_step1": y}} for i, y in enumerate(ys)]
+
+    exact = report.fit(pts([0.10, 0.15, 0.20, 0.25]))
+    assert exact["b_per_doubling"] == pytest.approx(0.05) and exact["b_se"] == pytest.approx(0.0, abs=1e-12)
+    assert exact["tokens_for_aim"] == pytest.approx(2 ** 20, rel=1e-6)
+    assert exact["tokens_for_aim_range"] == pytest.approx((2 ** 20, 2 ** 20), rel=1e-6)
+    ys = [0.245, 0.270, 0.270, 0.322]
+    noisy = report.fit(pts(ys))
+    ref = stats.linregress(range(10, 14), ys)
+    assert noisy["b_per_doubling"] == pytest.approx(ref.slope) and noisy["b_se"] == pytest.approx(ref.stderr)
+    lo, hi = noisy["tokens_for_aim_range"]
+    assert lo < noisy["tokens_for_aim"] < hi
+    assert report.fit(pts([0.3, 0.2, 0.1]))["tokens_for_aim"] is None       # falling: never
+    assert "b_se" not in report.fit(pts([0.1, 0.2]))                          # two points: no error

@@ -4,8 +4,9 @@
 
 Writes beside the JSONL: ``learning_curve.md`` (one row per point: data tokens, training tokens,
 held-out greedy agreement at steps 1..3, alpha at T = 1, simulated chain tokens per pass at the
-best gamma; then per kind the least-squares fit agreement_1 = a + b log2(data tokens) and the
-data it puts at agreement 0.6) and ``learning_curve.png`` (agreement at steps 1..3 and chain
+best gamma; then per kind the least-squares fit agreement_1 = a + b log2(data tokens), the
+slope's standard error from the residuals, and the data it puts at agreement 0.6, also at the
+slope one standard error either side) and ``learning_curve.png`` (agreement at steps 1..3 and chain
 tokens per pass against data tokens, log axis).
 
 Beside the curve, for scale, the EAGLE heads with input norms that `experiments.heads.train`
@@ -45,9 +46,26 @@ def fit(points: list[dict]) -> dict | None:
     if len(set(xs.tolist())) < 2:
         return None
     b, a = np.polyfit(xs, ys, 1)
-    doublings = (AIM - a) / b if b > 0 else math.inf
-    need = 2.0 ** doublings if doublings < 64 else None       # None: not reached by 2^64 tokens (or b <= 0)
-    return {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": need}
+    out = {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": _tokens_for(a, b, xs, ys, b)}
+    if len(xs) >= 3:    # the slope's standard error (residuals over n - 2), and the aim's data at b -/+ 1 SE
+        res = ys - (a + b * xs)
+        se = math.sqrt(float(res @ res) / (len(xs) - 2) / float(((xs - xs.mean()) ** 2).sum()))
+        out["b_se"] = se
+        out["tokens_for_aim_range"] = (_tokens_for(a, b, xs, ys, b + se), _tokens_for(a, b, xs, ys, b - se))
+    return out
+
+
+def _tokens_for(a: float, b: float, xs, ys, slope: float) -> float | None:
+    """Data tokens at which the line of slope `slope` through the fit's centre (mean log2 data,
+    mean agreement) reaches `AIM`; None when it never does (slope <= 0) or beyond 2^64 tokens."""
+    if slope <= 0:
+        return None
+    doublings = xs.mean() + (AIM - ys.mean()) / slope
+    return 2.0 ** doublings if doublings < 64 else None
+
+
+def _tokens_text(n: float | None) -> str:
+    return "never" if n is None else f"{n:.1e} tokens"
 
 
 def _error_note(recs: list[dict]) -> str:
@@ -142,7 +160,12 @@ def write(path=DEFAULT) -> pathlib.Path:
         else:
             need = ("not reached (b <= 0, or beyond 2^64 tokens)" if f["tokens_for_aim"] is None
                     else f"{f['tokens_for_aim']:,.0f} tokens")
-            lines.append(f"- {k}: a = {f['a']:.3f}, b = {f['b_per_doubling']:+.4f} per doubling; {AIM}: {need}")
+            se = f" ± {f['b_se']:.4f}" if "b_se" in f else ""
+            span = ""
+            if "tokens_for_aim_range" in f:
+                lo, hi = f["tokens_for_aim_range"]
+                span = (f" (slope ± 1 SE: {_tokens_text(lo)} to {_tokens_text(hi)})")
+            lines.append(f"- {k}: a = {f['a']:.3f}, b = {f['b_per_doubling']:+.4f}{se} per doubling; {AIM}: {need}{span}")
     refs = reference_runs(path.parent)
     lines += ["", *_reference_lines(refs)]
     md = path.with_name("learning_curve.md")
