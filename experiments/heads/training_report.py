@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from experiments.lib import toolkit
+from experiments.lib.head_runs import DATA_DEFAULTS, data_tokens, read_summary
 
 ORDER = ("eagle3", "eagle", "medusa")
 
@@ -56,45 +57,6 @@ def generalization(jsonl: pathlib.Path) -> list[list]:
     return rows
 
 
-# The settings the target's training data is generated and cached under (`specjax.distill`'s
-# target data: its cache key), with that code's defaults for keys older configs lack.
-DATA_SETTINGS = ("target", "dtype", "seed", "data.greedy_samples", "data.sampled_samples", "data.temperature",
-                 "data.second_turns", "data.max_new_tokens", "data.widths", "data.max_prompt_tokens",
-                 "data.per_category", "data.target_weight")
-DATA_DEFAULTS = {"data.second_turns": False, "data.max_prompt_tokens": 0, "data.per_category": 0,
-                 "data.target_weight": 1.0}
-
-
-def data_settings(config: dict) -> tuple | None:
-    """The run's `DATA_SETTINGS` values, or None when its config lacks one without a default."""
-    out = []
-    for key in DATA_SETTINGS:
-        node = config
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        node = DATA_DEFAULTS.get(key) if node is None else node
-        if node is None:
-            return None
-        out.append(json.dumps(node, sort_keys=True))
-    sh = (config.get("data") or {}).get("shards") or {}
-    out.append(json.dumps(list(sh.get("dirs", ())) if sh.get("weight", 0) > 0 else []))   # streamed shards, if any
-    return tuple(out)
-
-
-def data_tokens(runs: dict) -> dict:
-    """{run: (target loss tokens of its training data, the run they were recorded by)}: the run's
-    own record, else that of a run with the same `data_settings` (whose data is the same cached
-    set), else (None, None)."""
-    own = {name: (sum(run["summary"]["data_loss_tokens"].values()) if run["summary"].get("data_loss_tokens") else None,
-                  data_settings(run["provenance"].get("config", {}))) for name, run in runs.items()}
-    recorded = {}
-    for name, (size, key) in own.items():
-        if size is not None and key is not None:
-            recorded.setdefault(key, (size, name))
-    return {name: (size, name) if size is not None else recorded.get(key, (None, None))
-            for name, (size, key) in own.items()}
-
-
 def data_mix(config: dict) -> str:
     """'greedy/sampled/second turns' continuations per train prompt ('?' where the config lacks
     it) when the run trained on the target's Spec-Bench data, and the data engine's shard
@@ -110,19 +72,8 @@ def data_mix(config: dict) -> str:
     return "; ".join(parts) or "–"
 
 
-def _read(path: pathlib.Path) -> dict:
-    try:
-        run = json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(run, dict) or not {"summary", "provenance"} <= run.keys():
-        raise ValueError(f"{path}: not a training summary written by experiments.heads.train "
-                         f"(no 'summary' and 'provenance')")
-    return run
-
-
 def render(results_dir: pathlib.Path) -> str:
-    runs = {p.stem.removeprefix("train-"): _read(p) for p in sorted(results_dir.glob("train-*.json"))}
+    runs = {p.stem.removeprefix("train-"): read_summary(p) for p in sorted(results_dir.glob("train-*.json"))}
     sizes = data_tokens(runs)
     kinds = [k for k in ORDER if k in runs] + sorted(set(runs) - set(ORDER))
     rows, notes = [], []

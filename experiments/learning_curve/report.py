@@ -24,8 +24,7 @@ import sys
 
 import numpy as np
 
-from experiments.heads import training_report
-from experiments.lib import toolkit
+from experiments.lib import head_runs, toolkit
 
 DEFAULT = "experiments/heads/results/learning_curve.jsonl"
 AIM = 0.6
@@ -87,10 +86,10 @@ def _error_note(recs: list[dict]) -> str:
 def reference_runs(folder: pathlib.Path) -> list[dict]:
     """The EAGLE runs with input norms among `folder`'s training summaries that trained on the
     target's Spec-Bench training-split continuations only (no streamed shards), with their data
-    tokens (`training_report.data_tokens`) and last held-out evaluation, by (data, training tokens)."""
+    tokens (`head_runs.data_tokens`) and last held-out evaluation, by (data, training tokens)."""
     paths = sorted(pathlib.Path(folder).glob("train-*.json"))
-    runs = {q.stem.removeprefix("train-"): training_report._read(q) for q in paths}
-    sizes = training_report.data_tokens(runs)
+    runs = {q.stem.removeprefix("train-"): head_runs.read_summary(q) for q in paths}
+    sizes = head_runs.data_tokens(runs)
     out = []
     for name, run in runs.items():
         s, cfg = run["summary"], run["provenance"].get("config", {})
