@@ -145,13 +145,16 @@ def test_the_report_sets_the_spec_bench_split_heads_beside_the_curve(tmp_path):
     rec = {"kind": "point", "kind_of_head": "eagle", "size": 1000, "series": "", "data_loss_tokens": 1000,
            "train_tokens": 1000, "wall_s": 60.0, "train_tokens_per_s": 16.7, "eval": ev,
            "provenance": {"command": "c", "git_commit": "abc"}}
-    (tmp_path / "learning_curve.jsonl").write_text(json.dumps(rec) + "\n")
+    rec2 = dict(rec, size=400, data_loss_tokens=400, provenance={"command": "c --sizes=(400,)", "git_commit": "abc"})
+    (tmp_path / "learning_curve.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec2) + "\n")
     runs = {"norm-big": _summary("eagle", True, 9000, 0.38),                 # data from "norm-rec" (same settings)
             "norm-rec": _summary("eagle", True, 2000, 0.29, data=500),
             "norm-small": _summary("eagle", True, 9000, 0.32, data=200, greedy=2, noise=0.5),
             "plain": _summary("eagle", False, 9000, 0.28, data=500),
             "three": _summary("eagle3", True, 9000, 0.27, data=500),
-            "shards": _summary("eagle", True, 9000, 0.5, data=5000, shards=1.0)}
+            "shards": _summary("eagle", True, 9000, 0.5, data=5000, shards=1.0),
+            "no-eval": _summary("eagle", True, 9000, 0.4, data=500)}
+    runs["no-eval"]["summary"]["eval"] = {"eval_tokens": 100}        # stopped before its evaluation
     for name, run_ in runs.items():
         (tmp_path / f"train-{name}.json").write_text(json.dumps(run_))
     refs = report.reference_runs(tmp_path)
@@ -161,7 +164,9 @@ def test_the_report_sets_the_spec_bench_split_heads_beside_the_curve(tmp_path):
     section = text.split("## For scale")[1]
     assert "| norm-big | 500 | 9,000 | 0.380 |" in section
     assert "| norm-small (feature noise 0.5) | 200 | 9,000 | 0.320 |" in section
-    assert "plain" not in section and "three" not in section and "| shards" not in section
+    assert "plain" not in section and "three" not in section and "| shards" not in section and "no-eval" not in section
+    # each point's own command, with the sizes it made
+    assert "- eagle (400): `c --sizes=(400,)`" in text and "- eagle (1,000): `c`" in text
 
 
 def test_the_fit_gives_the_slope_error_and_the_aims_data_either_side():

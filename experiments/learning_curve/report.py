@@ -45,18 +45,18 @@ def fit(points: list[dict]) -> dict | None:
     if len(set(xs.tolist())) < 2:
         return None
     b, a = np.polyfit(xs, ys, 1)
-    out = {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": _tokens_for(a, b, xs, ys, b)}
+    out = {"a": float(a), "b_per_doubling": float(b), "tokens_for_aim": _tokens_for(xs, ys, b)}
     if len(xs) >= 3:    # the slope's standard error (residuals over n - 2), and the aim's data at b -/+ 1 SE
         res = ys - (a + b * xs)
         se = math.sqrt(float(res @ res) / (len(xs) - 2) / float(((xs - xs.mean()) ** 2).sum()))
         out["b_se"] = se
-        out["tokens_for_aim_range"] = (_tokens_for(a, b, xs, ys, b + se), _tokens_for(a, b, xs, ys, b - se))
+        out["tokens_for_aim_range"] = (_tokens_for(xs, ys, b + se), _tokens_for(xs, ys, b - se))
     return out
 
 
-def _tokens_for(a: float, b: float, xs, ys, slope: float) -> float | None:
+def _tokens_for(xs, ys, slope: float) -> float | None:
     """Data tokens at which the line of slope `slope` through the fit's centre (mean log2 data,
-    mean agreement) reaches `AIM`; None when it never does (slope <= 0) or beyond 2^64 tokens."""
+    mean agreement; the least-squares line passes through it) reaches `AIM`; None when it never does (slope <= 0) or beyond 2^64 tokens."""
     if slope <= 0:
         return None
     doublings = xs.mean() + (AIM - ys.mean()) / slope
@@ -65,6 +65,19 @@ def _tokens_for(a: float, b: float, xs, ys, slope: float) -> float | None:
 
 def _tokens_text(n: float | None) -> str:
     return "never" if n is None else f"{n:.1e} tokens"
+
+
+def _command_lines(recs: list[dict], kinds: list[str]) -> list[str]:
+    """Per curve, each distinct command its points were made by, with the data sizes it made
+    (a point made under a size override is reproduced by its own command, not the curve's last)."""
+    lines = []
+    for k in kinds:
+        made: dict[str, list[int]] = {}
+        for r in recs:
+            if r["label"] == k:
+                made.setdefault((r.get("provenance") or {}).get("command", "?"), []).append(r["data_loss_tokens"])
+        lines += [f"- {k} ({', '.join(f'{n:,}' for n in sizes)}): `{cmd}`" for cmd, sizes in made.items()]
+    return lines
 
 
 def _error_note(recs: list[dict]) -> str:
@@ -94,8 +107,12 @@ def reference_runs(folder: pathlib.Path) -> list[dict]:
     for name, run in runs.items():
         s, cfg = run["summary"], run["provenance"].get("config", {})
         d, shards = s.get("draft") or {}, (cfg.get("data") or {}).get("shards") or {}
-        if d.get("kind") != "eagle" or not d.get("input_norm") or shards.get("weight", 0) > 0 or not s.get("eval"):
+        ev = s.get("eval") or {}
+        if d.get("kind") != "eagle" or not d.get("input_norm") or shards.get("weight", 0) > 0:
             continue
+        if "greedy_agreement_step1" not in ev or not any(k.startswith("greedy_tokens_per_pass_g") for k in ev) \
+                or "tokens" not in s:
+            continue        # no held-out evaluation (or an older summary without its chain): nothing to set beside
         out.append({"name": name, "data_loss_tokens": sizes[name][0], "train_tokens": s["tokens"], "eval": s["eval"],
                     "feature_noise": (cfg.get("head") or {}).get("feature_noise", 0.0)})
     return sorted(out, key=lambda r: (r["data_loss_tokens"] or 0, r["train_tokens"]))
@@ -150,7 +167,7 @@ def write(path=DEFAULT) -> pathlib.Path:
              "other jobs; commit: the code it ran (+: with uncommitted changes).", "",
              _error_note(recs), "",
              "Commands:", "",
-             *[f"- {k}: `{[r for r in recs if r['label'] == k][-1]['provenance'].get('command', '?')}`" for k in kinds],
+             *_command_lines(recs, kinds),
              "",
              f"Fit per kind, agreement at k = 1 = a + b log2(data tokens); data for {AIM}:", ""]
     for k, f in fits.items():

@@ -47,8 +47,9 @@ def data_tokens(runs: dict) -> dict:
             for name, (size, key) in own.items()}
 
 
-
 def read_summary(path: pathlib.Path) -> dict:
+    """A ``train-<name>.json`` summary; ValueError naming the file when it is not valid JSON or
+    lacks 'summary' and 'provenance'."""
     try:
         run = json.loads(path.read_text())
     except ValueError as err:
