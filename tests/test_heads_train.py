@@ -6,6 +6,7 @@ A tiny random target (vocabulary 64, 3 layers) written as an HF checkpoint, fixe
 (`_distill_toy`)."""
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -587,6 +588,9 @@ def test_streamed_shards_cache_their_features_once_and_train_as_online(toy_pair,
     plan = [m for m in runs["cached"][1] if "shards to compute" in m]
     shard_lines = [m for m in runs["cached"][1] if "shard features: shard" in m]
     assert len(plan) == 1 and shard_lines[-1].endswith(" 0:00 left")
+    # each shard named with its directory (two directories hold shards of the same file name)
+    named = [m.split("(", 1)[1].split(",", 1)[0] for m in shard_lines]
+    assert len(set(named)) == len(named) and {n.split("/")[0] for n in named} == {pathlib.Path(d).name for d in dirs}
     total = plan[0].rsplit(", ", 1)[1].removesuffix(" positions")
     assert f"{total}/{total} positions" in shard_lines[-1]
     assert not any("shard features: shard" in m for m in runs["again"][1])

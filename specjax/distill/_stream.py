@@ -297,7 +297,8 @@ class ShardFeatures:
             done += P
             if log:
                 rate = done / (time.perf_counter() - t0)
-                log(f"shard features: shard {n + 1}/{len(gaps)} ({self.stream.shards[s][1]}, layers {todo}), "
+                di, name = self.stream.shards[s]
+                log(f"shard features: shard {n + 1}/{len(gaps)} ({self.stream.dirs[di].name}/{name}, layers {todo}), "
                     f"{rate:.0f} positions/s; {done:,}/{total:,} positions, {_clock((total - done) / rate)} left")
         return done
 
