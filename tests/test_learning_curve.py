@@ -122,6 +122,34 @@ def test_a_finished_point_exports_its_head_with_its_data_and_evaluation(curve, t
     assert not (tmp_path / "damaged").exists()
 
 
+def test_an_exported_point_gets_a_training_summary_and_its_row_in_the_heads_table(curve, tmp_path):
+    """`run.write_summary` writes a finished point's summary as experiments.heads.train does:
+    the heads' training table gives it a row with its shards, data tokens and evaluation, and
+    the curve's report does not mistake it for a Spec-Bench-split reference head; an existing
+    summary is not overwritten, a point without a record is refused by name."""
+    from experiments.heads import training_report
+    c, recs = curve
+    rec = next(r for r in recs if (r["kind_of_head"], r["size"]) == ("eagle", 900))
+    export = {"dir": "heads/eagle-curve", "bytes": 123, "sha256": "ab" * 32}
+    path = run.write_summary(c, "eagle", 900, export, tmp_path, "eagle-curve", command="python -m x --size=900")
+    s = json.loads(path.read_text())
+    assert s["summary"]["export"] == export and s["summary"]["steps"] == rec["steps"]
+    assert s["provenance"]["exported_by"] == "python -m x --size=900"
+    assert s["provenance"]["config"]["data"]["shards"]["max_loss_tokens"] == 900
+    assert (tmp_path / "train-eagle-curve.jsonl").read_bytes() == \
+        (pathlib.Path(c.workdir) / "eagle-900" / "metrics.jsonl").read_bytes()
+    row = next(line for line in training_report.render(tmp_path).splitlines() if line.startswith("| eagle-curve |"))
+    cells = [x.strip() for x in row.strip("|").split("|")]
+    assert cells[4] == "shards: stage0, stage1" and cells[5] == str(rec["data_loss_tokens"])
+    assert cells[6] == str(rec["train_tokens"]) and cells[9] == toolkit.fmt(rec["eval"]["greedy_agreement_step1"])
+    assert report.reference_runs(tmp_path) == []
+    with pytest.raises(ValueError, match="exists"):
+        run.write_summary(c, "eagle", 900, export, tmp_path, "eagle-curve")
+    with pytest.raises(ValueError, match="holds no record of the eagle point at 5,000"):
+        run.write_summary(c, "eagle", 5000, export, tmp_path, "none")
+    assert not (tmp_path / "train-none.json").exists()
+
+
 def _summary(kind, input_norm, tokens, agreement, data=None, shards=0.0, noise=0.0, greedy=1):
     ev = {"greedy_agreement_step1": agreement, "greedy_agreement_step2": agreement / 2,
           "greedy_agreement_step3": agreement / 3, "alpha_t1": agreement, "eval_tokens": 100,

@@ -154,6 +154,38 @@ def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) 
     return s["export"]
 
 
+def write_summary(c, kind: str, size: int, export: dict, results, name: str, command: str = "") -> pathlib.Path:
+    """Write a finished point's training summary beside the heads' own runs, as
+    `experiments.heads.train` does (``results/train-<name>.json``: the point's final.json plus
+    ``export``, and the provenance of the curve's run that trained it with the point's training
+    config; ``train-<name>.jsonl``: its metrics), so `experiments.heads.training_report` gives an
+    exported head its row. ValueError when ``c.out`` holds no record of the point; an existing
+    summary of that name is not overwritten."""
+    results = pathlib.Path(results)
+    path = results / f"train-{name}.json"
+    if path.exists():
+        raise ValueError(f"{path} exists; choose another name")
+    workdir = pathlib.Path(c.workdir) / point_name(c, kind, size)
+    recs = [r for r in toolkit.read_jsonl(c.out) if (r["kind_of_head"], int(r["size"]), r.get("series", ""))
+            == (kind, size, c.series)] if pathlib.Path(c.out).is_file() else []
+    if not recs:
+        raise ValueError(f"{c.out} holds no record of the {kind} point at {size:,} loss tokens"
+                         + (f" (series {c.series!r})" if c.series else ""))
+    final = _read_json(workdir / "final.json")
+    if recs[-1]["steps"] != final["steps"]:
+        raise ValueError(f"{workdir}/final.json (step {final['steps']}) is not the point recorded in {c.out} "
+                         f"(step {recs[-1]['steps']})")
+    prov = {**recs[-1]["provenance"], "config": point_config(c, kind, size).to_dict()}
+    if command:
+        prov["exported_by"] = command
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"train-{name}.jsonl").write_bytes((workdir / "metrics.jsonl").read_bytes())
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps({"summary": {**final, "export": export}, "provenance": prov}, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
 def main(c):
     run(c)
     from experiments.learning_curve import report
