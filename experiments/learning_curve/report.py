@@ -188,13 +188,16 @@ def write(path=DEFAULT) -> pathlib.Path:
     md.write_text("\n".join(lines) + "\n")
     plt = toolkit.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 5))
-    for k in kinds:
+    steps = ((1, "-o"), (2, "--s"), (3, ":^"))
+    for i, k in enumerate(kinds):       # one colour per curve on both panels, one line style per step k
         pts = [r for r in recs if r["label"] == k and r["eval"]]
         x = [p["data_loss_tokens"] for p in pts]
-        for step, style in ((1, "-o"), (2, "--s"), (3, ":^")):
+        for step, style in steps:
             ax1.plot(x, [p["eval"].get(f"greedy_agreement_step{step}", math.nan) for p in pts], style,
-                     label=f"{k} k={step}")
-        ax2.plot(x, [_best_chain(p["eval"])[0] for p in pts], "-o", label=k)
+                     color=f"C{i}", label=k if step == 1 else None)
+        ax2.plot(x, [_best_chain(p["eval"])[0] for p in pts], "-o", color=f"C{i}", label=k)
+    for step, style in steps:
+        ax1.plot([], [], style, color="0.5", label=f"k = {step}")
     refs = [r for r in refs if r["data_loss_tokens"]]
     if refs:    # the Spec-Bench-split heads, each labelled with its training tokens
         x = [r["data_loss_tokens"] for r in refs]
