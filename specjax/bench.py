@@ -220,14 +220,15 @@ def markdown(records: list[dict]) -> str:
 # settings and the length are shared by every method of a bench (one target-only reference).
 ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptive_trees", "tree_verifier",
                   "tree_children", "verifier", "max_ngram", "min_ngram", "min_match", "early_exit_layers",
-                  "hybrid_model")
+                  "hybrid_model", "draft_model")
 
 
 def drafter_settings(base, entry: str):
     """The generation settings of one ``drafters`` entry: a drafter kind, or ``head:<directory>``
     (a feature-level draft head), optionally followed by ``@key=value;key=value`` overriding
     drafting settings (`ENTRY_SETTINGS`) for this entry alone (e.g. ``head@tree=dynamic:5,4,20``
-    beside ``head``: the same head in a dynamic tree and in a chain). String settings take the text as it is;
+    beside ``head``: the same head in a dynamic tree and in a chain; ``hybrid@draft_model=<dir>``:
+    the hybrid with another head). String settings take the text as it is;
     the others read it as JSON (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the
     entry for an unknown key or a value of the wrong type."""
     kind, _, overrides = entry.partition("@")

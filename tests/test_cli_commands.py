@@ -122,6 +122,17 @@ def test_generate_on_a_tiny_pair_matches_target_only_greedy(pair, tmp_path, caps
     assert rec["proposed"] > 0 and rec["target_passes"] <= 10
 
 
+def test_a_bench_entry_may_draft_with_a_model_of_its_own():
+    """``hybrid@draft_model=<dir>``: the hybrid drafter with another head beside the default's,
+    in one bench run (the other settings as the bench's)."""
+    from experiments.lib import toolkit
+    base = bench.generate_settings(toolkit.load_config("configs/bench.py"))
+    s = bench.drafter_settings(base, "hybrid@draft_model=experiments/heads/eagle-norm;gamma=2")
+    assert (s.drafter, s.draft_model, s.gamma) == ("hybrid", "experiments/heads/eagle-norm", 2)
+    assert s.replace(draft_model=base.draft_model, gamma=base.gamma) == base.replace(drafter="hybrid")
+    assert bench.drafter_settings(base, "hybrid").draft_model == base.draft_model
+
+
 def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     target, draft = pair
