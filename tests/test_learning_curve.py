@@ -145,6 +145,10 @@ def test_an_exported_point_gets_a_training_summary_and_its_row_in_the_heads_tabl
     assert report.reference_runs(tmp_path) == []
     with pytest.raises(ValueError, match="exists"):
         run.write_summary(c, "eagle", 900, export, tmp_path, "eagle-curve")
+    # experiments.heads.train's rerun of a name replaces its summary, in one rename
+    from experiments.lib import head_runs
+    head_runs.write_summary(tmp_path, "eagle-curve", {"steps": 1}, {"command": "y"}, tmp_path / "train-eagle-curve.jsonl")
+    assert head_runs.read_summary(path)["summary"] == {"steps": 1} and not list(tmp_path.glob("*.partial"))
     with pytest.raises(ValueError, match="holds no record of the eagle point at 5,000"):
         run.write_summary(c, "eagle", 5000, export, tmp_path, "none")
     assert not (tmp_path / "train-none.json").exists()

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import sys
 
 from absl import app, flags
 
 from configs import distill_head
-from experiments.lib import engine_data, toolkit
+from experiments.lib import engine_data, head_runs, toolkit
 from experiments.heads import config as heads_config
 from specjax import distill
 
@@ -85,11 +84,9 @@ def main(argv):
         c.progress = False
         workdir = pathlib.Path(WORKDIR.value) / name
         summary = distill.train(c, workdir, log=lambda m: print(f"[{name}] {m}", flush=True))
-        shutil.copy(workdir / "metrics.jsonl", results / f"train-{name}.jsonl")
         prov = toolkit.provenance("experiments.heads.train", exclude=[results, pathlib.Path(c.export_dir)],
                                   with_backend=False, config=c.to_dict())
-        (results / f"train-{name}.json").write_text(json.dumps({"summary": summary, "provenance": prov},
-                                                               indent=1, default=str))
+        head_runs.write_summary(results, name, summary, prov, workdir / "metrics.jsonl")
         print(json.dumps(summary.get("eval"), indent=1), flush=True)
 
 

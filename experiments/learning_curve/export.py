@@ -17,7 +17,7 @@ import sys
 from absl import flags
 
 from experiments.learning_curve import run
-from experiments.lib import toolkit
+from experiments.lib import head_runs, toolkit
 
 KIND = flags.DEFINE_string("kind", None, "head kind of the point (eagle, eagle3)", required=True)
 SIZE = flags.DEFINE_integer("size", None, "data size of the point (loss tokens, one of config.sizes)", required=True)
@@ -29,8 +29,8 @@ SUMMARY = flags.DEFINE_string("summary", "", "also write the point's training su
 
 def main(c):
     results = toolkit.REPO / "experiments/heads/results"
-    if SUMMARY.value and (results / f"train-{SUMMARY.value}.json").exists():   # before anything is written
-        raise ValueError(f"{results}/train-{SUMMARY.value}.json exists; choose another --summary name")
+    if SUMMARY.value:                    # an existing summary is refused before anything is written
+        head_runs.summary_path(results, SUMMARY.value, overwrite=False)
     out = run.export_point(c, KIND.value, SIZE.value, pathlib.Path(TO.value), force=FORCE.value)
     print(f"exported {KIND.value} at {SIZE.value:,} -> {out['dir']} ({out['bytes'] / 1e6:.1f} MB, sha256 {out['sha256']})")
     if SUMMARY.value:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from experiments.lib import toolkit
+from experiments.lib import head_runs, toolkit
 
 
 def budget(c, size: int) -> int:
@@ -46,13 +46,17 @@ def point_config(c, kind: str, size: int):
     return h
 
 
-def done_points(path) -> set[tuple[str, int, str]]:
-    """(kind, size, series) of the points already in the results file (a torn last line set aside)."""
+def _records(path) -> list[dict]:
+    """The point records of the results file (a torn last line set aside first); [] when absent."""
     from specjax import files
     path = pathlib.Path(path)
     files.recover_jsonl(path)
-    return ({(r["kind_of_head"], int(r["size"]), r.get("series", "")) for r in toolkit.read_jsonl(path)}
-            if path.is_file() else set())
+    return toolkit.read_jsonl(path) if path.is_file() else []
+
+
+def done_points(path) -> set[tuple[str, int, str]]:
+    """(kind, size, series) of the points already in the results file (a torn last line set aside)."""
+    return {(r["kind_of_head"], int(r["size"]), r.get("series", "")) for r in _records(path)}
 
 
 def point_name(c, kind: str, size: int) -> str:
@@ -155,19 +159,16 @@ def export_point(c, kind: str, size: int, dest, log=print, force: bool = False) 
 
 
 def write_summary(c, kind: str, size: int, export: dict, results, name: str, command: str = "") -> pathlib.Path:
-    """Write a finished point's training summary beside the heads' own runs, as
-    `experiments.heads.train` does (``results/train-<name>.json``: the point's final.json plus
-    ``export``, and the provenance of the curve's run that trained it with the point's training
-    config; ``train-<name>.jsonl``: its metrics), so `experiments.heads.training_report` gives an
-    exported head its row. ValueError when ``c.out`` holds no record of the point; an existing
-    summary of that name is not overwritten."""
-    results = pathlib.Path(results)
-    path = results / f"train-{name}.json"
-    if path.exists():
-        raise ValueError(f"{path} exists; choose another name")
+    """Write a finished point's training summary beside the heads' own runs
+    (`head_runs.write_summary`: the point's final.json plus ``export``, the provenance of the
+    curve's run that trained it with the point's training config, its metrics), so
+    `experiments.heads.training_report` gives an exported head its row. ValueError when ``c.out``
+    holds no record of the point or its final.json is another run's; an existing summary of
+    that name is not overwritten."""
+    head_runs.summary_path(results, name, overwrite=False)
     workdir = pathlib.Path(c.workdir) / point_name(c, kind, size)
-    recs = [r for r in toolkit.read_jsonl(c.out) if (r["kind_of_head"], int(r["size"]), r.get("series", ""))
-            == (kind, size, c.series)] if pathlib.Path(c.out).is_file() else []
+    recs = [r for r in _records(c.out) if (r["kind_of_head"], int(r["size"]), r.get("series", ""))
+            == (kind, size, c.series)]
     if not recs:
         raise ValueError(f"{c.out} holds no record of the {kind} point at {size:,} loss tokens"
                          + (f" (series {c.series!r})" if c.series else ""))
@@ -178,12 +179,8 @@ def write_summary(c, kind: str, size: int, export: dict, results, name: str, com
     prov = {**recs[-1]["provenance"], "config": point_config(c, kind, size).to_dict()}
     if command:
         prov["exported_by"] = command
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"train-{name}.jsonl").write_bytes((workdir / "metrics.jsonl").read_bytes())
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps({"summary": {**final, "export": export}, "provenance": prov}, indent=1, default=str))
-    tmp.replace(path)
-    return path
+    return head_runs.write_summary(results, name, {**final, "export": export}, prov, workdir / "metrics.jsonl",
+                                   overwrite=False)
 
 
 def main(c):

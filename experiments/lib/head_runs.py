@@ -47,6 +47,29 @@ def data_tokens(runs: dict) -> dict:
             for name, (size, key) in own.items()}
 
 
+def write_summary(results, name: str, summary: dict, provenance: dict, metrics, *, overwrite: bool = True) -> pathlib.Path:
+    """Write a run's summary as ``results/train-<name>.json`` (``{"summary", "provenance"}``, the
+    file `read_summary` reads; replaced in one rename) and its metrics file as
+    ``train-<name>.jsonl``. ValueError, before anything is written, for an existing summary when
+    not ``overwrite``."""
+    results = pathlib.Path(results)
+    path = summary_path(results, name, overwrite=overwrite)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"train-{name}.jsonl").write_bytes(pathlib.Path(metrics).read_bytes())
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps({"summary": summary, "provenance": provenance}, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def summary_path(results, name: str, *, overwrite: bool = True) -> pathlib.Path:
+    """``results/train-<name>.json``; ValueError when it exists and not ``overwrite``."""
+    path = pathlib.Path(results) / f"train-{name}.json"
+    if path.exists() and not overwrite:
+        raise ValueError(f"{path} exists; choose another name")
+    return path
+
+
 def read_summary(path: pathlib.Path) -> dict:
     """A ``train-<name>.json`` summary; ValueError naming the file when it is not valid JSON or
     lacks 'summary' and 'provenance'."""
