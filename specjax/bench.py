@@ -239,6 +239,9 @@ def drafter_settings(base, entry: str):
         changes = {"drafter": "head", "draft_model": kind.split(":", 1)[1]}
     for item in filter(None, overrides.split(";")):
         key, sep, text = item.partition("=")
+        if key == "draft_model" and "draft_model" in changes:
+            raise ValueError(f"drafters entry {entry!r}: names its draft model twice (head:<directory> and "
+                             f"draft_model=); give one")
         if not sep or key not in ENTRY_SETTINGS:
             raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting "
                              f"({', '.join(ENTRY_SETTINGS)}; the target, sampling and length are the bench's own)")

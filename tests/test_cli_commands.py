@@ -131,6 +131,8 @@ def test_a_bench_entry_may_draft_with_a_model_of_its_own():
     assert (s.drafter, s.draft_model, s.gamma) == ("hybrid", "experiments/heads/eagle-norm", 2)
     assert s.replace(draft_model=base.draft_model, gamma=base.gamma) == base.replace(drafter="hybrid")
     assert bench.drafter_settings(base, "hybrid").draft_model == base.draft_model
+    with pytest.raises(ValueError, match="names its draft model twice"):
+        bench.drafter_settings(base, "head:experiments/heads/eagle-engine@draft_model=experiments/heads/eagle-norm")
 
 
 def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, capsys, monkeypatch):
