@@ -1,6 +1,7 @@
-"""The summaries `experiments.heads.train` writes (``train-<name>.json``): reading one, and the
-data tokens of a run (its own record, or one of a run on the same cached data). Shared by the
-heads' training table and the learning curve's report."""
+"""The heads' training summaries (``train-<name>.json``, written by `experiments.heads.train` and
+by the learning curve's export): writing and reading one, and the data tokens of a run (its own
+record, or one of a run on the same cached data). Shared by those writers, the heads' training
+table and the learning curve's report."""
 
 from __future__ import annotations
 
