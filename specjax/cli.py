@@ -414,6 +414,16 @@ def export_main(c):
     return out
 
 
+def aot_main(c) -> list[dict]:
+    """`specjax aot`: its config and the generation profile it names, typed once here."""
+    import pathlib
+    from specjax import aot
+    if not pathlib.Path(str(c.profile)).expanduser().is_file():
+        raise ValueError(f"config.profile: {c.profile!r} is not a file (a configs/generate_*.py profile)")
+    profile = _load_config_file(str(c.profile))
+    return aot.main(aot.aot_settings(c, profile))
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     """One subcommand: what it does, the config file that shows its keys, extra flags."""
@@ -437,6 +447,9 @@ COMMANDS = {c.name: c for c in (
     Command("eval", "teacher-forced alpha, greedy agreement and tokens per target pass of a draft/target pair "
             "(no wall-clock)", "configs/eval.py"),
     Command("export", "a model or a draft as a Hugging Face checkpoint directory", "configs/export.py"),
+    Command("aot", "compile every program (prefill, decode, verification, speculative rounds, training steps) "
+            "for a TPU topology without a TPU: memory, bytes per call against the ideal, HLO lint (JSON lines)",
+            "configs/aot.py"),
 )}
 
 
@@ -590,6 +603,8 @@ def dispatch(argv: list[str]) -> int:
         if extra:
             raise UsageError(f"specjax {name}: unexpected arguments {extra}")
         _quiet_backend_probe()
+        from specjax import distributed
+        distributed.platforms_without_tpu()
         from specjax import build
         build.tune_xla_cpu()                  # before any backend starts
         c = config.value
@@ -606,6 +621,8 @@ def dispatch(argv: list[str]) -> int:
             data_main(c, workdir.value)
         elif name == "eval":
             eval_main(c)
+        elif name == "aot":
+            aot_main(c)
         else:
             export_main(c)
     except user_errors() as e:

@@ -72,6 +72,25 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return args
 
 
+def platforms_without_tpu() -> str | None:
+    """With libtpu installed (the test extra and `specjax aot` bring it) on a machine without a
+    TPU, JAX tries the TPU backend first and libtpu logs errors about missing TPU hosts before
+    JAX falls back. Unless the user chose platforms (``JAX_PLATFORMS``), leave the TPU out where
+    no TPU device file exists: the CPU, and a GPU where a CUDA plugin and a GPU are there. Call
+    before the first backend starts; returns the platforms set (None: nothing changed).
+    `specjax aot` compiles for TPU topologies without the TPU backend, so it is unaffected."""
+    import glob
+    import importlib.util
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return None
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):       # a TPU VM's chips
+        return None
+    cuda = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    platforms = "cuda,cpu" if cuda and glob.glob("/dev/nvidia[0-9]*") else "cpu"
+    jax.config.update("jax_platforms", platforms)
+    return platforms
+
+
 def is_primary() -> bool:
     """True in process 0 (the one that writes metrics, logs and exports)."""
     return jax.process_index() == 0

@@ -63,7 +63,8 @@ def bench(tmp_path_factory):
 def test_gpu_variant_records(bench):
     _, records, _ = bench
     prov = records[0]["provenance"]
-    assert prov["config"]["dtype"] == "bfloat16" and prov["config"]["layers"] == "scan" and prov["random_weights"]
+    assert prov["config"]["dtype"] == "bfloat16" and prov["config"]["layers"] == "fused" and prov["random_weights"]
+    assert prov["config"]["cost_layers"] == ["scan"]            # the old layout's k-token costs beside it
     assert prov["model_sha256"] is None                     # random weights, no file (no transformers here)
     assert {r["kind"] for r in records} >= {"setup", "bandwidth", "forward_cost", "draft_cost", "generation", "run"}
     assert not any(r["kind"] == "memory" for r in records)
@@ -77,8 +78,8 @@ def test_gpu_variant_records(bench):
     assert oracle["accepted"] > 0.5 * oracle["proposed"]                 # it proposes the target's own tokens
     assert oracle["rounds"] < sum(oracle["new_tokens_per_row"])         # so a round commits more than one token
     fc = [r for r in records if r["kind"] == "forward_cost"]
-    assert {(r["model"], r["batch"], r["k"]) for r in fc} == {("target", 2, k) for k in (1, 2, 3)} | {
-        ("early_exit_1_layers", 2, 1)}
+    assert {(r["model"], r["batch"], r["k"]) for r in fc} == {(m, 2, k) for m in ("target", "target_scan")
+                                                              for k in (1, 2, 3)} | {("early_exit_1_layers", 2, 1)}
     assert {(r["drafter"], r["batch"]) for r in records if r["kind"] == "draft_cost"} == {("early_exit", 2),
                                                                                            ("oracle", 2)}
 

@@ -340,8 +340,9 @@ def test_data_command_writes_resumable_shards(pair, tmp_path, capsys):
 @pytest.mark.parametrize("profile", ["tpu", "gpu"])
 def test_accelerator_profiles_run_on_eight_host_devices(pair, tmp_path, profile):
     """`specjax generate --config=configs/generate_{tpu,gpu}.py` in a process with 8 CPU devices:
-    the profile's layout (bfloat16, scan layers, no CPU kernel, its attention op) on a mesh of
-    all 8 on the model axis; speculative output equal to target-only's in the same run."""
+    the profile's layout (bfloat16, no CPU kernel; scanned layers on TPU, unrolled and fused on
+    GPU) on a mesh of all 8 on the model axis; speculative output equal to target-only's in the
+    same run."""
     import os
     import subprocess
     import sys

@@ -2,7 +2,7 @@
 
 Variants: "" (SmolLM2-135M-Instruct, 26 held-out prompts, the committed table's workload),
 "tiny" (CI: a random 4-layer Llama, seconds), "gpu" (a random Llama-3.1-8B-shaped target in
-bfloat16 at batch 1 and 8: the former bench_gpu). Override anything on the command line,
+bfloat16 at batch 1 and 8, the GPU profile's layout; the former bench_gpu). Override anything on the command line,
 e.g. ``--config.workload=preset:1b --config.batch_sizes=1,8,32``.
 """
 
@@ -63,7 +63,9 @@ def get_config(variant: str = ""):
                  adaptive_gammas=(0, 2), pad_multiple=64, init_std=0.2)
         c.gamma.update(ngram=2, early_exit=2, oracle=2)
     elif variant == "gpu":
-        c.update(workload="preset:8b", dtype="bfloat16", layers="scan", cost_layers=(), prefill_ks=(), num_prompts=8, prompt_len=128,
+        # the GPU profile's layout (configs/generate_gpu.py: unrolled, fused), the old one's k-token
+        # costs in the same run (its scan copied every layer's weights on an H100; experiments/aot)
+        c.update(workload="preset:8b", dtype="bfloat16", layers="fused", cost_layers=("scan",), prefill_ks=(), num_prompts=8, prompt_len=128,
                  batch_sizes=(1, 8), temperatures=(0.0,), methods=("early_exit", "oracle"), early_exit_layers=0,
                  transformers=False, memory=False, bandwidth_gib=2.0, cost_iters=20, alphas=(0.6, 0.7, 0.8, 0.9))
         c.gamma.update(early_exit=4, oracle=4)

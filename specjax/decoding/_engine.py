@@ -340,6 +340,27 @@ class Engine(RoundStages):
         RoundStages._chosen_round)
     _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(RoundStages._first_choice)
 
+    # ------------------------------------------------------------------ compiling without running
+
+    def state_shapes(self, params, batch_size: int, prompt_len: int, capacity: int):
+        """The loop state's shapes and dtypes (`jax.ShapeDtypeStruct`s) for a batch of
+        ``batch_size`` prompts padded to ``prompt_len`` in caches of ``capacity`` slots; ``params``
+        may be abstract. What `lower_step` takes (after a placement, `specjax.aot`)."""
+        prompt = jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch_size))
+        return jax.eval_shape(functools.partial(self._init, capacity=capacity), params, prompt, lengths, keys,
+                              self._round_time_RZ(None))
+
+    def lower_step(self, params, sampling, state):
+        """`step`'s program lowered for these (possibly abstract, sharded) arguments, to compile
+        without running it (`specjax.aot`)."""
+        return Engine._step_jit.lower(self, params, sampling, state)
+
+    def lower_prefill(self, params, prompt_BP, prompt_lengths_B, capacity: int):
+        """The target's prefill (`prefill`, without the drafter) lowered for these arguments."""
+        return Engine._prefill_jit.lower(self, params, prompt_BP, prompt_lengths_B, capacity=capacity, with_draft=False)
+
     def _round_time_RZ(self, round_time_s):
         """[regimes, gammas] round times for the policy (`calibration.round_time_table`)."""
         return jnp.asarray(calibration.round_time_table(round_time_s, self.config.gammas, self.regimes))
