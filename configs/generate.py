@@ -67,6 +67,12 @@ def get_config():
     # below a local target's context length read from its header), then per prompt by the
     # engine: prompt tokens + max_new_tokens <= the target's context length (max_position).
     c.max_new_tokens = 128
+    # Tokens every target pass scores, padding after the real ones: 0 = each pass its own size;
+    # -1 = the largest block the drafter drafts (gamma + 1, or a tree's nodes + 1), target-only
+    # decoding included, so that a verification block's rows and a decode step are one
+    # computation and greedy output is bitwise target-only's in bfloat16 (the accelerator
+    # profiles set -1); N = at least that many.
+    c.block_tokens = 0
     c.seed = 0
     c.system = ""
     c.prompt = ("Write a short Python function that returns the n-th Fibonacci number, "

@@ -366,6 +366,9 @@ def check_generation_settings(c) -> None:
     decoding.GenerationConfig(max_new_tokens=1, gamma=trees.TreeShape.chain(1), verifier=c.verifier,
                               tree_verifier=c.tree_verifier,
                               tree_children=c.tree_children)
+    if not isinstance(c.block_tokens, int) or isinstance(c.block_tokens, bool) or c.block_tokens < -1:
+        raise ValueError(f"block_tokens={c.block_tokens!r}: expected 0 (each target pass its own size), -1 (the "
+                         f"largest block the drafter drafts) or a number of tokens >= that block")
     for name in ("temperature", "top_p"):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -391,9 +394,14 @@ def generation_config(c, eos_ids) -> decoding.GenerationConfig:
                                        + tuple(trees.parse_tree(t) for t in c.adaptive_trees))
     else:
         gamma = int(c.gamma)
-    return decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, verifier=c.verifier,
-                                     eos_ids=tuple(eos_ids), tree_verifier=c.tree_verifier,
-                                     tree_children=c.tree_children)
+    try:
+        return decoding.GenerationConfig(max_new_tokens=c.max_new_tokens, gamma=gamma, verifier=c.verifier,
+                                         eos_ids=tuple(eos_ids), tree_verifier=c.tree_verifier,
+                                         tree_children=c.tree_children, block_tokens=c.block_tokens)
+    except ValueError as e:
+        if str(e).startswith("block_tokens"):
+            raise ValueError(f"block_tokens={c.block_tokens!r}: {e}") from None
+        raise
 
 
 def check_target_context(c):

@@ -70,6 +70,7 @@ class GenerateSettings(Settings):
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 128
+    block_tokens: int = 0                   # tokens every target pass scores (`decoding.GenerationConfig`)
     mesh: tuple = (("data", 1), ("fsdp", 1), ("model", -1))   # (axis, size) pairs, -1 = the rest
 
     @property

@@ -6,7 +6,9 @@ prompts, lengths, batch sizes and drafters. Variant "tiny": a random 4-layer tar
 (static trees for the n-gram and early-exit drafters, an EAGLE-2 dynamic tree for the distilled
 draft), written to results_trees.jsonl. Variant "current": what the main command and the studies
 run today (the hybrid default, the shipped head in a chain and in a dynamic tree, the n-gram and
-the distilled draft in trees), batch 1, written to results_current.jsonl.
+the distilled draft in trees), batch 1, written to results_current.jsonl. Variant "bf16": the TPU
+profile (configs/generate_tpu.py: bfloat16, one block shape for every target pass) with the
+hybrid, the head chain and the head dynamic tree, no near-tie excuse, to results_bf16.jsonl.
 """
 
 import ml_collections
@@ -25,6 +27,9 @@ def get_config(variant: str = ""):
     c.pad_multiple = 128
     c.init_std = 0.2                            # presets' random weights
     c.seed = 0
+    # a mismatch is a near-tie (reported, teacher-forced) where the target's top-2 logit gap is
+    # below this; -1 = decoding.NEAR_TIE_EPS; 0 = no near-tie excuse (every mismatch fails)
+    c.near_tie_eps = -1.0
     c.out = "experiments/greedy_exactness/results.jsonl"
     if variant == "tiny":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
@@ -36,12 +41,18 @@ def get_config(variant: str = ""):
         c.update(drafters=("hybrid:3", "head:3", "head:dynamic:4,3,12", "ngram:branching:3,1,1,1",
                            "distilled:dynamic:4,3,12"), batch_sizes=(1,),
                  out="experiments/greedy_exactness/results_current.jsonl")
+    elif variant == "bf16":
+        # the accelerator profile in bfloat16 (one block shape for every target pass) on the
+        # real target, no near-tie excuse: the drafters the main command and the studies run
+        c.update(generate_config="configs/generate_tpu.py", near_tie_eps=0.0,
+                 drafters=("hybrid:3", "head:3", "head:dynamic:4,3,12"),
+                 out="experiments/greedy_exactness/results_bf16.jsonl")
     elif variant == "tiny_trees":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
                  early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results_trees.jsonl",
                  drafters=("ngram:branching:3,1,1", "early_exit:branching:2,2", "early_exit:dynamic:3,2,5"))
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current' or 'tiny_trees'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current', 'bf16' or 'tiny_trees'")
     return c
 
 

@@ -47,11 +47,22 @@ def main(c):
     jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
                              "model_notes": w.notes, "eps": decoding.NEAR_TIE_EPS, "layers": layers})
     failures = 0
+    block_tokens = int(g.get("block_tokens", 0))
+    eps = decoding.NEAR_TIE_EPS if c.near_tie_eps < 0 else float(c.near_tie_eps)
     for B in c.batch_sizes:
-        t0 = time.time()
-        refs = decoding.reference_greedy(w.target, w.params, prompts, c.max_new_tokens, batch_size=B,
-                                         pad_multiple=c.pad_multiple)
-        print(f"batch {B}: references in {time.time() - t0:.0f} s", flush=True)
+        refs_by_block = {}
+
+        def references(block):
+            # target-only greedy in the speculative run's block shape (one per shape: with
+            # block_tokens the references are bitwise comparable only in the same shape)
+            if block not in refs_by_block:
+                t0 = time.time()
+                refs_by_block[block] = decoding.reference_greedy(
+                    w.target, w.params, prompts, c.max_new_tokens, batch_size=B, pad_multiple=c.pad_multiple,
+                    block_tokens=block)
+                print(f"batch {B}: references (block {block or 'own'}) in {time.time() - t0:.0f} s", flush=True)
+            return refs_by_block[block]
+
         for kind, gamma in specs:
             if kind == "distilled" and not workload.has_distilled(w, wc):
                 print(f"batch {B}: no distilled draft for {w.name}, skipped", flush=True)
@@ -60,9 +71,10 @@ def main(c):
                 kind, w.target, w.params, early_exit_layers=c.early_exit_layers, draft_model=g.draft_model,
                 max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name)
             t0 = time.time()
+            block = decoding.GenerationConfig(max_new_tokens=1, gamma=gamma, block_tokens=block_tokens).target_block or 0
             reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),
-                                            prompts, c.max_new_tokens, gamma, references=refs, batch_size=B,
-                                            pad_multiple=c.pad_multiple)
+                                            prompts, c.max_new_tokens, gamma, references=references(block),
+                                            batch_size=B, pad_multiple=c.pad_multiple, block_tokens=block, eps=eps)
             label = gamma if isinstance(gamma, int) else gamma.describe()
             for p, r in zip(w.prompts, reports):
                 jl.write("prompt", drafter=kind, gamma=label, batch_size=B, question_id=p.question_id,
@@ -71,7 +83,8 @@ def main(c):
                          full_accept_rounds=r.full_accept_rounds)
             total = {k: sum(getattr(r, k) for r in reports) for k in
                      ("tokens_compared", "rounds", "proposed", "accepted", "full_accept_rounds")}
-            summary = jl.write("summary", drafter=kind, gamma=label, batch_size=B, prompts=len(reports),
+            summary = jl.write("summary", drafter=kind, gamma=label, batch_size=B, prompts=len(reports), block_tokens=block,
+                               near_tie_eps=eps,
                                hard_mismatches=sum(not r.ok for r in reports),
                                near_ties=sum(len(r.near_ties) for r in reports), **total, seconds=time.time() - t0)
             failures += summary["hard_mismatches"]

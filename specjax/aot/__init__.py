@@ -21,11 +21,11 @@ import json
 import pathlib
 import sys
 
-from specjax.aot._hlo import Finding, Module, Traffic, lint, parse_module, traffic
+from specjax.aot._hlo import Array, Finding, Module, Traffic, lint, parse_module, parse_type, traffic
 from specjax.aot._run import AotError, quiet_libtpu, topology_devices
 from specjax.aot._targets import CHIPS, PRESETS, Chip, parse_topology, target_config
 
-__all__ = ["AotError", "AotSettings", "CHIPS", "Chip", "Finding", "Module", "PRESETS", "Traffic", "aot_settings",
+__all__ = ["Array", "parse_type", "AotError", "AotSettings", "CHIPS", "Chip", "Finding", "Module", "PRESETS", "Traffic", "aot_settings",
            "lint", "parse_module", "parse_topology", "quiet_libtpu", "run", "target_config", "topology_devices",
            "traffic", "without_persistent_cache"]
 
@@ -42,6 +42,7 @@ class AotSettings:
     scan_layers: bool
     fuse_projections: bool
     attention_op: str
+    block_tokens: int              # the profile's: tokens every target pass scores (0: its own, -1: the largest block)
     mesh: tuple[tuple[str, int], ...]
     programs: tuple[str, ...]
     batch_sizes: tuple[int, ...]
@@ -60,7 +61,7 @@ class AotSettings:
     @property
     def layout(self) -> str:
         return ("scan" if self.scan_layers else "unrolled") + ("+fused" if self.fuse_projections else "") + \
-            f"+{self.attention_op}"
+            f"+{self.attention_op}" + ("+one-block" if self.block_tokens else "")
 
 
 def aot_settings(c, profile) -> AotSettings:
@@ -91,6 +92,7 @@ def aot_settings(c, profile) -> AotSettings:
         topology=str(c.topology), target=str(c.target), profile=str(c.profile_name or c.profile),
         dtype=str(profile.dtype), scan_layers=bool(profile.scan_layers),
         fuse_projections=bool(profile.get("fuse_projections", False)), attention_op=str(profile.attention_op),
+        block_tokens=int(profile.get("block_tokens", 0)),
         mesh=tuple(mesh.items()), programs=programs, batch_sizes=ints("batch_sizes", c.batch_sizes),
         context=ints("context", (c.context,))[0], capacity=ints("capacity", (c.capacity,))[0],
         prompt=ints("prompt", (c.prompt,))[0], verify_ks=ints("verify_ks", c.verify_ks),
@@ -149,12 +151,17 @@ def run(s: AotSettings, emit=None) -> list[dict]:
 @contextlib.contextmanager
 def without_persistent_cache():
     """JAX's persistent compilation cache cannot load a deviceless executable back (there is no
-    client to load it into) and warns on every hit: compile for a topology outside it."""
+    client to load it into) and warns on every hit: compile for a topology outside it (where JAX
+    already decided to use the cache in this process, the failed read is harmless: it compiles)."""
+    import warnings
+
     import jax
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+            yield
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
 
@@ -166,7 +173,7 @@ def _compile_batch(s: AotSettings, model, mesh, ctx, batch: int, out, emit, rows
     from specjax.aot import _programs, _run
     shapes = _programs.Shapes(batch=batch, context=s.context, capacity=s.capacity, prompt=s.prompt,
                               verify_ks=s.verify_ks, gamma=s.gamma, tree=s.tree, train_batch=s.train_batch,
-                              train_seq=s.train_seq, draft_layers=s.draft_layers)
+                              train_seq=s.train_seq, draft_layers=s.draft_layers, block_tokens=s.block_tokens)
     builder = _programs.Builder(model, mesh, shapes)
     for make in builder.build(s.programs):
         row = _run.compile_one(ctx, make(), shapes)

@@ -41,6 +41,7 @@ class Shapes:
     train_batch: int
     train_seq: int
     draft_layers: int       # train_draft: a draft of the target's shapes with this many layers
+    block_tokens: int = 0   # the profile's `GenerationConfig.block_tokens` (-1: target-only steps score a chain's block)
 
 
 @dataclasses.dataclass
@@ -112,7 +113,10 @@ class Builder:
         return self._head
 
     def _engine(self, drafter, gamma):
-        config = decoding.GenerationConfig(max_new_tokens=self.shapes.capacity, gamma=gamma,
+        block = self.shapes.block_tokens
+        if block == -1 and gamma == 0:      # target-only steps in the chain program's one block shape
+            block = self.shapes.gamma + 1
+        config = decoding.GenerationConfig(max_new_tokens=self.shapes.capacity, gamma=gamma, block_tokens=block,
                                            tree_children="deterministic" if not isinstance(gamma, int) else "iid")
         return decoding.Engine(self.model, drafter, config, mesh=self.mesh, rules=self.rules)
 
@@ -159,6 +163,8 @@ class Builder:
                        self._ideal(tokens), shared, self.weight_sizes, self._cache_sizes(state.target_cache), tokens)
 
     def decode(self) -> Program:
+        """The target-only step (in the one block shape of the chain program when the profile
+        pads: its ideal is still one token's)."""
         return self._step("decode", None, None, 0, 1)
 
     def chain(self) -> Program:

@@ -92,6 +92,13 @@ class GenerationConfig:
     tree_verifier: str = "traversal"
     tree_children: str = "iid"
     prefill_chunk: int | None = models.PREFILL_CHUNK   # prompt tokens per prefill call (None: one call)
+    # Tokens every target pass of a round scores, the real ones first and padding after (their
+    # logits unused, their cache entries past the committed length): 0 = each pass its own
+    # size; -1 = the largest block this config drafts (gamma + 1, a tree's nodes + 1); N >= that.
+    # One shape for every pass, target-only rounds included (`Generator.target_only` keeps the
+    # number), so a block's row t and a one-token step are the same computation: greedy output
+    # is then bitwise target-only's in any dtype (tests/test_block_step_bitwise.py).
+    block_tokens: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -107,6 +114,10 @@ class GenerationConfig:
                              f"got {self.tree_verifier!r}")
         if self.tree_children not in trees_lib.CHILDREN_MODES:
             raise ValueError(f"tree_children must be one of {trees_lib.CHILDREN_MODES}, got {self.tree_children!r}")
+        if not isinstance(self.block_tokens, int) or self.block_tokens < -1 or \
+                0 < self.block_tokens < self.max_block + 1:
+            raise ValueError(f"block_tokens must be 0 (each pass its own size), -1 (the largest block, "
+                             f"{self.max_block + 1} here) or at least {self.max_block + 1}, got {self.block_tokens!r}")
         if self.has_trees:
             # Fails here, before anything runs, when the verifier is not exact for the children.
             verifier = self._tree_verifier()
@@ -137,9 +148,17 @@ class GenerationConfig:
         """The most drafted tokens one target pass scores (gamma, or a tree's node count)."""
         return max(g if isinstance(g, int) else g.num_nodes for g in self.gammas)
 
+    @property
+    def target_block(self) -> int | None:
+        """Tokens every target pass scores (`block_tokens` resolved), or None: each its own."""
+        if self.block_tokens == 0:
+            return None
+        return self.max_block + 1 if self.block_tokens == -1 else self.block_tokens
+
     def slots_needed(self, prompt_length: int) -> int:
-        """Cache slots for a prompt: prompt + max_new_tokens + the largest verification block."""
-        return int(prompt_length) + self.max_new_tokens + self.max_block + 1
+        """Cache slots for a prompt: prompt + max_new_tokens + the largest verification block
+        (or the padded block every pass scores)."""
+        return int(prompt_length) + self.max_new_tokens + max(self.max_block + 1, self.target_block or 0)
 
     def verifier_for(self, sampling: sampling_lib.SamplingConfig) -> verify_lib.Verifier:
         """The chain verifier for this sampling mode (`verify.get_verifier`)."""

@@ -59,9 +59,12 @@ def _run(target, drafter, params: EngineParams, config, prompts, pad_multiple):
     return out.generated(), jax.device_get(out.metrics)
 
 
-def reference_greedy(target, target_params, prompts, max_new_tokens, *, batch_size=4, pad_multiple=128):
-    """Target-only greedy continuations, grouped by length so batches share compiled shapes."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=0)
+def reference_greedy(target, target_params, prompts, max_new_tokens, *, batch_size=4, pad_multiple=128,
+                     block_tokens: int = 0):
+    """Target-only greedy continuations, grouped by length so batches share compiled shapes;
+    ``block_tokens``: every target pass scores that many tokens (`GenerationConfig.block_tokens`;
+    give the speculative run's `target_block` to compare with it bit for bit)."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=0, block_tokens=block_tokens)
     params = EngineParams(target=target_params)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     refs = {}
@@ -82,14 +85,19 @@ def _top2_gap(target, params, seq: list[int], pos: int) -> float:
 
 def greedy_check(target, drafter, params: EngineParams, prompts: list[list[int]], max_new_tokens: int,
                  gamma, *, references=None, batch_size: int = 1, eps: float = NEAR_TIE_EPS,
-                 pad_multiple: int = 128, verifier: str = "token", max_restarts: int = 8) -> list[RowReport]:
+                 pad_multiple: int = 128, verifier: str = "token", max_restarts: int = 8,
+                 block_tokens: int = 0) -> list[RowReport]:
     """Compare speculative greedy decoding with target-only greedy references (module doc).
 
-    gamma: an int or an `AdaptiveGamma`."""
+    gamma: an int or an `AdaptiveGamma`. ``block_tokens`` (`GenerationConfig.block_tokens`):
+    the references must then come from `reference_greedy` with the resolved size
+    (``GenerationConfig(..., block_tokens=...).target_block``), as they do when computed here."""
     target_params = params.target
+    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, verifier=verifier,
+                              block_tokens=block_tokens)
     if references is None:
-        references = reference_greedy(target, target_params, prompts, max_new_tokens, pad_multiple=pad_multiple)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, verifier=verifier)
+        references = reference_greedy(target, target_params, prompts, max_new_tokens, pad_multiple=pad_multiple,
+                                      block_tokens=config.target_block or 0)
     reports = [RowReport(i) for i in range(len(prompts))]
     # Work items: (prompt index, prompt tokens, reference continuation, tokens still to compare).
     pending = [(i, list(prompts[i]), list(references[i]), max_new_tokens) for i in range(len(prompts))]
@@ -132,7 +140,8 @@ def greedy_check(target, drafter, params: EngineParams, prompts: list[list[int]]
                 rest = budget - first - 1
                 if rest > 0:   # a fresh target-only reference from the teacher-forced prefix
                     new_ref = reference_greedy(target, target_params, [forced], max_new_tokens,
-                                               batch_size=1, pad_multiple=pad_multiple)[0]
+                                               batch_size=1, pad_multiple=pad_multiple,
+                                               block_tokens=config.target_block or 0)[0]
                     next_pending.append((idx, forced, new_ref, rest))
         pending = next_pending
     return reports

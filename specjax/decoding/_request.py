@@ -195,8 +195,10 @@ class Generator:
         return self.engine.config
 
     def target_only(self) -> "Generator":
-        """The same target and settings without a drafter (gamma = 0)."""
-        config = dataclasses.replace(self.config, gamma=0)
+        """The same target and settings without a drafter (gamma = 0); a padded block size
+        (`GenerationConfig.block_tokens`) stays the speculative program's, so both score blocks
+        of one shape."""
+        config = dataclasses.replace(self.config, gamma=0, block_tokens=self.config.target_block or 0)
         return dataclasses.replace(self, engine=Engine(self.engine.target, None, config, mesh=self.engine.mesh,
                                                        rules=self.engine.rules),
                                    params=EngineParams(target=self.params.target), round_time_s=None)

@@ -89,7 +89,26 @@ class RoundStages:
         return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
 
     def _target_forward(self, params, block_BT, cache, tree=None):
-        """(logits, features or None, cache) of one target pass over a block."""
+        """(logits, features or None, cache) of one target pass over a block; with a padded
+        block size (`GenerationConfig.target_block`) the block is padded to it (padding tokens
+        repeat the last one; in a tree, padding nodes see only themselves) and the outputs cut
+        back to the block's own rows. The cache then holds the padding's entries past the
+        committed length, which the round's truncation or path commit leaves as garbage."""
+        T, N = block_BT.shape[1], self.config.target_block
+        if N is None or N == T:
+            return self._target_pass(params, block_BT, cache, tree)
+        B = block_BT.shape[0]
+        block_BN = jnp.concatenate([block_BT, jnp.broadcast_to(block_BT[:, -1:], (B, N - T))], axis=1)
+        if tree is not None:
+            W = tree.visible_BTW.shape[2] - T         # the window of earlier tentative entries
+            vis = jnp.zeros((B, N, W + N), bool).at[:, :T, :W + T].set(tree.visible_BTW)
+            vis = vis.at[:, jnp.arange(T, N), W + jnp.arange(T, N)].set(True)
+            rel = jnp.concatenate([tree.rel_positions_BT, jnp.zeros((B, N - T), jnp.int32)], axis=1)
+            tree = models.TreeBlock(rel_positions_BT=rel, visible_BTW=vis)
+        logits, feats, cache = self._target_pass(params, block_BN, cache, tree)
+        return logits[:, :T], None if feats is None else feats[:, :T], cache
+
+    def _target_pass(self, params, block_BT, cache, tree=None):
         if not self.feature_layers:
             # A model without tree support takes no ``tree`` argument (chains only).
             out = (self.target.apply(params.target, block_BT, cache) if tree is None
