@@ -1,7 +1,8 @@
 """Step = block, bitwise, in bfloat16: a verification block's row t computes exactly what a
 one-token decode step computes from the same cache, in the accelerator profiles' layout
-(configs/generate_tpu.py / generate_gpu.py: unrolled per-layer weights and caches, fused
-projections, bfloat16, XLA's matmuls, the einsum attention op), on this CPU.
+(configs/generate_gpu.py: unrolled per-layer weights and caches, fused projections, bfloat16,
+XLA's matmuls, the einsum attention op; configs/generate_tpu.py: the same with separate
+projections), on this CPU.
 
 For every family preset (tiny random models of each family's own pieces: q/k norms, biases,
 sliding windows, soft-caps, sandwich norms, local RoPE, routed experts), at batch 1 and at
@@ -100,6 +101,15 @@ def test_block_equals_steps(kind, B):
     cache = _prefilled(model, params, B)
     _chain(model, params, cache, kind)
     _tree(model, params, cache, kind)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_block_equals_steps_with_separate_projections(B):
+    """The TPU profile's layout: q, k, v, gate and up as separate matmuls."""
+    model, params = _model("llama", fuse_projections=False)
+    cache = _prefilled(model, params, B)
+    _chain(model, params, cache, "llama")
+    _tree(model, params, cache, "llama")
 
 
 def _chain(model, params, cache, kind):

@@ -23,7 +23,7 @@ def test_defaults_are_the_main_commands():
 def test_a_config_is_typed_once_and_settings_pass_through():
     c = generate_tpu.get_config()
     s = generate_settings(c)
-    assert (s.dtype, s.scan_layers, s.fuse_projections, s.cpu_kernel, s.block_tokens) == ("bfloat16", False, True,
+    assert (s.dtype, s.scan_layers, s.fuse_projections, s.cpu_kernel, s.block_tokens) == ("bfloat16", False, False,
                                                                                           "off", -1)
     assert generate_settings(s) is s                          # typed settings are not re-read
     assert s.mesh_axes == {k: int(v) for k, v in c.mesh.items()}

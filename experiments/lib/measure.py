@@ -95,10 +95,22 @@ class Runner:
         self.w, self.c, self.log, self.eos_ids = w, c, log, tuple(eos_ids)
         self.warmed: set = set()
 
+    def block_tokens(self) -> int:
+        """The benchmark's `block_tokens` resolved once for every method (target-only included):
+        -1 = the largest block any of its methods drafts (one shape for every target pass)."""
+        block = int(self.c.get("block_tokens", 0))
+        if block != -1:
+            return block
+        gammas = [int(g) for g in self.c.adaptive_gammas] if any(
+            m.startswith("adaptive_") for m in self.c.methods) else [0]
+        gammas += [int(self.c.gamma[m]) for m in self.c.methods if m in self.c.gamma]
+        return max(gammas) + 1
+
     def _engine(self, method: Method, draft_params=None):
         d, dp = (None, None) if method.drafter == "none" else workload.drafter(self.w, method.drafter, self.c)
         config = decoding.GenerationConfig(max_new_tokens=self.c.max_new_tokens, gamma=method.gamma,
-                                           verifier=self.c.verifier, eos_ids=self.eos_ids)
+                                           verifier=self.c.verifier, eos_ids=self.eos_ids,
+                                           block_tokens=self.block_tokens())
         return (decoding.Engine(self.w.target, d, config),
                 decoding.EngineParams(target=self.w.params, draft=dp if draft_params is None else draft_params))
 
