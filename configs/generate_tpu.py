@@ -1,13 +1,16 @@
 """The generation command's TPU profile: bfloat16 weights and cache, unrolled layers over
 per-layer weights and caches, separate q, k, v, gate and up projections, XLA's matmuls (no CPU
 kernel), the einsum attention op, one block shape for every target pass (`block_tokens=-1`),
-every device on the mesh's model axis (rows over data when set).
+every bfloat16 result rounded as written (`strict_precision`), every device on the mesh's model
+axis (rows over data when set).
 
 Why these: compiled without a TPU (`specjax aot`, experiments/aot), the unrolled step reads the
 bytes the scanned one reads on v5e, v5p and v6e, and on an H100 the scanned step copies every
 layer's weights first; with one block shape a verification block's rows are the decode step's
-computation, bit for bit (tests/test_block_step_bitwise.py), so greedy speculative output is
-target-only's in bfloat16. Fused q|k|v over a model axis of several chips needs collective
+computation, bit for bit (tests/test_block_step_bitwise.py); with XLA rounding every bfloat16
+result as written, programs that fuse differently (a target-only step, a round whose forward
+also returns the head's features) round alike too, so greedy speculative output is
+target-only's in bfloat16 (experiments/greedy_exactness, variant bf16). Fused q|k|v over a model axis of several chips needs collective
 permutes to split the heads again (10 per layer on v5e:2x2), so the projections stay separate
 here. configs/generate_tpu_scan.py is the profile before this one.
 
@@ -25,5 +28,6 @@ def get_config():
     c.cpu_kernel = "off"
     c.attention_op = "reference"
     c.block_tokens = -1
+    c.strict_precision = True
     c.mesh.update(data=1, fsdp=1, model=-1)
     return c

@@ -120,6 +120,28 @@ def tune_xla_cpu(flags: tuple[str, ...] = XLA_CPU_FLAGS) -> bool:
     return True
 
 
+STRICT_PRECISION_FLAG = "--xla_allow_excess_precision=false"
+
+
+def strict_precision(on: bool) -> bool:
+    """With ``on``, make XLA round every bfloat16 (and float16) operation's result as the program
+    says (``--xla_allow_excess_precision=false``). By default XLA may drop a round-trip through
+    bfloat16 inside a fusion, so the same operation rounds differently in programs that fuse
+    differently (a target-only step and a speculative round, with or without the features a head
+    reads): greedy outputs in bfloat16 then differ (configs/generate_tpu.py and generate_gpu.py
+    set ``strict_precision``). Call before the first backend starts; returns False (changing
+    nothing) when a backend already runs, True otherwise."""
+    import os
+    if not on:
+        return True
+    if _backend_started():
+        return False
+    current = os.environ.get("XLA_FLAGS", "")
+    if "--xla_allow_excess_precision" not in current:
+        os.environ["XLA_FLAGS"] = f"{current} {STRICT_PRECISION_FLAG}".strip()
+    return True
+
+
 def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
                 fuse_projections: bool = False, packed_projections: bool = False):
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,

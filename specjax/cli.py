@@ -608,6 +608,7 @@ def dispatch(argv: list[str]) -> int:
         from specjax import build
         build.tune_xla_cpu()                  # before any backend starts
         c = config.value
+        build.strict_precision(bool(c.get("strict_precision", False)))   # before any backend starts
         if c.get("distributed", False):       # multi-host: every process runs the command; see launch/
             from specjax import distributed
             distributed.initialize()

@@ -71,6 +71,7 @@ class GenerateSettings(Settings):
     top_p: float = 1.0
     max_new_tokens: int = 128
     block_tokens: int = 0                   # tokens every target pass scores (`decoding.GenerationConfig`)
+    strict_precision: bool = False          # XLA rounds every bf16 result as written (`build.strict_precision`)
     mesh: tuple = (("data", 1), ("fsdp", 1), ("model", -1))   # (axis, size) pairs, -1 = the rest
 
     @property
@@ -81,7 +82,7 @@ class GenerateSettings(Settings):
 FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings)}
 STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "draft_model", "hybrid_model", "verifier",
             "tree", "tree_verifier", "tree_children")
-_FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma")
+_FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision")
 
 
 def typed(name: str, value):

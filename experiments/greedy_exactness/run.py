@@ -34,6 +34,7 @@ def main(c):
     out = pathlib.Path(c.out)
     specs = settings.drafter_specs(c)
     g = toolkit.load_config(c.generate_config)
+    build.strict_precision(bool(g.get("strict_precision", False)))    # the profile's XLA rounding, before any backend
     workload.check_workload(c.workload or g.target)
     # the provenance of the start; the run's own files (not its code) do not make the tree dirty
     prov = toolkit.provenance("experiments.greedy_exactness.run", exclude=[out, out.parent / "_work"],
