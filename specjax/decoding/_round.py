@@ -106,6 +106,10 @@ class RoundStages:
             rel = jnp.concatenate([tree.rel_positions_BT, jnp.zeros((B, N - T), jnp.int32)], axis=1)
             tree = models.TreeBlock(rel_positions_BT=rel, visible_BTW=vis)
         logits, feats, cache = self._target_pass(params, block_BN, cache, tree)
+        # Every row stays live: without the barrier XLA drops the rows nobody reads (a
+        # target-only step reads row 0) back up through the last layers, and one-row matmuls
+        # round differently from the block's.
+        logits, feats = jax.lax.optimization_barrier((logits, feats))
         return logits[:, :T], None if feats is None else feats[:, :T], cache
 
     def _target_pass(self, params, block_BT, cache, tree=None):
