@@ -5,7 +5,7 @@
 Writes OUT_DIR/results.md (one table of every row, then the before/after summary: per topology
 and target, a decode step's and a k = 8 verification block's HBM bytes over the ideal, the
 verification block over the step, the chain and tree rounds, batch 64) and OUT_DIR/plot.png
-(bytes over the ideal, old profile against new, per topology).
+(bytes over the ideal, old profile (hatched) against new, per topology).
 """
 
 from __future__ import annotations
@@ -103,15 +103,21 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                     if r is not None:
                         xs.append(ti + (pi * len(programs) + qi) * width)
                         ys.append(r["bytes_over_ideal"])
-                ax.bar(xs, ys, width, label=f"{prof}: {prog} b={batch}", hatch="//" if pi == 0 else None,
-                       color=f"C{qi}", alpha=0.55 if pi == 0 else 1.0)
+                old = prof.endswith("_scan")
+                if not xs:
+                    continue
+                ax.bar(xs, ys, width, label=f"{'old' if old else 'new'} profile: {prog} b={batch}",
+                       hatch="//" if old else None, color=f"C{qi}", alpha=0.55 if old else 1.0)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(targets))])
         ax.set_xticklabels(targets, rotation=20, fontsize=8)
         ax.set_title(topo)
         ax.set_ylabel("HBM bytes per call / ideal")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7)
+    seen = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, h)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=5, fontsize=7)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
 
