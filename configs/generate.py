@@ -70,12 +70,11 @@ def get_config():
     # Tokens every target pass scores, padding after the real ones: 0 = each pass its own size;
     # -1 = the largest block the drafter drafts (gamma + 1, or a tree's nodes + 1), target-only
     # decoding included, so that a verification block's rows and a decode step are one
-    # computation and greedy output is bitwise target-only's in bfloat16 (the accelerator
-    # profiles set -1); N = at least that many.
+    # computation (the accelerator profiles set -1); N = at least that many.
     c.block_tokens = 0
     # XLA rounds every bfloat16 result as the program says (--xla_allow_excess_precision=false),
-    # so that differently fused programs (a target-only step, a speculative round) round alike;
-    # the accelerator profiles set it with block_tokens=-1 (specjax.build.strict_precision)
+    # not keeping excess precision inside a fusion; the accelerator profiles set it with
+    # block_tokens=-1 (specjax.build.strict_precision)
     c.strict_precision = False
     c.seed = 0
     c.system = ""

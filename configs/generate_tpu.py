@@ -7,10 +7,10 @@ axis (rows over data when set).
 Why these: compiled without a TPU (`specjax aot`, experiments/aot), the unrolled step reads the
 bytes the scanned one reads on v5e, v5p and v6e, and on an H100 the scanned step copies every
 layer's weights first; with one block shape a verification block's rows are the decode step's
-computation, bit for bit (tests/test_block_step_bitwise.py); with XLA rounding every bfloat16
-result as written, programs that fuse differently (a target-only step, a round whose forward
-also returns the head's features) round alike too, so greedy speculative output is
-target-only's in bfloat16 (experiments/greedy_exactness, variant bf16). Fused q|k|v over a model axis of several chips needs collective
+computation, bit for bit (tests/test_block_step_bitwise.py), and XLA rounds every bfloat16
+result as written (`strict_precision`); greedy speculative output inside the engine does not
+yet equal target-only's in bfloat16 (experiments/greedy_exactness, variant bf16, README).
+Fused q|k|v over a model axis of several chips needs collective
 permutes to split the heads again (10 per layer on v5e:2x2), so the projections stay separate
 here. configs/generate_tpu_scan.py is the profile before this one.
 

@@ -126,10 +126,9 @@ STRICT_PRECISION_FLAG = "--xla_allow_excess_precision=false"
 def strict_precision(on: bool) -> bool:
     """With ``on``, make XLA round every bfloat16 (and float16) operation's result as the program
     says (``--xla_allow_excess_precision=false``). By default XLA may drop a round-trip through
-    bfloat16 inside a fusion, so the same operation rounds differently in programs that fuse
-    differently (a target-only step and a speculative round, with or without the features a head
-    reads): greedy outputs in bfloat16 then differ (configs/generate_tpu.py and generate_gpu.py
-    set ``strict_precision``). Call before the first backend starts; returns False (changing
+    bfloat16 inside a fusion, so the same operation can round differently in programs that fuse
+    differently (a target-only step and a speculative round); configs/generate_tpu.py and
+    generate_gpu.py set ``strict_precision``. Call before the first backend starts; returns False (changing
     nothing) when a backend already runs, True otherwise."""
     import os
     if not on:

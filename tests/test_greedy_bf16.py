@@ -1,6 +1,8 @@
-"""Greedy speculative decoding equals target-only greedy decoding token for token in bfloat16,
-with one block shape for every target pass (`GenerationConfig.block_tokens=-1`, the
-accelerator profiles' setting) and the profiles' layout (unrolled, fused, XLA's matmuls).
+"""The engine's one block shape (`GenerationConfig.block_tokens=-1`, the accelerator profiles'
+setting) end to end in bfloat16: greedy speculative output equal to target-only greedy token for
+token, the target-only run in the same block shape (`Generator.target_only`), on a model small
+enough to run in CI. (On SmolLM2's real weights the engine does not have this yet:
+experiments/greedy_exactness, variant bf16.)
 
 A tiny random Gemma 2 (soft-caps, sliding windows, sandwich norms) in bfloat16 with weights large enough that
 rounding matters; the draft is the target's first layer (early exit), which agrees with the

@@ -96,8 +96,8 @@ class GenerationConfig:
     # logits unused, their cache entries past the committed length): 0 = each pass its own
     # size; -1 = the largest block this config drafts (gamma + 1, a tree's nodes + 1); N >= that.
     # One shape for every pass, target-only rounds included (`Generator.target_only` keeps the
-    # number), so a block's row t and a one-token step are the same computation: greedy output
-    # is then bitwise target-only's in any dtype (tests/test_block_step_bitwise.py).
+    # number), so a block's row t and a one-token step are the same computation
+    # (tests/test_block_step_bitwise.py).
     block_tokens: int = 0
 
     def __post_init__(self):
