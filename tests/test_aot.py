@@ -163,7 +163,7 @@ def _settings(**kw):
     from configs import generate_tpu
     c = aot_config.get_config()
     c.update(dict(target="tiny", programs=("prefill", "decode", "verify", "chain", "tree", "train_head"),
-                  verify_ks=(1, 4), batch_sizes=(1, 2), context=120, capacity=256, prompt=64, train_batch=2,
+                  verify_ks=(1, 4), batch_sizes=(2,), context=120, capacity=256, prompt=64, train_batch=2,
                   train_seq=64, tree=(3, 2, 6)))
     c.update(kw)
     return aot.aot_settings(c, generate_tpu.get_config())
@@ -177,7 +177,7 @@ def test_tiny_programs_compile_for_a_tpu_topology():
     aot.run(_settings(), emit=rows.append)
     names = [r["program"] for r in rows]
     assert names == ["prefill", "decode", "verify_k1", "verify_k4", "chain_eagle3_g3", "tree_dynamic_3_2_6",
-                     "train_head"] * 2
+                     "train_head"]
     for r in rows:
         assert r["fits"] and r["topology"] == "v5e:2x2" and r["devices"] == 4 and r["chip"] == "v5e", r
         m = r["memory"]
@@ -186,9 +186,9 @@ def test_tiny_programs_compile_for_a_tpu_topology():
         assert "host_transfer" not in r["lint"] and "weight_copy" not in r["lint"], r["lint"]
         json.dumps(r)
     decode = rows[1]
-    assert decode["program"] == "decode" and decode["batch"] == 1
+    assert decode["program"] == "decode" and decode["batch"] == 2
     assert decode["lint"] == {} and all(lp["trips"] for lp in decode["loops"])
-    capacity_over_live = 256 / (120 + 1)
+    capacity_over_live = 256 / (120 + 1)       # the einsum op reads every slot
     assert 1.0 <= decode["bytes_over_ideal"] <= capacity_over_live + 0.3, decode["bytes_over_ideal"]
     assert decode["memory"]["alias"] > 0                       # the donated state is updated in place
     assert rows[6]["ideal_bytes"] is None                      # training has no decode floor
