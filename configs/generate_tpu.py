@@ -11,7 +11,7 @@ computation, bit for bit (tests/test_block_step_bitwise.py), and XLA rounds ever
 result as written (`strict_precision`); greedy speculative output inside the engine does not
 yet equal target-only's in bfloat16 (experiments/greedy_exactness, variant bf16, README).
 Fused q|k|v over a model axis of several chips needs collective
-permutes to split the heads again (10 per layer on v5e:2x2), so the projections stay separate
+permutes to split the heads again (experiments/aot/README.md), so the projections stay separate
 here. configs/generate_tpu_scan.py is the profile before this one.
 
 Run: specjax generate --config=configs/generate_tpu.py [--config.mesh.data=N]

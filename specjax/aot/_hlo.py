@@ -1,8 +1,8 @@
 """Reading a compiled program's optimized HLO: bytes through HBM per call, collectives, and the lint.
 
 XLA's own figure (``compiled.cost_analysis()["bytes accessed"]``) counts a ``while`` body
-once, whatever its trip count: a 32-layer ``lax.scan`` of the weights reports ~1/32 of what a
-step reads. This module walks the optimized, partitioned (per-device) HLO text instead:
+once, whatever its trip count, so a scanned layer loop's weights are counted for one layer
+(experiments/aot/README.md). This module walks the optimized, partitioned (per-device) HLO text instead:
 
 * every computation reached from the entry is weighted by how often it runs: a ``while`` body
   by its trip count (``known_trip_count`` when XLA recorded it, else the constant its
@@ -17,8 +17,8 @@ step reads. This module walks the optimized, partitioned (per-device) HLO text i
 * only arrays in the default memory space count: a TPU layout's ``S(1)`` (on-chip VMEM) and
   the other scoped spaces are not HBM traffic; ``S(5)`` (host memory) is a host transfer.
 
-Calibration (tests/test_aot.py): a lone ``x @ W`` reads ~1.0x W; a ``lax.scan`` over L layers
-reads what the same layers unrolled read.
+The calibration (a lone matmul, a scan against the same layers unrolled) is
+tests/test_aot.py's; its figures are in experiments/aot/README.md.
 
 `lint` then names what a decode program should not do (`Finding`): copy a layer's weights or
 a whole cache buffer (materialize a slice, transpose or concatenation of one) instead of
