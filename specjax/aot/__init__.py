@@ -137,8 +137,13 @@ def run(s: AotSettings, emit=None) -> list[dict]:
     except ValueError as e:
         raise AotError(f"mesh {mesh_cfg} on {s.topology} ({len(devices)} devices): {e}") from None
     out = pathlib.Path(s.out).expanduser() if s.out else None
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if out is not None:          # writable before hours of compiling, not after
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "a"):
+                pass
+        except OSError as e:
+            raise AotError(f"config.out: cannot append to {out}: {e.strerror or e}") from None
     ctx = _run.Context(topology=s.topology, chip=chip, devices=len(devices), mesh=dict(mesh.shape), target=s.target,
                        profile=s.profile, dtype=s.dtype, layout=s.layout)
     rows = []

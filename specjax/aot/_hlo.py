@@ -28,7 +28,6 @@ reading it in place, move data to or from the host, or leave donated buffers una
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Iterable
 
@@ -82,24 +81,6 @@ def parse_type(text: str) -> list[Array]:
         space = _SPACE.search(m.group(3) or "")
         out.append(Array(m.group(1), dims, int(space.group(1)) if space else 0))
     return out
-
-
-def _split_top(text: str, sep: str = ",") -> list[str]:
-    """``text`` split at top-level ``sep`` (outside (), [], {})."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        parts.append("".join(cur))
-    return parts
 
 
 def _matching(text: str, start: int) -> int:
@@ -561,7 +542,3 @@ def summarize(findings: list[Finding]) -> dict:
         d["count"] += 1
         d["bytes"] += f.bytes
     return out
-
-
-def dumps(x) -> str:
-    return json.dumps(x, sort_keys=True)

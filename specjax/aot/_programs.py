@@ -206,9 +206,7 @@ class Builder:
     def train_draft(self) -> Program:
         """One optimizer step of a ``draft_layers``-layer draft of the target's shapes (every
         parameter trained) against the target's cached final hidden states."""
-        c = self.model.config.replace(num_layers=self.shapes.draft_layers, window_layers=None) \
-            if self.model.config.window_layers is None else self.model.config.replace(
-                num_layers=self.shapes.draft_layers, window_layers=self.model.config.window_layers[:self.shapes.draft_layers])
+        c = self.model.config.replace(num_layers=self.shapes.draft_layers)   # keeps the first layers' windows
         draft = models.Llama(c)
         params = jax.eval_shape(draft.init_params, jax.random.key(2))
         head_UD = jax.ShapeDtypeStruct((c.vocab_size, c.hidden_size), c.jnp_dtype)
