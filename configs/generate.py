@@ -22,6 +22,10 @@ def get_config():
     # the attention op (specjax.models.attention): 'reference' (einsums, every model feature) or
     # 'dot_product' (jax.nn.dot_product_attention; no soft-capping)
     c.attention_op = "reference"
+    # each layer writes the block's keys and values into its cache before it attends, so that a
+    # verification block and a one-token step reduce in the same order (the accelerator profiles
+    # set it; XLA:CPU copies the cache under it, and the CPU kernel attends first)
+    c.write_then_attend = False
     # Drafter: 'hybrid' (prompt lookup where the text repeats itself, the shipped draft head
     # elsewhere), 'ngram' (prompt lookup), 'head' (the shipped EAGLE head), 'distilled' (the
     # draft shipped for the target, see experiments/distill), 'early_exit' (target's first

@@ -28,6 +28,7 @@ def get_config():
     c.cpu_kernel = "off"
     c.attention_op = "reference"
     c.block_tokens = -1
+    c.write_then_attend = True
     c.strict_precision = True
     c.mesh.update(data=1, fsdp=1, model=-1)
     return c

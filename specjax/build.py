@@ -641,6 +641,9 @@ def check_config(c) -> None:
     if c.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
     use_cpu_kernel(c, backend="")               # the value only; no backend started
+    if c.write_then_attend and c.scan_layers:
+        raise ValueError("write_then_attend=True needs scan_layers=False: the scanned layers write the cache "
+                         "once, after the scan")
     check_generation_settings(c)
     if c.drafter == "hybrid" and (c.tree or c.adaptive_trees):
         setting = "tree" if c.tree else "adaptive_trees"
@@ -668,6 +671,8 @@ def load_target_with_tokenizer(c):
         from specjax.models import attention
         attention.get_attention_op(op)          # an unknown op named before anything runs
         target = type(target)(target.config.replace(attention_op=op))
+    if c.write_then_attend != target.config.write_then_attend:
+        target = type(target)(target.config.replace(write_then_attend=c.write_then_attend))
     return target, params, tokenizer
 
 

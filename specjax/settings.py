@@ -51,6 +51,7 @@ class GenerateSettings(Settings):
     fuse_projections: bool = True           # q|k|v and gate|up as one matmul each
     cpu_kernel: str = "auto"                # 'auto' | 'on' | 'off' (`specjax.build.use_cpu_kernel`)
     attention_op: str = "reference"         # a registered attention op (`specjax.models.attention`)
+    write_then_attend: bool = False         # block K/V written before attending (`ModelConfig.write_then_attend`)
     drafter: str = "hybrid"                 # a registered drafter kind (`specjax.drafters.drafter_kinds`)
     draft_model: str = ""                   # a draft directory or model path; "" = the shipped one
     early_exit_layers: int = 4
@@ -82,7 +83,7 @@ class GenerateSettings(Settings):
 FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings)}
 STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "draft_model", "hybrid_model", "verifier",
             "tree", "tree_verifier", "tree_children")
-_FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision")
+_FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision", "write_then_attend")
 
 
 def typed(name: str, value):

@@ -37,9 +37,9 @@ from specjax.models.hf_loader import config_from_hf
 from _hf_tiny import FAMILY_KINDS, family_config
 
 KINDS = ("llama", "qwen2") + FAMILY_KINDS
-CAPACITY = 64
+CAPACITY = 256
 PROFILE = dict(dtype="bfloat16", scan_layers=False, fuse_projections=True, packed_projections=False,
-               cpu_attention=False, attention_op="reference")
+               cpu_attention=False, attention_op="reference", write_then_attend=True)
 
 
 def _config(kind: str, **layout):
@@ -65,8 +65,10 @@ def _model(kind: str, **layout):
 
 
 def _prefilled(model, params, B: int):
-    lengths = np.array([9, 5][:B], np.int32)
-    tokens = jax.random.randint(jax.random.key(7), (B, 9), 0, model.vocab_size)
+    # contexts long enough for the order of the attention sums to matter (with a block's keys
+    # appended after the cache instead of written into it, these differ in the last bit)
+    lengths = np.array([181, 122][:B], np.int32)
+    tokens = jax.random.randint(jax.random.key(7), (B, 181), 0, model.vocab_size)
     _, cache = jax.jit(model.apply)(params, tokens, model.init_cache(B, CAPACITY), jnp.asarray(lengths))
     return cache
 
@@ -151,3 +153,91 @@ def _tree(model, params, cache, kind):
     got = logits_tree[:, jnp.asarray(path)]
     assert np.array_equal(np.asarray(got), np.asarray(logits_steps)), \
         f"{kind}: {int(jnp.sum(got != logits_steps))} of {logits_steps.size} logits differ"
+
+
+# ---------------------------------------------------------------------------------------
+# The attention op alone: write-then-attend is what makes a block's row t and a step agree.
+# ---------------------------------------------------------------------------------------
+def _attention_case(dtype, seed: int = 0, B: int = 2, K: int = 2, G: int = 3, H: int = 32, S: int = 256, T: int = 4):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    bf = jnp.dtype(dtype)
+    k_buf = jax.random.normal(ks[0], (B, K, S, H), bf)
+    v_buf = jax.random.normal(ks[1], (B, K, H, S), bf)
+    q = jax.random.normal(ks[2], (B, T, K * G, H), bf)
+    k_new = jax.random.normal(ks[3], (B, T, K, H), bf)
+    v_new = jax.random.normal(ks[4], (B, T, K, H), bf)
+    return q, k_new, v_new, k_buf, v_buf, jnp.asarray([150, 97][:B], jnp.int32)
+
+
+def _pad(x_BT, t: int, T: int):
+    """Token t of a block as a padded one-token step: token t, then copies of it."""
+    return jnp.repeat(x_BT[:, t:t + 1], T, axis=1)
+
+
+@pytest.mark.parametrize("op", ["reference", "dot_product"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_write_then_attend_block_row_equals_step(op, dtype):
+    """150 and 97 committed slots, a 4-token block: each block row equals, bit for bit, the padded
+    one-token step that scores its token once the block's earlier tokens are committed."""
+    from specjax.models.attention import attention, written_visibility
+    from specjax.models.kv_cache import write_kv
+    q, k_new, v_new, k_buf, v_buf, lengths = _attention_case(dtype)
+    T, S = q.shape[1], k_buf.shape[2]
+
+    @jax.jit
+    def written(q, k_new, v_new, k_buf, v_buf, lengths):
+        kb, vb = write_kv(k_buf, v_buf, k_new, v_new, lengths)
+        return attention(q, None, None, (kb, vb, lengths), (written_visibility(None, lengths, lengths, T, S), None),
+                         op=op), (kb, vb)
+
+    block, (kb, vb) = written(q, k_new, v_new, k_buf, v_buf, lengths)
+    for t in range(T):
+        step, _ = written(_pad(q, t, T), _pad(k_new, t, T), _pad(v_new, t, T), kb, vb, lengths + t)
+        assert np.array_equal(np.asarray(step[:, 0]), np.asarray(block[:, t])), f"row {t}"
+
+
+def test_appended_block_keys_round_differently():
+    """The control that shows the comparison above can fail: with the block's keys appended after
+    the cache (a step finds the earlier tokens in the cache, a block row in the appended part),
+    the same case differs in the last bit of some outputs. In float32: a bfloat16 output hides
+    most of these differences in its rounding, and a model's layers then amplify the few that
+    remain (experiments/greedy_exactness/README.md)."""
+    from specjax.models.attention import attention
+    from specjax.models.kv_cache import write_kv
+    q, k_new, v_new, k_buf, v_buf, lengths = _attention_case("float32")
+    T = q.shape[1]
+    appended = jax.jit(lambda *a: attention(a[0], a[1], a[2], (a[3], a[4], a[5])))
+    block = appended(q, k_new, v_new, k_buf, v_buf, lengths)
+    kb, vb = write_kv(k_buf, v_buf, k_new, v_new, lengths)
+    differ = sum(int(jnp.sum(appended(_pad(q, t, T), _pad(k_new, t, T), _pad(v_new, t, T), kb, vb, lengths + t)[:, 0]
+                             != block[:, t])) for t in range(1, T))
+    assert differ > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_write_then_attend_computes_the_same_attention(kind):
+    """Write-then-attend is the same function as attend-then-write: float32, every family (windows,
+    soft-caps, ...), a prefill, a chain block and a tree block at batch 2 (rows at different lengths),
+    logits within float32 rounding and the same committed cache entries."""
+    first = models.Llama(_config(kind, dtype="float32"))
+    params = first.init_params(jax.random.key(len(kind)))
+    after = models.Llama(first.config.replace(write_then_attend=False))
+    assert first.config.write_then_attend and not after.config.write_then_attend
+    lengths = jnp.asarray([181, 122], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(7), (2, 181), 0, first.vocab_size)
+    block = jax.random.randint(jax.random.key(3), (2, 4), 0, first.vocab_size)
+    nodes = jax.random.randint(jax.random.key(5), (2, len(PARENTS) + 1), 0, first.vocab_size)
+    parents = jnp.broadcast_to(jnp.asarray(PARENTS, jnp.int32), (2, len(PARENTS)))
+    visible = trees.ancestor_mask(parents, jnp.ones((2, len(PARENTS)), bool), 4)
+    rel = jnp.broadcast_to(jnp.asarray([0, 1, 1, 2, 3, 4], jnp.int32), (2, len(PARENTS) + 1))
+    got = []
+    for model in (first, after):
+        apply = jax.jit(model.apply)
+        prefill, cache = apply(params, tokens, model.init_cache(2, CAPACITY), lengths)
+        chain, cache_chain = apply(params, block, cache)
+        tree, _ = apply(params, nodes, cache, tree=TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
+        got.append((prefill, chain, tree, _committed(cache_chain, cache_chain.lengths_B)))
+    for a, b in zip(got[0][:3], got[1][:3]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[0][3], got[1][3]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

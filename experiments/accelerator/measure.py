@@ -40,8 +40,8 @@ from specjax import analysis, decoding, models, sampling
 
 from experiments.lib import workload
 
-LAYOUTS = {"old": dict(scan_layers=True, fuse_projections=False, block=0),
-           "new": dict(scan_layers=False, fuse_projections=True, block=-1)}
+LAYOUTS = {"old": dict(scan_layers=True, fuse_projections=False, write_then_attend=False, block=0),
+           "new": dict(scan_layers=False, fuse_projections=True, write_then_attend=True, block=-1)}
 
 
 def _commit() -> str:
@@ -72,7 +72,8 @@ def bandwidth_bytes_per_s(gib: float = 2.0) -> float:
 def _model(size: str, layout: str):
     lay = LAYOUTS[layout]
     cfg = workload.preset_config(size, "bfloat16", scan_layers=lay["scan_layers"],
-                                 fuse_projections=lay["fuse_projections"])
+                                 fuse_projections=lay["fuse_projections"]).replace(
+                                     write_then_attend=lay["write_then_attend"])
     model = models.Llama(cfg)
     params = model.prepare_params(workload.random_params(cfg.replace(scan_layers=True, fuse_projections=False),
                                                          jax.random.key(0)))
@@ -127,14 +128,15 @@ def bitwise(batch: int) -> dict:
     """A 4-token block against 4 one-token steps padded to 4 tokens (the engine's one block
     shape), small random Llama in bfloat16, the new layout: logits compared with ``==``."""
     cfg = models.ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
-                             ffn_size=512, dtype="bfloat16", scan_layers=False, fuse_projections=True)
+                             ffn_size=512, dtype="bfloat16", scan_layers=False, fuse_projections=True,
+                             write_then_attend=True)
     model = models.Llama(cfg)
     params = jax.tree.map(lambda x: (x.astype(jnp.float32) * (1.0 if x.ndim == 1 else 8.0)).astype(x.dtype),
                           model.init_params(jax.random.key(1)))
     apply = jax.jit(model.apply)
-    tokens = jax.random.randint(jax.random.key(2), (batch, 13), 0, cfg.vocab_size)
-    _, cache = apply(params, tokens[:, :9], model.init_cache(batch, 64))
-    block = tokens[:, 9:13]
+    tokens = jax.random.randint(jax.random.key(2), (batch, 185), 0, cfg.vocab_size)
+    _, cache = apply(params, tokens[:, :181], model.init_cache(batch, 256))
+    block = tokens[:, 181:185]
     logits_block, _ = apply(params, block, cache)
     c, rows, unpadded = cache, [], []
     for t in range(4):

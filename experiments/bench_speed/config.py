@@ -47,6 +47,8 @@ def get_config(variant: str = ""):
     # tokens every target pass scores (decoding.GenerationConfig.block_tokens): 0 = its own;
     # -1 = the largest block of the run's methods, target-only included (the GPU profile's)
     c.block_tokens = 0
+    # the accelerator profiles' write-then-attend (`ModelConfig.write_then_attend`)
+    c.write_then_attend = False
     c.max_k = 9                            # k-token forward costs for k = 1..max(max_k, gamma + 1)
     c.cost_iters = 30
     c.bandwidth_gib = 1.0
@@ -71,7 +73,7 @@ def get_config(variant: str = ""):
         c.update(workload="preset:8b", dtype="bfloat16", layers="fused", cost_layers=("scan",), prefill_ks=(), num_prompts=8, prompt_len=128,
                  batch_sizes=(1, 8), temperatures=(0.0,), methods=("early_exit", "oracle"), early_exit_layers=0,
                  transformers=False, memory=False, bandwidth_gib=2.0, cost_iters=20, alphas=(0.6, 0.7, 0.8, 0.9),
-                 block_tokens=-1)
+                 block_tokens=-1, write_then_attend=True)
         c.gamma.update(early_exit=4, oracle=4)
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: '', 'tiny' or 'gpu'")

@@ -42,6 +42,7 @@ def main(c):
     layers = workload.layers_of(g)             # the main command's layout (cpu_kernel resolved)
     c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
     wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
+                                    "write_then_attend": bool(g.get("write_then_attend", False)),
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
     w = workload.load(wc, out.parent / "_work")
     prompts = [list(p.ids) for p in w.prompts]

@@ -29,7 +29,7 @@ __all__ = ["Array", "parse_type", "AotError", "AotSettings", "CHIPS", "Chip", "F
            "lint", "parse_module", "parse_topology", "quiet_libtpu", "run", "target_config", "topology_devices",
            "traffic", "without_persistent_cache"]
 
-LAYOUT_KEYS = ("dtype", "scan_layers", "fuse_projections", "attention_op")
+LAYOUT_KEYS = ("dtype", "scan_layers", "fuse_projections", "attention_op", "write_then_attend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class AotSettings:
     scan_layers: bool
     fuse_projections: bool
     attention_op: str
+    write_then_attend: bool
     block_tokens: int              # the profile's: tokens every target pass scores (0: its own, -1: the largest block)
     mesh: tuple[tuple[str, int], ...]
     programs: tuple[str, ...]
@@ -61,7 +62,8 @@ class AotSettings:
     @property
     def layout(self) -> str:
         return ("scan" if self.scan_layers else "unrolled") + ("+fused" if self.fuse_projections else "") + \
-            f"+{self.attention_op}" + ("+one-block" if self.block_tokens else "")
+            f"+{self.attention_op}" + ("+write-first" if self.write_then_attend else "") + \
+            ("+one-block" if self.block_tokens else "")
 
 
 def aot_settings(c, profile) -> AotSettings:
@@ -92,7 +94,7 @@ def aot_settings(c, profile) -> AotSettings:
         topology=str(c.topology), target=str(c.target), profile=str(c.profile_name or c.profile),
         dtype=str(profile.dtype), scan_layers=bool(profile.scan_layers),
         fuse_projections=bool(profile.get("fuse_projections", False)), attention_op=str(profile.attention_op),
-        block_tokens=int(profile.get("block_tokens", 0)),
+        write_then_attend=bool(profile.get("write_then_attend", False)), block_tokens=int(profile.get("block_tokens", 0)),
         mesh=tuple(mesh.items()), programs=programs, batch_sizes=ints("batch_sizes", c.batch_sizes),
         context=ints("context", (c.context,))[0], capacity=ints("capacity", (c.capacity,))[0],
         prompt=ints("prompt", (c.prompt,))[0], verify_ks=ints("verify_ks", c.verify_ks),
@@ -114,7 +116,8 @@ def _model(s: AotSettings):
     except ValueError as e:
         raise AotError(str(e)) from None
     config = config.replace(scan_layers=s.scan_layers, fuse_projections=s.fuse_projections,
-                            attention_op=s.attention_op, packed_projections=False, cpu_attention=False)
+                            attention_op=s.attention_op, write_then_attend=s.write_then_attend,
+                            packed_projections=False, cpu_attention=False)
     return models.Llama(config)
 
 

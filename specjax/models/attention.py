@@ -16,6 +16,14 @@ A layer hands an op the queries of its T new tokens, their keys and values, the 
   mostly-empty [T, (J + 1) T] score matrix the dense mask would need; `TrainingTimeTest.dense`
   gives the same rule as masks for an op to be checked against.
 
+Write-then-attend: a caller that has already written the block's K and V into the cache (at
+slots ``write_at_B[b] + t``) passes ``k_new = v_new = None`` and the visibility over slots alone,
+``(written_visibility(...), None)``; the op then attends over the cache's slots only. A
+verification block and the one-token steps that score the same tokens then reduce over the same
+operands in the same order, which the low-precision profiles need for bitwise equality (with
+the block's keys appended after the cache, a token's key sits in the cache for a step and in
+the appended part for a block row, and the sums split differently).
+
 Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
 holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
 query at position i (Mistral, Gemma 2/3, the Hugging Face rule). Tentative tree entries of
@@ -141,6 +149,24 @@ def training_time_test_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, tt: Train
     return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
+def written_visibility(visibility, lengths_B, write_at_B, T: int, capacity: int):
+    """A `Visibility` over cache slots only, for write-then-attend: [B, T, S] bool.
+
+    After this call's T entries are written at slots ``write_at_B[b] + t`` (`write_kv`), query t
+    sees slot s iff the rule (None: causal) lets it see s as a past slot, or s holds the block's
+    token t' = s - write_at_B[b] and the rule lets query t see token t'. A block and the one-token
+    steps that score the same tokens then attend over the same keys in the same slots, so their
+    reductions run over the same operands in the same order (bitwise equal in any dtype).
+    """
+    past, new = causal_mask(lengths_B, T, capacity) if visibility is None else visibility
+    B = lengths_B.shape[0]
+    rel_BS = jnp.arange(capacity, dtype=jnp.int32)[None, :] - write_at_B[:, None].astype(jnp.int32)
+    in_block_BS = (rel_BS >= 0) & (rel_BS < T)
+    idx_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, T - 1)[:, None, :], (B, T, capacity))
+    block_BTS = jnp.take_along_axis(jnp.broadcast_to(new, (B, T, T)), idx_BTS, axis=2) & in_block_BS[:, None, :]
+    return jnp.broadcast_to(past, (B, T, capacity)) | block_BTS
+
+
 def causal_mask(lengths_B, T: int, capacity: int | None):
     """The plain causal rule as a `Visibility`: ([B, 1, S] or None without a cache, [1, T, T])."""
     t_T = jnp.arange(T)
@@ -181,6 +207,8 @@ def _scores(s, spec: AttentionSpec):
 
 def reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
     """Grouped-query attention of T queries over cached slots and the T new tokens: [B, T, N*H]."""
+    if k_new_BTKH is None:
+        return _attend_cache(q_BTQH, past, visibility[0], spec)
     B, T, N, H = q_BTQH.shape
     K = k_new_BTKH.shape[2]
     G = N // K
@@ -218,12 +246,31 @@ def reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: 
     return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
+def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):
+    """The reference op under write-then-attend: the cache already holds the block (no new keys)."""
+    B, T, N, H = q_BTQH.shape
+    k_BKSH, v_BKHS, _ = past
+    K = k_BKSH.shape[1]
+    q = q_BTQH.reshape(B, T, K, N // K, H)
+    s = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH, preferred_element_type=jnp.float32),
+                spec)
+    probs = jax.nn.softmax(jnp.where(visible_BTS[:, None, None], s, NEG), axis=-1)
+    out = jnp.einsum("bkgts,bkhs->btkgh", probs.astype(v_BKHS.dtype), v_BKHS, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
+
+
 def dot_product_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
     """The same rule through `jax.nn.dot_product_attention` (keys: the cache's slots, then the block)."""
     if spec.softcap is not None:
         raise ValueError("attention_op='dot_product' cannot soft-cap attention scores "
                          "(jax.nn.dot_product_attention has no soft-capping); use attention_op='reference'")
     B, T, N, H = q_BTQH.shape
+    if k_new_BTKH is None:        # write-then-attend: the cache's slots only
+        k_BKSH, v_BKHS, _ = past
+        out = jax.nn.dot_product_attention(q_BTQH, jnp.swapaxes(k_BKSH, 1, 2).astype(q_BTQH.dtype),
+                                           jnp.transpose(v_BKHS, (0, 3, 1, 2)).astype(q_BTQH.dtype),
+                                           mask=visibility[0][:, None], scale=spec.scale)
+        return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
     v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
     lengths_B = None if past is None else past[2]
     S = 0 if past is None else past[0].shape[2]
@@ -248,7 +295,8 @@ ATTENTION_OPS: dict[str, AttentionOp] = {"reference": reference_attention, "dot_
 
 def register_attention_op(name: str, op: AttentionOp) -> None:
     """Make ``op(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec) -> [B, T, N*H]`` selectable
-    as ``ModelConfig(attention_op=name)``."""
+    as ``ModelConfig(attention_op=name)``. An op must also take write-then-attend calls:
+    ``k_new = v_new = None``, ``visibility = (visible_BTS, None)`` over the cache's slots."""
     if name in ATTENTION_OPS and ATTENTION_OPS[name] is not op:
         raise ValueError(f"attention op {name!r} is already registered")
     ATTENTION_OPS[name] = op
@@ -269,6 +317,11 @@ def attention(q_BTQH, k_new_BTKH, v_new_BTKH, past=None, visibility=None, kernel
     (where it can run; the op otherwise); callers pass it only for plain attention."""
     spec = spec or AttentionSpec(scale=float(1.0 / np.sqrt(q_BTQH.shape[-1])))
     fn = get_attention_op(op)
+    if k_new_BTKH is None:            # write-then-attend (module docstring)
+        if past is None or visibility is None or visibility[1] is not None:
+            raise ValueError("write-then-attend (k_new None) needs the written cache as past and "
+                             "(visible_BTS, None) as visibility")
+        return fn(q_BTQH, None, None, past, visibility, spec)
     if isinstance(visibility, TrainingTimeTest):
         return training_time_test_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec)
     if kernel and past is not None and visibility is None:

@@ -59,6 +59,12 @@ class ModelConfig:
     # the op that computes attention (`specjax.models.attention.ATTENTION_OPS`): "reference" (einsums,
     # every feature) | "dot_product" (jax.nn.dot_product_attention) | a registered one
     attention_op: str = "reference"
+    # each layer writes its block's K and V into its cache buffer, then attends over the buffer's
+    # slots (`specjax.models.attention`, write-then-attend): a verification block's rows and the
+    # one-token steps that score the same tokens then reduce in the same order. Unrolled layers
+    # only (the scanned layers write once, after the scan; the setting is ignored there, as it is
+    # by the CPU decode kernel, cpu_attention, which attends first).
+    write_then_attend: bool = False
     max_position: int = 8192
     arch: str = "llama"                   # the family (`specjax.models.families`): what the exporter writes
     # ---- family features (the defaults are Llama's; `specjax.models.families` sets them) ----

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels
-from specjax.models.attention import AttentionSpec, attention, tree_attention_mask, window_mask
+from specjax.models.attention import AttentionSpec, attention, tree_attention_mask, window_mask, written_visibility
 from specjax.models.attention import causal_mask as causal_mask_for
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, TreeBlock, write_kv  # noqa: F401  (TreeBlock: the protocol's type)
@@ -421,11 +421,14 @@ def _experts(config: ModelConfig, p: dict, x_BTD):
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype)
 
 
-def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
+def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, write_at=None):
     """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
     ``tree_mask``: the queries' `specjax.models.attention` visibility (None: plain causal).
 
     Returns the new hidden states and this call's (k, v) [B, T, K, H] in the cache dtype.
+    With ``write_at`` [B] (write-then-attend): this call's entries are written into ``past``'s
+    buffers at slots ``write_at + t`` before attending, ``tree_mask`` is the visibility over
+    slots (`attention.written_visibility`), and the written (k_buf, v_buf) are returned instead.
     """
     c = config
     B, T, _ = h_BTD.shape
@@ -446,8 +449,15 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None):
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
     spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
-    attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention and c.plain_attention, spec=spec,
-                     op=c.attention_op)
+    if write_at is not None:
+        # The barrier makes the written buffers one value that attention and the returned cache
+        # share: without it XLA fuses the write into each consumer and copies the buffer for each.
+        k_buf, v_buf = jax.lax.optimization_barrier(write_kv(past[0], past[1], k, v, write_at))
+        attn = attention(q, None, None, (k_buf, v_buf, past[2]), (tree_mask, None), spec=spec, op=c.attention_op)
+        k, v = k_buf, v_buf
+    else:
+        attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention and c.plain_attention, spec=spec,
+                         op=c.attention_op)
     out = _linear(attn, p["wo"], width=width("wo"))
     h_BTD = h_BTD + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
     x = norm(c, h_BTD, p["mlp_norm"])
@@ -689,6 +699,14 @@ class Llama:
             ropes.append(rope_cos_sin(c, positions, local))
         layer_variant = [variants.index(v) for v in variant_of]
         layers = params["layers"]
+        # Write-then-attend (`ModelConfig.write_then_attend`): each unrolled layer writes its
+        # block into its own buffer, then attends over the buffer's slots. Not for a prefill
+        # chunk's bounded read or the CPU decode kernel (which reads the committed slots and the
+        # block's own keys). (XLA:CPU copies the buffers under it, so the CPU profile keeps it off.)
+        write_first = (c.write_then_attend and not c.scan_layers and cache is not None and limit is None
+                       and not (c.cpu_attention and c.plain_attention))
+        if write_first:
+            masks = [written_visibility(m, lengths, write_at, T, cache.capacity) for m in masks]
 
         def run_layer(lp, h, k_BKSH, v_BKHS, mask, cos_sin):
             if cache is None or limit == 0:       # nothing committed to attend to
@@ -697,7 +715,7 @@ class Llama:
                 past = (k_BKSH[:, :, :limit], v_BKHS[..., :limit], lengths)
             else:
                 past = (k_BKSH, v_BKHS, lengths)
-            return _layer(c, lp, h, *cos_sin, past, mask)
+            return _layer(c, lp, h, *cos_sin, past, mask, write_at if write_first else None)
 
         collected = {}
         if c.scan_layers:
@@ -742,8 +760,9 @@ class Llama:
                 else:
                     k_i, v_i = cache.layer(i)
                     h, (k, v) = run_layer(lp, h, k_i, v_i, mask, cos_sin)
-                    # Each layer writes its own buffer after reading it: in place when donated.
-                    k_i, v_i = write_kv(k_i, v_i, k, v, write_at)
+                    # Each layer writes its own buffer (after reading it, unless it wrote
+                    # first): in place when donated.
+                    k_i, v_i = (k, v) if write_first else write_kv(k_i, v_i, k, v, write_at)
                     ks.append(k_i)
                     vs.append(v_i)
                 if i in collect:
