@@ -194,7 +194,7 @@ def logical_axes(cache: KVCache) -> KVCache:
 
 
 def write_kv(k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Array,
-             lengths_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+             lengths_B: jax.Array, per_row: bool = False) -> tuple[jax.Array, jax.Array]:
     """Write this call's K and V entries at slots ``lengths_B[b] + t`` (per row).
 
     ``k_buf`` [..., B, K, S, H] and ``v_buf`` [..., B, K, H, S] (the module docstring's layouts),
@@ -203,13 +203,17 @@ def write_kv(k_buf: jax.Array, v_buf: jax.Array, k_new: jax.Array, v_new: jax.Ar
     slot past its window.) One update per buffer, so inside a jitted step with
     the cache donated XLA writes in place: a ``dynamic_update_slice`` for batch 1 (note: a
     dynamic slice start is clamped to stay in bounds, so capacity must be checked on the host
-    beforehand), a scatter otherwise (out-of-range writes of padding are dropped).
+    beforehand), a scatter otherwise (out-of-range writes of padding are dropped). ``per_row``
+    (one layer's buffers, batch > 1): a loop of one ``dynamic_update_slice`` per row instead of
+    the scatter, which the TPU compiler keeps in place when attention then reads the written
+    buffer (write-then-attend; with the scatter it copied every buffer: experiments/aot);
+    starts are clamped as for batch 1.
     """
-    return (_write(k_buf, k_new, lengths_B, slots_last=False),
-            _write(v_buf, v_new, lengths_B, slots_last=True))
+    return (_write(k_buf, k_new, lengths_B, slots_last=False, per_row=per_row),
+            _write(v_buf, v_new, lengths_B, slots_last=True, per_row=per_row))
 
 
-def _write(buf, new, lengths_B, slots_last: bool):
+def _write(buf, new, lengths_B, slots_last: bool, per_row: bool = False):
     lead = buf.ndim - 4
     B, T = new.shape[lead], new.shape[lead + 1]
     # Non-finite K/V only ever belong to positions whose logits are non-finite too; such a
@@ -225,6 +229,15 @@ def _write(buf, new, lengths_B, slots_last: bool):
     if B == 1:
         upd = jnp.swapaxes(new, lead + 1, lead + 2)                 # [..., B, K, T, H]
         return jax.lax.dynamic_update_slice(buf, upd, (zero,) * (lead + 2) + (start, zero))
+    if per_row and lead == 0:
+        upd_BT = jnp.moveaxis(new, 1, 3) if slots_last else jnp.swapaxes(new, 1, 2)   # [B, K, H, T] / [B, K, T, H]
+
+        def row(b, buf):
+            start = lengths_B[b].astype(jnp.int32)
+            u = jax.lax.dynamic_slice_in_dim(upd_BT, b, 1, axis=0)
+            idx = (b, zero, zero, start) if slots_last else (b, zero, start, zero)
+            return jax.lax.dynamic_update_slice(buf, u, idx)
+        return jax.lax.fori_loop(0, B, row, buf)
     pos_BT = lengths_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
     # The advanced indices (b, pos) broadcast to [B, T]; separated by slices they move to the

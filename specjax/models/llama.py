@@ -452,7 +452,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     if write_at is not None:
         # The barrier makes the written buffers one value that attention and the returned cache
         # share: without it XLA fuses the write into each consumer and copies the buffer for each.
-        k_buf, v_buf = jax.lax.optimization_barrier(write_kv(past[0], past[1], k, v, write_at))
+        k_buf, v_buf = jax.lax.optimization_barrier(write_kv(past[0], past[1], k, v, write_at, per_row=True))
         attn = attention(q, None, None, (k_buf, v_buf, past[2]), (tree_mask, None), spec=spec, op=c.attention_op)
         k, v = k_buf, v_buf
     else:
