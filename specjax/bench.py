@@ -23,6 +23,7 @@ Records go to ``results.jsonl.partial`` while the run lasts (flushed per run), w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -223,30 +224,90 @@ ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptiv
                   "hybrid_model", "draft_model")
 
 
+# the entry settings every drafter reads; the others belong to some drafters only (their settings)
+COMMON_ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptive_trees", "tree_verifier",
+                         "tree_children", "verifier")
+
+
+def _split_entry(entry: str) -> tuple[str, list[str]]:
+    """(kind, [key=value items]) of a drafters entry: ``@`` ends the kind, ``;`` separates items,
+    neither counts inside a double-quoted JSON string (``head:"dir@2;b"``, ``draft_model="a;b"``)."""
+    parts, cur, quoted, escaped = [], [], False, False
+    kind = None
+    for ch in entry:
+        if quoted:
+            cur.append(ch)
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch == "@" and kind is None:
+            kind, cur = "".join(cur), []
+            continue
+        elif ch == ";" and kind is not None:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    if quoted:
+        raise ValueError(f"drafters entry {entry!r}: a double quote is not closed")
+    if kind is None:
+        return "".join(cur), []
+    parts.append("".join(cur))
+    return kind, [p for p in parts if p]
+
+
+def _unquote(text: str, entry: str) -> str:
+    """A string value as written, or the JSON string it quotes (for paths holding ``@`` or ``;``)."""
+    if not text.startswith('"'):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"drafters entry {entry!r}: {text} is not a JSON string") from None
+    if not isinstance(value, str):
+        raise ValueError(f"drafters entry {entry!r}: {text} is not a JSON string")
+    return value
+
+
 def drafter_settings(base, entry: str):
     """The generation settings of one ``drafters`` entry: a drafter kind, or ``head:<directory>``
     (a feature-level draft head), optionally followed by ``@key=value;key=value`` overriding
     drafting settings (`ENTRY_SETTINGS`) for this entry alone (e.g. ``head@tree=dynamic:5,4,20``
     beside ``head``: the same head in a dynamic tree and in a chain; ``hybrid@draft_model=<dir>``:
-    the hybrid with another head). String settings take the text as it is;
-    the others read it as JSON (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the
-    entry for an unknown key or a value of the wrong type."""
-    kind, _, overrides = entry.partition("@")
+    the hybrid with another head). String settings take the text as it is, or a double-quoted
+    JSON string for text holding ``@`` or ``;`` (``head:"runs/a@b"``); the others read it as JSON
+    (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the entry for an unknown key, a key
+    given twice, a setting the drafter does not read (``ngram@draft_model=...``) or a value of
+    the wrong type."""
+    from specjax import build, drafters     # noqa: F401  (build registers the built-in drafter kinds)
+    kind, items = _split_entry(entry)
     if kind == "none":
         raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
     changes = {"drafter": kind}
     if kind.startswith("head:"):                 # head:<directory>: a feature-level draft head
-        changes = {"drafter": "head", "draft_model": kind.split(":", 1)[1]}
-    for item in filter(None, overrides.split(";")):
+        changes = {"drafter": "head", "draft_model": _unquote(kind.split(":", 1)[1], entry)}
+    own = {f.name for f in dataclasses.fields(drafters.drafter_kind(changes["drafter"]).settings)}
+    for item in items:
         key, sep, text = item.partition("=")
         if key == "draft_model" and "draft_model" in changes:
             raise ValueError(f"drafters entry {entry!r}: names its draft model twice (head:<directory> and "
                              f"draft_model=); give one")
+        if key in changes:
+            raise ValueError(f"drafters entry {entry!r}: sets {key} twice; give it once")
         if not sep or key not in ENTRY_SETTINGS:
             raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting "
                              f"({', '.join(ENTRY_SETTINGS)}; the target, sampling and length are the bench's own)")
+        if key not in COMMON_ENTRY_SETTINGS and key not in own:
+            raise ValueError(f"drafters entry {entry!r}: drafter {changes['drafter']!r} does not read {key} "
+                             f"(its own settings: {', '.join(sorted(own)) or 'none'})")
         try:
-            value = text if key in settings_lib.STRING_FIELDS else json.loads(text)
+            value = _unquote(text, entry) if key in settings_lib.STRING_FIELDS else json.loads(text)
         except json.JSONDecodeError:
             raise ValueError(f"drafters entry {entry!r}: {key}={text!r} is not a JSON value") from None
         try:
@@ -267,6 +328,10 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     kinds = tuple(c.drafters)
     if not kinds:
         raise ValueError("drafters=(): name at least one drafter, e.g. ('ngram',)")
+    repeated = sorted({k for k in kinds if kinds.count(k) > 1})
+    if repeated:
+        raise ValueError(f"drafters: {', '.join(map(repr, repeated))} listed more than once (each entry is one "
+                         f"method of the bench; give it once, or give the copies different @settings)")
     base = generate_settings(c)                  # the generation settings, typed once
     configs = {}
     for kind in kinds:
@@ -274,6 +339,8 @@ def run(c, command: str = "specjax bench") -> list[dict]:
         build.check_config(configs[kind])        # every drafter's settings before anything loads
     prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
     out = pathlib.Path(c.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={c.out!r}: is a file; the bench writes results.jsonl and results.md into a directory")
     out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)
 
     base_c = base.replace(drafter="none")

@@ -1,13 +1,56 @@
 """Files on disk: one streaming sha256 for every place that checks bytes (cached model files,
-checkpoint manifests, stored drafts and heads), and the recovery of an append-only JSONL log
-after a crash mid-write."""
+checkpoint manifests, stored drafts and heads), the recovery of an append-only JSONL log after a
+crash mid-write, and the exclusive lock a long job takes on its working directory."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
+import socket
+import sys
+
+LOCK_NAME = ".specjax.lock"
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live process holds the working directory's lock."""
+
+
+@contextlib.contextmanager
+def workdir_lock(directory: os.PathLike, job: str):
+    """Hold an exclusive OS lock (``flock``) on ``<directory>/.specjax.lock`` while the block runs.
+
+    The lock belongs to the open file, so a process that dies (even by ``kill -9``) releases it:
+    the file left behind is never stale, it only says who held it last. A second job on the same
+    directory gets `WorkdirBusy` naming the holder (pid, host, command, start time) before it
+    touches anything. ``job`` names this job in the file (e.g. "specjax data").
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_NAME
+    f = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise WorkdirBusy(f"{directory} is in use by {holder}; wait for it to finish or choose another "
+                              f"--workdir (two jobs in one directory overwrite each other's files)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{job} (pid {os.getpid()} on {socket.gethostname()}, started "
+                f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}: "
+                f"{' '.join(sys.argv)[:300]})\n")
+        f.flush()
+        yield path
+    finally:
+        f.close()           # releases the lock
 
 
 def file_sha256(path: os.PathLike) -> str:
