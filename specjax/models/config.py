@@ -29,6 +29,131 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+class ConfigValueError(ValueError):
+    """A setting out of its range: ``field`` names it (a `ModelConfig` field, ``rope_scaling.<key>``
+    for an entry of the RoPE scaling, or a checkpoint's own key where a family reader raises it),
+    ``value`` is its value and ``rule`` what it must be. The loaders re-raise it naming the
+    checkpoint's key and file (`specjax.models.hf_loader.read_config`,
+    `specjax.models.gguf_loader.config_from_gguf`)."""
+
+    def __init__(self, field: str, value: Any, rule: str):
+        self.field, self.value, self.rule = field, value, rule
+        self.shown = _shown(value)            # the value as messages write it
+        super().__init__(f"{field}={self.shown}: {rule}")
+
+    def __reduce__(self):                     # (pickles across processes with its fields)
+        return type(self), (self.field, self.value, self.rule)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return repr(float(value))
+    return repr(value)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _positive_number(field: str, v: Any, what: str = "must be a finite number > 0") -> None:
+    if not (_is_number(v) and math.isfinite(float(v)) and float(v) > 0):
+        raise ConfigValueError(field, v, what)
+
+
+# the sizes every model has (>= 1), checked in this order: a count a later check divides by
+# (num_heads % num_kv_heads, hidden_size // num_heads) is refused by name first
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size")
+
+
+def check_settings(values: Mapping[str, Any]) -> None:
+    """The range checks of a `ModelConfig`'s numeric settings, on those of ``values`` (field ->
+    value) that are present; a value out of range is a `ConfigValueError` naming the field.
+
+    * ``vocab_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``num_kv_heads``,
+      ``head_dim``, ``ffn_size``: integers >= 1; ``num_heads`` a multiple of ``num_kv_heads``,
+      ``head_dim`` even (RoPE rotates pairs);
+    * ``rope_theta`` (and ``local_rope_theta`` when set): finite and > 0 (0 gives NaN
+      frequencies, a negative base NaN or wrong ones);
+    * ``rope_scaling``: a supported type; "linear" and "llama3" need a ``factor``, finite and
+      > 0; "llama3"'s ``low_freq_factor`` and ``high_freq_factor`` (defaults 1 and 4) finite,
+      > 0, high > low, and ``original_max_position_embeddings`` (default 8192) > 0;
+    * ``rms_eps``: finite and >= 0 (a negative epsilon can make the mean square negative: NaN);
+    * ``sliding_window`` >= 0 (0: none); ``num_experts`` >= 0 and, with experts,
+      ``experts_per_token`` in [1, num_experts];
+    * ``attn_softcap``, ``final_softcap``, ``query_pre_attn_scalar``: None or > 0.
+
+    Loaders call it on the settings they have read before a family reader uses them (so a
+    count of 0 is refused by name, not met as a ZeroDivisionError), and `ModelConfig` on all of
+    its own: every path (Hugging Face, GGUF, presets, a config built in code) gets the checks."""
+    for name in POSITIVE_SIZES:
+        if name in values:
+            v = values[name]
+            if not (isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1):
+                raise ConfigValueError(name, v, "must be an integer >= 1")
+    if "num_heads" in values and "num_kv_heads" in values and values["num_heads"] % values["num_kv_heads"]:
+        raise ConfigValueError("num_kv_heads", values["num_kv_heads"],
+                               f"num_heads={values['num_heads']} is not a multiple of it")
+    if "head_dim" in values and values["head_dim"] % 2:
+        raise ConfigValueError("head_dim", values["head_dim"], "must be even for RoPE")
+    if "rope_theta" in values:
+        _positive_number("rope_theta", values["rope_theta"])
+    if values.get("local_rope_theta") is not None:
+        _positive_number("local_rope_theta", values["local_rope_theta"])
+    if "rope_scaling" in values:
+        check_rope_scaling(values["rope_scaling"])
+    if "rms_eps" in values:
+        v = values["rms_eps"]
+        if not (_is_number(v) and math.isfinite(float(v)) and float(v) >= 0):
+            raise ConfigValueError("rms_eps", v, "must be a finite number >= 0")
+    if "sliding_window" in values:
+        v = values["sliding_window"]
+        if not (_is_number(v) and v >= 0):
+            raise ConfigValueError("sliding_window", v, "must be >= 0 (0 = none)")
+    if "num_experts" in values:
+        n = values["num_experts"]
+        if not (isinstance(n, (int, np.integer)) and n >= 0):
+            raise ConfigValueError("num_experts", n, "must be an integer >= 0 (0: a dense MLP)")
+        k = values.get("experts_per_token", 0)
+        if n and not (isinstance(k, (int, np.integer)) and 1 <= k <= n):
+            raise ConfigValueError("experts_per_token", k, f"must be in [1, num_experts={n}]")
+    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+        v = values.get(name)
+        if v is not None:
+            _positive_number(name, v, "must be positive or None")
+
+
+def check_rope_scaling(scaling) -> None:
+    """The checks of `check_settings` on a RoPE scaling entry (a mapping or frozen pairs; None:
+    none): raises `ConfigValueError` naming ``rope_scaling.<key>``."""
+    if scaling is None:
+        return
+    d = dict(scaling)
+    if not d:
+        return
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {kind!r} "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if kind == "default":
+        return
+    if d.get("factor") is None:
+        raise ConfigValueError("rope_scaling.factor", None, f"a {kind!r} RoPE scaling needs a factor > 0")
+    _positive_number("rope_scaling.factor", d["factor"])
+    if kind == "llama3":
+        low, high = d.get("low_freq_factor", 1.0), d.get("high_freq_factor", 4.0)
+        _positive_number("rope_scaling.low_freq_factor", low)
+        _positive_number("rope_scaling.high_freq_factor", high)
+        if not high > low:
+            raise ConfigValueError("rope_scaling.high_freq_factor", high,
+                                   f"must be greater than low_freq_factor={_shown(low)}")
+        _positive_number("rope_scaling.original_max_position_embeddings",
+                         d.get("original_max_position_embeddings", 8192))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -103,31 +228,17 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {self.arch!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        check_settings({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if self.packed_projections and self.scan_layers:
             raise ValueError("packed_projections=True needs scan_layers=False (per-layer params): a scan "
                              "would slice every layer's panels out of stacked arrays inside the step")
-        _ = self.rope_type  # validates rope_scaling
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
-        if self.sliding_window < 0:
-            raise ValueError(f"sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
         if self.window_layers is not None and len(self.window_layers) != self.num_layers:
             raise ValueError(f"window_layers has {len(self.window_layers)} entries for {self.num_layers} layers")
-        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"experts_per_token must be in [1, num_experts={self.num_experts}], "
-                             f"got {self.experts_per_token}")
         if self.num_experts and self.packed_projections:
             raise ValueError("packed_projections (the CPU panel layout) does not hold expert weights; "
                              "a mixture-of-experts model needs packed_projections=False")
-        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{name} must be positive or None, got {v}")
 
     # ---- derived -------------------------------------------------------------------------
     def replace(self, **changes) -> "ModelConfig":
@@ -261,3 +372,30 @@ class UnsupportedArchitectureError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file could not be parsed (truncated or corrupt)."""
+
+
+def _spans(ids) -> str:
+    """0-3, 7: sorted integers as ranges."""
+    ids, out = sorted(ids), []
+    for i in ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def refuse_extra_layers(names, pattern, num_layers: int, header: str, what: str) -> None:
+    """A CorruptCheckpointError when tensor ``names`` hold layers (``pattern``'s group 1) >=
+    ``num_layers``: ``header`` names the count's key and file, ``what`` the checkpoint."""
+    found = {}
+    for n in names:
+        m = pattern.match(n)
+        if m:
+            found.setdefault(int(m.group(1)), n)
+    extra = sorted(i for i in found if i >= num_layers)
+    if extra:
+        raise CorruptCheckpointError(
+            f"{header}, but {what} holds tensors of layers {_spans(found)} (e.g. {found[extra[0]]!r}): "
+            f"the header and the weights disagree on the layer count (reading {num_layers} would "
+            f"truncate the model)")

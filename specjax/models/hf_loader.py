@@ -4,16 +4,32 @@ canonical params.
 Reads every architecture of `specjax.models.families` (by ``architectures``, else by
 ``model_type``), single-file ``model.safetensors`` or sharded via ``model.safetensors.index.json``.
 Tensors are found by their Hugging Face names (`specjax.models.names`).
+
+Which files hold the weights (`_SafetensorsDir`), as transformers decides and never by guessing:
+
+* ``model.safetensors`` when it exists: only that file (another ``*.safetensors`` beside it, a
+  stale copy, is not read; transformers reads ``model.safetensors`` first, too);
+* else ``model.safetensors.index.json``: its ``weight_map`` (a JSON object of tensor name ->
+  file name); a tensor listed twice, or a ``weight_map`` that is not such an object, is refused;
+* else every ``*.safetensors`` in the directory, and a tensor found in two of them is refused
+  naming both files (no file silently wins).
+
+A checkpoint holding layers beyond ``num_hidden_layers`` is refused naming the count and the
+layers found (a model read with fewer layers than its weights describe is truncated, not the
+checkpoint's). A setting out of range (`specjax.models.config.check_settings`) is refused
+naming config.json's own key, its value and the file.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 from specjax.models import families
-from specjax.models.config import (CorruptCheckpointError, MissingTensorError, ModelConfig,
-                                   TensorShapeError)
+from specjax.models.config import (ConfigValueError, CorruptCheckpointError, MissingTensorError,
+                                   ModelConfig, TensorShapeError, check_settings,
+                                   refuse_extra_layers)
 from specjax.models.names import TensorName, assemble
 
 
@@ -21,45 +37,118 @@ from specjax.models.names import TensorName, assemble
 # ---------------------------------------------------------------------------------------
 # config.json -> ModelConfig
 # ---------------------------------------------------------------------------------------
-def config_from_hf(cfg: dict, dtype: str = "float32") -> ModelConfig:
+def config_from_hf(cfg: dict, dtype: str = "float32", where: str = "config.json") -> ModelConfig:
     """The model's configuration from a parsed config.json (layout fields at their defaults):
-    the entries every family shares here, the family's own from `specjax.models.families`."""
-    family = families.for_hf_config(cfg)
-    H = int(cfg["num_attention_heads"])
-    D = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or D // H)
-    # transformers 5 writes RoPE settings as `rope_parameters`; older files use
-    # `rope_theta` + `rope_scaling`.
-    theta, scaling = families.rope_from_hf(cfg.get("rope_parameters"), cfg)
-    fields = dict(
-        vocab_size=int(cfg["vocab_size"]), hidden_size=D, num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=H, num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
-        ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=dtype, max_position=int(cfg.get("max_position_embeddings", 8192)), arch=family.name,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
-    fields.update(family.read_config(cfg))
-    return ModelConfig(**fields)
+    the entries every family shares here, the family's own from `specjax.models.families`.
+
+    A setting out of range (`specjax.models.config.check_settings`: a count < 1, a RoPE base or
+    factor <= 0, a negative or NaN ``rms_norm_eps``, ...) is a `CorruptCheckpointError` naming
+    config.json's key, its value and ``where`` (the file), raised before any tensor is read;
+    the counts a later entry divides by are checked first (no ZeroDivisionError)."""
+    try:
+        family = families.for_hf_config(cfg)
+        H = int(cfg["num_attention_heads"])
+        D = int(cfg["hidden_size"])
+        check_settings({"hidden_size": D, "num_heads": H})
+        # (an explicit head_dim or num_key_value_heads of 0 is refused, not replaced: transformers
+        # falls back to hidden_size // heads and to the query heads only when the key is absent or null)
+        head_dim = D // H if cfg.get("head_dim") is None else int(cfg["head_dim"])
+        K = H if cfg.get("num_key_value_heads") is None else int(cfg["num_key_value_heads"])
+        # transformers 5 writes RoPE settings as `rope_parameters`; older files use
+        # `rope_theta` + `rope_scaling`.
+        theta, scaling = families.rope_from_hf(cfg.get("rope_parameters"), cfg)
+        fields = dict(
+            vocab_size=int(cfg["vocab_size"]), hidden_size=D, num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=H, num_kv_heads=K, head_dim=head_dim,
+            ffn_size=int(cfg["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=dtype, max_position=int(cfg.get("max_position_embeddings", 8192)), arch=family.name,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
+        # (a family may replace head_dim, ffn_size and the RoPE: those are checked in ModelConfig)
+        check_settings({k: v for k, v in fields.items() if k not in ("head_dim", "ffn_size", "rope_theta",
+                                                                      "rope_scaling")})
+        fields.update(family.read_config(cfg))
+        return ModelConfig(**fields)
+    except ConfigValueError as e:
+        raise CorruptCheckpointError(f"{_hf_key(cfg, e.field)}={e.shown} in {where}: {e.rule}") from e
+
+
+def _hf_key(cfg: dict, field: str) -> str:
+    """config.json's key of a `ModelConfig` field (a key a family reader named: itself)."""
+    rope = cfg.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}
+    prefix = "rope_parameters."
+    if "full_attention" in rope or "sliding_attention" in rope:          # Gemma 3, transformers 5
+        if field == "local_rope_theta":
+            return "rope_parameters.sliding_attention.rope_theta"
+        prefix, rope = "rope_parameters.full_attention.", rope.get("full_attention") or {}
+    if field == "rope_theta":
+        return prefix + "rope_theta" if "rope_theta" in rope else "rope_theta"
+    if field.startswith("rope_scaling."):
+        key = field.split(".", 1)[1]
+        return prefix + key if rope.get("rope_type", rope.get("type", "default")) != "default" else field
+    if field == "head_dim" and cfg.get("head_dim") is None:
+        return "head_dim (hidden_size // num_attention_heads)"
+    if field == "num_kv_heads" and cfg.get("num_key_value_heads") is None:
+        return "num_attention_heads"
+    if field == "ffn_size" and cfg.get("moe_intermediate_size") is not None:
+        return "moe_intermediate_size"
+    if field == "num_experts":
+        return "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    return {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "ffn_size": "intermediate_size", "rms_eps": "rms_norm_eps",
+            "experts_per_token": "num_experts_per_tok", "local_rope_theta": "rope_local_base_freq",
+            "attn_softcap": "attn_logit_softcapping", "final_softcap": "final_logit_softcapping",
+            "max_position": "max_position_embeddings"}.get(field, field)
 
 
 # ---------------------------------------------------------------------------------------
 # safetensors reading
 # ---------------------------------------------------------------------------------------
+def _no_duplicate_keys(where):
+    """A json ``object_pairs_hook``: an object naming a key twice is refused naming the key."""
+    def hook(pairs):
+        seen = {}
+        for k, v in pairs:
+            if k in seen:
+                raise CorruptCheckpointError(f"{where} lists {k!r} twice (a JSON object with a duplicate key): "
+                                             f"which entry holds it is ambiguous")
+            seen[k] = v
+        return seen
+    return hook
+
+
 class _SafetensorsDir:
+    """The tensors of a checkpoint directory and the file holding each (the rule is the module
+    docstring's: ``model.safetensors``, else the index, else every ``*.safetensors`` with no
+    tensor in two files)."""
+
     def __init__(self, directory: pathlib.Path):
         from safetensors import safe_open
         self._safe_open = safe_open
         self.dir = directory
         self._handles = {}
         index = directory / "model.safetensors.index.json"
+        single = directory / "model.safetensors"
         self.where: dict[str, pathlib.Path] = {}
-        if index.is_file():
+        if single.is_file():
+            for name in self._open(single).keys():
+                self.where[name] = single
+        elif index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CorruptCheckpointError(f"cannot parse {index}: {e}") from e
+                weight_map = json.loads(index.read_text(), object_pairs_hook=_no_duplicate_keys(index))["weight_map"]
+            except CorruptCheckpointError:
+                raise
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptCheckpointError(f"cannot parse {index}: {type(e).__name__}: {e}") from e
+            if not isinstance(weight_map, dict):
+                raise CorruptCheckpointError(
+                    f"{index}: weight_map is a {type(weight_map).__name__}, not an object of tensor name -> file name")
             for name, fname in weight_map.items():
+                if not isinstance(fname, str):
+                    raise CorruptCheckpointError(
+                        f"{index}: weight_map[{name!r}] is {fname!r}, not a file name")
                 self.where[name] = directory / fname
         else:
             files = sorted(directory.glob("*.safetensors"))
@@ -67,7 +156,18 @@ class _SafetensorsDir:
                 raise MissingTensorError(f"no *.safetensors file in {directory}")
             for f in files:
                 for name in self._open(f).keys():
+                    if name in self.where:
+                        raise CorruptCheckpointError(
+                            f"tensor {name!r} is in both {self.where[name].name} and {f.name} in {directory} "
+                            f"(no model.safetensors, no model.safetensors.index.json to say which is the "
+                            f"checkpoint's): remove the stale copy or add an index")
                     self.where[name] = f
+
+    def layers_beyond(self, num_layers: int) -> None:
+        """Refuse tensors of layers >= ``num_layers`` (``model.layers.{i}.``): a CorruptCheckpointError
+        naming config.json's count and the layers found."""
+        refuse_extra_layers(self.where, _HF_LAYER, num_layers, f"num_hidden_layers={num_layers} in "
+                             f"{self.dir / 'config.json'}", f"the checkpoint in {self.dir}")
 
     def _open(self, f: pathlib.Path):
         if f not in self._handles:
@@ -99,11 +199,15 @@ class _SafetensorsDir:
         return arr, name
 
 
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def read_hf(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """(config, canonical params) from a Hugging Face checkpoint directory."""
     directory = pathlib.Path(path)
     config = read_config(directory, dtype=dtype)
     store = _SafetensorsDir(directory)
+    store.layers_beyond(config.num_layers)
     if config.tie_embeddings is False and "lm_head.weight" not in store.where:
         # Some checkpoints say untied but ship no head; fail loudly rather than guess.
         raise MissingTensorError(
@@ -131,7 +235,7 @@ def read_config(path, dtype: str = "float32") -> ModelConfig:
     except ValueError as e:
         raise CorruptCheckpointError(f"cannot parse {cfg_path}: {e}") from e
     try:
-        return config_from_hf(cfg, dtype=dtype)
+        return config_from_hf(cfg, dtype=dtype, where=str(cfg_path))
     except (KeyError, TypeError, AttributeError) as e:   # a key missing or null, not a JSON object
         raise CorruptCheckpointError(f"{cfg_path} is not a model config: {type(e).__name__}: {e}") from e
 
@@ -196,6 +300,7 @@ def read_hf_placed(path, sharding_of, dtype: str = "bfloat16") -> tuple[ModelCon
     directory = pathlib.Path(path)
     config = read_config(directory, dtype=dtype)
     store = _SafetensorsDir(directory)
+    store.layers_beyond(config.num_layers)
     if config.tie_embeddings is False and "lm_head.weight" not in store.where:
         raise MissingTensorError(f"tensor 'lm_head.weight' is missing from the checkpoint in {directory} "
                                  f"(config says tie_word_embeddings=false)")

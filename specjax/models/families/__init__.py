@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from specjax.models.config import ModelConfig, UnsupportedArchitectureError
+from specjax.models.config import ConfigValueError, ModelConfig, UnsupportedArchitectureError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +225,9 @@ def gguf_windows(meta, num_layers: int, period: int, default_window: int = 0) ->
         flags = tuple(bool(x) for x in pattern)
     else:
         n = int(pattern)
+        if n < 0:
+            raise ConfigValueError("attention.sliding_window_pattern", n,
+                                   "must be >= 0 (n: each n-th layer global; 0: every layer windowed)")
         flags = tuple(n == 0 or i % n < n - 1 for i in range(num_layers))
     if not window or not any(flags):
         return {"sliding_window": 0, "window_layers": None}

@@ -28,7 +28,7 @@ LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, src/models/gemma2*.cpp / gemma3*.cpp):
 """
 
 from specjax.models import families as f
-from specjax.models.config import UnsupportedArchitectureError
+from specjax.models.config import ConfigValueError, UnsupportedArchitectureError
 
 # the sandwich norms' Hugging Face names (Llama's post_attention_layernorm is Gemma's pre-MLP norm)
 _NAMES = {"mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
@@ -46,7 +46,7 @@ def _common(cfg, softcaps: tuple):
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
             "mlp_activation": f.activation(cfg, "hidden_activation", "gelu_pytorch_tanh"),
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-            "head_dim": int(cfg.get("head_dim") or 256),
+            "head_dim": 256 if cfg.get("head_dim") is None else int(cfg["head_dim"]),   # 0: refused by name
             "attn_softcap": cfg.get("attn_logit_softcapping", softcaps[0]),
             "final_softcap": cfg.get("final_logit_softcapping", softcaps[1])}
 
@@ -113,8 +113,14 @@ def _read_gemma2(cfg):
 
 
 def _read_gemma3(cfg):
+    """Gemma 3's fields. Without ``layer_types`` the windows follow ``sliding_window_pattern``
+    (every n-th layer global, n >= 1: 0 or less is refused by name, as transformers divides by
+    it); with ``layer_types`` the pattern is not used (nor checked), as in transformers."""
     L = int(cfg["num_hidden_layers"])
     every = int(cfg.get("sliding_window_pattern", 6))
+    if cfg.get("layer_types") is None and every < 1:
+        raise ConfigValueError("sliding_window_pattern", every,
+                               "must be >= 1 (every n-th layer attends globally; 1: every layer)")
     out = {**_common(cfg, (None, None)), "qk_norm": True,
            **f.windows(cfg, L, pattern=lambda i: (i + 1) % every, default_window=4096)}
     rope = cfg.get("rope_parameters") or {}

@@ -19,7 +19,7 @@ norm_topk_prob=false runs renormalized there): specjax does the same unless a fi
 dense layers are refused by name."""
 
 from specjax.models import families as f
-from specjax.models.config import UnsupportedArchitectureError
+from specjax.models.config import ConfigValueError, UnsupportedArchitectureError
 
 _MIXTRAL_NAMES = {"router": "model.layers.{i}.block_sparse_moe.gate.weight",
                   "we_gate": "model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
@@ -27,9 +27,18 @@ _MIXTRAL_NAMES = {"router": "model.layers.{i}.block_sparse_moe.gate.weight",
                   "we_down": "model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight"}
 
 
+def _experts(key: str, n) -> int:
+    """An expert count read from ``key``: >= 1 (every layer of these families is its experts;
+    0 would leave a layer no MLP, and the checkpoint no dense one to read instead)."""
+    n = int(n)
+    if n < 1:
+        raise ConfigValueError(key, n, "a mixture-of-experts model needs at least 1 expert")
+    return n
+
+
 def _read_mixtral(cfg):
     f.no_bias(cfg)
-    return {"mlp_activation": f.activation(cfg), "num_experts": int(cfg["num_local_experts"]),
+    return {"mlp_activation": f.activation(cfg), "num_experts": _experts("num_local_experts", cfg["num_local_experts"]),
             "experts_per_token": int(cfg["num_experts_per_tok"]), "normalize_topk": True,
             **f.windows(cfg, int(cfg["num_hidden_layers"]), use_layer_types=False)}    # every layer, as transformers
 
@@ -50,7 +59,9 @@ def _read_qwen3_moe(cfg):
     if cfg.get("use_sliding_window"):
         raise UnsupportedArchitectureError("Qwen3-MoE sliding-window attention is not supported")
     return {"qk_norm": True, "mlp_activation": f.activation(cfg), "ffn_size": int(cfg["moe_intermediate_size"]),
-            "num_experts": int(cfg.get("num_experts") or cfg["num_local_experts"]), "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "num_experts": (_experts("num_experts", cfg["num_experts"]) if cfg.get("num_experts") is not None
+                            else _experts("num_local_experts", cfg["num_local_experts"])),
+            "experts_per_token": int(cfg["num_experts_per_tok"]),
             "normalize_topk": bool(cfg.get("norm_topk_prob", False))}
 
 
@@ -80,8 +91,11 @@ def _gguf_experts(meta):
             f"GGUF file {meta.path} stores one tensor per expert (blk.N.ffn_gate.J.weight, an early llama.cpp "
             f"layout); specjax reads the merged blk.N.ffn_gate_exps.weight: convert the model again")
     norm = meta.get("expert_weights_norm")
-    return {"num_experts": int(meta.require("expert_count")),
-            "experts_per_token": int(meta.require("expert_used_count")),
+    n = _experts("expert_count", meta.require("expert_count"))
+    k = int(meta.require("expert_used_count"))
+    if not 1 <= k <= n:              # (checked here: Qwen3-MoE's default width divides by it)
+        raise ConfigValueError("expert_used_count", k, f"must be in [1, expert_count={n}]")
+    return {"num_experts": n, "experts_per_token": k,
             "normalize_topk": True if norm is None else bool(norm)}
 
 
