@@ -44,4 +44,7 @@ def get_config():
     # Texts that must not leak into the corpus besides the held-out Spec-Bench questions (always
     # banned): a JSONL file of {"turns": [...]} or {"text": ...} records; "" = none.
     c.eval_prompts = ""
+    # a stage stops (keeping its shards) when more than this fraction of its requests end other
+    # than by EOS or max_new_tokens (e.g. nan_logits); such rows are never training data
+    c.max_dropped_fraction = 0.05
     return c

@@ -257,10 +257,22 @@ def _features_and_final_hidden(target, layers, params, tokens_BT):
     return jnp.concatenate(feats, axis=-1), target.final_norm(params, h)
 
 
+class _FeatureForward:
+    """`shard_feature_forward`'s function, carrying the target's ``vocab_size`` (checked against
+    the shards' before any forward)."""
+
+    def __init__(self, target):
+        self.target, self.vocab_size = target, int(target.vocab_size)
+
+    def __call__(self, params, tokens_BT, layers):
+        return _features_and_final_hidden(self.target, tuple(layers), params, tokens_BT)[0]
+
+
 def shard_feature_forward(target) -> Callable:
     """``(params, tokens_BT, layers) -> [B, T, len(layers) x D]``: the target's residual stream
-    after each of `layers`, concatenated (what `ShardFeatures.compute` stores)."""
-    return lambda params, tokens_BT, layers: _features_and_final_hidden(target, tuple(layers), params, tokens_BT)[0]
+    after each of `layers`, concatenated (what `ShardFeatures.compute` stores); its
+    ``vocab_size`` attribute is the target's."""
+    return _FeatureForward(target)
 
 
 def _teacher_sink(target, seqs: SequenceSet, max_width: int):

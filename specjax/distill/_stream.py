@@ -26,6 +26,11 @@ of the target's own answer tokens), without holding the corpus:
   residual stream after the head's layers) and ``final_residual`` [B, W, D] (after the last
   layer; the step applies the target's final norm for the teacher), read from per-(shard,
   layer) files computed once: every later step, epoch, run and nested data size reuses them.
+* **Vocabulary.** Every directory's manifest records the vocabulary of the target that wrote it
+  (``vocab_size``) and every shard read is checked against it; the directories must agree, and
+  the target trained against must have that vocabulary (``vocab_size=``, `check_vocab`; also
+  checked by `token_counts` and by `ShardFeatures.compute` with `_data.shard_feature_forward`):
+  shards of another target are refused naming both sizes, not trained on.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class ShardStream:
 
     def __init__(self, directories: Sequence, *, seed: int, tokens_per_batch: int = 4096,
                  widths: Sequence[int] = (256, 512, 1024), window: int = DEFAULT_WINDOW, max_prompt: int = 0,
-                 max_loss_tokens: int = 0):
+                 max_loss_tokens: int = 0, vocab_size: int | None = None):
         if not directories:
             raise ValueError("a shard stream needs at least one shard directory")
         if window < 1:
@@ -65,6 +70,13 @@ class ShardStream:
         self.widths = tuple(sorted(int(w) for w in widths))
         self.window, self.max_prompt, self.max_loss_tokens = int(window), int(max_prompt), int(max_loss_tokens)
         manifests = [_shards.read_manifest(d) for d in self.dirs]
+        sizes = {int(m["vocab_size"]) for m in manifests}
+        if len(sizes) > 1:
+            raise ValueError("shard directories of targets with different vocabularies: " + ", ".join(
+                f"{d} ({m['vocab_size']})" for d, m in zip(self.dirs, manifests)) + "; stream shards of one target")
+        self.vocab_size = sizes.pop()
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
         # canonical order: shard 0 of every directory, then shard 1, ...
         names = [sorted(m["shards"]) for m in manifests]
         self.shards: list[tuple[int, str]] = [(di, names[di][k]) for k in range(max(map(len, names), default=0))
@@ -103,6 +115,14 @@ class ShardStream:
         self._epochs: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}
         self._cache: collections.OrderedDict[int, _shards.Sequences] = collections.OrderedDict()
         self.features: ShardFeatures | None = None
+
+    def check_vocab(self, vocab_size: int, what: str = "the target") -> None:
+        """Refuse (ValueError naming both sizes) shards written for a vocabulary other than the
+        target's (their token ids would index past its embedding, or mean other tokens)."""
+        if int(vocab_size) != self.vocab_size:
+            raise ValueError(f"{', '.join(str(d / _shards.MANIFEST) for d in self.dirs)}: shards written for a "
+                             f"target with a vocabulary of {self.vocab_size} tokens, but {what} has "
+                             f"{int(vocab_size)}; train on shards the data command made with this target")
 
     def with_features(self, features: "ShardFeatures") -> "ShardStream":
         """Emit the cached features of `features` (computed for every shard) with each batch."""
@@ -203,6 +223,7 @@ class ShardStream:
 
     def token_counts(self, vocab_size: int) -> np.ndarray:
         """Counts of each token id over the loss tokens the stream trains on (reads every shard)."""
+        self.check_vocab(vocab_size)
         counts = np.zeros((vocab_size,), np.int64)
         W = self.widths[-1]
         for s in range(len(self.shards)):
@@ -271,7 +292,10 @@ class ShardFeatures:
                 log: Callable[[str], None] | None = None) -> int:
         """Make every missing file of `layers` (default: the head's and the last).
         ``forward(params, tokens_BW, layers) -> [B, W, len(layers) x D]`` is the target's trunk
-        collecting those layers (`shard_feature_forward`). Returns the positions computed."""
+        collecting those layers (`shard_feature_forward`, which also names the target's
+        vocabulary, checked against the shards' first). Returns the positions computed."""
+        if getattr(forward, "vocab_size", None) is not None:
+            self.stream.check_vocab(forward.vocab_size)
         self.dir.mkdir(parents=True, exist_ok=True)
         done = 0
         gaps = self.missing(layers)
