@@ -103,4 +103,8 @@ def get_config():
     # Steps the host lets the device run ahead before reading a step's metrics: 1 = the next
     # step is dispatched before this one's loss comes back; 0 = read every step at once.
     c.metrics_lag = 1
+    # A resume whose seed or data settings (batch size, buckets, shard window, mixture, data sets)
+    # differ from the workdir's config.json is refused: its batches would not be the run's. True:
+    # continue in the new order; the changes (old -> new) go into metrics.jsonl as an event.
+    c.allow_data_order_change = False
     return c

@@ -624,6 +624,28 @@ def check_hybrid_settings(c) -> None:
                              f"[{c.min_ngram}, {c.max_ngram}]")
 
 
+def check_seed(value, setting: str = "seed") -> int:
+    """A seed is an integer >= 0 (random keys and numpy's generators take non-negative seeds; a
+    negative one was accepted and silently meant another stream): ValueError naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{setting}={value!r}: expected an integer >= 0")
+    return int(value)
+
+
+def check_mesh(mesh, setting: str = "mesh") -> None:
+    """The sizes of a ``mesh`` block (a mapping or (axis, size) pairs): each -1 (the devices
+    the other axes leave) or an integer >= 1, at most one -1; checked whatever the device count
+    (with one device no mesh is made, and ``model=0`` was accepted). ValueError naming the key."""
+    pairs = list(mesh.items() if hasattr(mesh, "items") else mesh)
+    for axis, size in pairs:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or (size != -1 and size < 1):
+            raise ValueError(f"{setting}.{axis}={size!r}: expected -1 (the devices the other axes leave) or an "
+                             f"integer >= 1")
+    free = [axis for axis, size in pairs if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"{setting}: {', '.join(f'{a}=-1' for a in free)}: at most one axis may be -1 (the rest)")
+
+
 def check_config(c) -> None:
     """Validate a generation config's settings before anything heavy is loaded (ValueError
     naming the setting and its value). Every decoding setting is checked whichever mode reads
@@ -641,6 +663,7 @@ def check_config(c) -> None:
     if c.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
     use_cpu_kernel(c, backend="")               # the value only; no backend started
+    check_mesh(c.mesh)
     if c.write_then_attend and c.scan_layers:
         raise ValueError("write_then_attend=True needs scan_layers=False: the scanned layers write the cache "
                          "once, after the scan")

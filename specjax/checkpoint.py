@@ -23,6 +23,11 @@ returned in ``skipped``), with what happens to it:
 * a step without a manifest (saved by an older version, or the process died between the
   save and its manifest) is restored unverified (finiteness only) and says so.
 
+A save that fails on the file system (a full disk, the file size limit, a read-only file
+system) raises where it is awaited (`save` of the next step, `wait`, `close`) as an `OSError`
+naming the file, Orbax's own report of it (its thread's traceback, the closed event loop's
+callbacks) left out; the step stays a temporary directory, never taken for a finished one.
+
 If no step restores, nothing is deleted or moved and `restore_latest` raises. Corruption caught
 by the checksums never reaches Orbax, so its failed-restore noise ("Event loop is closed"
 tracebacks from coroutines a failed async read leaves behind) does not appear; it can still
@@ -48,10 +53,13 @@ mount, or one machine's disk for local runs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
+import re
 import shutil
 from typing import Any
 
@@ -166,14 +174,101 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+_OS_CODE = re.compile(r"os_error_code='?(\d+)")
+_FAILED_PATH = re.compile(r'(?:Failed writing|local file):? "([^"]+)"')     # the last one named is the file
+
+
+def os_error_of(e: BaseException, where) -> OSError | None:
+    """The OS error inside a failed save, as an `OSError` naming a path (None when it is not
+    one): an OSError without a file name gets `where`; Orbax's tensorstore writes fail with a
+    ValueError whose text holds ``[os_error_code='28']`` and the file (``Failed writing:
+    "PATH"``), which becomes ``OSError(28, 'No space left on device', PATH)``."""
+    if isinstance(e, OSError):
+        if e.filename is not None:
+            return e
+        if e.errno is not None:
+            return OSError(e.errno, e.strerror or os.strerror(e.errno), str(where))
+        return None
+    m = _OS_CODE.search(str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    paths = _FAILED_PATH.findall(str(e))
+    return OSError(code, os.strerror(code), paths[-1] if paths else str(where))
+
+
+@contextlib.contextmanager
+def _os_errors(where):
+    """Raise an OS failure of Orbax (a full disk, the file size limit, a read-only file system)
+    as the `OSError` it is (`os_error_of`), naming the file; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised, as an OSError when it is one
+        err = os_error_of(e, where)
+        if err is None or err is e:
+            raise
+        raise err from e
+
+
+class _QuietOrbaxOSErrors(logging.Filter):
+    """Orbax's background save thread logs a failure with its traceback at ERROR, then the
+    failure is raised again where the save is awaited (`Checkpointer.save` / `wait` / `close`,
+    as an `OSError` naming the file): the thread's copy of an OS failure is dropped, so that a
+    full disk is one line, not a traceback and a line. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in (record.pathname or "") or not record.exc_info:
+            return True
+        return _OS_CODE.search(str(record.exc_info[1])) is None and not isinstance(record.exc_info[1], OSError)
+
+
+_QUIET = _QuietOrbaxOSErrors()
+
+
+def _closed_loop_callback(unraisable) -> bool:
+    """An "Event loop is closed" RuntimeError of a tensorstore callback: after a failed
+    asynchronous write or read, Orbax closes its event loop while the other writes of the step
+    still finish and call back into it, each reported as unraisable (a traceback apiece, no
+    message). The failure itself is raised where the save or restore is awaited."""
+    exc = unraisable.exc_value
+    if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _install_quiet_hooks() -> None:
+    """Orbax's noise around a failed save: the background thread's logged traceback of an OS
+    failure (`_QuietOrbaxOSErrors`) and the closed event loop's callbacks
+    (`_closed_loop_callback`); everything else reaches the previous hooks."""
+    import sys
+    if _QUIET not in logging.getLogger("absl").filters:      # Orbax logs through absl's logger
+        logging.getLogger("absl").addFilter(_QUIET)
+    previous = sys.unraisablehook
+    if getattr(previous, "_specjax_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not _closed_loop_callback(unraisable):
+            previous(unraisable)
+    hook._specjax_quiet = True
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
         self.directory = pathlib.Path(directory).resolve()
         self.keep = max(1, int(keep))
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                 enable_async_checkpointing=async_save))
+        _install_quiet_hooks()
+        with _os_errors(self.directory):
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                                     enable_async_checkpointing=async_save))
         self._good: set[int] = set()       # steps verified good in this process
         self._pending: list[int] = []      # saved; manifest to write once the save has completed
 
@@ -213,10 +308,15 @@ class Checkpointer:
                 self._good.discard(s)
 
     def save(self, step: int, state, meta: dict | None = None, *, force: bool = False) -> bool:
-        self.manager.wait_until_finished()     # (Orbax's save waits for the previous save anyway)
+        """Save `step` (asynchronously when so made). A failed earlier save, or this one, raises
+        here: an OS failure (full disk, file size limit, read-only file system) as an `OSError`
+        naming the file; the step's temporary directory is never taken for a finished step."""
+        with _os_errors(self.directory):
+            self.manager.wait_until_finished()     # (Orbax's save waits for the previous save anyway)
         self._settle()
-        saved = self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta or {}))), force=force)
+        with _os_errors(self._step_dir(step)):
+            saved = self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta or {}))), force=force)
         if saved:
             self._pending.append(int(step))
         return saved
@@ -330,10 +430,12 @@ class Checkpointer:
         return None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with _os_errors(self.directory):
+            self.manager.wait_until_finished()
         self._settle()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        with _os_errors(self.directory):
+            self.manager.wait_until_finished()
         self._settle()
         self.manager.close()

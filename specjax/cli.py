@@ -17,6 +17,7 @@ ones; a bad value is an error naming the key and what it accepts (`specjax.build
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import sys
 import time
@@ -212,6 +213,13 @@ def generate_main(c, settings=None) -> dict:
               f"distribution over the vocabulary (NaN, negative, or not summing to 1): those proposals were "
               f"discarded and the target sampled alone (exact, but no speedup); the draft is broken",
               file=sys.stderr, flush=True)
+    stopped = row_status_line(0, stats["status"], len(tokens))      # the one row of the prompt
+    if stats["status"] == "nan_logits" and not tokens:
+        _write_stats(cmd, stats)
+        raise GenerationFailed(f"no output: {stopped}; check the target's weights and dtype (nothing to time or "
+                               f"compare)")
+    if stopped:
+        print(f"[specjax] warning: {stopped}", file=sys.stderr, flush=True)
     if cmd.compare_target_only and c.drafter != "none":
         base_tokens, base_timing, _ = stream_tokens(gen.target_only(), batch, samp, prefill=pre)
         base_tps = base_timing["tokens_per_s"]
@@ -219,18 +227,48 @@ def generate_main(c, settings=None) -> dict:
         stats["speedup"] = spec_tps / base_tps
         if c.temperature == 0:
             stats["same_tokens_as_target_only"] = base_tokens == tokens
-    line = (f"[specjax] {stats['new_tokens']} tokens, {spec_tps:.1f} tokens/s"
-            + (f", speedup {stats['speedup']:.2f}x over target-only ({stats['target_only_tokens_per_s']:.1f} tokens/s)"
-               if "speedup" in stats else "")
+    line = (f"[specjax] {stats['new_tokens']} tokens, {_rate(spec_tps)}"
+            + (f", speedup {stats['speedup']:.2f}x over target-only ({_rate(stats['target_only_tokens_per_s'])})"
+               if "speedup" in stats and np.isfinite(stats["speedup"]) else "")
             + f", mean accepted tokens {stats['mean_accepted_tokens']:.2f} per target pass"
             + f" (time to first token incl. compile {spec_first_s:.1f}s)")
     print(line, flush=True)
+    _write_stats(cmd, stats)
+    return stats
+
+
+class GenerationFailed(RuntimeError):
+    """A generation that produced no output (its row stopped at non-finite target logits
+    before the first token): exit status 1, one line."""
+
+
+# Statuses of a row that are a normal finish (`decoding.STATUS_NAMES`); any other is reported.
+NORMAL_FINISH = ("eos", "max_new_tokens")
+_STATUS_WHY = {"nan_logits": "the target's logits were not finite (NaN or +inf) at the next position",
+               "running": "the loop ended before the row finished"}
+
+
+def row_status_line(row: int, status: str, n_tokens: int) -> str | None:
+    """One line for a row that did not finish normally (None for ``eos`` / ``max_new_tokens``):
+    ``row 0 stopped: nan_logits after 3 tokens (the target's logits were not finite ...)``."""
+    if status in NORMAL_FINISH:
+        return None
+    return (f"row {row} stopped: {status} after {n_tokens} token{'s' if n_tokens != 1 else ''} "
+            f"({_STATUS_WHY.get(status, 'not a normal finish')})")
+
+
+def _rate(tokens_per_s) -> str:
+    """``12.3 tokens/s``, or ``tokens/s n/a`` when there is no rate (fewer than two rounds with tokens)."""
+    x = float(tokens_per_s) if tokens_per_s is not None else float("nan")
+    return f"{x:.1f} tokens/s" if np.isfinite(x) else "tokens/s n/a (too few tokens to time)"
+
+
+def _write_stats(cmd, stats: dict) -> None:
     from specjax import distributed
     if cmd.metrics_jsonl and distributed.is_primary():
         import pathlib
         with open(pathlib.Path(cmd.metrics_jsonl).expanduser(), "a") as f:
             f.write(json.dumps(stats) + "\n")
-    return stats
 
 
 def check_output_file(setting: str, path: str) -> None:
@@ -243,7 +281,10 @@ def check_output_file(setting: str, path: str) -> None:
         return
     p = pathlib.Path(path).expanduser()
     parent = p.parent
-    if p.is_dir():
+    unusable = _stat_problem(p)          # a symlink loop, a file on the way
+    if unusable:
+        problem = unusable
+    elif p.is_dir():
         problem = f"{p} is a directory"
     elif not parent.is_dir():
         problem = f"its directory {parent} does not exist" if not parent.exists() else f"{parent} is not a directory"
@@ -252,6 +293,71 @@ def check_output_file(setting: str, path: str) -> None:
     else:
         return
     raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
+
+
+def _stat_problem(p) -> str | None:
+    """What is wrong with a path a command will create or write, from ``os.stat`` (which
+    follows links): a symlink loop or a component that is a file; None when it exists or does
+    not exist yet."""
+    import os
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{p}: {e.strerror} (a symlink loop)"
+        if e.errno == errno.ENOTDIR:
+            return f"{p}: a part of the path is a file, not a directory"
+        return f"{p}: {e.strerror}"
+    return None
+
+
+def _nearest_existing(p):
+    """`p` or its nearest ancestor that exists (the directory a mkdir of `p` would write into)."""
+    import os
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _dir_problem(path: str) -> str | None:
+    """What stops a command from creating (if absent) and writing into the directory `path`:
+    a symlink loop, a file on the way, or a nearest existing directory that is not writable
+    (a read-only file system, no permission); None when nothing does."""
+    import os
+    import pathlib
+    p = pathlib.Path(path).expanduser()
+    problem = _stat_problem(p)
+    if problem is None:
+        base = _nearest_existing(p)
+        if not base.is_dir():
+            problem = f"{base} is a file, not a directory"
+        elif not os.access(base, os.W_OK | os.X_OK):
+            problem = f"{base} is not writable (read-only file system or no permission)"
+    return problem
+
+
+def check_output_dir(setting: str, path: str) -> None:
+    """A directory a command creates and writes into (``bench --config.out``), checked before
+    anything loads (`_dir_problem`): ValueError naming the setting."""
+    if not str(path).strip():
+        raise ValueError(f"{setting}={path!r}: empty; name the directory to write into")
+    problem = _dir_problem(path)
+    if problem:
+        raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
+
+
+def check_workdir(path) -> None:
+    """``--workdir`` of distill and data, before anything runs: not empty or blank (an empty
+    value would mean the current directory), and a directory it can create and write into
+    (`_dir_problem`). UsageError naming the flag."""
+    if path is None or not str(path).strip():
+        raise UsageError(f"--workdir={'' if path is None else path!r}: empty; name the run directory "
+                         f"(an empty value would mean the current directory)")
+    problem = _dir_problem(path)
+    if problem:
+        raise UsageError(f"--workdir={path}: {problem}; nothing was run")
 
 
 def main(c) -> dict:
@@ -264,6 +370,7 @@ def main(c) -> dict:
     from specjax.settings import generate_settings
     settings = generate_settings(c)       # the generation settings, typed once
     build.check_config(settings)          # their values, and a local target's context length
+    build.check_seed(c.get("seed", 0))
     check_output_file("metrics_jsonl", c.get("metrics_jsonl", ""))
     if c.get("distributed", False):
         from specjax import distributed
@@ -276,11 +383,29 @@ def main(c) -> dict:
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that are a user's mistake (a bad setting, a missing or broken file, a
     prompt too long for the cache): shown as one line, not a traceback."""
-    from specjax import models
+    from specjax import files, models
     from specjax.models.export import ExportError
     from specjax.models.registry import ModelFetchError
-    return (ValueError, FileNotFoundError, models.CheckpointError, models.CacheCapacityError, ModelFetchError,
-            ExportError)
+    # OSError: a full disk (ENOSPC), a file size limit (EFBIG), a read-only file system (EROFS),
+    # a path that is a file or a symlink loop: one line naming the path (`error_line`).
+    return (ValueError, OSError, models.CheckpointError, models.CacheCapacityError, ModelFetchError,
+            ExportError, files.WorkdirBusy)
+
+
+# OS errors of a write that a later run of the same command gets past once the cause is fixed
+# (distill and data keep what they finished: checkpoints, shards).
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EIO)
+
+
+def error_line(e: BaseException) -> str:
+    """The one line of a user error: its message on one line; an OS error as ``PATH: errno
+    text`` (``[Errno 28] No space left on device: 'x'`` reads as ``x: No space left on device
+    (ENOSPC)``), the second path of a rename or link after an arrow."""
+    if isinstance(e, OSError) and e.strerror and e.errno is not None:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {e.strerror} ({name})" if paths else f"{e.strerror} ({name})"
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _quiet_backend_probe() -> None:
@@ -296,6 +421,8 @@ def _quiet_backend_probe() -> None:
 def bench_main(c, command: str = "specjax bench") -> list[dict]:
     """`specjax bench`: drafters against target-only decoding per category (`specjax.bench`)."""
     from specjax import bench, build
+    build.check_seed(c.get("seed", 0))
+    check_output_dir("out", c.out)        # a file or a symlink loop: before any model loads
     build.enable_compilation_cache(c.get("compilation_cache_dir", ""))
     build.limit_heap_retention()
     summary = bench.run(c, command=command)
@@ -317,6 +444,7 @@ def distill_main(c, workdir: str) -> dict:
 def data_main(c, workdir: str) -> dict:
     """`specjax data`: run or resume (same command) the data engine in `workdir`."""
     from specjax import build, distill
+    build.check_seed(c.get("seed", 0))
     config = distill.data_config(c)          # the typed settings, checked before anything loads
     from specjax.settings import generate_settings
     g = generate_settings(c.generate)        # the generator's settings, typed once
@@ -347,7 +475,9 @@ def eval_main(c) -> dict:
             raise ValueError(f"gammas={gammas!r}: expected integers >= 1")
     if c.drafter == "model" and not c.draft_model:
         raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+    check_output_file("out", c.out)      # a directory, or a missing directory: before the evaluation runs
     s = distill.distill_settings(c, extra="ignore")      # the target, data and eval keys, typed before loading
+    build.check_seed(s.seed)
     target, params = build.load_target(s.target, s.dtype, True)
     tokenizer = None if s.eval.data_jsonl else models.load_tokenizer(s.target)
     if c.drafter == "early_exit" and not 1 <= int(c.early_exit_layers) <= target.config.num_layers:
@@ -602,6 +732,8 @@ def dispatch(argv: list[str]) -> int:
             raise UsageError(f"specjax {name}: {e}{_expected(rest, e)}") from None
         if extra:
             raise UsageError(f"specjax {name}: unexpected arguments {extra}")
+        if cmd.workdir:
+            check_workdir(workdir.value)
         _quiet_backend_probe()
         from specjax import distributed
         distributed.platforms_without_tpu()
@@ -626,10 +758,17 @@ def dispatch(argv: list[str]) -> int:
             aot_main(c)
         else:
             export_main(c)
+    except GenerationFailed as e:
+        if verbose:
+            traceback.print_exc()
+        print(f"specjax: error: {error_line(e)}", file=sys.stderr, flush=True)
+        return 1
     except user_errors() as e:
         if verbose:
             traceback.print_exc()
-        text = " ".join(str(e).split()) or type(e).__name__
+        text = error_line(e)
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS and name in ("distill", "data"):
+            text += "; what was finished is kept: the same command resumes once this is fixed"
         hint = "" if verbose or isinstance(e, UsageError) else " (--verbose for the traceback)"
         print(f"specjax: error: {text}{hint}", file=sys.stderr, flush=True)
         return 2

@@ -4,7 +4,11 @@
 resumes from the newest readable one with the same data order (batch i depends only on the
 seed and i) and the same PRNG stream (the key lives in the train state), so an interrupted run
 ends with the same parameters as an uninterrupted one. On-policy data generated during the
-run is kept in ``workdir/onpolicy`` and reused on resume.
+run is kept in ``workdir/onpolicy`` and reused on resume. A resume under another seed or other
+data settings (`DATA_ORDER_KEYS`) would not continue that order: it is refused naming each
+change, unless ``allow_data_order_change`` (then a ``data_order_change`` event records the old
+and new values). One run per workdir: process 0 holds the directory's lock
+(`specjax.files.workdir_lock`) from before it writes anything to the end.
 
 On a device mesh (the config's ``mesh`` block: ``data`` x ``fsdp`` x ``model``, -1 = the rest; used
 whenever the job has more than one device, across processes too) the step runs sharded: the
@@ -26,8 +30,11 @@ tensorboard is installed, ``final.json``, and the draft artifact when ``export_d
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
+import os
 import pathlib
 import time
 from typing import Callable
@@ -100,7 +107,7 @@ class MetricsWriter:
                 self.tb = None
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with naming(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None and "step" in record:
             for k, v in record.items():
@@ -112,9 +119,34 @@ class MetricsWriter:
             self.tb.close()
 
 
+@contextlib.contextmanager
+def naming(path):
+    """An OSError raised inside without a file name (a ``write`` or ``close`` that hit a full
+    disk, ENOSPC, or the file size limit, EFBIG) is raised again naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        if e.errno is not None:
+            raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
+        # numpy's short write ("91552 requested and 24968 written") carries no errno
+        raise OSError(f"{path}: could not write ({e}): a full disk or the file size limit (ulimit -f)?") from e
+
+
 # Config keys that fix the shapes / structure of the checkpointed train state (the draft's
 # parameters and the optimizer state): a workdir's checkpoints only restore under the same values.
 STATE_KEYS = ("target", "dtype", "draft", "optim.accumulate")
+# Config keys that fix which batch step i trains on (batch i depends only on them, the data and
+# i): the seed and every data setting, except the generation batch size (throughput only) and
+# the shard directories' paths (their contents are checked by fingerprint, so shards moved
+# elsewhere resume). A resume under other values is refused unless ``allow_data_order_change``.
+DATA_ORDER_KEYS = ("seed", "data")
+DATA_ORDER_FREE = ("data.gen_batch_size", "data.shards.dirs")
+# What a run creates in its workdir: directories, and files (a file where a directory goes, or
+# the reverse, is refused before anything is written).
+WORKDIR_DIRS = ("checkpoints", "onpolicy", "tb")
+WORKDIR_FILES = ("config.json", "metrics.jsonl", "final.json")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -134,37 +166,105 @@ def _flat_settings(values) -> dict:
     return flatten(json.loads(json.dumps(_settings.distill_settings(values).to_dict())))
 
 
-def check_resume_config(c, workdir) -> None:
-    """``ValueError`` naming each differing key (old and new value) when `workdir` already holds
-    checkpoints written under a config that differs from `c` (a config or `DistillSettings`) on
-    a `STATE_KEYS` key (or a key of its head kind's `HeadKind.state_keys`: a kind ignores the
-    others, e.g. Medusa the input norm that configs/distill_head.py turns on). Reads only:
-    called before anything in the workdir is written."""
+def _under(k: str, keys) -> bool:
+    return any(k == s or k.startswith(s + ".") for s in keys)
+
+
+_MISSING = object()      # a key one config lacks
+
+
+def _changes(old: dict, new: dict, keys, free=()) -> dict:
+    """{dotted key: (old, new)} of the keys under `keys` (not under `free`) whose values differ
+    (`_MISSING` for a key one side lacks)."""
+    return {k: (old.get(k, _MISSING), new.get(k, _MISSING)) for k in sorted(set(old) | set(new))
+            if _under(k, keys) and not _under(k, free) and old.get(k, _MISSING) != new.get(k, _MISSING)}
+
+
+def _shown(v) -> str:
+    return "(absent)" if v is _MISSING else json.dumps(v)
+
+
+def _listed(changes: dict) -> str:
+    return "; ".join(f"{k}: {_shown(a)} -> {_shown(b)}" for k, (a, b) in changes.items())
+
+
+def check_resume_config(c, workdir) -> dict:
+    """Refuse to resume `workdir` under a config `c` (a config or `DistillSettings`) that its
+    checkpoints were not trained under. When it holds checkpoints and a config.json:
+
+    * ``ValueError`` naming each differing key (old and new value) of a `STATE_KEYS` key (or a
+      key of its head kind's `HeadKind.state_keys`: a kind ignores the others, e.g. Medusa the
+      input norm that configs/distill_head.py turns on): the state would not restore;
+    * ``ValueError`` naming each differing data-order key (`DATA_ORDER_KEYS`: the seed, the
+      batch size, the shard window, the mixture, the data sets) unless ``c`` sets
+      ``allow_data_order_change``: the run would continue with other batches than it had.
+
+    Returns the data-order changes allowed ({key: (old, new)}; empty when none), which the run
+    records as a ``data_order_change`` event. Reads only: called before anything in the workdir
+    is written."""
     workdir = pathlib.Path(workdir)
     stored_path, ckpt_dir = workdir / "config.json", workdir / "checkpoints"
     if not stored_path.is_file() or not ckpt_dir.is_dir() or not any(ckpt_dir.iterdir()):
-        return
+        return {}
     try:
         old = _flat_settings(json.loads(stored_path.read_text()))
     except (OSError, ValueError) as e:
         raise ValueError(f"{stored_path}: unreadable or not a distillation config this trainer reads ({e}); "
                          f"cannot check that the checkpoints in {ckpt_dir} match this config. Use a new workdir.") \
             from e
-    new = _flat_settings(_settings.distill_settings(c))
-    missing = object()
-    diff = []
+    s = _settings.distill_settings(c)
+    new = _flat_settings(s)
     kind = new.get("draft.kind")
     keys = STATE_KEYS + (drafters.head_kind_of(kind).state_keys if kind in drafters.head_kinds() else ())
-    for k in sorted(set(old) | set(new)):
-        if not any(k == s or k.startswith(s + ".") for s in keys):
-            continue
-        a, b = old.get(k, missing), new.get(k, missing)
-        if a != b:
-            diff.append(f"{k}: {'(absent)' if a is missing else json.dumps(a)} -> "
-                        f"{'(absent)' if b is missing else json.dumps(b)}")
-    if diff:
+    state = _changes(old, new, keys)
+    if state:
         raise ValueError(f"{workdir} holds checkpoints of a different draft/optimizer state; the config differs "
-                         f"on {'; '.join(diff)} (stored -> new). Use a new workdir, or restore the old values.")
+                         f"on {_listed(state)} (stored -> new). Use a new workdir, or restore the old values.")
+    order = _changes(old, new, DATA_ORDER_KEYS, DATA_ORDER_FREE)
+    if order and not s.allow_data_order_change:
+        raise ValueError(f"{workdir} holds checkpoints trained in another data order; the config differs on "
+                         f"{_listed(order)} (stored -> new), so the resumed run would not see the batches it would "
+                         f"have. Restore the old values, use a new workdir, or set allow_data_order_change=True to "
+                         f"continue in the new order (recorded as a data_order_change event in metrics.jsonl)")
+    return order
+
+
+def _path_problem(p: pathlib.Path, want_dir: bool) -> str | None:
+    """What is wrong with a path a run will create (a directory if `want_dir`, else a file):
+    a symlink loop, a component that is a file, or an existing entry of the other kind."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{p} is a symlink loop ({e.strerror})"
+        if e.errno == errno.ENOTDIR:
+            return f"{p}: a part of the path is a file, not a directory"
+        return f"{p}: {e.strerror}"
+    import stat
+    if want_dir and not stat.S_ISDIR(st.st_mode):
+        return f"{p} is a file, not a directory"
+    if not want_dir and stat.S_ISDIR(st.st_mode):
+        return f"{p} is a directory, not a file"
+    return None
+
+
+def check_workdir(workdir) -> pathlib.Path:
+    """The run directory as a path: ValueError when it is empty or blank (which would mean the
+    current directory), a file, a symlink loop, or holds a file where the run makes a directory
+    (`WORKDIR_DIRS`) or a directory where it writes a file (`WORKDIR_FILES`). Reads only."""
+    if workdir is None or not str(workdir).strip():
+        raise ValueError(f"workdir={'' if workdir is None else str(workdir)!r}: empty; name the run directory (an "
+                         f"empty value would mean the current directory)")
+    workdir = pathlib.Path(workdir).expanduser()
+    problem = _path_problem(workdir, True)
+    if problem is None and workdir.is_dir():
+        problem = next(filter(None, [_path_problem(workdir / d, True) for d in WORKDIR_DIRS]
+                              + [_path_problem(workdir / f, False) for f in WORKDIR_FILES]), None)
+    if problem:
+        raise ValueError(f"workdir {workdir}: {problem}; nothing was written")
+    return workdir
 
 
 @functools.lru_cache(maxsize=1)
@@ -201,19 +301,29 @@ def check_settings(s) -> None:
     if s.metrics_lag not in (0, 1):
         raise ValueError(f"metrics_lag={s.metrics_lag!r}: expected 0 (read each step's metrics at once) or 1 "
                          f"(one step later)")
+    from specjax import build
+    build.check_seed(s.seed)
+    build.check_mesh(s.mesh)
+    if s.export_dir:        # written only after the whole training: a file there is refused now
+        problem = _path_problem(pathlib.Path(s.export_dir).expanduser(), True)
+        if problem:
+            raise ValueError(f"export_dir={s.export_dir!r}: {problem}; the draft is written there at the end of "
+                             f"training (nothing was run)")
 
 
-def _claim_workdir(s, workdir: pathlib.Path) -> None:
+def _claim_workdir(s, workdir: pathlib.Path) -> dict:
     """Check the workdir's checkpoints against `s` (before anything is written), then record `s`
-    as its config.json."""
-    check_resume_config(s, workdir)
+    as its config.json. Returns the data-order changes allowed (`check_resume_config`)."""
+    changes = check_resume_config(s, workdir)
     distributed.barrier("specjax-distill-checked")     # every process has read the old config.json
     if distributed.is_primary():
         workdir.mkdir(parents=True, exist_ok=True)
         tmp = workdir / "config.json.tmp"
-        tmp.write_text(json.dumps(s.to_dict(), indent=1))
+        with naming(tmp):
+            tmp.write_text(json.dumps(s.to_dict(), indent=1))
         tmp.replace(workdir / "config.json")
     distributed.barrier("specjax-distill-workdir")
+    return changes
 
 
 class _Tokenizer:
@@ -234,27 +344,34 @@ def train(config, workdir, *, log: Callable[[str], None] = print, stop_after_ste
     final.json)."""
     s = _settings.distill_settings(config)
     check_settings(s)        # a bad setting fails before anything is loaded
-    workdir = pathlib.Path(workdir)
+    workdir = check_workdir(workdir)
+    check_resume_config(s, workdir)     # read only: a refused resume leaves the workdir untouched
     mesh = _setup.mesh_of(s)
     if not distributed.is_primary():
         log = _silent
-    _claim_workdir(s, workdir)
-    if mesh is not None:
-        log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
-    t_start = time.perf_counter()
-    target, target_params = _load_target(s)
-    tokenizer = _Tokenizer(s)
-    sources = _setup.load_sources(s, target, target_params, tokenizer, log=log)
-    head_ids = _setup.head_vocabulary(s, sources, target, tokenizer.loaded, log)
-    trainee = _setup.build_trainee(s, sources, target, target_params, head_ids, mesh)
-    run = _Run(s, workdir, trainee, sources, target, target_params, tokenizer, log, t_start)
-    try:
-        run.loop(stop_after_steps)
-    except BaseException:
-        run.close(abort=True)
-        raise
-    run.close()
-    return run.finish(time.perf_counter() - t_start)
+    # One run per workdir: process 0 holds the directory's lock (released when it exits, however
+    # it exits) from here to the end; a second run on it stops here, naming the holder.
+    lock = files.workdir_lock(workdir, "specjax distill") if distributed.is_primary() else contextlib.nullcontext()
+    with lock:
+        changes = _claim_workdir(s, workdir)
+        if mesh is not None:
+            log(f"mesh: {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} process(es)")
+        t_start = time.perf_counter()
+        target, target_params = _load_target(s)
+        tokenizer = _Tokenizer(s)
+        with naming(s.data_root or "the data cache (data_root)"):
+            sources = _setup.load_sources(s, target, target_params, tokenizer, log=log)
+        head_ids = _setup.head_vocabulary(s, sources, target, tokenizer.loaded, log)
+        trainee = _setup.build_trainee(s, sources, target, target_params, head_ids, mesh)
+        run = _Run(s, workdir, trainee, sources, target, target_params, tokenizer, log, t_start,
+                   data_order_changes=changes)
+        try:
+            run.loop(stop_after_steps)
+        except BaseException:
+            run.close(abort=True)
+            raise
+        run.close()
+        return run.finish(time.perf_counter() - t_start)
 
 
 def fill_shard_features(configs, *, log: Callable[[str], None] = print) -> int:
@@ -271,7 +388,7 @@ def fill_shard_features(configs, *, log: Callable[[str], None] = print) -> int:
     s = max(settings, key=lambda x: x.data.shards.max_loss_tokens or float("inf"))   # the most shards
     target, target_params = _load_target(s)
     layers = sorted({int(i) % target.config.num_layers for x in settings for i in _heads.feature_layers_of(x, target)})
-    feats = _setup.shard_features(s, _setup.shard_stream(s), target, layers=layers)
+    feats = _setup.shard_features(s, _setup.shard_stream(s, target), target, layers=layers)
     return feats.compute(_data.shard_feature_forward(target), target_params, log=log)
 
 
@@ -280,8 +397,9 @@ class _Run:
     evaluation, on-policy data, the steps, the summary and the export."""
 
     def __init__(self, s, workdir: pathlib.Path, trainee: _setup.Trainee, sources: _setup.Sources, target,
-                 target_params, tokenizer: _Tokenizer, log, t_start: float):
+                 target_params, tokenizer: _Tokenizer, log, t_start: float, data_order_changes: dict | None = None):
         self.s, self.workdir, self.t, self.sources, self.log = s, workdir, trainee, sources, log
+        self.data_order_changes = data_order_changes or {}
         self.target, self.target_params, self.tokenizer = target, target_params, tokenizer
         self.primary = distributed.is_primary()
         self.t_start = t_start
@@ -294,7 +412,7 @@ class _Run:
             self._open()
             self.eval_plan = self._eval_plan()
         except BaseException:
-            self._close_files()
+            self._close_files(quiet=True)
             raise
 
     # ----------------------------------------------------------------------------- resume
@@ -330,6 +448,12 @@ class _Run:
                 writer.write({"kind": "event", "event": "unreadable_checkpoint", "step": step, "error": err})
             writer.write({"kind": "event", "event": "resume", "step": restored.step, "tokens": meta["tokens"]})
             log(f"resumed from step {restored.step} ({meta['tokens']} tokens)")
+            if self.data_order_changes:      # allowed by allow_data_order_change; config.json holds the new values
+                writer.write({"kind": "event", "event": "data_order_change", "step": restored.step,
+                              "changes": {k: {"old": None if a is _MISSING else a, "new": None if b is _MISSING else b}
+                                          for k, (a, b) in self.data_order_changes.items()}})
+                log(f"data order changed at step {restored.step} (allow_data_order_change): "
+                    f"{_listed(self.data_order_changes)} (stored -> new)")
         self.start = self.step = int(self.state.step)
         self.tokens_done = int(meta["tokens"])
         self.elapsed0 = float(meta.get("elapsed_s", 0.0))
@@ -392,12 +516,14 @@ class _Run:
             key = jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(sharding.to_host(self.state.key))), r)
             if not self.primary:         # process 0 writes the refresh; the others then read it
                 distributed.barrier(f"specjax-onpolicy-{r}")
-            data = _sources.generated_data(
-                self.workdir / "onpolicy" / f"refresh_{r:05d}", self.t.draft, params,
-                self.target, self.target_params, [prompts[i] for i in sorted(pick)],
-                key=key, temperature=d.temperature, samples_per_prompt=1, max_new_tokens=d.draft_max_new_tokens,
-                batch_size=d.gen_batch_size, eos_ids=_prepare.eos_ids(self.target, self.tokenizer.loaded),
-                widths=d.widths, source=f"draft-r{r}", log=self.log)
+            where = self.workdir / "onpolicy" / f"refresh_{r:05d}"
+            with naming(where):
+                data = _sources.generated_data(
+                    where, self.t.draft, params,
+                    self.target, self.target_params, [prompts[i] for i in sorted(pick)],
+                    key=key, temperature=d.temperature, samples_per_prompt=1, max_new_tokens=d.draft_max_new_tokens,
+                    batch_size=d.gen_batch_size, eos_ids=_prepare.eos_ids(self.target, self.tokenizer.loaded),
+                    widths=d.widths, source=f"draft-r{r}", log=self.log)
             if self.primary:
                 distributed.barrier(f"specjax-onpolicy-{r}")
             if data.num_loss_tokens == 0:
@@ -493,19 +619,29 @@ class _Run:
 
     def close(self, abort: bool = False) -> None:
         """Wait for the checkpoint writes and close the progress bar; `abort` (the loop raised):
-        close the metrics and the checkpointer too (`finish` closes them otherwise)."""
-        self.ckpt.wait()
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        if abort:
-            self._close_files()
+        close the metrics and the checkpointer too (`finish` closes them otherwise), whatever
+        the wait raises (the loop's error is the one reported)."""
+        try:
+            self.ckpt.wait()
+        except Exception:  # noqa: BLE001
+            if not abort:
+                raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            if abort:
+                self._close_files(quiet=True)
 
-    def _close_files(self) -> None:
+    def _close_files(self, quiet: bool = False) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.ckpt is not None:
-            self.ckpt.close()
+            try:
+                self.ckpt.close()
+            except Exception:  # noqa: BLE001 - closing after a failure: the failure is reported
+                if not quiet:
+                    raise
 
     # ----------------------------------------------------------------------------- the end
     def finish(self, wall_s: float) -> dict:
@@ -525,7 +661,8 @@ class _Run:
                 return summary
             if finished:
                 summary["export"] = self._export(host_params)
-            (self.workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
+            with naming(self.workdir / "final.json"):
+                (self.workdir / "final.json").write_text(json.dumps(summary, indent=1, default=str))
             return summary
         finally:
             self._close_files()

@@ -117,6 +117,7 @@ class DistillSettings(Settings):
     export_dtype: str = "bfloat16"
     progress: bool = True
     metrics_lag: int = 1
+    allow_data_order_change: bool = False
 
     @property
     def is_head(self) -> bool:

@@ -141,7 +141,7 @@ def load_sources(s, target, target_params, tokenizer: Callable[[], Any], *, log)
             raise ValueError(f"data.shards (streamed shards, tokens only) trains feature heads; draft.kind="
                              f"{s.draft.kind!r} needs the teacher's states of its data: use target or fixed data")
         t0 = time.perf_counter()
-        st = plans["shards"] = shard_stream(s)
+        st = plans["shards"] = shard_stream(s, target)
         weights["shards"] = sh.weight
         timings["shards_index_s"] = time.perf_counter() - t0
         where = "the target's features computed in each step"
@@ -165,11 +165,13 @@ def load_sources(s, target, target_params, tokenizer: Callable[[], Any], *, log)
     return Sources(plans, weights, Mixture(list(weights), list(weights.values()), s.seed), timings)
 
 
-def shard_stream(s) -> _stream.ShardStream:
-    """The stream of a run's ``data.shards`` (its batches seeded by the run's seed)."""
+def shard_stream(s, target=None) -> _stream.ShardStream:
+    """The stream of a run's ``data.shards`` (its batches seeded by the run's seed); with
+    ``target``, shards written for another vocabulary are refused naming both sizes."""
     d, sh = s.data, s.data.shards
     return _stream.ShardStream(list(sh.dirs), seed=s.seed + 2, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
-                               window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens)
+                               window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens,
+                               vocab_size=None if target is None else target.vocab_size)
 
 
 def shard_features(s, stream: _stream.ShardStream, target, layers=None) -> _stream.ShardFeatures:

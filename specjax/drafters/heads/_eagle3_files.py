@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import pathlib
 
 import jax
@@ -143,24 +144,48 @@ def _layer_config(cfg: dict, where, target: ModelConfig) -> ModelConfig:
         raise CorruptCheckpointError(f"{where}: incomplete or invalid layer config ({e!r})") from None
 
 
+def _integers(value, key: str, where) -> list[int]:
+    """A config's list of integer ids, exactly: `CorruptCheckpointError` naming the key and the
+    first value that is not an integer (``1.5`` was truncated to 1, ``"2"`` parsed, ``true``
+    read as 1)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise CorruptCheckpointError(f"{where}: {key}={value!r} must be a list of integers")
+    items = list(value)
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise CorruptCheckpointError(f"{where}: {key}={items!r} must be a list of integers ({i!r} is not one)")
+    return [int(i) for i in items]
+
+
+def _positive_int(cfg: dict, key: str, where) -> int | None:
+    """``cfg[key]`` as an integer >= 1 (None when absent or null); `CorruptCheckpointError`
+    naming the key and value otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise CorruptCheckpointError(f"{where}: {key}={value!r} must be an integer >= 1")
+    return int(value)
+
+
 def _capture_layers(cfg: dict, layout: str, num_layers: int, where) -> tuple[int, ...]:
     """The target layers the head reads, in specjax's numbering (module doc)."""
     eagle_config = cfg.get("eagle_config") if layout == "eagle" else None
     outputs = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
     inputs = cfg.get("eagle_aux_hidden_state_layer_ids")
-    try:
-        if outputs is not None:           # SGLang / SpecForge: layer outputs
-            ids = [int(i) for i in outputs]
-            if inputs is not None and sorted(int(i) - 1 for i in inputs) != sorted(ids):
+    if outputs is not None:               # SGLang / SpecForge: layer outputs
+        ids = _integers(outputs, "eagle_config.eagle_aux_hidden_state_layer_ids", where)
+        if inputs is not None:
+            vllm = _integers(inputs, "eagle_aux_hidden_state_layer_ids", where)
+            if sorted(i - 1 for i in vllm) != sorted(ids):
                 raise CorruptCheckpointError(
-                    f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {list(outputs)} (layer outputs, SGLang) "
-                    f"and eagle_aux_hidden_state_layer_ids {list(inputs)} (layer inputs, vLLM) name different layers")
-        elif inputs is not None:          # vLLM / speculators: layer inputs
-            ids = [int(i) - 1 for i in inputs]
-        else:                             # the reference's and the engines' default
-            ids = list(EAGLE3_PUBLISHED_KIND.default_feature_layers(num_layers))
-    except (TypeError, ValueError):
-        raise CorruptCheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers") from None
+                    f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {ids} (layer outputs, SGLang) and "
+                    f"eagle_aux_hidden_state_layer_ids {vllm} (layer inputs, vLLM: outputs {[i - 1 for i in vllm]}) "
+                    f"name different layers")
+    elif inputs is not None:              # vLLM / speculators: layer inputs
+        ids = [i - 1 for i in _integers(inputs, "eagle_aux_hidden_state_layer_ids", where)]
+    else:                                 # the reference's and the engines' default
+        ids = list(EAGLE3_PUBLISHED_KIND.default_feature_layers(num_layers))
     ids = sorted(ids)
     if len(ids) != 3 or len(set(ids)) != 3 or ids[0] < 0 or ids[-1] >= num_layers:
         raise UnsupportedArchitectureError(
@@ -249,12 +274,15 @@ def read_eagle3(directory, target: ModelConfig, *, dtype: str | None = None,
                                                f"output) is a variant, not the published EAGLE-3 head")
         layer_cfg = cfg
     V, Dt = target.vocab_size, target.hidden_size
-    vocab = layer_cfg.get("vocab_size")
-    if vocab is not None and int(vocab) != V:
+    vocab = _positive_int(layer_cfg, "vocab_size", cfg_path)
+    if vocab is not None and vocab != V:
         raise ValueError(f"{cfg_path}: a head for a target vocabulary of {vocab} tokens; this target has {V}")
-    S = int(cfg.get("draft_vocab_size") or V)
-    if cfg.get("target_hidden_size") is not None and int(cfg["target_hidden_size"]) != Dt:
-        raise ValueError(f"{cfg_path}: a head for a target of width {cfg['target_hidden_size']}; this target has {Dt}")
+    S = _positive_int(cfg, "draft_vocab_size", cfg_path) or V
+    if S > V:
+        raise CorruptCheckpointError(f"{cfg_path}: draft_vocab_size={S} is larger than the target's vocabulary ({V})")
+    width = _positive_int(cfg, "target_hidden_size", cfg_path)
+    if width is not None and width != Dt:
+        raise ValueError(f"{cfg_path}: a head for a target of width {width}; this target has {Dt}")
     lc = _layer_config(layer_cfg, cfg_path, target)
     if lc.hidden_size != Dt:
         raise UnsupportedArchitectureError(f"{cfg_path}: the head's width {lc.hidden_size} differs from the target's "
@@ -334,13 +362,18 @@ def _llama_config(lc: ModelConfig, dtype: str) -> dict:
 
 
 def eagle3_config(hc: HeadConfig, layout: str, *, dtype: str = "float32", verifier: str = "",
-                  speculative_tokens: int = 3) -> dict:
-    """The config.json of a published EAGLE-3 head in `layout` (module doc)."""
+                  speculative_tokens: int = 3, include_embedding: bool = True) -> dict:
+    """The config.json of a published EAGLE-3 head in `layout` (module doc). In the "eagle"
+    layout ``target_hidden_size`` is written only with the embedding (``include_embedding``):
+    the reference code (cnets.py `Model`, ``load_emb``) loads the target's embedding only when
+    the key is absent, and otherwise expects ``embed_tokens.weight`` in the head's own file (a
+    file without either would run with a random embedding). The head's width is the target's,
+    so the key adds nothing else."""
     lc, t = hc.layer_config, hc.target
     layers = [int(i) for i in hc.feature_layers]
     if layout == "eagle":
         cfg = {"architectures": [EAGLE_ARCHITECTURE], **_llama_config(lc, dtype), "draft_vocab_size": hc.head_size,
-               "target_hidden_size": t.hidden_size,
+               **({"target_hidden_size": t.hidden_size} if include_embedding else {}),
                "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True},
                "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers]}
     else:
@@ -364,15 +397,20 @@ def eagle3_config(hc: HeadConfig, layout: str, *, dtype: str = "float32", verifi
 
 def eagle3_tensors(hc: HeadConfig, own: dict, layout: str, embed=None) -> dict[str, np.ndarray]:
     """The head's tensors under the layout's names ([out, in] matrices; d2t int64, t2d bool);
-    ``embed``: an embedding to store as ``embed_tokens.weight`` (None: none)."""
+    ``embed``: an embedding to store as ``embed_tokens.weight`` (None: none). The draft
+    vocabulary is written in ascending token order (the LM head's rows permuted with it: the
+    same head), so ``d2t`` is >= 0 and non-decreasing, as SpecForge and the reference make and
+    check it; a head built in code may hold its vocabulary in any order."""
     f = lambda x: np.asarray(jax.device_get(x), np.float32)  # noqa: E731
     prefix = _PREFIX[layout]
     shapes = _eagle3.layer_shapes(hc.layer_config)
-    out = {"fc.weight": f(own["fc"]).T, "norm.weight": f(own["norm"]), "lm_head.weight": f(own["lm_head"])}
+    ids = np.asarray(jax.device_get(own["head_ids"]), np.int64)
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
+    out = {"fc.weight": f(own["fc"]).T, "norm.weight": f(own["norm"]), "lm_head.weight": f(own["lm_head"])[order]}
     for n, file_name in _LAYER_NAMES.items():
         w = f(own["layer"][n])
         out[prefix + file_name] = w.T if len(shapes[n]) == 2 else w
-    ids = np.asarray(jax.device_get(own["head_ids"]), np.int64)
     out["d2t"] = ids - np.arange(ids.size, dtype=np.int64)
     t2d = np.zeros(hc.target.vocab_size, bool)
     t2d[ids] = True
@@ -409,7 +447,8 @@ def save_eagle3(directory, hc: HeadConfig, own: dict, target_params: dict | None
             raise ValueError("include_embedding=True needs target_params (the target's embedding is written)")
         else:
             embed = target_params["embed"]
-    cfg = eagle3_config(hc, layout, dtype=dtype, verifier=verifier, speculative_tokens=speculative_tokens)
+    cfg = eagle3_config(hc, layout, dtype=dtype, verifier=verifier, speculative_tokens=speculative_tokens,
+                        include_embedding=include_embedding)
     cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     tensors = {k: (v.astype(cast) if v.dtype.kind == "f" else v)
                for k, v in eagle3_tensors(hc, own, layout, embed).items()}
