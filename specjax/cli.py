@@ -281,7 +281,8 @@ def check_output_file(setting: str, path: str) -> None:
         return
     p = pathlib.Path(path).expanduser()
     parent = p.parent
-    unusable = _stat_problem(p)          # a symlink loop, a file on the way
+    from specjax import files
+    unusable = files.path_problem(p)          # a symlink loop, a file on the way
     if unusable:
         problem = unusable
     elif p.is_dir():
@@ -293,24 +294,6 @@ def check_output_file(setting: str, path: str) -> None:
     else:
         return
     raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
-
-
-def _stat_problem(p) -> str | None:
-    """What is wrong with a path a command will create or write, from ``os.stat`` (which
-    follows links): a symlink loop or a component that is a file; None when it exists or does
-    not exist yet."""
-    import os
-    try:
-        os.stat(p)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return f"{p}: {e.strerror} (a symlink loop)"
-        if e.errno == errno.ENOTDIR:
-            return f"{p}: a part of the path is a file, not a directory"
-        return f"{p}: {e.strerror}"
-    return None
 
 
 def _nearest_existing(p):
@@ -328,7 +311,8 @@ def _dir_problem(path: str) -> str | None:
     import os
     import pathlib
     p = pathlib.Path(path).expanduser()
-    problem = _stat_problem(p)
+    from specjax import files
+    problem = files.path_problem(p)
     if problem is None:
         base = _nearest_existing(p)
         if not base.is_dir():

@@ -17,6 +17,29 @@ import sys
 LOCK_NAME = ".specjax.lock"
 
 
+def path_problem(p: os.PathLike, want_dir: bool | None = None) -> str | None:
+    """What stops a run from creating or writing path ``p``, from ``os.stat`` (which follows
+    links): a symlink loop, a component that is a file, and with ``want_dir`` True / False an
+    existing entry of the other kind; None when nothing does (absent paths included)."""
+    import errno
+    import stat
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{p} is a symlink loop ({e.strerror})"
+        if e.errno == errno.ENOTDIR:
+            return f"{p}: a part of the path is a file, not a directory"
+        return f"{p}: {e.strerror}"
+    if want_dir is True and not stat.S_ISDIR(st.st_mode):
+        return f"{p} is a file, not a directory"
+    if want_dir is False and stat.S_ISDIR(st.st_mode):
+        return f"{p} is a directory, not a file"
+    return None
+
+
 class WorkdirBusy(RuntimeError):
     """Another live process holds the working directory's lock."""
 

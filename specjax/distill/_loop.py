@@ -229,27 +229,6 @@ def check_resume_config(c, workdir) -> dict:
     return order
 
 
-def _path_problem(p: pathlib.Path, want_dir: bool) -> str | None:
-    """What is wrong with a path a run will create (a directory if `want_dir`, else a file):
-    a symlink loop, a component that is a file, or an existing entry of the other kind."""
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return f"{p} is a symlink loop ({e.strerror})"
-        if e.errno == errno.ENOTDIR:
-            return f"{p}: a part of the path is a file, not a directory"
-        return f"{p}: {e.strerror}"
-    import stat
-    if want_dir and not stat.S_ISDIR(st.st_mode):
-        return f"{p} is a file, not a directory"
-    if not want_dir and stat.S_ISDIR(st.st_mode):
-        return f"{p} is a directory, not a file"
-    return None
-
-
 def check_workdir(workdir) -> pathlib.Path:
     """The run directory as a path: ValueError when it is empty or blank (which would mean the
     current directory), a file, a symlink loop, or holds a file where the run makes a directory
@@ -258,10 +237,10 @@ def check_workdir(workdir) -> pathlib.Path:
         raise ValueError(f"workdir={'' if workdir is None else str(workdir)!r}: empty; name the run directory (an "
                          f"empty value would mean the current directory)")
     workdir = pathlib.Path(workdir).expanduser()
-    problem = _path_problem(workdir, True)
+    problem = files.path_problem(workdir, True)
     if problem is None and workdir.is_dir():
-        problem = next(filter(None, [_path_problem(workdir / d, True) for d in WORKDIR_DIRS]
-                              + [_path_problem(workdir / f, False) for f in WORKDIR_FILES]), None)
+        problem = next(filter(None, [files.path_problem(workdir / d, True) for d in WORKDIR_DIRS]
+                              + [files.path_problem(workdir / f, False) for f in WORKDIR_FILES]), None)
     if problem:
         raise ValueError(f"workdir {workdir}: {problem}; nothing was written")
     return workdir
@@ -305,7 +284,7 @@ def check_settings(s) -> None:
     build.check_seed(s.seed)
     build.check_mesh(s.mesh)
     if s.export_dir:        # written only after the whole training: a file there is refused now
-        problem = _path_problem(pathlib.Path(s.export_dir).expanduser(), True)
+        problem = files.path_problem(pathlib.Path(s.export_dir).expanduser(), True)
         if problem:
             raise ValueError(f"export_dir={s.export_dir!r}: {problem}; the draft is written there at the end of "
                              f"training (nothing was run)")
