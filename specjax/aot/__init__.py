@@ -94,7 +94,7 @@ def aot_settings(c, profile) -> AotSettings:
         topology=str(c.topology), target=str(c.target), profile=str(c.profile_name or c.profile),
         dtype=str(profile.dtype), scan_layers=bool(profile.scan_layers),
         fuse_projections=bool(profile.get("fuse_projections", False)), attention_op=str(profile.attention_op),
-        write_then_attend=bool(profile.get("write_then_attend", False)), block_tokens=int(profile.get("block_tokens", 0)),
+        write_then_attend=bool(profile.get("write_then_attend", False)) and not bool(profile.scan_layers), block_tokens=int(profile.get("block_tokens", 0)),
         mesh=tuple(mesh.items()), programs=programs, batch_sizes=ints("batch_sizes", c.batch_sizes),
         context=ints("context", (c.context,))[0], capacity=ints("capacity", (c.capacity,))[0],
         prompt=ints("prompt", (c.prompt,))[0], verify_ks=ints("verify_ks", c.verify_ks),
