@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -51,7 +52,8 @@ def workdir_lock(directory: os.PathLike, job: str):
     The lock belongs to the open file, so a process that dies (even by ``kill -9``) releases it:
     the file left behind is never stale, it only says who held it last. A second job on the same
     directory gets `WorkdirBusy` naming the holder (pid, host, command, start time) before it
-    touches anything. ``job`` names this job in the file (e.g. "specjax data").
+    touches anything. On a file system without locks (NFS without lockd) the job runs unlocked
+    after one warning on stderr. ``job`` names this job in the file (e.g. "specjax data").
     """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -65,6 +67,12 @@ def workdir_lock(directory: os.PathLike, job: str):
             holder = f.read().strip() or "another process"
             raise WorkdirBusy(f"{directory} is in use by {holder}; wait for it to finish or choose another "
                               f"--workdir (two jobs in one directory overwrite each other's files)") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            # a file system without locks (NFS without lockd, some FUSE mounts): run unlocked, said once
+            print(f"[specjax] warning: cannot lock {path} ({e.strerror}); running without the workdir lock: "
+                  f"do not start a second job on {directory}", file=sys.stderr)
         f.seek(0)
         f.truncate()
         f.write(f"{job} (pid {os.getpid()} on {socket.gethostname()}, started "

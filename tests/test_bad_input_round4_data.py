@@ -366,3 +366,50 @@ def test_shards_of_a_larger_vocabulary_are_refused_for_training(tmp_path):
     with pytest.raises(ValueError, match=r"different vocabularies: .*big \(2000\), .*small \(1000\)"):
         ShardStream([tmp_path / "big", tmp_path / "small"], seed=0, widths=(8,))
     assert ShardStream([tmp_path / "small"], seed=0, widths=(8,), vocab_size=1000).vocab_size == 1000
+    # a smaller vocabulary (one tokenizer, another padding, as Qwen2.5 0.5B against 7B) is accepted
+    assert ShardStream([tmp_path / "small"], seed=0, widths=(8,), vocab_size=1024).vocab_size == 1000
+
+
+def test_review_a_stage_directory_that_is_a_file_is_refused_before_any_stage_runs(tmp_path):
+    """Before: with ``WORKDIR/responses_greedy`` a file, the Magpie stage ran first (hours by
+    default) and only then did the stage's mkdir fail. Now `run` checks every stage directory and
+    top-level file before anything runs, and leaves the file as it was."""
+    from specjax.distill import _datagen
+    (tmp_path / "responses_greedy").write_text("not a directory\n")
+    with pytest.raises(ValueError, match=r"responses_greedy is a file, not a directory; nothing was run"):
+        _datagen.run(None, None, tmp_path)
+    assert (tmp_path / "responses_greedy").read_text() == "not a directory\n"
+    assert not (tmp_path / "instructions").exists()
+
+
+def test_review_a_short_write_names_the_file(tmp_path, monkeypatch):
+    """Before: a full disk while a shard or manifest was written raised OSError(ENOSPC) with no
+    file name, so the CLI's one line named nothing. Now it names the file being written."""
+    import errno
+    import os as os_mod
+    from specjax.distill import _shards
+    real_fsync = os_mod.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(_shards.os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        _shards._atomic_write(tmp_path / "manifest.json", b"{}")
+    monkeypatch.setattr(_shards.os, "fsync", real_fsync)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "manifest.json.tmp")
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_review_the_digest_covers_only_the_files_a_load_reads(tmp_path):
+    """Before: every weight-like file below a checkpoint directory was hashed, so a trainer's
+    optimizer.pt or a GGUF export saved beside the model changed the digest and refused a
+    resume of an unchanged target. Now only the files the loader reads and config.json count."""
+    from specjax.distill import _datagen
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    before = _datagen.target_digest(str(tmp_path))[0]
+    (tmp_path / "optimizer.pt").write_bytes(b"state")
+    (tmp_path / "stale-copy.safetensors").write_bytes(b"old")
+    assert _datagen.target_digest(str(tmp_path))[0] == before
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert _datagen.target_digest(str(tmp_path))[0] != before

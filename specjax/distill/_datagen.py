@@ -54,6 +54,8 @@ from specjax import sampling as sampling_lib
 from specjax.distill import _corpus, _shards
 
 STAGES = ("instructions", "corpus", "responses_greedy", "responses_sampled", "followups", "followup_responses")
+# the files a run writes at the workdir's top (besides each stage's directory)
+WORKDIR_FILES = ("corpus.jsonl", "corpus_report.json", "report.json", "REPORT.md")
 # Engine statuses of a request that finished normally (an end-of-turn token, or its token budget);
 # any other (``nan_logits``, ...) is dropped from the data (see the module docstring).
 FINISHED_STATUSES = ("eos", "max_new_tokens")
@@ -308,7 +310,9 @@ def target_digest(target: str, params=None) -> tuple[str, str]:
     """(sha256 hex, what it is the digest of) of the target's weights, computed once per run: a
     registry name's recorded sha256 (its file is checked against it when loaded); a file, its
     sha256 (what ``sha256sum`` prints); a Hugging Face directory (or a file in one), the sha256
-    of the lines "<relative name> <sha256>" of its weight files and config.json; otherwise (a
+    of the lines "<relative name> <sha256>" of the weight files a load reads
+    (`hf_loader.weight_files`: other files beside them, e.g. a trainer's optimizer state or a
+    GGUF export, do not count) and config.json; otherwise (a
     target without files, e.g. a preset in a test) a digest of ``params``' leaves."""
     from specjax.models import registry
     if target in registry.KNOWN:
@@ -319,8 +323,9 @@ def target_digest(target: str, params=None) -> tuple[str, str]:
     if path.is_file():
         return files.file_sha256(path), f"sha256 of {path}"
     if path.is_dir():
-        found = sorted(f for f in path.rglob("*") if f.is_file() and (
-            f.suffix in WEIGHT_SUFFIXES or f.name == "config.json" or f.name.endswith(".index.json")))
+        from specjax.models import hf_loader
+        weights = [f for f in hf_loader.weight_files(path) if f.is_file()]
+        found = sorted(weights + [path / "config.json"] if (path / "config.json").is_file() else weights)
         if any(f.suffix in WEIGHT_SUFFIXES for f in found):
             h = hashlib.sha256()
             for f in found:
@@ -354,8 +359,18 @@ def run(config: DataConfig, generator: decoding.Generator, workdir, *, log: Call
     ``report.json`` and ``REPORT.md`` in the workdir. The workdir's lock is held throughout
     (`specjax.files.WorkdirBusy`, naming the holder, while another run holds it)."""
     workdir = pathlib.Path(workdir)
+    problem = files.path_problem(workdir, want_dir=True) or next(filter(None, (
+        [files.path_problem(workdir / stage, want_dir=True) for stage in STAGES if stage != "corpus"]
+        + [files.path_problem(workdir / name, want_dir=False) for name in WORKDIR_FILES])), None)
+    if problem:                  # before hours of generation, not when the stage's turn comes
+        raise ValueError(f"workdir {workdir}: {problem}; nothing was run")
     with files.workdir_lock(workdir, "specjax data"):
-        return _run(config, generator, workdir, log=log, progress=progress)
+        try:
+            return _run(config, generator, workdir, log=log, progress=progress)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:   # a short write names no file: name the workdir
+                raise OSError(e.errno, e.strerror, str(workdir)) from e
+            raise
 
 
 def _check_target_digest(ctx: Context) -> None:

@@ -131,11 +131,16 @@ def _sha256(data: bytes) -> str:
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:      # a short write (ENOSPC, EFBIG) names no file
+            raise OSError(e.errno, e.strerror, str(tmp)) from e
+        raise
 
 
 def encode_shard(seqs: Sequences, vocab_size: int, sources: Sequence[str]) -> bytes:

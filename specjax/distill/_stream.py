@@ -117,9 +117,12 @@ class ShardStream:
         self.features: ShardFeatures | None = None
 
     def check_vocab(self, vocab_size: int, what: str = "the target") -> None:
-        """Refuse (ValueError naming both sizes) shards written for a vocabulary other than the
-        target's (their token ids would index past its embedding, or mean other tokens)."""
-        if int(vocab_size) != self.vocab_size:
+        """Refuse (ValueError naming both sizes) shards written for a larger vocabulary than the
+        target's (their token ids could index past its embedding). A smaller one is accepted:
+        models that share a tokenizer pad their vocabularies differently (Qwen2.5 0.5B-3B:
+        151,936; 7B and up: 152,064), and every token id read is checked against the shards'
+        size, so each is below the target's."""
+        if self.vocab_size > int(vocab_size):
             raise ValueError(f"{', '.join(str(d / _shards.MANIFEST) for d in self.dirs)}: shards written for a "
                              f"target with a vocabulary of {self.vocab_size} tokens, but {what} has "
                              f"{int(vocab_size)}; train on shards the data command made with this target")

@@ -119,6 +119,24 @@ def _no_duplicate_keys(where):
     return hook
 
 
+def weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The files a load of checkpoint directory ``directory`` reads, by `_SafetensorsDir`'s rule,
+    without opening any: ``model.safetensors``; else the index and the files it names; else
+    every ``*.safetensors``. (What a digest of "the target's weights" should cover.)"""
+    directory = pathlib.Path(directory)
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (ValueError, AttributeError):
+            return [index]
+        names = sorted({f for f in weight_map.values() if isinstance(f, str)}) if isinstance(weight_map, dict) else []
+        return [index] + [directory / n for n in names]
+    return sorted(directory.glob("*.safetensors"))
+
+
 class _SafetensorsDir:
     """The tensors of a checkpoint directory and the file holding each (the rule is the module
     docstring's: ``model.safetensors``, else the index, else every ``*.safetensors`` with no
