@@ -223,6 +223,27 @@ def test_a_program_that_does_not_fit_is_a_row_not_a_crash():
     assert "GiB per device" in row["error"]
 
 
+def test_a_compiler_failure_is_a_row_and_the_next_program_goes_on(monkeypatch):
+    """libtpu's own failure on one program (a RET_CHECK, as once on a batched cache write) is a
+    row naming it, not a traceback that loses the programs after it."""
+    import jax.stages
+    real = jax.stages.Lowered.compile
+    calls = []
+
+    def flaky(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("INTERNAL: RET_CHECK failure (hlo_instruction.cc:3699) The shape doesn't match")
+        return real(self, *a, **k)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", flaky)
+    rows = []
+    aot.run(_settings(programs=("decode", "verify"), verify_ks=(1,)), emit=rows.append)
+    assert [r["program"] for r in rows] == ["decode", "verify_k1"]
+    assert rows[0]["fits"] is None and rows[0]["error"].startswith("compiler error: INTERNAL: RET_CHECK")
+    assert "not compiled" in aot.describe(rows[0])
+    assert rows[1]["fits"] is True and rows[1]["bytes"] > 0
+
+
 def test_cli_prints_json_rows_and_one_line_errors():
     env = dict(os.environ, JAX_PLATFORMS="")
     base = [sys.executable, "-m", "specjax.cli", "aot", "--config=configs/aot.py"]

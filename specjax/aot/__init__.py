@@ -197,6 +197,8 @@ def describe(row: dict) -> str:
     """One human line for a row (the CLI's stderr summary)."""
     gib = 2 ** 30
     mem = row.get("memory", {})
+    if row.get("fits", True) is None:
+        return f"{row['program']} b={row['batch']}: not compiled ({row.get('error', '')[:200]})"
     if not row.get("fits", True):
         return (f"{row['program']} b={row['batch']}: does not fit {row['topology']} "
                 f"({mem.get('argument', 0) / gib:.2f} GiB of arguments per device, HBM {mem.get('hbm', 0) / gib:.0f} GiB)")

@@ -139,9 +139,15 @@ def compile_one(ctx: Context, program, shapes) -> dict:
     lowered = program.lower()
     try:
         compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - out of memory is a result; anything else is re-raised
+    except Exception as e:  # noqa: BLE001 - out of memory and a compiler failure are results
         if not _OOM.search(str(e)):
-            raise
+            if "INTERNAL" not in str(e) and "RET_CHECK" not in str(e):
+                raise
+            # the compiler's own failure (a libtpu or XLA bug): a row naming it, the next program goes on
+            row.update(fits=None, compile_s=round(time.perf_counter() - t0, 2),
+                       memory={"argument": arguments, "hbm": ctx.chip.hbm_bytes},
+                       error="compiler error: " + " ".join(str(e).split())[:400])
+            return row
         row.update(fits=False, compile_s=round(time.perf_counter() - t0, 2),
                    memory={"argument": arguments, "hbm": ctx.chip.hbm_bytes},
                    error=" ".join(str(e).split())[:400])

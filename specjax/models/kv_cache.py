@@ -232,12 +232,11 @@ def _write(buf, new, lengths_B, slots_last: bool, per_row: bool = False):
     if per_row and lead == 0:
         upd_BT = jnp.moveaxis(new, 1, 3) if slots_last else jnp.swapaxes(new, 1, 2)   # [B, K, H, T] / [B, K, T, H]
 
-        def row(b, buf):
+        for b in range(B):
             start = lengths_B[b].astype(jnp.int32)
-            u = jax.lax.dynamic_slice_in_dim(upd_BT, b, 1, axis=0)
-            idx = (b, zero, zero, start) if slots_last else (b, zero, start, zero)
-            return jax.lax.dynamic_update_slice(buf, u, idx)
-        return jax.lax.fori_loop(0, B, row, buf)
+            idx = (jnp.int32(b), zero, zero, start) if slots_last else (jnp.int32(b), zero, start, zero)
+            buf = jax.lax.dynamic_update_slice(buf, upd_BT[b:b + 1], idx)
+        return buf
     pos_BT = lengths_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
     b_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
     # The advanced indices (b, pos) broadcast to [B, T]; separated by slices they move to the
