@@ -225,6 +225,22 @@ class _QuietOrbaxOSErrors(logging.Filter):
 _QUIET = _QuietOrbaxOSErrors()
 
 
+class _QuietLostWriteFutures(logging.Filter):
+    """asyncio's "Future exception was never retrieved" for a tensorstore write that failed with
+    an OS error (``os_error_code``) after Orbax stopped awaiting the step's other writes: the
+    failure is raised where the save is awaited; its orphaned siblings are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in str(record.msg):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = str(exc) if exc is not None else record.getMessage()
+        return _OS_CODE.search(text) is None
+
+
+_QUIET_FUTURES = _QuietLostWriteFutures()
+
+
 def _closed_loop_callback(unraisable) -> bool:
     """An "Event loop is closed" RuntimeError of a tensorstore callback: after a failed
     asynchronous write or read, Orbax closes its event loop while the other writes of the step
@@ -248,6 +264,8 @@ def _install_quiet_hooks() -> None:
     import sys
     if _QUIET not in logging.getLogger("absl").filters:      # Orbax logs through absl's logger
         logging.getLogger("absl").addFilter(_QUIET)
+    if _QUIET_FUTURES not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_QUIET_FUTURES)
     previous = sys.unraisablehook
     if getattr(previous, "_specjax_quiet", False):
         return

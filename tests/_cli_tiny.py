@@ -29,3 +29,15 @@ def write_pair(directory) -> tuple[pathlib.Path, pathlib.Path]:
     for sub in ("target", "draft"):
         tok.save(d / sub)
     return d / "target", d / "draft"
+
+
+def data_config_and_generator(tmp_path_factory):
+    """(configs/data.py's config on a tiny pair's target, XLA's matmuls, its loaded generator):
+    what the data-engine tests run on."""
+    from configs import data
+    from specjax import build
+    target_dir, _ = write_pair(tmp_path_factory.mktemp("pair"))
+    c = data.get_config()
+    c.generate.target = str(target_dir)
+    c.generate.cpu_kernel = "off"
+    return c, build.load_generator(c.generate)

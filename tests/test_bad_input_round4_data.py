@@ -19,21 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import build, decoding, distill, files, models
+from specjax import decoding, distill, files, models
 from specjax.distill import ShardFeatures, ShardStream, shards
 
 from _cli_tiny import _config as tiny_model_config
-from _cli_tiny import write_pair
+from _cli_tiny import data_config_and_generator
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from configs import data
-    target_dir, _ = write_pair(tmp_path_factory.mktemp("pair"))
-    c = data.get_config()
-    c.generate.target = str(target_dir)
-    c.generate.cpu_kernel = "off"
-    return c, build.load_generator(c.generate)
+    return data_config_and_generator(tmp_path_factory)
 
 
 def _cfg(c, **kw):
@@ -374,10 +369,9 @@ def test_review_a_stage_directory_that_is_a_file_is_refused_before_any_stage_run
     """Before: with ``WORKDIR/responses_greedy`` a file, the Magpie stage ran first (hours by
     default) and only then did the stage's mkdir fail. Now `run` checks every stage directory and
     top-level file before anything runs, and leaves the file as it was."""
-    from specjax.distill import _datagen
     (tmp_path / "responses_greedy").write_text("not a directory\n")
     with pytest.raises(ValueError, match=r"responses_greedy is a file, not a directory; nothing was run"):
-        _datagen.run(None, None, tmp_path)
+        distill.generate_data(None, None, tmp_path)
     assert (tmp_path / "responses_greedy").read_text() == "not a directory\n"
     assert not (tmp_path / "instructions").exists()
 
@@ -387,7 +381,7 @@ def test_review_a_short_write_names_the_file(tmp_path, monkeypatch):
     file name, so the CLI's one line named nothing. Now it names the file being written."""
     import errno
     import os as os_mod
-    from specjax.distill import _shards
+    _shards = distill.shards
     real_fsync = os_mod.fsync
 
     def full(fd):
@@ -404,7 +398,7 @@ def test_review_the_digest_covers_only_the_files_a_load_reads(tmp_path):
     """Before: every weight-like file below a checkpoint directory was hashed, so a trainer's
     optimizer.pt or a GGUF export saved beside the model changed the digest and refused a
     resume of an unchanged target. Now only the files the loader reads and config.json count."""
-    from specjax.distill import _datagen
+    _datagen = distill._datagen
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     before = _datagen.target_digest(str(tmp_path))[0]

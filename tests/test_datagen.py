@@ -8,19 +8,14 @@ import shutil
 import jax
 import pytest
 
-from specjax import build, decoding, distill, serving
+from specjax import decoding, distill, serving
 
-from _cli_tiny import write_pair
+from _cli_tiny import data_config_and_generator
 
 
 @pytest.fixture(scope="module")
 def tiny_generator(tmp_path_factory):
-    from configs import data
-    target_dir, _ = write_pair(tmp_path_factory.mktemp("pair"))
-    c = data.get_config()
-    c.generate.target = str(target_dir)
-    c.generate.cpu_kernel = "off"
-    return c, build.load_generator(c.generate)
+    return data_config_and_generator(tmp_path_factory)
 
 
 def _config(c, **kw):
