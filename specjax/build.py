@@ -107,10 +107,16 @@ def _backend_started() -> bool:
 def tune_xla_cpu(flags: tuple[str, ...] = XLA_CPU_FLAGS) -> bool:
     """Add `flags` to XLA_FLAGS (those not already set there). XLA reads them when the first
     backend starts, so call this before anything runs on a device; returns False (and changes
-    nothing) when a backend is already running. Set SPECJAX_XLA_DEFAULTS=0 to skip it."""
+    nothing) when a backend is already running. Set SPECJAX_XLA_DEFAULTS=0 to skip it. Every
+    entry point calls it first, so it also leaves the TPU backend out where libtpu is installed
+    but no TPU exists (`distributed.platforms_without_tpu`: no libtpu start-up errors)."""
     import os
 
-    if os.environ.get("SPECJAX_XLA_DEFAULTS", "1") == "0" or _backend_started():
+    from specjax import distributed
+    if _backend_started():
+        return False
+    distributed.platforms_without_tpu()
+    if os.environ.get("SPECJAX_XLA_DEFAULTS", "1") == "0":
         return False
     current = os.environ.get("XLA_FLAGS", "")
     names = {f.split("=", 1)[0] for f in current.split()}
