@@ -258,7 +258,8 @@ def row_status_line(row: int, status: str, n_tokens: int) -> str | None:
 
 
 def _rate(tokens_per_s) -> str:
-    """``12.3 tokens/s``, or ``tokens/s n/a`` when there is no rate (fewer than two rounds with tokens)."""
+    """``<rate> tokens/s`` with one decimal, or ``tokens/s n/a`` when there is no rate (fewer than two
+    rounds with tokens)."""
     x = float(tokens_per_s) if tokens_per_s is not None else float("nan")
     return f"{x:.1f} tokens/s" if np.isfinite(x) else "tokens/s n/a (too few tokens to time)"
 

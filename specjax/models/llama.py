@@ -450,8 +450,10 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     v = v.astype(kv_dtype)
     spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
     if write_at is not None:
-        # The barrier makes the written buffers one value that attention and the returned cache
-        # share: without it XLA fuses the write into each consumer and copies the buffer for each.
+        # The barrier asks XLA to keep the written buffers one value that attention and the
+        # returned cache share. XLA:CPU expands barriers early and still copies the buffers at
+        # batch 1 (tests/test_llama_cache.py checks the CPU profile, which keeps this off); the
+        # TPU programs compile copy-free at batch 1 (experiments/aot/README.md).
         k_buf, v_buf = jax.lax.optimization_barrier(write_kv(past[0], past[1], k, v, write_at, per_row=True))
         attn = attention(q, None, None, (k_buf, v_buf, past[2]), (tree_mask, None), spec=spec, op=c.attention_op)
         k, v = k_buf, v_buf
