@@ -26,22 +26,17 @@ def get_config():
     # verification block and a one-token step reduce in the same order (the accelerator profiles
     # set it; XLA:CPU copies the cache under it, and the CPU kernel attends first)
     c.write_then_attend = False
-    # Drafter: 'hybrid' (prompt lookup where the text repeats itself, the shipped draft head
-    # elsewhere), 'ngram' (prompt lookup), 'head' (the shipped EAGLE head), 'distilled' (the
-    # draft shipped for the target, see experiments/distill), 'early_exit' (target's first
-    # layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a fixed gamma 3, the fastest
-    # of them on the held-out prompts (experiments/bench_speed/results/2026-12-03-hybrid-amd-epyc,
-    # 2026-12-03-sampler-amd-epyc; figures in the README).
+    # Drafter: a registered kind (specjax.drafters): 'hybrid' (prompt lookup where the text
+    # repeats itself, the shipped draft head elsewhere), 'ngram' (prompt lookup), 'head' (the
+    # shipped EAGLE head), 'distilled' (the draft shipped for the target, see experiments/distill),
+    # 'early_exit' (target's first layers), 'model' (draft_model=), 'none'. Default 'hybrid' at a
+    # fixed gamma 3, the fastest of them on the held-out prompts (experiments/bench_speed/results/
+    # 2026-12-03-hybrid-amd-epyc, 2026-12-03-sampler-amd-epyc; figures in the README).
+    # Each kind's own keys (draft_model, max_ngram, min_ngram, hybrid_model, min_match,
+    # early_exit_layers, ...) are its settings class's fields, with their defaults and comments
+    # (specjax/drafters); the command adds them to this config, so --config.max_ngram=4 works
+    # and `specjax generate --help` lists them.
     c.drafter = "hybrid"
-    c.draft_model = ""                      # a draft directory or model path; "" = the shipped draft
-    c.early_exit_layers = 4
-    c.max_ngram = 3
-    c.min_ngram = 1
-    # drafter='hybrid' (SAM-Decoding's rule, specjax.drafters.HybridDrafter): prompt lookup in the
-    # rounds whose suffix match has at least min_match tokens (0: max_ngram), this drafter in the
-    # others ('head', 'distilled' or 'model').
-    c.hybrid_model = "head"
-    c.min_match = 0
     c.gamma = 3                             # >= 0; adaptive_gamma overrides
     # Gamma per round from acceptance and calibrated round times (for the hybrid: an estimate,
     # a gamma and round times per draft source). Off by default: it did not beat the hybrid at

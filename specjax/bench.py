@@ -33,9 +33,10 @@ import time
 
 import numpy as np
 
+from typing import Any
+
 from specjax import reporting
-from specjax import settings as settings_lib
-from specjax.settings import generate_settings
+from specjax.settings import Settings, field_types, typed_value
 
 TARGET_ONLY = "target_only"
 
@@ -217,14 +218,9 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# What one drafters entry may set for itself: how it drafts and verifies. The target, the sampling
-# settings and the length are shared by every method of a bench (one target-only reference).
-ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptive_trees", "tree_verifier",
-                  "tree_children", "verifier", "max_ngram", "min_ngram", "min_match", "early_exit_layers",
-                  "hybrid_model", "draft_model")
-
-
-# the entry settings every drafter reads; the others belong to some drafters only (their settings)
+# What one drafters entry may set for itself besides its kind's own settings: how it drafts and
+# verifies. The target, the sampling settings and the length are shared by every method of a bench
+# (one target-only reference).
 COMMON_ENTRY_SETTINGS = ("gamma", "adaptive_gamma", "adaptive_gammas", "tree", "adaptive_trees", "tree_verifier",
                          "tree_children", "verifier")
 
@@ -275,84 +271,133 @@ def _unquote(text: str, entry: str) -> str:
     return value
 
 
-def drafter_settings(base, entry: str):
-    """The generation settings of one ``drafters`` entry: a drafter kind, or ``head:<directory>``
-    (a feature-level draft head), optionally followed by ``@key=value;key=value`` overriding
-    drafting settings (`ENTRY_SETTINGS`) for this entry alone (e.g. ``head@tree=dynamic:5,4,20``
+def entry_changes(entry: str) -> tuple[str, dict]:
+    """(drafter kind, {config key: value}) of one ``drafters`` entry: a drafter kind, or
+    ``KIND:VALUE`` (the kind's first setting, e.g. ``head:<directory>``: a head from that
+    directory), optionally followed by ``@key=value;key=value`` overriding drafting settings for
+    this entry alone (`COMMON_ENTRY_SETTINGS` and the kind's own, e.g. ``head@tree=dynamic:5,4,20``
     beside ``head``: the same head in a dynamic tree and in a chain; ``hybrid@draft_model=<dir>``:
     the hybrid with another head). String settings take the text as it is, or a double-quoted
     JSON string for text holding ``@`` or ``;`` (``head:"runs/a@b"``); the others read it as JSON
     (``gamma=4``, ``adaptive_gamma=true``). ValueError naming the entry for an unknown key, a key
-    given twice, a setting the drafter does not read (``ngram@draft_model=...``) or a value of
-    the wrong type."""
-    from specjax import build, drafters     # noqa: F401  (build registers the built-in drafter kinds)
-    kind, items = _split_entry(entry)
-    if kind == "none":
+    given twice, a setting the drafter does not read (``ngram@draft_model=...``) or a value that
+    does not parse."""
+    from specjax import build, drafters
+    kind_text, items = _split_entry(entry)
+    name, colon, main = kind_text.partition(":")
+    if name == drafters.TARGET_ONLY:
         raise ValueError("drafters: 'none' is the target-only baseline every bench runs; list only drafters")
-    changes = {"drafter": kind}
-    if kind.startswith("head:"):                 # head:<directory>: a feature-level draft head
-        changes = {"drafter": "head", "draft_model": _unquote(kind.split(":", 1)[1], entry)}
-    own = {f.name for f in dataclasses.fields(drafters.drafter_kind(changes["drafter"]).settings)}
+    try:
+        kind = drafters.drafter_kind(name)
+    except ValueError as e:
+        raise ValueError(f"drafters entry {entry!r}: {e}") from None
+    fields = dataclasses.fields(kind.settings)
+    own = {f.name: f for f in fields}
+    changes = {"drafter": name}
+    if colon:
+        if not fields:
+            raise ValueError(f"drafters entry {entry!r}: drafter {name!r} reads no setting to give after ':'")
+        changes[fields[0].name] = _unquote(main, entry)
     for item in items:
         key, sep, text = item.partition("=")
-        if key == "draft_model" and "draft_model" in changes:
-            raise ValueError(f"drafters entry {entry!r}: names its draft model twice (head:<directory> and "
-                             f"draft_model=); give one")
         if key in changes:
             raise ValueError(f"drafters entry {entry!r}: sets {key} twice; give it once")
-        if not sep or key not in ENTRY_SETTINGS:
-            raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting "
-                             f"({', '.join(ENTRY_SETTINGS)}; the target, sampling and length are the bench's own)")
-        if key not in COMMON_ENTRY_SETTINGS and key not in own:
-            raise ValueError(f"drafters entry {entry!r}: drafter {changes['drafter']!r} does not read {key} "
-                             f"(its own settings: {', '.join(sorted(own)) or 'none'})")
+        if not sep or (key not in COMMON_ENTRY_SETTINGS and key not in own):
+            raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting of drafter "
+                             f"{name!r} ({', '.join(COMMON_ENTRY_SETTINGS + tuple(own))}; the target, sampling and "
+                             f"length are the bench's own)")
+        is_text = key in build.STRING_FIELDS or (key in own and own[key].type in ("str", str))
         try:
-            value = _unquote(text, entry) if key in settings_lib.STRING_FIELDS else json.loads(text)
+            changes[key] = _unquote(text, entry) if is_text else json.loads(text)
         except json.JSONDecodeError:
             raise ValueError(f"drafters entry {entry!r}: {key}={text!r} is not a JSON value") from None
-        try:
-            changes[key] = settings_lib.typed(key, value)
-        except ValueError as e:
-            raise ValueError(f"drafters entry {entry!r}: {e}") from None
-    return base.replace(**changes)
+    return name, changes
 
 
-def run(c, command: str = "specjax bench") -> list[dict]:
-    """Run the bench of a `configs/bench.py` config; returns the summary records and writes
-    ``results.jsonl`` and ``results.md`` into ``c.out``."""
-    import jax
-    from tqdm import tqdm
+@dataclasses.dataclass(frozen=True)
+class BenchSettings(Settings):
+    """`specjax bench`'s settings, typed once from its config: the target-only baseline's
+    generation settings, one per ``drafters`` entry, and the bench's own keys."""
+    baseline: Any = None                   # `build.GenerateSettings` with drafter 'none'
+    methods: tuple = ()                    # (entry, `build.GenerateSettings`) per drafters entry
+    prompts: str = ""
+    per_category: int = 1
+    num_prompts: int = 0
+    out: str = "bench_results"
+    progress: bool = True
+    seed: int = 0
+    compilation_cache_dir: str = ""
+    record: Any = None                     # the config's values as given (the setup record)
 
-    from specjax import build, calibration
 
-    kinds = tuple(c.drafters)
+def bench_settings(c: Any) -> BenchSettings:
+    """`BenchSettings` of a configs/bench.py config: each drafters entry's generation settings
+    typed from the shared keys with the entry's own over them (ValueError naming the entry)."""
+    from specjax import build, drafters
+    values = c.to_dict() if hasattr(c, "to_dict") else dict(c)
+    kinds = tuple(values.get("drafters", ()))
     if not kinds:
         raise ValueError("drafters=(): name at least one drafter, e.g. ('ngram',)")
     repeated = sorted({k for k in kinds if kinds.count(k) > 1})
     if repeated:
         raise ValueError(f"drafters: {', '.join(map(repr, repeated))} listed more than once (each entry is one "
                          f"method of the bench; give it once, or give the copies different @settings)")
-    base = generate_settings(c)                  # the generation settings, typed once
-    configs = {}
-    for kind in kinds:
-        configs[kind] = drafter_settings(base, kind)
-        build.check_config(configs[kind])        # every drafter's settings before anything loads
-    prompts = load_prompts(c.prompts, c.per_category, c.num_prompts)
-    out = pathlib.Path(c.out).expanduser()
+    methods = []
+    for entry in kinds:
+        _, changes = entry_changes(entry)
+        try:
+            methods.append((entry, build.generate_settings(values, **changes)))
+        except ValueError as e:
+            raise ValueError(f"drafters entry {entry!r}: {e}") from None
+    hints = field_types(BenchSettings)
+    own = {f.name: typed_value(f.name, hints[f.name], values[f.name]) for f in dataclasses.fields(BenchSettings)
+           if f.name in values and f.name not in ("baseline", "methods", "record")}
+    return BenchSettings(baseline=build.generate_settings(values, drafter=drafters.TARGET_ONLY), methods=tuple(methods),
+                         record=values, **own)
+
+
+def main(s: BenchSettings, command: str = "specjax bench") -> list[dict]:
+    """`specjax bench` on typed settings: checks before anything loads, then `run`."""
+    from specjax import build, files
+    build.check_seed(s.seed)
+    files.check_output_dir("out", s.out)         # a file or a symlink loop: before any model loads
+    build.enable_compilation_cache(s.compilation_cache_dir)
+    build.limit_heap_retention()
+    summary = run(s, command=command)
+    for r in summary:
+        if r["category"] == "all":
+            print(f"[specjax] {r['method']}: {r['tokens_per_s'] or float('nan'):.1f} tokens/s, speedup "
+                  f"{r['speedup'] or float('nan'):.2f}x over target-only, mean accepted tokens "
+                  f"{r['mean_accepted_tokens']:.2f} per target pass", flush=True)
+    print(f"[specjax] table: {s.out}/results.md, records: {s.out}/results.jsonl", flush=True)
+    return summary
+
+
+def run(s: BenchSettings, command: str = "specjax bench") -> list[dict]:
+    """Run the bench on typed settings; returns the summary records and writes ``results.jsonl``
+    and ``results.md`` into ``s.out``."""
+    import jax
+    from tqdm import tqdm
+
+    from specjax import build, calibration
+
+    for _, settings in s.methods:
+        build.check_config(settings)              # every drafter's settings before anything loads
+    prompts = load_prompts(s.prompts, s.per_category, s.num_prompts)
+    out = pathlib.Path(s.out).expanduser()
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out={c.out!r}: is a file; the bench writes results.jsonl and results.md into a directory")
+        raise ValueError(f"out={s.out!r}: is a file; the bench writes results.jsonl and results.md into a directory")
     out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)
 
-    base_c = base.replace(drafter="none")
-    build.check_config(base_c)
+    build.check_config(s.baseline)
     t0 = time.perf_counter()
-    target, params, tokenizer = build.load_target_with_tokenizer(base_c)
-    gens = {TARGET_ONLY: build.generator_for(base_c, target, params, tokenizer)}
-    for kind, cc in configs.items():
-        gens[kind] = build.generator_for(cc, target, params, tokenizer)
+    target, params, tokenizer = build.load_target_with_tokenizer(s.baseline)
+    gens = {TARGET_ONLY: build.generator_for(s.baseline, target, params, tokenizer)}
+    for entry, settings in s.methods:
+        gens[entry] = build.generator_for(settings, target, params, tokenizer)
     load_s = time.perf_counter() - t0
-    samp = build.sampling_config(base)
-    setup = {"kind": "setup", "command": command, "config": c.to_dict(), "commit": _commit(),
+    samp = build.sampling_config(s.baseline)
+    setup = {"kind": "setup", "command": command, "config": s.record, "commit": _commit(),
              "machine": calibration.machine_key(), "load_s": load_s, "prompts": len(prompts),
              "prompt_ids": [p["id"] for p in prompts], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     records, runs = [setup], []
@@ -362,13 +407,13 @@ def run(c, command: str = "specjax bench") -> list[dict]:
     primary = distributed.is_primary()             # several processes: process 0 writes the files
     with open(partial if primary else os.devnull, "w") as f:
         f.write(json.dumps(reporting.clean(setup), default=str) + "\n")
-        bar = tqdm(total=len(prompts) * len(gens), disable=not (c.progress and primary), file=sys.stderr, unit="run",
+        bar = tqdm(total=len(prompts) * len(gens), disable=not (s.progress and primary), file=sys.stderr, unit="run",
                    desc="bench")
         for i, p in enumerate(prompts):
             ids = gens[TARGET_ONLY].encode(p["prompt"])
             reference = None
             for method, gen in gens.items():
-                batch = gen.batch([ids], jax.random.fold_in(jax.random.key(c.seed), i))
+                batch = gen.batch([ids], jax.random.fold_in(jax.random.key(s.seed), i))
                 if i == 0 and gen.config.adaptive:
                     gen.calibrate(batch, samp, repeats=3)     # kept on `gen` for the later prompts
                 bar.set_postfix_str(f"{method} on {p['category']} #{p['id']}")
@@ -376,7 +421,7 @@ def run(c, command: str = "specjax bench") -> list[dict]:
                 if method == TARGET_ONLY:
                     reference = tokens
                 rec.update(kind="run", method=method, id=p["id"], category=p["category"], prompt_tokens=len(ids),
-                           same_as_target_only=(tokens == reference) if (c.temperature == 0 and method != TARGET_ONLY)
+                           same_as_target_only=(tokens == reference) if (s.baseline.temperature == 0 and method != TARGET_ONLY)
                            else None)
                 if gen.round_time_s is not None:
                     rec["round_time_s"] = list(gen.round_time_s)

@@ -1,4 +1,4 @@
-"""Files on disk: one streaming sha256 for every place that checks bytes (cached model files,
+"""Files on disk: the checks of a path a command will write (before anything runs), one streaming sha256 for every place that checks bytes (cached model files,
 checkpoint manifests, stored drafts and heads), the recovery of an append-only JSONL log after a
 crash mid-write, and the exclusive lock a long job takes on its working directory."""
 
@@ -39,6 +39,60 @@ def path_problem(p: os.PathLike, want_dir: bool | None = None) -> str | None:
     if want_dir is False and stat.S_ISDIR(st.st_mode):
         return f"{p} is a directory, not a file"
     return None
+
+
+def check_output_file(setting: str, path: str) -> None:
+    """A file a command will write at its end (``metrics_jsonl``) can be: its directory exists
+    and is writable and the path is not a directory. Checked before the model loads, so a typo
+    fails at once, not after the whole run; a ValueError naming the setting. "" is off."""
+    if not path:
+        return
+    p = pathlib.Path(path).expanduser()
+    parent = p.parent
+    unusable = path_problem(p)          # a symlink loop, a file on the way
+    if unusable:
+        problem = unusable
+    elif p.is_dir():
+        problem = f"{p} is a directory"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist" if not parent.exists() else f"{parent} is not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        problem = f"{p if p.exists() else parent} is not writable"
+    else:
+        return
+    raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
+
+
+def _nearest_existing(p):
+    """`p` or its nearest ancestor that exists (the directory a mkdir of `p` would write into)."""
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def dir_problem(path: str) -> str | None:
+    """What stops a command from creating (if absent) and writing into the directory `path`:
+    a symlink loop, a file on the way, or a nearest existing directory that is not writable
+    (a read-only file system, no permission); None when nothing does."""
+    p = pathlib.Path(path).expanduser()
+    problem = path_problem(p)
+    if problem is None:
+        base = _nearest_existing(p)
+        if not base.is_dir():
+            problem = f"{base} is a file, not a directory"
+        elif not os.access(base, os.W_OK | os.X_OK):
+            problem = f"{base} is not writable (read-only file system or no permission)"
+    return problem
+
+
+def check_output_dir(setting: str, path: str) -> None:
+    """A directory a command creates and writes into (``bench --config.out``), checked before
+    anything loads (`dir_problem`): ValueError naming the setting."""
+    if not str(path).strip():
+        raise ValueError(f"{setting}={path!r}: empty; name the directory to write into")
+    problem = dir_problem(path)
+    if problem:
+        raise ValueError(f"{setting}={path!r}: {problem}; nothing was run")
 
 
 class WorkdirBusy(RuntimeError):

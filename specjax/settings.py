@@ -1,26 +1,22 @@
-"""Typed settings of a generation job: what the CLI reads from a ConfigDict, once.
+"""Typed settings: the one way a command's ConfigDict becomes frozen values, at the CLI boundary.
 
-`GenerateSettings` holds the settings of configs/generate.py that decide the target, its
-layout, the drafter and the decoding (the command's own keys, such as the prompt, stay with the
-command). `generate_settings` turns a ConfigDict (or a dict, or settings already) into it:
-every known key typed (tuples for sequences, the mesh as (axis, size) pairs), a key of the
-wrong type named; keys it does not know are left to the caller. The library below the CLI
-(`specjax.build`, the drafter registry) reads these attributes only. Values are checked
-against each other and against the target by `specjax.build.check_config`.
-
-The defaults are configs/generate.py's (tests/test_settings.py checks that they agree), so a
-settings object made in code, ``GenerateSettings(drafter='ngram')``, is the main command's.
+Each command types its config once (`specjax.build.generate_settings`,
+`specjax.distill.distill_settings`, `specjax.bench.bench_settings`, ...) into frozen dataclasses;
+nothing below the CLI reads a ConfigDict. This module holds what they share: the `Settings`
+base, the rule that types one value from its field's annotation (`typed_value`), and the mesh
+parser.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Mapping
+import typing
 
 
 class Settings:
-    """Base of the frozen settings dataclasses (`GenerateSettings`, `specjax.distill.DistillSettings`)."""
+    """Base of the frozen settings dataclasses (`specjax.build.GenerateSettings`,
+    `specjax.distill.DistillSettings`, ...)."""
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -43,81 +39,59 @@ def mesh_pairs(value, example: str) -> tuple:
         raise ValueError(f"mesh={value!r}: expected axis sizes such as {example}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerateSettings(Settings):
-    target: str = "smollm2-135m-instruct"   # registry name, GGUF path or HF checkpoint dir
-    dtype: str = "float32"
-    scan_layers: bool = False               # stacked layers under lax.scan (else unrolled)
-    fuse_projections: bool = True           # q|k|v and gate|up as one matmul each
-    cpu_kernel: str = "auto"                # 'auto' | 'on' | 'off' (`specjax.build.use_cpu_kernel`)
-    attention_op: str = "reference"         # a registered attention op (`specjax.models.attention`)
-    write_then_attend: bool = False         # block K/V written before attending (`ModelConfig.write_then_attend`)
-    drafter: str = "hybrid"                 # a registered drafter kind (`specjax.drafters.drafter_kinds`)
-    draft_model: str = ""                   # a draft directory or model path; "" = the shipped one
-    early_exit_layers: int = 4
-    max_ngram: int = 3
-    min_ngram: int = 1
-    hybrid_model: str = "head"
-    min_match: int = 0
-    gamma: int = 3
-    adaptive_gamma: bool = False
-    adaptive_gammas: tuple = (0, 1, 2, 3, 4)
-    verifier: str = "block"
-    tree: str = ""
-    adaptive_trees: tuple = ()
-    tree_verifier: str = "traversal"
-    tree_children: str = "iid"
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    block_tokens: int = 0                   # tokens every target pass scores (`decoding.GenerationConfig`)
-    strict_precision: bool = False          # XLA rounds every bf16 result as written (`build.strict_precision`)
-    mesh: tuple = (("data", 1), ("fsdp", 1), ("model", -1))   # (axis, size) pairs, -1 = the rest
-
-    @property
-    def mesh_axes(self) -> dict:
-        return dict(self.mesh)
+def annotation(hint) -> tuple[type, bool, type | None]:
+    """(the value type, whether None is allowed, the element type of a tuple[T, ...]) of a
+    field's annotation."""
+    args = typing.get_args(hint)
+    if args and type(None) in args:
+        kind, _, element = annotation(next(a for a in args if a is not type(None)))
+        return kind, True, element
+    origin = typing.get_origin(hint)
+    return (origin or hint), False, (args[0] if origin is tuple and args else None)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings)}
-STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "draft_model", "hybrid_model", "verifier",
-            "tree", "tree_verifier", "tree_children")
-_FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision", "write_then_attend")
-
-
-def typed(name: str, value):
-    """One setting as its field's type; ValueError naming the setting otherwise. Numbers are
-    passed as given (their ranges are `specjax.build.check_config`'s to check, with messages
-    that name the range)."""
-    if name in STRING_FIELDS:
-        if not isinstance(value, str):
-            raise ValueError(f"{name}={value!r}: expected a string")
-        return value
-    if name in _FLAGS:
-        if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
-            raise ValueError(f"{name}={value!r}: expected true or false")
-        return bool(value)
-    if name in ("adaptive_gammas", "adaptive_trees"):
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            what = "integers >= 0" if name == "adaptive_gammas" else "tree strings"
-            raise ValueError(f"{name}={value!r}: expected a tuple of {what}")
-        return tuple(value)
-    if name == "mesh":
+def typed_value(path: str, hint, value, *, build=None, mesh_example: str = "{'data': 1, 'fsdp': 1, 'model': -1}"):
+    """``value`` as the type its field's annotation ``hint`` names (bool, int, float, str, a
+    tuple, optionally of a type, Optional, a nested settings dataclass through ``build``), or a
+    ValueError that starts with ``path=value``. A field named ``mesh`` is read as (axis, size)
+    pairs. A type without a rule here is a TypeError (a field added without one)."""
+    kind, optional, element = annotation(hint)
+    if value is None and optional:
+        return None
+    if dataclasses.is_dataclass(kind):
+        if build is None:
+            raise TypeError(f"{path}: a nested settings block needs a builder")
+        return build(kind, value, path + ".")
+    if path.rsplit(".", 1)[-1] == "mesh":
         if value is None:
-            return FIELDS["mesh"].default
-        return mesh_pairs(value, "{'data': 1, 'fsdp': 1, 'model': -1}")
-    return value
+            raise ValueError(f"mesh=None: expected axis sizes such as {mesh_example}")
+        return mesh_pairs(value, mesh_example)
+    if kind is bool:
+        if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
+            raise ValueError(f"{path}={value!r}: expected true or false")
+        return bool(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{path}={value!r}: expected an integer")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{path}={value!r}: expected a number")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{path}={value!r}: expected a string")
+        return value
+    if kind is tuple:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{path}={value!r}: expected a sequence")
+        items = tuple(value)
+        return items if element is None else tuple(typed_value(f"{path}[{i}]", element, v) for i, v in enumerate(items))
+    if kind is typing.Any or kind is object:
+        return value
+    raise TypeError(f"{path}: no rule for the type {kind!r}")   # a field added without one
 
 
-def generate_settings(c: Any) -> GenerateSettings:
-    """`GenerateSettings` of a generation config: a ConfigDict or a mapping (its known keys; a
-    key it lacks keeps the default, keys of the command itself are ignored), or settings
-    (returned as they are)."""
-    if isinstance(c, GenerateSettings):
-        return c
-    values: Mapping = c.to_dict() if hasattr(c, "to_dict") else c
-    if not hasattr(values, "items"):
-        raise TypeError(f"a generation config must be a ConfigDict, a mapping or GenerateSettings, "
-                        f"got {type(c).__name__}")
-    return GenerateSettings(**{k: typed(k, v) for k, v in values.items() if k in FIELDS})
+def field_types(cls) -> dict:
+    """Each field's annotation of a settings dataclass, resolved."""
+    return typing.get_type_hints(cls)

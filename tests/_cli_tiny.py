@@ -40,4 +40,4 @@ def data_config_and_generator(tmp_path_factory):
     c = data.get_config()
     c.generate.target = str(target_dir)
     c.generate.cpu_kernel = "off"
-    return c, build.load_generator(c.generate)
+    return c, build.load_generator(build.generate_settings(c.generate))

@@ -157,9 +157,9 @@ def test_item4_invalid_settings_are_errors_whichever_mode_reads_them(setting, va
     for mode in modes:
         c = generate.get_config()
         c.update(mode)
-        build.check_config(c)                                      # the mode itself is valid
+        build.check_config(build.generate_settings(c))            # the mode itself is valid
         c[setting] = value
         with pytest.raises(ValueError) as err:
-            build.check_config(c)
+            build.check_config(build.generate_settings(c))
         msg = str(err.value)
         assert msg.startswith(setting) and repr(value) in msg, (mode, msg)

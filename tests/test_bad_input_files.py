@@ -14,7 +14,7 @@ import pytest
 
 import _cli_tiny
 from configs import generate
-from specjax import build, cli, kernels, models
+from specjax import build, cli, files, kernels, models, tools
 from specjax.models import export as hf_export
 from specjax.models import registry
 
@@ -216,7 +216,7 @@ def test_item3_foreign_kernel_library(foreign_library, monkeypatch, capsys, tmp_
     path.write_bytes(b"not specjax's kernel library")
     monkeypatch.setattr(kernels, "_library_path", lambda: path)
     foreign_library(loader)
-    c = generate.get_config()
+    c = build.generate_settings(generate.get_config())
     assert c.cpu_kernel == "auto" and not c.scan_layers and c.dtype == "float32"
     assert build.use_cpu_kernel(c, backend="cpu") is False
     assert not kernels.attention_built() and not kernels.attention_fast_on_this_cpu()
@@ -225,8 +225,7 @@ def test_item3_foreign_kernel_library(foreign_library, monkeypatch, capsys, tmp_
     assert len(notes) == 1 and notes[0].startswith("[specjax] note: ") and str(path) in notes[0], notes
     assert "XLA's matmul" in notes[0]
 
-    on = generate.get_config()
-    on.cpu_kernel = "on"
+    on = build.generate_settings(generate.get_config(), cpu_kernel="on")
     with pytest.raises(ValueError) as e:
         build.use_cpu_kernel(on, backend="cpu")
     assert str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -263,10 +262,10 @@ def test_item4_metrics_jsonl_checked_before_the_model_loads(tmp_path, monkeypatc
 
 
 def test_item4_a_writable_metrics_path_passes_the_check(tmp_path):
-    cli.check_output_file("metrics_jsonl", "")                          # off
-    cli.check_output_file("metrics_jsonl", str(tmp_path / "m.jsonl"))    # new file in an existing directory
+    files.check_output_file("metrics_jsonl", "")                          # off
+    files.check_output_file("metrics_jsonl", str(tmp_path / "m.jsonl"))    # new file in an existing directory
     (tmp_path / "m.jsonl").write_text("{}\n")
-    cli.check_output_file("metrics_jsonl", str(tmp_path / "m.jsonl"))    # appended to
+    files.check_output_file("metrics_jsonl", str(tmp_path / "m.jsonl"))    # appended to
     assert (tmp_path / "m.jsonl").read_text() == "{}\n"
 
 
@@ -280,7 +279,7 @@ def test_item5_export_config_lists_only_the_dtypes_export_writes(monkeypatch, ca
     m = re.search(r"c\.dtype = .*# dtype of the written tensors: ([\w |]+)", text)
     assert m, "configs/export.py: the dtype comment is gone"
     listed = tuple(x.strip() for x in m.group(1).split("|") if x.strip())
-    assert listed == cli.EXPORT_DTYPES == models.config.SUPPORTED_DTYPES, listed
+    assert listed == tools.EXPORT_DTYPES == models.config.SUPPORTED_DTYPES, listed
     _no_model_load(monkeypatch)
     monkeypatch.chdir(REPO)
     assert _dispatch("export", "--config=configs/export.py", "--config.dtype=float16", "--config.out=/tmp/x") == 2

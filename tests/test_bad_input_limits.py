@@ -34,19 +34,19 @@ def test_max_new_tokens_is_checked_against_the_context_length(tmp_path, monkeypa
     c = generate.get_config()
     c.max_new_tokens = 10 ** 9
     with pytest.raises(ValueError, match="max_new_tokens=1000000000"):
-        build.check_config(c)
+        build.check_config(build.generate_settings(c))
     # From the target's header, before its weights load: a 16-position model, 40 new tokens.
     model, params = _tiny_hf(tmp_path / "ckpt", max_position=16)
     c = generate.get_config()
     c.update({"target": str(tmp_path / "ckpt"), "drafter": "ngram", "max_new_tokens": 40})
     with pytest.raises(ValueError, match="max_new_tokens=40.*context length 16"):
-        build.load_generator(c)
+        build.load_generator(build.generate_settings(c))
     # Per batch, in the engine, with the numbers: 5 prompt tokens + 12 new > 16 positions.
     engine = decoding.Engine(model, None, decoding.GenerationConfig(max_new_tokens=12, gamma=0))
     key = jax.random.key(0)
     batch = decoding.make_batch([[1, 2, 3, 4, 5]], engine.config, key)
     with pytest.raises(ValueError, match=r"5 tokens and max_new_tokens=12: 17 positions exceed .*context length 16"):
-        engine.run(decoding.EngineParams(target=params, draft=None), build.sampling_config(generate.get_config()), batch)
+        engine.run(decoding.EngineParams(target=params, draft=None), build.sampling_config(build.generate_settings(generate.get_config())), batch)
     engine._check(decoding.make_batch([[1, 2, 3, 4]], engine.config, key))   # 4 + 12 = 16 fits
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import _cli_tiny
 import _distill_toy as toy
-from specjax import cli, distill, drafters, files, models
+from specjax import cli, distill, drafters, files, generate, models
 from specjax.models import CorruptCheckpointError
 
 _loop = distill._loop     # the trainer's module, whose file writes the disk-full test intercepts
@@ -147,11 +147,11 @@ def test_item3_generate_with_nan_logits_names_the_status_and_fails(nan_pair, tmp
 def test_item3_a_row_that_stopped_early_is_described_and_rates_are_never_nan():
     """The line for a row that stopped at NaN logits after some tokens (a warning; the run still
     prints what it made), none for a normal finish; a rate that cannot be measured is 'n/a'."""
-    assert cli.row_status_line(0, "nan_logits", 3) == (
+    assert generate.row_status_line(0, "nan_logits", 3) == (
         "row 0 stopped: nan_logits after 3 tokens (the target's logits were not finite (NaN or +inf) at the next "
         "position)")
-    assert cli.row_status_line(0, "eos", 3) is None and cli.row_status_line(1, "max_new_tokens", 9) is None
-    assert "nan" not in cli._rate(float("nan")) and cli._rate(12.34) == "12.3 tokens/s"
+    assert generate.row_status_line(0, "eos", 3) is None and generate.row_status_line(1, "max_new_tokens", 9) is None
+    assert "nan" not in generate.rate_text(float("nan")) and generate.rate_text(12.34) == "12.3 tokens/s"
 
 
 # ----------------------------------------------------------------------------- 9. one run per workdir

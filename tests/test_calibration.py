@@ -102,6 +102,7 @@ def test_main_command_measures_once_then_reuses_the_round_times(tmp_path, capsys
 
     from configs import generate
     from specjax import build, cli, models
+    from specjax import generate as generate_command
 
     tok = models.load_tokenizer("smollm2-135m-instruct")
     config = models.ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=1, num_heads=2,
@@ -113,21 +114,21 @@ def test_main_command_measures_once_then_reuses_the_round_times(tmp_path, capsys
     c = generate.get_config()
     c.update(dict(target=str(target), drafter="ngram", adaptive_gamma=True, adaptive_gammas=(0, 1), max_new_tokens=2,
                   compare_target_only=False, calibration_cache=str(tmp_path / "cal.json")))
-    gen = build.load_generator(c)
+    gen = build.load_generator(build.generate_settings(c))
     monkeypatch.setattr(build, "load_generator", lambda c, **k: gen)     # one load for the three runs
     calls = []
     real_calibrate = gen.calibrate
     monkeypatch.setattr(gen, "calibrate", lambda *a, **k: calls.append(1) or real_calibrate(*a, **k))
 
-    assert cli.generate_main(c)["calibration"] == "measured" and len(calls) == 1
+    assert generate_command.run(generate_command.generate_job(c))["calibration"] == "measured" and len(calls) == 1
     measured = gen.round_time_s
     gen.round_time_s = None
-    stats = cli.generate_main(c)
+    stats = generate_command.run(generate_command.generate_job(c))
     assert stats["calibration"] == "cached" and len(calls) == 1
     assert gen.round_time_s == pytest.approx(measured)
     assert "round times (ms) per gamma from the calibration cache" in capsys.readouterr().err
     c.recalibrate = True
-    assert cli.generate_main(c)["calibration"] == "measured" and len(calls) == 2
+    assert generate_command.run(generate_command.generate_job(c))["calibration"] == "measured" and len(calls) == 2
     (entry,) = json.loads((tmp_path / "cal.json").read_text()).values()
     assert len(entry["runs"]) == 2 and entry["fields"]["gammas"] == ["0", "1"]
     assert entry["fields"]["target"] == str(target) and entry["fields"]["drafter"] == "ngram"

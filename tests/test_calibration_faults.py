@@ -208,6 +208,7 @@ def test_main_command_measures_again_after_a_time_outside_float32(tmp_path, caps
     naming it), measures, and stores the new times."""
     from configs import generate
     from specjax import cli
+    from specjax import generate as generate_command
 
     from _cli_tiny import write_pair
 
@@ -218,7 +219,7 @@ def test_main_command_measures_again_after_a_time_outside_float32(tmp_path, caps
     c = generate.get_config()
     c.update(dict(target=str(target), drafter="ngram", adaptive_gamma=True, adaptive_gammas=(0, 1), max_new_tokens=2,
                   compare_target_only=False, calibration_cache=str(path)))
-    assert cli.generate_main(c)["calibration"] == "measured"
+    assert generate_command.run(generate_command.generate_job(c))["calibration"] == "measured"
     assert (tmp_path / "cal.json.corrupt").exists()
     err = capsys.readouterr().err
     assert f"calibration cache {path}" in err and "cal.json.corrupt" in err

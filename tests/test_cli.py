@@ -7,6 +7,7 @@ import pytest
 
 from configs import generate
 from specjax import cli
+from specjax import generate as generate_command
 
 
 def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys, monkeypatch):
@@ -27,7 +28,7 @@ def test_main_job_runs_and_matches_target_only_greedy(tmp_path, capsys, monkeypa
     # The default: prompt lookup + the shipped head at a fixed gamma; the speculative and the
     # target-only run share one prefill.
     assert c.drafter == "hybrid" and not c.adaptive_gamma and c.compare_target_only
-    stats = cli.generate_main(c)
+    stats = generate_command.run(generate_command.generate_job(c))
     assert stats["calibration"] == "none" and not (tmp_path / "calibration.json").exists()
     assert 0 <= stats["lookup_rounds"] <= stats["target_passes"]
     assert len(traced) == 1, traced
@@ -90,7 +91,7 @@ def test_bad_settings_fail_before_the_model_loads(monkeypatch, override, message
     c = generate.get_config()
     c.update(override)
     with pytest.raises(ValueError, match=message):
-        build.load_generator(c)
+        build.load_generator(build.generate_settings(c))
 
 
 def test_entry_modules_import_side_by_side():

@@ -11,7 +11,7 @@ import pytest
 
 import _cli_tiny
 import _distill_toy
-from specjax import bench, cli
+from specjax import bench, cli, config_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def test_command_help_lists_the_config_keys(capsys):
     (("eval", "--config=configs/eval.py", "--config.eval.per_categori=2"), "(did you mean eval.per_category?)"),
     (("generate", "--config=configs/generate.py", "--config.max_new_tokens=many"), "max_new_tokens"),
     (("generate", "--config=configs/generate.py", "--config.drafter=bogus"),
-     "drafter='bogus': expected one of distilled, head, ngram, early_exit"),
+     "drafter='bogus': expected one of distilled, early_exit, early_exit_own_cache, model, head, ngram, hybrid, none"),
     (("generate", "--config=configs/generate.py", "--config.cpu_kernel=fast"),
      "cpu_kernel='fast': expected one of auto, on, off"),
     (("bench", "--config=configs/bench.py", "--config.drafters=('none',)"), "drafters: 'none' is the target-only"),
@@ -87,7 +87,7 @@ def test_command_help_lists_the_config_keys(capsys):
     (("bench", "--config=configs/bench.py", "--config.drafters=('head@tree=dynamic:0,4,20',)"), "tree"),
     (("distill", "--config=configs/distill.py"), "--workdir is required"),
     (("eval", "--config=configs/eval.py", "--config.drafter=ngram"),
-     "drafter='ngram': expected one of distilled, model, early_exit"),
+     "drafter='ngram': expected one of distilled, early_exit, early_exit_own_cache, model"),
     (("export", "--config=configs/export.py"), "out='': name the directory"),
     (("export", "--config=configs/export.py", "--config.what=tokenizer", "--config.out=/tmp/x"),
      "what='tokenizer': expected one of model, draft"),
@@ -126,13 +126,16 @@ def test_a_bench_entry_may_draft_with_a_model_of_its_own():
     """``hybrid@draft_model=<dir>``: the hybrid drafter with another head beside the default's,
     in one bench run (the other settings as the bench's)."""
     from experiments.lib import toolkit
-    base = bench.generate_settings(toolkit.load_config("configs/bench.py"))
-    s = bench.drafter_settings(base, "hybrid@draft_model=experiments/heads/eagle-norm;gamma=2")
-    assert (s.drafter, s.draft_model, s.gamma) == ("hybrid", "experiments/heads/eagle-norm", 2)
-    assert s.replace(draft_model=base.draft_model, gamma=base.gamma) == base.replace(drafter="hybrid")
-    assert bench.drafter_settings(base, "hybrid").draft_model == base.draft_model
-    with pytest.raises(ValueError, match="names its draft model twice"):
-        bench.drafter_settings(base, "head:experiments/heads/eagle-engine@draft_model=experiments/heads/eagle-norm")
+    c = toolkit.load_config("configs/bench.py")
+    c.drafters = ("hybrid@draft_model=experiments/heads/eagle-norm;gamma=2", "hybrid")
+    s = bench.bench_settings(c)
+    (_, own), (_, plain) = s.methods
+    assert (own.drafter, own.draft.draft_model, own.gamma) == ("hybrid", "experiments/heads/eagle-norm", 2)
+    assert own.replace(draft=plain.draft, gamma=plain.gamma) == plain
+    assert plain.draft.draft_model == "" and plain == s.baseline.replace(drafter="hybrid")
+    assert bench.entry_changes("head:dir@gamma=2") == ("head", {"drafter": "head", "draft_model": "dir", "gamma": 2})
+    with pytest.raises(ValueError, match="sets draft_model twice"):
+        bench.entry_changes("head:experiments/heads/eagle-engine@draft_model=experiments/heads/eagle-norm")
 
 
 def test_bench_on_a_tiny_pair_writes_the_per_category_table(pair, tmp_path, capsys, monkeypatch):
@@ -282,7 +285,7 @@ def test_an_interrupted_bench_keeps_the_earlier_results(pair, tmp_path, monkeypa
 
 
 def _bench_config(target, out):
-    c = cli._load_config_file("configs/bench.py")
+    c = config_files.load_config_file("configs/bench.py")
     c.update({"target": str(target), "drafters": ("ngram",), "num_prompts": 1, "max_new_tokens": 4,
               "out": str(out), "progress": False, "adaptive_gamma": False, "gamma": 2, "compilation_cache_dir": ""})
     return c

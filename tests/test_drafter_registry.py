@@ -1,8 +1,9 @@
-"""Extension points (issue 40 item 2): a drafter defined here, registered with its own frozen
-settings and builder, runs through `specjax generate`'s code path (config check, build, engine,
-stats) with greedy output equal to target-only's; the engine reads what a drafter needs from
-its declared `Capabilities`, never by probing; verifiers come from one registry by draft kind
-and sampling mode."""
+"""Extension points: a drafter kind is one module. The drafter below, with its settings (its own
+config key ``lookback``), its check and what a run says about it, is defined and registered in
+this test module alone, and runs through `specjax generate` and `specjax bench` with that key set
+from the command line (no other file names it), with greedy output equal to target-only's; the
+engine reads what a drafter needs from its declared `Capabilities`, never by probing; verifiers
+come from one registry by draft kind and sampling mode."""
 import dataclasses
 import json
 
@@ -16,7 +17,7 @@ from specjax import cli, decoding, drafters, sampling, verify
 
 @dataclasses.dataclass(frozen=True)
 class LookbackSettings:
-    max_ngram: int = 3          # read from the generation config's key of that name: how far back to copy
+    lookback: int = 3           # the config key this kind adds: how far back to copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,31 +46,66 @@ class LookbackDrafter:
 
 
 def _build(settings: LookbackSettings, ctx: drafters.BuildContext):
-    return LookbackDrafter(ctx.target.vocab_size, settings.max_ngram), None
+    return LookbackDrafter(ctx.target.vocab_size, settings.lookback), None
+
+
+def _check(settings: LookbackSettings, job: drafters.DraftJob):
+    if settings.lookback < 1:
+        raise ValueError(f"lookback={settings.lookback}: expected an integer >= 1")
+
+
+def _describe(settings: LookbackSettings, drafter, record: drafters.RunRecord):
+    return f"copied from {drafter.back} tokens back", {"lookback": drafter.back}
 
 
 @pytest.fixture
 def registered():
-    drafters.register_drafter("test_lookback", LookbackSettings, _build, description="copy from n tokens back")
+    drafters.register_drafter("test_lookback", LookbackSettings, _build, check=_check, describe=_describe,
+                              description="copy from n tokens back")
     yield
     drafters.unregister_drafter("test_lookback")
 
 
-def test_a_registered_drafter_runs_through_generate(registered, tmp_path, capsys):
+def _generate(target, *extra):
+    return cli.dispatch(["specjax", "generate", "--config=configs/generate.py", f"--config.target={target}",
+                         "--config.drafter=test_lookback", "--config.adaptive_gamma=False", "--config.gamma=2",
+                         "--config.max_new_tokens=12", "--config.compilation_cache_dir=", "--config.calibration_cache=",
+                         *extra])
+
+
+def test_a_registered_drafter_runs_through_generate_with_its_own_key(registered, tmp_path, capsys):
     target, _ = _cli_tiny.write_pair(tmp_path / "pair")
     stats = tmp_path / "stats.jsonl"
-    assert cli.dispatch(["specjax", "generate", "--config=configs/generate.py", f"--config.target={target}",
-                         "--config.drafter=test_lookback", "--config.max_ngram=2", "--config.adaptive_gamma=False",
-                         "--config.gamma=2", "--config.max_new_tokens=12", "--config.compilation_cache_dir=",
-                         "--config.calibration_cache=", f"--config.metrics_jsonl={stats}"]) == 0
+    assert _generate(target, "--config.lookback=2", f"--config.metrics_jsonl={stats}") == 0
     row = json.loads(stats.read_text())
-    assert row["drafter"] == "test_lookback"
+    assert row["drafter"] == "test_lookback" and row["lookback"] == 2           # its describe's stats
     assert row["same_tokens_as_target_only"] is True and row["new_tokens"] == 12
     assert row["proposed"] > 0, row
+    assert "copied from 2 tokens back" in capsys.readouterr().err               # its describe's text
+    assert _generate(target, "--config.lookback=0") == 2                        # its check, before loading
+    assert "lookback=0: expected an integer >= 1" in capsys.readouterr().err
+    assert "--config.lookback=3" in cli.describe_config(cli.COMMANDS["generate"], "configs/generate.py")
+
+
+def test_a_registered_drafter_runs_through_bench_with_its_own_key(registered, tmp_path, capsys):
+    target, _ = _cli_tiny.write_pair(tmp_path / "pair")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Count from one to ten.", "category": "alpha"}) + "\n")
+    out = tmp_path / "out"
+    assert cli.dispatch(["specjax", "bench", "--config=configs/bench.py", f"--config.target={target}",
+                         "--config.drafters=('test_lookback','test_lookback@lookback=1')", "--config.lookback=2",
+                         "--config.adaptive_gamma=False", "--config.gamma=2", "--config.max_new_tokens=8",
+                         f"--config.prompts={prompts}", f"--config.out={out}", "--config.progress=False",
+                         "--config.compilation_cache_dir="]) == 0
+    runs = [r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines()) if r["kind"] == "run"]
+    assert sorted(r["method"] for r in runs) == ["target_only", "test_lookback", "test_lookback@lookback=1"]
+    assert all(r["same_as_target_only"] for r in runs if r["method"] != "target_only")
+    proposed = {r["method"]: r for r in runs}
+    assert proposed["test_lookback"]["tested_at"][0] > 0
 
 
 def test_unknown_drafters_and_verifiers_are_named(capsys):
-    with pytest.raises(ValueError, match="drafter='nope': expected one of distilled, head, ngram"):
+    with pytest.raises(ValueError, match="drafter='nope': expected one of distilled, early_exit, early_exit_own_cache, model, head, ngram"):
         drafters.drafter_kind("nope")
     assert cli.dispatch(["specjax", "generate", "--config=configs/generate.py", "--config.drafter=nope"]) == 2
     assert "drafter='nope'" in capsys.readouterr().err

@@ -30,9 +30,7 @@ def no_load(monkeypatch):
 
 
 def _config(**overrides):
-    c = generate.get_config()
-    c.update(overrides)
-    return c
+    return build.generate_settings(generate.get_config(), **overrides)
 
 
 @pytest.mark.parametrize("overrides,message", [

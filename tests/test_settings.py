@@ -1,35 +1,50 @@
-"""Typed generation settings (`specjax.settings`): what the CLI makes of a ConfigDict once."""
+"""Typed settings (`specjax.build.GenerateSettings`, `specjax.distill.DistillSettings`): what a
+command makes of its ConfigDict, once."""
 import dataclasses
+import pathlib
 
 import pytest
 
 from configs import bench as bench_config
 from configs import generate, generate_tpu
 from specjax import build, drafters
-from specjax.settings import FIELDS, GenerateSettings, generate_settings
+from specjax.build import FIELDS, GenerateSettings, generate_settings
+
+
+def _main_config():
+    from specjax import config_files
+    return config_files.with_drafter_keys(generate.get_config())
 
 
 def test_defaults_are_the_main_commands():
     """GenerateSettings() equals configs/generate.py's settings, key for key, and every field is
-    a key of that config (so the defaults in the library cannot drift from the config)."""
+    a key of that config (so the defaults in the library cannot drift from the config); the
+    drafter's block is its kind's defaults, and the command adds every kind's keys to the config
+    with its settings class's defaults."""
     c = generate.get_config()
     assert set(FIELDS) <= set(c.keys())
     assert generate_settings(c) == GenerateSettings()
-    assert GenerateSettings().to_dict() == {k: (c[k].to_dict() if k == "mesh" else
-                                                tuple(c[k]) if isinstance(c[k], (tuple, list)) else c[k])
-                                            for k in FIELDS}
+    assert GenerateSettings().draft == drafters.HybridSettings()
+    want = {k: (c[k].to_dict() if k == "mesh" else tuple(c[k]) if isinstance(c[k], (tuple, list)) else c[k])
+            for k in FIELDS}
+    assert {k: v for k, v in GenerateSettings().to_dict().items() if k != "draft"} == want
+    full = _main_config()
+    assert {k: full[k] for k in drafters.settings_keys()} == drafters.settings_keys()
+    assert drafters.settings_keys()["max_ngram"] == drafters.NGramSettings().max_ngram == \
+        drafters.HybridSettings().max_ngram
 
 
-def test_a_config_is_typed_once_and_settings_pass_through():
+def test_a_config_is_typed_once_and_settings_are_not_retyped():
     c = generate_tpu.get_config()
     s = generate_settings(c)
     assert (s.dtype, s.scan_layers, s.fuse_projections, s.cpu_kernel, s.block_tokens) == ("bfloat16", False, False,
                                                                                           "off", -1)
-    assert generate_settings(s) is s                          # typed settings are not re-read
+    with pytest.raises(TypeError, match="typed once"):
+        generate_settings(s)                                    # typed settings are not re-read
     assert s.mesh_axes == {k: int(v) for k, v in c.mesh.items()}
     c.adaptive_gammas = [0, 2]                                  # sequences become tuples
     assert generate_settings(c).adaptive_gammas == (0, 2)
-    assert dataclasses.replace(s, gamma=2).gamma == 2 and hash(generate_settings(generate.get_config()))
+    assert s.replace(gamma=2).gamma == 2 and hash(generate_settings(generate.get_config()))
     # A command's own keys (the bench's drafters, prompts, ...) are not settings: left to it.
     assert generate_settings(bench_config.get_config()).drafter == "hybrid"
 
@@ -40,30 +55,60 @@ def test_a_config_is_typed_once_and_settings_pass_through():
     ("adaptive_gammas", "0,1", "adaptive_gammas='0,1': expected a tuple of integers"),
     ("adaptive_trees", 3, "adaptive_trees=3: expected a tuple of tree strings"),
     ("mesh", {"data": "x"}, "mesh=.*expected axis sizes"),
+    ("max_ngram", "3", "max_ngram='3': expected an integer"),            # the drafter's block, typed too
+    ("draft_model", 3, "draft_model=3: expected a string"),
+    ("drafter", "bogus", "drafter='bogus': expected one of"),
 ])
 def test_a_setting_of_the_wrong_type_is_named(key, value, message):
     """(A ConfigDict refuses most of these itself, keeping its keys' types; a mapping made in
     code or read from a file does not.)"""
-    values = {**generate.get_config().to_dict(), key: value}
+    values = {**_main_config().to_dict(), key: value}
     with pytest.raises(ValueError, match=message):
         generate_settings(values)
 
 
-def test_the_library_reads_the_typed_settings():
-    """The build functions take settings (or a ConfigDict, typed on entry) and give the same
-    objects; a drafter kind's settings come from the typed attributes."""
+def test_the_drafter_block_is_the_kinds_own_settings():
+    """``draft`` holds the chosen kind's settings, typed from the config's keys of the same
+    names; a new drafter in ``replace`` starts from that kind's defaults; a block of another
+    kind is refused."""
+    c = _main_config()
+    c.drafter, c.max_ngram, c.min_match = "hybrid", 4, 2
+    s = generate_settings(c)
+    assert s.draft == drafters.HybridSettings(hybrid_model="head", min_match=2, max_ngram=4, min_ngram=1,
+                                              draft_model="")
+    assert generate_settings(c, drafter="ngram").draft == drafters.NGramSettings(max_ngram=4, min_ngram=1)
+    assert s.replace(drafter="ngram").draft == drafters.NGramSettings()
+    with pytest.raises(ValueError, match="reads NGramSettings, got draft settings HybridSettings"):
+        GenerateSettings(drafter="ngram", draft=drafters.HybridSettings())
+
+
+def test_below_the_edge_nothing_takes_a_configdict():
+    """The build functions take settings only: a ConfigDict is a TypeError that says where it
+    is typed; they give the same objects as before for the typed settings."""
     c = generate.get_config()
     c.drafter, c.gamma, c.temperature, c.top_k = "ngram", 5, 0.7, 20
     s = generate_settings(c)
-    assert build.generation_config(s, (2,)) == build.generation_config(c, (2,))
-    assert build.sampling_config(s) == build.sampling_config(c)
-    kind = drafters.drafter_kind("hybrid")
-    assert kind.settings_from(s.replace(min_match=2, max_ngram=4)) == \
-        kind.settings(hybrid_model="head", min_match=2, max_ngram=4, min_ngram=1, draft_model="")
+    assert build.generation_config(s, (2,)).gamma == 5 and build.sampling_config(s).top_k == 20
+    for fn in (lambda x: build.generation_config(x, ()), build.sampling_config, build.check_config,
+               build.check_generation_settings, build.load_generator, build.use_cpu_kernel):
+        with pytest.raises(TypeError, match="takes GenerateSettings"):
+            fn(c)
     with pytest.raises(ValueError, match="gamma=-1"):
         build.check_generation_settings(s.replace(gamma=-1))
-    with pytest.raises(TypeError, match="ConfigDict, a mapping or GenerateSettings"):
+    with pytest.raises(TypeError, match="ConfigDict or a mapping"):
         generate_settings(["drafter"])
+
+
+def test_only_the_commands_edges_type_a_generation_config():
+    """`generate_settings` is called where a command's config enters (the CLI and the commands'
+    own typing functions), nowhere below: the source says so."""
+    import re
+
+    import specjax
+    root = pathlib.Path(specjax.__file__).parent
+    callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if re.search(r"\bgenerate_settings\(", p.read_text()) and p.name != "_settings.py")
+    assert callers == ["bench.py", "generate.py", "tools.py"], callers
 
 
 # ----------------------------------------------------------------------------- distillation

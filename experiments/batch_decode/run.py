@@ -43,7 +43,7 @@ def _model(c):
         return model, model.init_params(jax.random.key(0)), prompts, ()
     g = generate.get_config()
     g.target, g.drafter = c.target, "none"
-    gen = build.load_generator(g)
+    gen = build.load_generator(build.generate_settings(g))
     from specjax import specbench
     train = specbench.load(split="train")
     rng = np.random.default_rng(c.seed)

@@ -48,6 +48,7 @@ def _target(c, dtype: str, cpu_kernel: str):
               max_new_tokens=int(c.max_new_tokens), calibration_cache="", compilation_cache_dir="")
     if c.target and c.target != "tiny":
         gc.target = c.target
+    gc = build.generate_settings(gc)
     if c.target == "tiny":
         import jax
         cfg = models.ModelConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,

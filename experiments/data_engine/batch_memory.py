@@ -30,9 +30,8 @@ def main(rows: int, prompt_tokens: int, mode: str) -> str:
     import numpy as np
     from configs import data as data_config
     from specjax import decoding, sampling
-    from specjax.settings import generate_settings
     c = data_config.get_config()
-    g = generate_settings(c.generate)
+    g = build.generate_settings(c.generate)
     build.check_config(g)
     gen = build.load_generator(g)
     engine = dataclasses.replace(gen.engine, config=dataclasses.replace(

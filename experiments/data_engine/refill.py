@@ -38,7 +38,7 @@ def main(argv):
 
     build.tune_xla_cpu()                  # as the CLI does, before any backend starts
     c = data_config.get_config()
-    gen = build.load_generator(c.generate)
+    gen = build.load_generator(build.generate_settings(c.generate))
     texts = [json.loads(line)["text"] for line in
              pathlib.Path("experiments/data_engine/corpus/corpus.jsonl").read_text().splitlines()[:PROMPTS.value]]
     prompts = [list(gen.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,

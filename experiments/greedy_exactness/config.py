@@ -61,9 +61,9 @@ def drafter_specs(c) -> list[tuple[str, object]]:
     `specjax.trees.parse_tree` reads it, e.g. "early_exit:branching:2,2,1"); ValueError naming
     the setting for a bad one."""
     from specjax import trees
-    from specjax.build import DRAFTER_KINDS
+    from specjax import drafters
 
-    kinds = [k for k in DRAFTER_KINDS if k != "none"]
+    kinds = [k for k in drafters.drafter_kinds() if k != drafters.TARGET_ONLY]
     out = []
     for spec in c.drafters:
         kind, _, rest = spec.partition(":")

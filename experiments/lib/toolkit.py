@@ -248,14 +248,17 @@ def provenance(module: str, *, exclude=(), with_backend: bool = True, **extra) -
 
 
 def load_config(path, *args):
-    """``get_config(*args)`` of a config file (a path, relative to the repository or absolute)."""
+    """``get_config(*args)`` of a config file (a path, relative to the repository or absolute),
+    with the drafter kinds' keys in a generation config, as the CLI reads it
+    (`specjax.config_files.with_drafter_keys`)."""
     path = REPO / path
     if not path.is_file():
         raise FileNotFoundError(f"no config file {path}")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(*args)
+    from specjax import config_files
+    return config_files.with_drafter_keys(module.get_config(*args))
 
 
 # ----------------------------------------------------------------------------- JSONL

@@ -101,9 +101,10 @@ def layout(name: str) -> dict:
 def layers_of(g) -> str:
     """The layout name of the target that a generation config (`configs/generate.py`) runs, as
     `specjax.build.load_generator` chooses it (``cpu_kernel`` resolved on this backend)."""
-    if build.use_cpu_kernel(g):
+    s = g if isinstance(g, build.GenerateSettings) else build.generate_settings(g)
+    if build.use_cpu_kernel(s):
         return "packed"
-    return "scan" if g.scan_layers else ("fused" if g.get("fuse_projections", False) else "unrolled")
+    return "scan" if s.scan_layers else ("fused" if s.fuse_projections else "unrolled")
 
 
 def in_layout(target, params, name: str):

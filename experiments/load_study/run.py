@@ -55,8 +55,8 @@ def _setup(c):
         return gc, model, params, (), prompts, {"model": "tiny random Llama"}
     if c.target:
         gc.target = c.target
-    build.check_config(gc)
-    target, params, tok = build.load_target_with_tokenizer(gc)
+    build.check_config(build.generate_settings(gc))
+    target, params, tok = build.load_target_with_tokenizer(build.generate_settings(gc))
     from specjax import decoding
     encoded = [decoding.encode_prompt(tok, q.turns[0]) for q in specbench.load(split="held_out")]
     fits = [p for p in encoded if len(p) <= c.max_prompt_tokens]
@@ -78,7 +78,7 @@ def _engine(c, gc, target, params, eos_ids, mode: str):
     drafter, dparams = build.make_drafter(kind, target, params, draft_model=gm.draft_model, max_ngram=gm.max_ngram,
                                           min_ngram=gm.min_ngram, dtype=gm.dtype, scan_layers=gm.scan_layers,
                                           target_name=gm.target)
-    return (decoding.Engine(target, drafter, build.generation_config(gm, eos_ids)),
+    return (decoding.Engine(target, drafter, build.generation_config(build.generate_settings(gm), eos_ids)),
             decoding.EngineParams(target=params, draft=dparams))
 
 

@@ -74,6 +74,7 @@ def child_main_command(n_tokens: int, max_new_tokens: int) -> dict:
 
     from configs import generate
     from specjax import build, cli, specbench
+    from specjax import generate as generate_command
 
     build.tune_xla_cpu()
     c = generate.get_config()
@@ -88,7 +89,7 @@ def child_main_command(n_tokens: int, max_new_tokens: int) -> dict:
     c.calibration_cache = ""          # calibrate in every run, so runs stay comparable
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        stats = cli.generate_main(c)
+        stats = generate_command.run(generate_command.generate_job(c))
     wall_s = time.perf_counter() - t0
     keep = ("new_tokens", "prefill_s_incl_compile", "ttft_s_incl_compile", "tokens_per_s",
             "target_only_tokens_per_s", "speedup", "gamma", "drafter")

@@ -187,7 +187,7 @@ def run(c) -> list[dict]:
         gc.draft_model = c.draft_model
     gc.scan_layers, gc.cpu_kernel = c.scan_layers, c.cpu_kernel
     runs = [parse_run(s) for s in c.runs]
-    target, tparams, tokenizer = build.load_target_with_tokenizer(gc)
+    target, tparams, tokenizer = build.load_target_with_tokenizer(build.generate_settings(gc))
     prompts = [tokenizer.encode(p) for p in c.prompts]
     out = pathlib.Path(c.out)
     prov = toolkit.provenance("experiments.sampled_exactness.run", exclude=[out.parent], config=c.to_dict())

@@ -11,7 +11,7 @@ from specjax import build, decoding, sampling, specbench
 from experiments.lib import toolkit
 build.tune_xla_cpu(); build.limit_heap_retention()
 gc = toolkit.load_config("configs/generate.py"); gc.update(max_new_tokens=64, calibration_cache="", compilation_cache_dir="")
-target, params, tok = build.load_target_with_tokenizer(gc)
+target, params, tok = build.load_target_with_tokenizer(build.generate_settings(gc))
 qs = specbench.one_per_category("held_out")[:6]
 prompts = [decoding.encode_prompt(tok, q.turns[0]) for q in qs]
 greedy = sampling.SamplingConfig.make(0.0)
@@ -19,7 +19,7 @@ res = {}
 for name in ("target-only", "adaptive pinned to gamma 0", "target-only again"):
     gm = gc.copy_and_resolve_references()
     gm.update(drafter="none" if name.startswith("target") else "ngram", adaptive_gamma=not name.startswith("target"))
-    gen = build.generator_for(gm, target, params, tok)
+    gen = build.generator_for(build.generate_settings(gm), target, params, tok)
     rt = None if not gen.config.adaptive else tuple([1e-3] + [10.0] * (len(gen.config.gammas) - 1))
     secs, toks, g0 = 0.0, 0, 0
     for p in prompts:

@@ -16,12 +16,11 @@ kind's defaults (`HeadKind.default_ttt_steps`, `default_feature_weight`).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import typing
 from typing import Any, Mapping, Optional
 
 from specjax.distill._drafts import DraftChoice
-from specjax.settings import Settings, mesh_pairs
+from specjax.settings import Settings, typed_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,49 +124,6 @@ class DistillSettings(Settings):
         return self.draft.kind in drafters.head_kinds()
 
 
-def _kind(hint) -> tuple[type, bool, type | None]:
-    """(the value type, whether None is allowed, the element type of a tuple[T, ...]) of a
-    field's annotation."""
-    args = typing.get_args(hint)
-    if args and type(None) in args:
-        kind, _, element = _kind(next(a for a in args if a is not type(None)))
-        return kind, True, element
-    origin = typing.get_origin(hint)
-    return (origin or hint), False, (args[0] if origin is tuple and args else None)
-
-
-def _typed(path: str, hint, value):
-    kind, optional, element = _kind(hint)
-    if value is None and optional:
-        return None
-    if dataclasses.is_dataclass(kind):
-        return _build(kind, value, path + ".")
-    if kind is bool:
-        if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
-            raise ValueError(f"{path}={value!r}: expected true or false")
-        return bool(value)
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{path}={value!r}: expected an integer")
-        return int(value)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{path}={value!r}: expected a number")
-        return float(value)
-    if kind is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{path}={value!r}: expected a string")
-        return value
-    if path == "mesh":
-        return mesh_pairs(value, "{'data': -1, 'fsdp': 1, 'model': 1}")
-    if kind is tuple:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise ValueError(f"{path}={value!r}: expected a sequence")
-        items = tuple(value)
-        return items if element is None else tuple(_typed(f"{path}[{i}]", element, v) for i, v in enumerate(items))
-    raise TypeError(f"{path}: no rule for the type {kind!r}")   # a field added without one
-
-
 def _build(cls, values, prefix: str = "", extra: str = "error"):
     if isinstance(values, cls):
         return values
@@ -183,7 +139,8 @@ def _build(cls, values, prefix: str = "", extra: str = "error"):
     elif unknown:
         raise ValueError(f"unknown distillation setting(s) {', '.join(prefix + k for k in unknown)} (known here: "
                          f"{', '.join(sorted(names))})")
-    given = {k: _typed(prefix + k, hints[k], v) for k, v in values.items()}
+    given = {k: typed_value(prefix + k, hints[k], v, build=_build,
+                             mesh_example="{'data': -1, 'fsdp': 1, 'model': 1}") for k, v in values.items()}
     if cls is DraftChoice:      # the draft block's own defaults are configs/distill.py's
         return dataclasses.replace(DistillSettings.draft, **given)
     return cls(**given)

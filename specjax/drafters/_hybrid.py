@@ -42,6 +42,7 @@ import numpy as np
 
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import Capabilities, DraftContext
+from specjax.drafters._registry import register_drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,3 +154,63 @@ class HybridDrafter:
 
     def propose_tree(self, *args, **kwargs):
         raise NotImplementedError("the hybrid drafter drafts chains only; see check_tree")
+
+
+# --------------------------------------------------------------------- the registered kind
+HYBRID_MODELS = ("head", "distilled", "model")      # the kinds the model half may be
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSettings:
+    hybrid_model: str = "head"       # the model half: one of HYBRID_MODELS, built as its own kind
+    min_match: int = 0               # suffix-match tokens that make a round prompt lookup's (0: max_ngram)
+    max_ngram: int = 3
+    min_ngram: int = 1
+    draft_model: str = ""            # the model half's draft ("" = the one shipped for the target)
+
+
+def _build(s: HybridSettings, ctx):
+    """Prompt lookup where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``),
+    else the drafter ``hybrid_model`` (built as its own kind)."""
+    from specjax.drafters._registry import build_drafter
+    model, params = build_drafter(s.hybrid_model, {"draft_model": s.draft_model}, ctx)
+    lookup = NGramDrafter(ctx.target.vocab_size, max_ngram=s.max_ngram, min_ngram=s.min_ngram)
+    return HybridDrafter(lookup, model, min_match=int(s.min_match or s.max_ngram)), params
+
+
+def _check(s: HybridSettings, job) -> None:
+    """The model half, a draft for it, ``min_match`` within the n-gram range; chains only."""
+    from specjax.drafters._shipped import SHIPPED_DRAFTS, SHIPPED_HEADS
+    if s.hybrid_model not in HYBRID_MODELS:
+        raise ValueError(f"hybrid_model={s.hybrid_model!r}: expected one of {', '.join(HYBRID_MODELS)}")
+    if s.hybrid_model == "model" and not s.draft_model:
+        raise ValueError("drafter='hybrid' with hybrid_model='model' needs draft_model (a path or registry name)")
+    shipped = {"head": SHIPPED_HEADS, "distilled": SHIPPED_DRAFTS}.get(s.hybrid_model)
+    if shipped is not None and not s.draft_model and job.target not in shipped:
+        raise ValueError(f"drafter='hybrid' drafts with the {s.hybrid_model} shipped for {', '.join(sorted(shipped))}, "
+                         f"and none ships for target {job.target!r}: give draft_model=<a {s.hybrid_model} directory "
+                         f"written by specjax.distill>, or use drafter='ngram' (prompt lookup alone)")
+    m = s.min_match
+    if m:
+        if m < 1:
+            raise ValueError(f"min_match={m!r}: expected an integer >= 1")
+        if not s.min_ngram <= m <= s.max_ngram:
+            raise ValueError(f"min_match={m!r}: expected an integer in [min_ngram, max_ngram] = "
+                             f"[{s.min_ngram}, {s.max_ngram}]")
+    if job.trees:
+        raise ValueError(f"{job.tree_setting}={job.tree_value!r}: drafter='hybrid' (the default) drafts chains only; "
+                         f"for token trees choose a drafter that drafts them (drafter='head', 'ngram', "
+                         f"'distilled', ...)")
+
+
+def _describe(s: HybridSettings, drafter: HybridDrafter, record) -> tuple[str, dict]:
+    """Which rounds prompt lookup drafted (replayed from the committed tokens)."""
+    lookup = drafter.lookup_rounds(list(record.prompt_ids) + list(record.tokens), len(record.prompt_ids),
+                                   list(record.round_sizes))
+    text = (f"prompt lookup drafts where the last {drafter.min_match} tokens occurred earlier (they did at the start "
+            f"of {sum(lookup)} of {len(lookup)} rounds), the {s.hybrid_model} elsewhere")
+    return text, {"lookup_rounds": sum(lookup)}
+
+
+register_drafter("hybrid", HybridSettings, _build, check=_check, describe=_describe,
+                 description="prompt lookup, else a model (SAM-Decoding's rule)")

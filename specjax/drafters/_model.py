@@ -13,6 +13,7 @@ from specjax import sampling as sampling_lib
 from specjax import trees as trees_lib
 from specjax.drafters import _tree
 from specjax.drafters._protocol import Capabilities, DraftContext
+from specjax.drafters._registry import register_drafter
 from specjax.models import DecoderModel, Llama, prefill, truncate_layers
 
 
@@ -234,3 +235,63 @@ class EarlyExitDrafter:
 
     def commit(self, state, new_lengths_B, accepted=None):
         return state
+
+
+# --------------------------------------------------------------------- the registered kinds
+@dataclasses.dataclass(frozen=True)
+class EarlyExitSettings:
+    early_exit_layers: int = 4      # the target's first layers that draft
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelSettings:
+    draft_model: str = ""           # a draft directory, model path or registry name; "" = the one shipped for the target
+
+
+def _check_layers(s: EarlyExitSettings, ctx) -> None:
+    layers = ctx.target.config.num_layers
+    if not 1 <= s.early_exit_layers <= layers:
+        raise ValueError(f"early_exit_layers={s.early_exit_layers}: expected 1..{layers}")
+
+
+def _build_early_exit(s: EarlyExitSettings, ctx):          # shares the target's KV cache for its layers
+    _check_layers(s, ctx)
+    return EarlyExitDrafter.from_target(ctx.target, ctx.target_params, s.early_exit_layers)
+
+
+def _build_early_exit_own_cache(s: EarlyExitSettings, ctx):  # the same draft as a model with its own cache
+    _check_layers(s, ctx)
+    params, cfg = truncate_layers(ctx.target_params, ctx.target.config, s.early_exit_layers)
+    return ModelDrafter(Llama(cfg)), params
+
+
+def _build_distilled(s: DraftModelSettings, ctx):
+    from specjax.drafters._shipped import shipped_draft
+    from specjax.models.draft_artifact import load_draft
+    model, params = load_draft(s.draft_model or shipped_draft(ctx.target_name), ctx.target, ctx.target_params)
+    return ModelDrafter(model), params
+
+
+def _check_model(s: DraftModelSettings, job) -> None:
+    if not s.draft_model:
+        raise ValueError("drafter='model' needs draft_model (a path or registry name)")
+
+
+def _build_model(s: DraftModelSettings, ctx):
+    from specjax import models
+    _check_model(s, None)
+    model, params = models.load(s.draft_model, dtype=ctx.dtype, scan_layers=ctx.scan_layers)
+    if model.vocab_size != ctx.target.vocab_size:
+        raise ValueError(f"vocab mismatch: draft model {s.draft_model} has {model.vocab_size} tokens, "
+                         f"the target {ctx.target.vocab_size}")
+    return ModelDrafter(model), params
+
+
+register_drafter("distilled", DraftModelSettings, _build_distilled, description="a draft written by specjax distill",
+                 teacher_forced="distilled")
+register_drafter("early_exit", EarlyExitSettings, _build_early_exit, description="the target's first layers on its cache",
+                 teacher_forced="early_exit_own_cache")
+register_drafter("early_exit_own_cache", EarlyExitSettings, _build_early_exit_own_cache,
+                 description="the target's first layers with a cache of their own", teacher_forced="early_exit_own_cache")
+register_drafter("model", DraftModelSettings, _build_model, check=_check_model,
+                 description="any checkpoint with the target's vocabulary", teacher_forced="model")

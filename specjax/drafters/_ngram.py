@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from specjax import trees as trees_lib
 from specjax.drafters._protocol import Capabilities
+from specjax.drafters._registry import register_drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +139,33 @@ class NGramDrafter:
 
     def commit(self, state, new_lengths_B, accepted=None):
         return state
+
+
+# --------------------------------------------------------------------- the registered kind
+@dataclasses.dataclass(frozen=True)
+class NGramSettings:
+    max_ngram: int = 3      # the longest suffix n-gram looked up in the context
+    min_ngram: int = 1      # the shortest
+
+
+def _build(s: NGramSettings, ctx):
+    return NGramDrafter(ctx.target.vocab_size, max_ngram=s.max_ngram, min_ngram=s.min_ngram), None
+
+
+def check_lookup_trees(job) -> None:
+    """Refuse, before any weight loads, a tree prompt lookup cannot draft (it drafts k chains
+    from the root only, `NGramDrafter.check_tree`): ValueError naming ``tree`` or
+    ``adaptive_trees``."""
+    lookup = NGramDrafter(vocab_size=1)
+    for tree in job.trees:
+        try:
+            lookup.check_tree(tree)
+        except ValueError as e:
+            raise ValueError(f"{job.tree_setting}={job.tree_value!r}: {e}") from None
+
+
+def _check(s: NGramSettings, job) -> None:
+    check_lookup_trees(job)
+
+
+register_drafter("ngram", NGramSettings, _build, check=_check, description="prompt lookup")

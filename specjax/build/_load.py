@@ -1,0 +1,132 @@
+"""Loading and placement: the target in the layout the settings ask for, the drafter and the
+engine around it, as a `specjax.decoding.Generator` (the request path)."""
+
+from __future__ import annotations
+
+from specjax import decoding, drafters, models
+from specjax.build._checks import check_config
+from specjax.build._settings import GenerateSettings, generation_config, require
+
+
+def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
+                fuse_projections: bool = False, packed_projections: bool = False):
+    return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
+                       packed_projections=packed_projections)
+
+
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def use_cpu_kernel(c: GenerateSettings, backend: str | None = None) -> bool:
+    """Whether a generation config's target runs on `specjax.kernels`' CPU matmul (the packed
+    layout, ``ModelConfig.packed_projections``), from ``cpu_kernel``:
+
+    * ``'off'``: never (XLA's own matmuls);
+    * ``'on'``: always; an error unless the kernel was built, the layers are unrolled
+      (``scan_layers=False``) and the dtype is float32;
+    * ``'auto'`` (default): on the CPU backend when the kernel was built with a vector body for
+      this CPU, the layers are unrolled and the dtype is float32.
+
+    ``backend`` (default: JAX's default backend, which this starts) is only read for 'auto'. A
+    bad value is a ValueError naming the setting; `check_config` calls this with ``backend=''``
+    (validation only, no backend started)."""
+    c = require(c, "use_cpu_kernel")
+    from specjax import kernels
+    value = c.cpu_kernel
+    if value not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernel={value!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    fits = not c.scan_layers and c.dtype == "float32"
+    if value == "off" or backend == "":
+        if value == "on" and not fits:
+            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
+                             f"{c.scan_layers}, dtype={c.dtype!r})")
+        return False if value != "on" else fits
+    if value == "on":
+        if not fits:
+            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
+                             f"{c.scan_layers}, dtype={c.dtype!r})")
+        kernels.check_library()         # a foreign file in the library's place: named
+        if not kernels.built():
+            raise ValueError("cpu_kernel='on': specjax's CPU kernel was not built at install time (a C++ "
+                             "compiler and jaxlib are needed; reinstall with `pip install -e .`), or use 'auto'")
+        return True
+    import jax
+    if backend is None:
+        backend = jax.default_backend()
+    # On a mesh of several devices the kernel's custom call would run unpartitioned on every
+    # device (its operands gathered): XLA's matmuls shard, so 'auto' keeps them there.
+    return fits and backend == "cpu" and kernels.fast_on_this_cpu() and jax.device_count() == 1
+
+
+def make_drafter(kind: str, target, target_params, *, dtype: str = "float32", scan_layers: bool = True,
+                 target_name: str = "", **settings):
+    """(drafter, draft_params) of a registered drafter kind (`drafters.drafter_kinds()`), its
+    settings from ``settings`` (config keys: the kind's settings class names those it reads; the
+    others are ignored)."""
+    ctx = drafters.BuildContext(target, target_params, target_name=target_name, dtype=dtype, scan_layers=scan_layers)
+    return drafters.build_drafter(kind, settings, ctx)
+
+
+def load_target_with_tokenizer(c: GenerateSettings):
+    """(target, params, tokenizer) of a generation config, from one read of the checkpoint, in
+    the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``: the
+    panel matmul and, with it, the attention kernel, see `use_cpu_attention`)."""
+    c = require(c, "load_target_with_tokenizer")
+    packed = use_cpu_kernel(c)
+    target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
+                                                           fuse_projections=c.fuse_projections,
+                                                           packed_projections=packed)
+    if target.config.packed_projections and use_cpu_attention():
+        target = type(target)(target.config.replace(cpu_attention=True))
+    op = c.attention_op
+    if op != target.config.attention_op:
+        from specjax.models import attention
+        attention.get_attention_op(op)          # an unknown op named before anything runs
+        target = type(target)(target.config.replace(attention_op=op))
+    if c.write_then_attend != target.config.write_then_attend:
+        target = type(target)(target.config.replace(write_then_attend=c.write_then_attend))
+    return target, params, tokenizer
+
+
+def use_cpu_attention() -> bool:
+    """Whether a target that runs on the CPU kernel's matmul (`use_cpu_kernel`) also attends
+    through `specjax.kernels.decode_attention`: when that kernel was built with its AVX-512 body
+    (its portable body is slower than XLA's einsum)."""
+    from specjax import kernels
+    return kernels.attention_fast_on_this_cpu()
+
+
+def generator_for(c: GenerateSettings, target, params, tokenizer, pad_multiple: int = 64) -> decoding.Generator:
+    """The drafter and engine of a generation config around an already loaded target (one
+    target, several drafters: `specjax bench`). The caller has checked the settings with
+    `check_config` before loading the target (as `load_generator` does)."""
+    c = require(c, "generator_for")
+    ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
+    drafter, dparams = drafters.build_drafter(c.drafter, c.draft, ctx)
+    mesh = generation_mesh(c)
+    engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
+    eparams = decoding.EngineParams(target=params, draft=dparams)
+    if mesh is not None:
+        eparams = engine.place_params(eparams)
+    return decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad_multiple)
+
+
+def generation_mesh(c: GenerateSettings):
+    """The generation config's ``mesh`` (data x fsdp x model, -1 = the rest) when the job has
+    more than one device (a multi-host job, or host devices from
+    ``--xla_force_host_platform_device_count``), else None: one device runs without a mesh."""
+    c = require(c, "generation_mesh")
+    import jax
+    if jax.device_count() == 1:
+        return None
+    from specjax import sharding
+    return sharding.mesh_from_config(c.mesh_axes)
+
+
+def load_generator(c: GenerateSettings, pad_multiple: int = 64, check: bool = True) -> decoding.Generator:
+    """The target (weights and tokenizer from one read of the checkpoint), the drafter and the
+    engine of generation settings, as a `decoding.Generator`. The settings are checked before
+    anything is loaded (`check_config`), unless the caller did (``check=False``)."""
+    if check:
+        check_config(c)
+    return generator_for(c, *load_target_with_tokenizer(c), pad_multiple=pad_multiple)
