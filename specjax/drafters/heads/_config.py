@@ -1,12 +1,13 @@
 """What every head kind shares: the static `HeadConfig`, the `HeadKind` protocol with its
-registry, and the parameters and scores of heads that draft through the target's own head.
+registry, and the entry points for a head's parameters and scores (each the kind's answer).
 
 A head kind is one object (`HeadKind`) in one module of this package: it validates its
 settings, names, initializes and lays out its own parameters, runs its forward for drafting
 (its drafter), for training (`train_outputs`, `extra_loss`) and for evaluation
 (`eval_outputs`), and declares the defaults its training config takes. `HeadConfig` carries the
 kind's name and delegates every kind-specific question to it, so a new kind is one module that
-calls `register_head_kind` (imported by this package's ``__init__``).
+calls `register_head_kind` (imported by this package's ``__init__``). The defaults (a head that
+scores through the target's final norm and output layer) use `_target_head`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax import kernels
 from specjax.drafters.heads import _eagle3_layer
-from specjax.models import Llama, ModelConfig
+from specjax.drafters.heads._target_head import check_head_ids, target_head_params, target_head_scores
+from specjax.models import ModelConfig
 from specjax.models import llama as llama_lib
 
-INIT_STD = 0.02
+INIT_STD = llama_lib.INIT_STD         # the scale of every head's random matrices: the models' own
 
 
 # ------------------------------------------------------------------------------ the kind protocol
@@ -244,18 +244,6 @@ class HeadConfig:
 
 # ------------------------------------------------------------------------------ parameters
 
-def check_head_ids(hc: HeadConfig, head_ids) -> jax.Array | None:
-    """The reduced head's tokens as sorted int32 ids (required iff ``hc.head_size``)."""
-    if (hc.head_size is None) != (head_ids is None):
-        raise ValueError("head_ids must be given exactly when the head config has a head_size")
-    if head_ids is None:
-        return None
-    ids = np.unique(np.asarray(head_ids, np.int64))
-    if ids.size != hc.head_size or ids[0] < 0 or ids[-1] >= hc.target.vocab_size:
-        raise ValueError(f"head_ids must be {hc.head_size} distinct ids in [0, {hc.target.vocab_size})")
-    return jnp.asarray(ids, jnp.int32)
-
-
 def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
     """Random own parameters of a head (the kind's `init_own`). ``head_ids``: the reduced
     head's tokens (required iff ``hc.head_size``; a published EAGLE-3 head: its draft
@@ -273,49 +261,7 @@ def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     return hc.spec.run_params(hc, {n: own[n] for n in hc.own_param_names}, target_params)
 
 
-def target_head_params(hc: HeadConfig, p: dict, target_params: dict, pack) -> dict:
-    """A head that drafts through the target's embedding, final norm and output layer: those
-    added to its own ``p`` (a reduced head's rows gathered), packed by ``pack`` if ``hc.packed``."""
-    p = dict(p)
-    p["embed"] = target_params["embed"]
-    p["final_norm"] = target_params["final_norm"]
-    if hc.head_size is not None:
-        ids = p["head_ids"]
-        p["head"] = (jnp.take(target_params["embed"], ids, axis=0) if hc.target.tie_embeddings
-                     else jnp.take(target_params["lm_head"], ids, axis=1).T)
-    elif not hc.target.tie_embeddings:
-        p["lm_head"] = target_params["lm_head"]
-    if "head_panels" in target_params and (hc.head_size is None or hc.packed):
-        p["head_panels"] = target_params["head_panels"]     # a packed target's head (its layer reads it too)
-    if hc.packed:
-        if "head_panels" not in p:
-            raise ValueError("a packed head needs the packed target's params (with 'head_panels'): "
-                             "target.prepare_params(params)")
-        if hc.head_size is not None:
-            p["head"] = kernels.pack_rows(p["head"])                          # [S, D] rows -> panels of [D, S]
-        p = pack(hc, p)
-    return p
-
-
-def matmul(x, w, width: int):
-    """x [..., in] @ w in float32: w a matrix [in, width] (in x's dtype) or its kernel panels."""
-    return kernels.dense(x, w if kernels.is_packed(w) else w.astype(x.dtype), width)
-
-
 # ------------------------------------------------------------------------------ scores
-
-def target_head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
-    """Head outputs through the target's final norm and the head's rows of the target's output
-    layer, soft-capped as the target's logits."""
-    x = llama_lib.norm(hc.target, h_BTD, params["final_norm"])
-    if hc.head_size is not None:
-        if kernels.is_packed(params["head"]):                               # panels of [D, U]
-            s = kernels.matmul(x, params["head"], hc.head_size)
-        else:                                                               # rows [U, D]
-            s = jnp.einsum("btd,sd->bts", x, params["head"].astype(x.dtype), preferred_element_type=jnp.float32)
-        return llama_lib.softcap(s, hc.target.final_softcap), params["head_ids"]
-    return Llama(hc.target).logits_from_hidden(params, x), None
-
 
 def head_scores(hc: HeadConfig, params: dict, h_BTD) -> tuple[jax.Array, jax.Array | None]:
     """(float32 logits [B, T, S] of head outputs over the head's rows, the token ids of those

@@ -53,10 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.heads import _eagle3_layer as _eagle3
+from specjax.drafters.heads import _eagle3_layer
 from specjax.drafters.heads._config import HeadConfig, head_params
-from specjax.drafters.heads._eagle import EagleHead, FeatureHeadDrafter
 from specjax.drafters.heads._eagle3_published import EAGLE3_PUBLISHED, EAGLE3_PUBLISHED_KIND
+from specjax.drafters.heads._runtime import EagleHead, FeatureHeadDrafter
 from specjax.models import ModelConfig, families
 from specjax.models.config import (CheckpointError, CorruptCheckpointError, MissingTensorError, TensorShapeError,
                                    UnsupportedArchitectureError)
@@ -292,7 +292,7 @@ def read_eagle3(directory, target: ModelConfig, *, dtype: str | None = None,
 
     arrays, where = _tensors(d)
     prefix = _PREFIX[layout]
-    shapes = _eagle3.layer_shapes(lc)
+    shapes = _eagle3_layer.layer_shapes(lc)
     want = {"fc.weight": (lc.hidden_size, 3 * Dt), "norm.weight": (lc.hidden_size,),
             "lm_head.weight": (S, lc.hidden_size)}
     for n, file_name in _LAYER_NAMES.items():
@@ -326,7 +326,7 @@ def read_eagle3(directory, target: ModelConfig, *, dtype: str | None = None,
     own = {"fc": f("fc.weight").T, "layer": layer, "norm": f("norm.weight"), "lm_head": f("lm_head.weight"),
            "head_ids": jnp.asarray(ids, jnp.int32)}
     hc = HeadConfig.make(EAGLE3_PUBLISHED, target, head_size=S, feature_layers=layers,
-                         layer=None if lc == _eagle3.default_layer(target) else lc)
+                         layer=None if lc == _eagle3_layer.default_layer(target) else lc)
     return hc, own, arrays.get("embed_tokens.weight")
 
 
@@ -403,7 +403,7 @@ def eagle3_tensors(hc: HeadConfig, own: dict, layout: str, embed=None) -> dict[s
     check it; a head built in code may hold its vocabulary in any order."""
     f = lambda x: np.asarray(jax.device_get(x), np.float32)  # noqa: E731
     prefix = _PREFIX[layout]
-    shapes = _eagle3.layer_shapes(hc.layer_config)
+    shapes = _eagle3_layer.layer_shapes(hc.layer_config)
     ids = np.asarray(jax.device_get(own["head_ids"]), np.int64)
     order = np.argsort(ids, kind="stable")
     ids = ids[order]

@@ -37,7 +37,6 @@ from specjax.models import llama as llama_lib
 from specjax.models.attention import AttentionSpec, attention, tree_attention_mask
 from specjax.models.kv_cache import KVCache, write_kv
 
-INIT_STD = 0.02
 NORMS = ("embed_norm", "hidden_norm", "mlp_norm")       # input_layernorm, hidden_norm, post_attention_layernorm
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -82,7 +81,7 @@ def init_layer(lc: ModelConfig, key) -> dict:
     """Random layer parameters: normal(0.02) matrices (drawn in float32), unit norms."""
     shapes = layer_shapes(lc)
     keys = jax.random.split(key, len(MATRICES))
-    p = {n: (INIT_STD * jax.random.normal(k, shapes[n], jnp.float32)).astype(lc.jnp_dtype)
+    p = {n: (llama_lib.INIT_STD * jax.random.normal(k, shapes[n], jnp.float32)).astype(lc.jnp_dtype)
          for n, k in zip(MATRICES, keys)}
     p.update({n: jnp.ones(shapes[n], lc.jnp_dtype) for n in NORMS})
     return p

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.heads import _eagle3_layer
-from specjax.drafters.heads._config import INIT_STD, matmul, register_head_kind
-from specjax.drafters.heads._eagle import EagleFamily
+from specjax.drafters.heads._config import INIT_STD, register_head_kind
+from specjax.drafters.heads._family import EagleFamily
+from specjax.drafters.heads._target_head import matmul
 from specjax.models import llama as llama_lib
 
 EAGLE3_PUBLISHED = "eagle3_published"
