@@ -456,7 +456,7 @@ def test_real_packed_greedy_with_the_shipped_head_matches_target_only(real, real
 # --------------------------------------------------------------------- the cpu_kernel setting
 
 def test_cpu_kernel_setting(monkeypatch):
-    c = generate.get_config()
+    c = build.generate_settings(generate.get_config())
     assert c.cpu_kernel == "auto" and not c.scan_layers and c.dtype == "float32"
     build.check_config(c)
     assert build.use_cpu_kernel(c, backend="cpu") == kernels.fast_on_this_cpu()
@@ -494,6 +494,4 @@ def test_cpu_kernel_setting(monkeypatch):
 
 
 def _with(c, **changes):
-    c = c.copy_and_resolve_references()
-    c.update(changes)
-    return c
+    return c.replace(**changes)

@@ -55,10 +55,7 @@ def check_generation_settings(c: GenerateSettings) -> None:
     if c.gamma > MAX_GAMMA:
         raise ValueError(f"gamma={c.gamma!r}: expected at most {MAX_GAMMA} (a round verifies gamma + 1 tokens in one "
                          f"target pass; papers use gamma <= ~10)")
-    raw_gammas = c.adaptive_gammas
-    if isinstance(raw_gammas, (str, bytes)) or not hasattr(raw_gammas, "__iter__"):
-        raise ValueError(f"adaptive_gammas={raw_gammas!r}: expected a tuple of integers >= 0")
-    gammas = tuple(raw_gammas)
+    gammas = c.adaptive_gammas                  # a tuple (`GenerateSettings` types it)
     for g in gammas:
         if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 0:
             raise ValueError(f"adaptive_gammas={gammas!r}: expected integers >= 0, got {g!r}")
@@ -69,9 +66,6 @@ def check_generation_settings(c: GenerateSettings) -> None:
     if tree:
         _tree_setting("tree", tree)
     raw_trees = c.adaptive_trees
-    if isinstance(raw_trees, (str, bytes)) or not hasattr(raw_trees, "__iter__"):
-        raise ValueError(f"adaptive_trees={raw_trees!r}: expected a tuple of tree strings")
-    raw_trees = tuple(raw_trees)
     shapes = []
     for t in raw_trees:
         try:

@@ -51,6 +51,8 @@ class GenerateSettings(Settings):
     mesh: tuple = (("data", 1), ("fsdp", 1), ("model", -1))   # (axis, size) pairs, -1 = the rest
 
     def __post_init__(self):
+        for name in _TYPED:                                 # also when made in code, not from a config
+            object.__setattr__(self, name, typed(name, getattr(self, name)))
         kind = drafters.drafter_kind(self.drafter)          # ValueError naming the registered kinds
         if self.draft is None:
             object.__setattr__(self, "draft", kind.settings())
@@ -78,6 +80,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings) if f.name != "
 STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "verifier", "tree", "tree_verifier",
                  "tree_children")
 _FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision", "write_then_attend")
+_TYPED = STRING_FIELDS + _FLAGS + ("adaptive_gammas", "adaptive_trees", "mesh")
 
 
 def typed(name: str, value):
@@ -115,7 +118,7 @@ def generate_settings(c: Any, **changes) -> GenerateSettings:
     if not hasattr(values, "items"):
         raise TypeError(f"a generation config must be a ConfigDict or a mapping, got {type(c).__name__}")
     values = {**values, **changes}
-    core = {k: typed(k, v) for k, v in values.items() if k in FIELDS}
+    core = {k: v for k, v in values.items() if k in FIELDS}
     kind = drafters.drafter_kind(core.get("drafter", FIELDS["drafter"].default))
     return GenerateSettings(**core, draft=kind.settings_from(values))
 
