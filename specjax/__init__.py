@@ -1,14 +1,23 @@
 """specjax: lossless speculative decoding and draft distillation in JAX/Flax.
 
-Floors (a module imports only from floors below it):
+Floors: a module imports only from its own floor or the floors below it (the numbers are
+tests/test_layering.py's, which checks the imports from the source; experiments/ and tests/ use
+only public names):
 
-    cli.py, build.py, experiments/      what users run
-    serving/   distill/   bench.py      slot-refilling scheduler; trainer; benchmarks
-    decoding/                           the engine object and the one request path
-    drafters/   verify/                 who proposes; exact acceptance / residual sampling
-    models/                             one decoder for every family, KV cache, attention ops, loaders, tokenizer
-    sampling.py  analysis.py  sharding.py  specbench.py  trees.py  reporting.py  settings.py   primitives
-    kernels/                            CPU custom calls through XLA's FFI (panel matmul)
+    6  cli.py            the command line: each command's config typed once
+    5  distill/          trainer and data engine
+       serving/          the slot-refilling scheduler
+       aot/              every program compiled for a TPU topology or GPU host, deviceless
+       bench.py  generate.py  tools.py      the bench, generate, eval and export commands
+    4  build/            typed settings -> the target, the drafter, the engine
+    3  decoding/         the engine object and the one request path
+    2  drafters/         who proposes
+       verify/           exact acceptance / residual sampling
+       sharding.py       logical axes -> mesh axes; params and caches placed on a mesh
+    1  models/           one decoder for every family, KV cache, attention ops, loaders, tokenizer
+    0  kernels/          CPU custom calls through XLA's FFI (panel matmul, decode attention)
+       sampling.py  analysis.py  trees.py  calibration.py  checkpoint.py  files.py
+       distributed.py  specbench.py  reporting.py  settings.py               primitives
 
 Shape suffixes. An array's name ends in its axes, one capital letter each (``q_BGV``: batch,
 drafted tokens, vocabulary), with one meaning per letter throughout the package:

@@ -131,9 +131,10 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     overflows them to +inf (a very negative one may become -inf, an exact zero probability).
     NaN or +inf logits give NaN rows, which the engine's guard catches (`specjax.decoding`).
 
-    The thresholds are found without sorting the vocabulary (XLA's CPU sort of a vocabulary costs
-    more than a small model's forward; experiments/bench_speed/PROFILE.md): a binary search over the values' order keys
-    (`_order_keys`), 32 halvings, each one masked count or sum over the row.
+    The thresholds are found without sorting the vocabulary (the program holds no sort; timed
+    against XLA's CPU sort in experiments/bench_speed/PROFILE.md, "Top-k / top-p without a
+    sort"): a binary search over the values' order keys (`_order_keys`), 32 halvings, each one
+    masked count or sum over the row.
 
     * top-k: the k-th largest value ``v_k = max {v : #{x : s(x) >= v} >= k}``; keep ``s >= v_k``.
     * top-p: with ``p`` the softmax over the tokens top-k kept, the smallest value
@@ -237,6 +238,6 @@ def argmax(x: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """``jax.random.categorical(key, logits, axis=-1)`` (int32), the same token bit for bit:
     the same Gumbel noise (``jax.random.gumbel(key, logits.shape, logits.dtype)``) added to the
-    logits, with `argmax` in place of ``jnp.argmax`` (faster on XLA:CPU, see `argmax`;
+    logits, with `argmax` in place of ``jnp.argmax`` (reduces XLA:CPU vectorizes, see `argmax`;
     tests/test_sampling.py holds it to ``jax.random.categorical``)."""
     return argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)

@@ -91,7 +91,8 @@ def load_target_with_tokenizer(c: GenerateSettings):
 def use_cpu_attention() -> bool:
     """Whether a target that runs on the CPU kernel's matmul (`use_cpu_kernel`) also attends
     through `specjax.kernels.decode_attention`: when that kernel was built with its AVX-512 body
-    (its portable body is slower than XLA's einsum)."""
+    (the portable body runs only where a config sets ``cpu_attention=True``; timings:
+    experiments/batch_decode/README.md, "The attention kernel")."""
     from specjax import kernels
     return kernels.attention_fast_on_this_cpu()
 

@@ -151,8 +151,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], *, key, sampling: 
     With ``slots`` the requests go through `specjax.serving.generate_offline` with up to
     `batch_size` rows per prompt-width group: a row whose request ends (EOS or max_new_tokens)
     is refilled with the next request after at most 16 rounds (one host round trip per 16), so
-    no row idles until the longest of its batch ends; the same sequences, but not faster on the
-    CPU (experiments/data_engine/results/2026-12-04-refill), so not the default.
+    no row idles until the longest of its batch ends; the same sequences. Not the default
+    (the comparison on the CPU: experiments/data_engine/results/2026-12-04-refill).
 
     Request r (prompt r // samples_per_prompt) samples with ``fold_in(key, r)``, so the data
     does not depend on the batching. Returns prompt + continuation (EOS included when reached).

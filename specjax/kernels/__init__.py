@@ -6,9 +6,9 @@ stored as 32-column panels ``[ceil(n / 32), D, 32]`` (`pack`). On the CPU backen
 kernel built (``pip install`` compiles ``panel_matmul.cc``; it is optional) and float32
 operands, it is one XLA custom call that streams every weight once for up to 8 rows and
 splits the panels over XLA's own intra-op threads; a verification block of k <= 8 tokens then
-costs about what one token does (experiments/bench_speed/PROFILE.md, "Verification nearly
-free"). Anywhere else (another backend, another dtype, no kernel) it is the same product as
-an einsum over the panels, so a packed model runs on any platform.
+reads the weights once, as a one-token step does (timings: experiments/bench_speed/PROFILE.md,
+"Verification nearly free"). Anywhere else (another backend, another dtype, no kernel) it is
+the same product as an einsum over the panels, so a packed model runs on any platform.
 
 Each output row of the kernel is bitwise independent of the other rows of the call (see the
 .cc file's header); the einsum path is not guaranteed to be.
@@ -32,8 +32,8 @@ ATTENTION_TARGET = "specjax_decode_attention"
 # The most new tokens per row `decode_attention` takes (decode steps and verification blocks;
 # a prefill chunk is a matrix product XLA's own library does better).
 ATTENTION_MAX_TOKENS = 16
-# The fewest rows `decode_attention` takes by default: below it XLA's einsum over a few rows is
-# as fast (experiments/batch_decode/results).
+# The fewest rows `decode_attention` takes by default: below it attention is XLA's einsum (the
+# threshold's timings: experiments/batch_decode/README.md, "The attention kernel").
 ATTENTION_MIN_ROWS = 16
 ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
@@ -268,8 +268,9 @@ def attention_built() -> bool:
 
 
 def attention_fast_on_this_cpu() -> bool:
-    """The attention kernel is built with its AVX-512 body for this CPU (its portable body is
-    correct but slower than XLA's einsum, so ``cpu_kernel='auto'`` uses it only here)."""
+    """The attention kernel is built with its AVX-512 body for this CPU: the one body a target
+    attends through by default (``cpu_kernel='auto'``); the portable body is correct and runs
+    only where a config sets ``cpu_attention=True``."""
     return attention_built() and int(_library().SpecjaxAttentionIsa()) == 2
 
 

@@ -29,7 +29,7 @@ layout it reads:
 * ``packed_projections=True`` (with ``scan_layers=False``): every projection [in, out] is held
   as 32-column panels [ceil(out / 32), in, 32] (`specjax.kernels.pack`) and multiplied by
   `specjax.kernels.matmul`, a CPU custom call that streams each weight once for up to 8 rows,
-  so a k-token verification block costs about one token's step; the params gain
+  so a k-token verification block reads the weights once, as a one-token step does; the params gain
   ``head_panels``, the panels of the LM head (the embedding or ``lm_head`` stays for lookups,
   drafters and export). Off the CPU backend the same panels go through an einsum.
 
@@ -492,6 +492,227 @@ def _describe(layers) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The trunk's pieces (`Llama.trunk` calls them in this order).
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """What every layer of one trunk call shares: where the block is written and what it sees.
+
+    ``limit``: attention reads cache slots [0, limit) only (chunked prefill's bound on the
+    committed lengths; None: all). ``past_capacity``: the committed slots a layer reads (None:
+    nothing committed to attend to: no cache, or limit 0). ``masks`` and ``ropes``: per layer
+    variant, its visibility (None: causal) and its (cos, sin); ``variant_L``: each layer's variant.
+    """
+    lengths_B: jax.Array | None        # int32 committed lengths (None: no cache)
+    write_at_B: jax.Array | None       # the slot of the block's first token (None: no cache)
+    limit: int | None
+    past_capacity: int | None
+    write_first: bool                  # write-then-attend (`ModelConfig.write_then_attend`)
+    masks: tuple
+    ropes: tuple
+    variant_L: tuple[int, ...]
+
+
+def _block_shape(config: ModelConfig, tokens_BT, inputs_BTD):
+    """(tokens_BT as int32 or None, B, T) of a trunk call, its inputs' shapes checked."""
+    if inputs_BTD is None:
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        if tokens_BT.ndim != 2:
+            raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
+        return (tokens_BT, *tokens_BT.shape)
+    if jnp.ndim(inputs_BTD) != 3 or jnp.shape(inputs_BTD)[2] != config.hidden_size:
+        raise ValueError(f"inputs_BTD must be [batch, time, {config.hidden_size}], got {jnp.shape(inputs_BTD)}")
+    return (tokens_BT, *jnp.shape(inputs_BTD)[:2])
+
+
+def _layer_indices(config: ModelConfig, collect) -> tuple[int, ...]:
+    """Feature layers as 0-based indices (-1 = the last layer)."""
+    L = config.num_layers
+    collect = tuple(int(i) % L if -L <= int(i) < L else None for i in collect)
+    if None in collect:
+        raise ValueError(f"feature layers must be in [-{L}, {L}), the model's layers")
+    return collect
+
+
+def _check_tree(tree, cache, num_valid_B, B: int, T: int) -> None:
+    """Raise ValueError unless ``tree`` can be the block of tokens [B, T] of a cached call."""
+    if cache is None:
+        raise ValueError("tree= needs a cache: tree entries are written past its committed "
+                         "length (for a cache-free forward, pass tree=None)")
+    if num_valid_B is not None:
+        raise ValueError("tree= and num_valid_B cannot be combined: a tree call never "
+                         "advances the committed length (commit a path with "
+                         "cache.commit_path)")
+    pos_shape, vis_shape = jnp.shape(tree.rel_positions_BT), jnp.shape(tree.visible_BTW)
+    if pos_shape != (B, T) or len(vis_shape) != 3 or vis_shape[:2] != (B, T) \
+            or vis_shape[2] < T:
+        raise ValueError(f"a tree block for tokens [{B}, {T}] needs rel_positions_BT "
+                         f"[{B}, {T}] and visible_BTW [{B}, {T}, offset + {T}], got "
+                         f"{pos_shape} and {vis_shape}")
+
+
+def _embed(config: ModelConfig, params, tokens_BT, inputs_BTD):
+    """The first layer's input [B, T, D] in the model dtype: the tokens' embedding (scaled by
+    sqrt(D) with ``scale_embeddings``), or ``inputs_BTD`` when given."""
+    c = config
+    if inputs_BTD is not None:
+        return jnp.asarray(inputs_BTD).astype(c.jnp_dtype)
+    h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
+    if c.scale_embeddings:
+        h = h * jnp.asarray(np.sqrt(c.hidden_size), c.jnp_dtype)
+    return h
+
+
+def _positions(config: ModelConfig, cache, tree, B: int, T: int):
+    """(positions_BT, committed lengths_B or None without a cache), the cache checked against
+    the model and the block."""
+    c = config
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    if cache is None:
+        return jnp.broadcast_to(t_T[None, :], (B, T)), None
+    if cache.num_layers != c.num_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the model {c.num_layers}")
+    if cache.per_layer == c.scan_layers:
+        raise ValueError(
+            f"a {'per-layer' if cache.per_layer else 'stacked'} cache given to a model with "
+            f"scan_layers={c.scan_layers}: make the cache with model.init_cache")
+    if cache.batch_size != B:
+        raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
+    lengths = cache.lengths_B.astype(jnp.int32)
+    positions = lengths[:, None] + (
+        t_T[None, :] if tree is None else jnp.asarray(tree.rel_positions_BT, jnp.int32))
+    return positions, lengths
+
+
+def _block(config: ModelConfig, cache, tree, B: int, T: int) -> _Block:
+    """The `_Block` of a trunk call (positions from `_positions`).
+
+    Layer variants: (window, local RoPE) per layer; each distinct one gets its visibility and
+    RoPE tables once. A model without windows has one variant: the plain program.
+    """
+    c = config
+    positions, lengths = _positions(c, cache, tree, B, T)
+    write_at, tree_mask = lengths, None            # tree_mask: None (causal) or the tree's
+    limit = None if cache is None else getattr(cache, "attend_limit", None)
+    if limit is not None and tree is not None:
+        raise ValueError("a cache with an attend limit (a prefill chunk) cannot take a tree block")
+    if tree is not None:
+        tree_mask = tree_attention_mask(tree, lengths, cache.capacity)
+        write_at = lengths + tree.offset
+    variant_of = [(w, bool(w) and c.has_local_rope) for w in c.layer_windows]
+    variants = sorted(set(variant_of))
+    past_capacity = None if cache is None or limit == 0 else (cache.capacity if limit is None else limit)
+    masks, ropes = [], []
+    for w, local in variants:
+        if w:
+            masks.append(window_mask(tree_mask, positions, lengths if past_capacity else None,
+                                     past_capacity, w))
+        else:
+            masks.append(tree_mask)
+        ropes.append(rope_cos_sin(c, positions, local))
+    # Write-then-attend: each unrolled layer writes its block into its own buffer, then attends
+    # over the buffer's slots. Not for a prefill chunk's bounded read or the CPU decode kernel
+    # (which reads the committed slots and the block's own keys). (XLA:CPU copies the buffers
+    # under it, so the CPU profile keeps it off.)
+    write_first = (c.write_then_attend and not c.scan_layers and cache is not None and limit is None
+                   and not (c.cpu_attention and c.plain_attention))
+    if write_first:
+        masks = [written_visibility(m, lengths, write_at, T, cache.capacity) for m in masks]
+    return _Block(lengths_B=lengths, write_at_B=write_at, limit=limit, past_capacity=past_capacity,
+                  write_first=write_first, masks=tuple(masks), ropes=tuple(ropes),
+                  variant_L=tuple(variants.index(v) for v in variant_of))
+
+
+def _run_layer(config: ModelConfig, block: _Block, lp, h_BTD, k_BKSH, v_BKHS, mask, cos_sin):
+    """`_layer` over this layer's cache buffers (the committed slots it may read) and ``block``."""
+    if block.past_capacity is None:        # nothing committed to attend to
+        past = None
+    elif block.limit is not None:
+        past = (k_BKSH[:, :, :block.limit], v_BKHS[..., :block.limit], block.lengths_B)
+    else:
+        past = (k_BKSH, v_BKHS, block.lengths_B)
+    return _layer(config, lp, h_BTD, *cos_sin, past, mask, block.write_at_B if block.write_first else None)
+
+
+def _scan_variant_picker(block: _Block, B: int, T: int):
+    """(pick, index_L) for the scanned layers: ``pick(i)`` is (mask, (cos, sin)) of the layer
+    whose scanned input is ``i`` (``index_L[layer]``, None with a single variant). With several
+    variants the visibilities (causal made explicit) and RoPE tables are stacked and indexed by
+    layer."""
+    masks, ropes, past_capacity = block.masks, block.ropes, block.past_capacity
+    if len(masks) == 1:
+        return (lambda i: (masks[0], ropes[0])), None
+    full = [m if m is not None else causal_mask_for(block.lengths_B if past_capacity else None, T,
+                                                    past_capacity)
+            for m in masks]
+    stacked_past = None if past_capacity is None else jnp.stack(
+        [jnp.broadcast_to(m[0], (B, T, past_capacity)) for m in full])
+    stacked_new = jnp.stack([jnp.broadcast_to(m[1], (B, T, T)) for m in full])
+    stacked_cos = jnp.stack([r[0] for r in ropes])
+    stacked_sin = jnp.stack([r[1] for r in ropes])
+
+    def pick(i):
+        mask = (None if stacked_past is None else stacked_past[i], stacked_new[i])
+        return mask, (stacked_cos[i], stacked_sin[i])
+
+    return pick, jnp.asarray(block.variant_L, jnp.int32)
+
+
+def _scanned_layers(config: ModelConfig, layers, h_BTD, cache, block: _Block, collect):
+    """The stacked layers under one `lax.scan`: (output, {layer: its output for layers in
+    ``collect``}, k_buf, v_buf: the cache's buffers with the block written, None without a cache)."""
+    B, T = h_BTD.shape[:2]
+    pick, index_L = _scan_variant_picker(block, B, T)
+
+    def body(h, xs):
+        lp, k_BKSH, v_BKHS, i = xs
+        mask, cos_sin = pick(i)
+        h, new_kv = _run_layer(config, block, lp, h, k_BKSH, v_BKHS, mask, cos_sin)
+        return h, (new_kv, h) if collect else new_kv
+
+    xs = (layers, None, None, index_L) if cache is None else (layers, cache.k, cache.v, index_L)
+    h_BTD, ys = jax.lax.scan(body, h_BTD, xs)      # kv: [L, B, T, K, H]
+    (k_new, v_new), h_L = ys if collect else (ys, None)
+    collected = {i: h_L[i] for i in collect}
+    if cache is None:
+        return h_BTD, collected, None, None
+    return (h_BTD, collected, *write_kv(cache.k, cache.v, k_new, v_new, block.write_at_B))
+
+
+def _unrolled_layers(config: ModelConfig, layers, h_BTD, cache, block: _Block, collect):
+    """The per-layer dicts in a Python loop; returns what `_scanned_layers` does (the buffers
+    as tuples of per-layer buffers)."""
+    collected, ks, vs = {}, [], []
+    for i, lp in enumerate(layers):
+        mask, cos_sin = block.masks[block.variant_L[i]], block.ropes[block.variant_L[i]]
+        if cache is None:
+            h_BTD, _ = _run_layer(config, block, lp, h_BTD, None, None, mask, cos_sin)
+        else:
+            k_i, v_i = cache.layer(i)
+            h_BTD, (k, v) = _run_layer(config, block, lp, h_BTD, k_i, v_i, mask, cos_sin)
+            # Each layer writes its own buffer (after reading it, unless it wrote first): in
+            # place when donated.
+            k_i, v_i = (k, v) if block.write_first else write_kv(k_i, v_i, k, v, block.write_at_B)
+            ks.append(k_i)
+            vs.append(v_i)
+        if i in collect:
+            collected[i] = h_BTD
+    return h_BTD, collected, tuple(ks), tuple(vs)
+
+
+def _updated_cache(cache, k_buf, v_buf, lengths_B, tree, num_valid_B, B: int, T: int):
+    """The cache after a trunk call: the written buffers, and the committed length advanced by
+    ``num_valid_B`` (default T), or unchanged for a tree block (tentative entries)."""
+    if tree is not None:
+        return cache.replace(k=k_buf, v=v_buf, lengths_B=lengths_B)
+    if cache is None:
+        return None
+    n = T if num_valid_B is None else num_valid_B
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    return cache.replace(k=k_buf, v=v_buf, lengths_B=lengths_B + n)
+
+
+# ---------------------------------------------------------------------------------------
 # The model object (protocol implementation).
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -626,159 +847,16 @@ class Llama:
         """
         c = self.config
         self.check_params(params)
-        if inputs_BTD is None:
-            tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
-            if tokens_BT.ndim != 2:
-                raise ValueError(f"tokens_BT must be [batch, time], got shape {tokens_BT.shape}")
-            B, T = tokens_BT.shape
-        else:
-            if jnp.ndim(inputs_BTD) != 3 or jnp.shape(inputs_BTD)[2] != c.hidden_size:
-                raise ValueError(f"inputs_BTD must be [batch, time, {c.hidden_size}], got {jnp.shape(inputs_BTD)}")
-            B, T = jnp.shape(inputs_BTD)[:2]
-        collect = tuple(int(i) % c.num_layers if -c.num_layers <= int(i) < c.num_layers else None
-                        for i in collect)
-        if None in collect:
-            raise ValueError(f"feature layers must be in [-{c.num_layers}, {c.num_layers}), the model's layers")
+        tokens_BT, B, T = _block_shape(c, tokens_BT, inputs_BTD)
+        collect = _layer_indices(c, collect)
         if tree is not None:
-            if cache is None:
-                raise ValueError("tree= needs a cache: tree entries are written past its committed "
-                                 "length (for a cache-free forward, pass tree=None)")
-            if num_valid_B is not None:
-                raise ValueError("tree= and num_valid_B cannot be combined: a tree call never "
-                                 "advances the committed length (commit a path with "
-                                 "cache.commit_path)")
-            pos_shape, vis_shape = jnp.shape(tree.rel_positions_BT), jnp.shape(tree.visible_BTW)
-            if pos_shape != (B, T) or len(vis_shape) != 3 or vis_shape[:2] != (B, T) \
-                    or vis_shape[2] < T:
-                raise ValueError(f"a tree block for tokens [{B}, {T}] needs rel_positions_BT "
-                                 f"[{B}, {T}] and visible_BTW [{B}, {T}, offset + {T}], got "
-                                 f"{pos_shape} and {vis_shape}")
-        if inputs_BTD is None:
-            h = jnp.take(params["embed"], tokens_BT, axis=0).astype(c.jnp_dtype)
-            if c.scale_embeddings:
-                h = h * jnp.asarray(np.sqrt(c.hidden_size), c.jnp_dtype)
-        else:
-            h = jnp.asarray(inputs_BTD).astype(c.jnp_dtype)
-        t_T = jnp.arange(T, dtype=jnp.int32)
-        if cache is None:
-            positions = jnp.broadcast_to(t_T[None, :], (B, T))
-            lengths = None
-        else:
-            if cache.num_layers != c.num_layers:
-                raise ValueError(f"cache has {cache.num_layers} layers, the model {c.num_layers}")
-            if cache.per_layer == c.scan_layers:
-                raise ValueError(
-                    f"a {'per-layer' if cache.per_layer else 'stacked'} cache given to a model with "
-                    f"scan_layers={c.scan_layers}: make the cache with model.init_cache")
-            if cache.batch_size != B:
-                raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
-            lengths = cache.lengths_B.astype(jnp.int32)
-            positions = lengths[:, None] + (
-                t_T[None, :] if tree is None else jnp.asarray(tree.rel_positions_BT, jnp.int32))
-        # write_at: the slot of the block's first token; tree_mask: None (causal) or the tree's.
-        write_at, tree_mask = lengths, None
-        # limit: attention reads cache slots [0, limit) only (chunked prefill's bound on the
-        # committed lengths); None reads the whole capacity.
-        limit = None if cache is None else getattr(cache, "attend_limit", None)
-        if limit is not None and tree is not None:
-            raise ValueError("a cache with an attend limit (a prefill chunk) cannot take a tree block")
-        if tree is not None:
-            tree_mask = tree_attention_mask(tree, lengths, cache.capacity)
-            write_at = lengths + tree.offset
-        # Layer variants: (window, local RoPE) per layer; each distinct one gets its visibility
-        # and RoPE tables once. A model without windows has one variant: the plain program.
-        windows = c.layer_windows
-        variant_of = [(w, bool(w) and c.has_local_rope) for w in windows]
-        variants = sorted(set(variant_of))
-        past_capacity = None if cache is None or limit == 0 else (cache.capacity if limit is None else limit)
-        masks, ropes = [], []
-        for w, local in variants:
-            if w:
-                masks.append(window_mask(tree_mask, positions, lengths if past_capacity else None,
-                                         past_capacity, w))
-            else:
-                masks.append(tree_mask)
-            ropes.append(rope_cos_sin(c, positions, local))
-        layer_variant = [variants.index(v) for v in variant_of]
-        layers = params["layers"]
-        # Write-then-attend (`ModelConfig.write_then_attend`): each unrolled layer writes its
-        # block into its own buffer, then attends over the buffer's slots. Not for a prefill
-        # chunk's bounded read or the CPU decode kernel (which reads the committed slots and the
-        # block's own keys). (XLA:CPU copies the buffers under it, so the CPU profile keeps it off.)
-        write_first = (c.write_then_attend and not c.scan_layers and cache is not None and limit is None
-                       and not (c.cpu_attention and c.plain_attention))
-        if write_first:
-            masks = [written_visibility(m, lengths, write_at, T, cache.capacity) for m in masks]
-
-        def run_layer(lp, h, k_BKSH, v_BKHS, mask, cos_sin):
-            if cache is None or limit == 0:       # nothing committed to attend to
-                past = None
-            elif limit is not None:
-                past = (k_BKSH[:, :, :limit], v_BKHS[..., :limit], lengths)
-            else:
-                past = (k_BKSH, v_BKHS, lengths)
-            return _layer(c, lp, h, *cos_sin, past, mask, write_at if write_first else None)
-
-        collected = {}
-        if c.scan_layers:
-            if len(variants) == 1:
-                pick = lambda i: (masks[0], ropes[0])      # noqa: E731
-                index_L = None
-            else:        # per-layer variants inside the scan: stack them, index by layer
-                T_vis = positions.shape[1]
-                full = [m if m is not None else causal_mask_for(lengths if past_capacity else None, T_vis,
-                                                                past_capacity)
-                        for m in masks]
-                stacked_past = None if past_capacity is None else jnp.stack(
-                    [jnp.broadcast_to(m[0], (B, T_vis, past_capacity)) for m in full])
-                stacked_new = jnp.stack([jnp.broadcast_to(m[1], (B, T_vis, T_vis)) for m in full])
-                stacked_cos = jnp.stack([r[0] for r in ropes])
-                stacked_sin = jnp.stack([r[1] for r in ropes])
-                index_L = jnp.asarray(layer_variant, jnp.int32)
-
-                def pick(i):
-                    mask = (None if stacked_past is None else stacked_past[i], stacked_new[i])
-                    return mask, (stacked_cos[i], stacked_sin[i])
-
-            def body(h, xs):
-                lp, k_BKSH, v_BKHS, i = xs
-                mask, cos_sin = pick(i)
-                h, new_kv = run_layer(lp, h, k_BKSH, v_BKHS, mask, cos_sin)
-                return h, (new_kv, h) if collect else new_kv
-
-            xs = (layers, None, None, index_L) if cache is None else (layers, cache.k, cache.v, index_L)
-            h, ys = jax.lax.scan(body, h, xs)      # kv: [L, B, T, K, H]
-            (k_new, v_new), h_L = ys if collect else (ys, None)
-            for i in collect:
-                collected[i] = h_L[i]
-            if cache is not None:
-                k_buf, v_buf = write_kv(cache.k, cache.v, k_new, v_new, write_at)
-        else:
-            ks, vs = [], []
-            for i, lp in enumerate(layers):
-                mask, cos_sin = masks[layer_variant[i]], ropes[layer_variant[i]]
-                if cache is None:
-                    h, _ = run_layer(lp, h, None, None, mask, cos_sin)
-                else:
-                    k_i, v_i = cache.layer(i)
-                    h, (k, v) = run_layer(lp, h, k_i, v_i, mask, cos_sin)
-                    # Each layer writes its own buffer (after reading it, unless it wrote
-                    # first): in place when donated.
-                    k_i, v_i = (k, v) if write_first else write_kv(k_i, v_i, k, v, write_at)
-                    ks.append(k_i)
-                    vs.append(v_i)
-                if i in collect:
-                    collected[i] = h
-            k_buf, v_buf = tuple(ks), tuple(vs)
-
+            _check_tree(tree, cache, num_valid_B, B, T)
+        h = _embed(c, params, tokens_BT, inputs_BTD)
+        block = _block(c, cache, tree, B, T)
+        layers = _scanned_layers if c.scan_layers else _unrolled_layers
+        h, collected, k_buf, v_buf = layers(c, params["layers"], h, cache, block, collect)
         feats = tuple(collected[i] for i in collect)
-        if tree is not None:          # tentative entries: the committed length stays
-            cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths)
-        elif cache is not None:
-            n = T if num_valid_B is None else num_valid_B
-            n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
-            cache = cache.replace(k=k_buf, v=v_buf, lengths_B=lengths + n)
-        return h, feats, cache
+        return h, feats, _updated_cache(cache, k_buf, v_buf, block.lengths_B, tree, num_valid_B, B, T)
 
     def logits_from_hidden(self, params, h_BTD):
         """The LM head: float32 logits [B, T, V] from final hidden states (soft-capped with

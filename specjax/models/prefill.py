@@ -2,13 +2,13 @@
 
 One call over a P-token prompt builds attention scores for every (query, cache slot) pair at
 once: P x capacity per head and layer, which for a prompt near an 8k context is gigabytes of
-temporaries (issue 18: a 5,332-token prompt used 11.7 GB). Chunks of at most `chunk` tokens
-bound the temporaries by chunk x capacity, whatever the prompt length, and with a fresh cache
-(``start_bound=0``) each chunk reads only the slots before it, so the work is the causal
-triangle, not prompt x capacity; the arithmetic is the
-same causal attention, so the cache holds the same entries up to float rounding (the softmax
-of a query is summed in pieces). A prompt no longer than `chunk` runs as one call, exactly the
-program of a plain `apply` (reading only the committed slots when the entry lengths are bounded).
+temporaries (issue 18). Chunks of at most `chunk` tokens bound the temporaries by chunk x
+capacity, whatever the prompt length, and with a fresh cache (``start_bound=0``) each chunk
+reads only the slots before it, so the work is the causal triangle, not prompt x capacity;
+the arithmetic is the same causal attention, so the cache holds the same entries up to float
+rounding (the softmax of a query is summed in pieces). A prompt no longer than `chunk` runs as
+one call, exactly the program of a plain `apply` (reading only the committed slots when the
+entry lengths are bounded).
 
 Works for any model of the `apply` protocol: chunk j is applied with ``num_valid_B`` clipped
 to the row's remaining valid tokens, so a short row's later chunks are written past its length

@@ -161,7 +161,7 @@ def resolve(name_or_path: str = DEFAULT_MODEL, *, verify: bool = False) -> pathl
 
     A known model's cached file is rehashed when it changed in any way (size, mtime, inode
     change time, inode) since it was last hashed; `verify=True` rehashes it on every call
-    (about 0.06 s for the 98 MB SmolLM2 file from the page cache), as does the environment
+    (one full read of the file, through `specjax.files.file_sha256`), as does the environment
     variable ``SPECJAX_VERIFY_MODELS=1`` (for the command line). A cached file whose bytes
     differ from the recorded sha256 raises ModelIntegrityError naming the file and both hashes:
     it is never used, and never silently replaced. A cache that cannot be written (read-only
