@@ -36,8 +36,10 @@ MAX_CACHE_BYTES = 4 << 30
 
 
 @dataclasses.dataclass
-class RequestResult:
-    """One request's continuation: ``index`` into the prompts given, its generated ids and status."""
+class BatchedResult:
+    """One request's continuation from `generate_batched`: ``index`` into the prompts given, its
+    generated ids and status (a served request's result, with its times and counters, is
+    `specjax.serving.RequestResult`)."""
     index: int
     tokens: list[int]
     status: str
@@ -101,7 +103,7 @@ def generate_batched(engine: Engine, params: EngineParams, prompts: Sequence[Seq
                      pad_multiple: int = 64, request_ids: Sequence[int] | None = None,
                      max_cache_bytes: int = MAX_CACHE_BYTES, sort_by_length: bool = True,
                      section: Callable[[str], ContextManager] | None = None,
-                     ) -> Iterator[tuple[list[RequestResult], BatchReport]]:
+                     ) -> Iterator[tuple[list[BatchedResult], BatchReport]]:
     """Run every prompt (token ids) through ``engine``, batch by batch (`plan_batches`); yields
     each batch's results (in the batch's order) and its `BatchReport` as soon as it is done, so
     a caller can write them out and resume. Request r is keyed by ``request_ids[r]`` (default r).
@@ -131,7 +133,7 @@ def generate_batched(engine: Engine, params: EngineParams, prompts: Sequence[Seq
         t2 = time.perf_counter()
         del pre
         generated = out.generated()
-        results = [RequestResult(index=i, tokens=generated[j], status=STATUS_NAMES[int(out.status_B[j])])
+        results = [BatchedResult(index=i, tokens=generated[j], status=STATUS_NAMES[int(out.status_B[j])])
                    for j, i in enumerate(batch_rows)]
         report = BatchReport(rows=len(batch_rows), width=int(batch.prompt_BP.shape[1]), capacity=batch.capacity,
                              prompt_tokens=int(np.sum(out.prompt_lengths_B)),

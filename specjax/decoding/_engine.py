@@ -2,7 +2,8 @@
 
 `Engine(target, drafter, config)` holds the statics (models, drafter, generation config) and
 is hashable, so its methods are jitted with ``self`` static; weights travel as arguments
-(`EngineParams`), never as closure constants. Every entry point runs the same `_round`:
+(`EngineParams`), never as closure constants. Every entry point runs the same round, that of
+the `RoundPipeline` the engine holds (``engine.pipeline``):
 
     prefill(params, batch)              target cache (and drafter state) -> Prefill   jitted
     init(params, batch, prefill=)       prefill (or take one) -> LoopState          jitted
@@ -11,23 +12,24 @@ is hashable, so its methods are jitted with ``self`` static; weights travel as a
     stream(params, sampling, batch)     init + step per host call, yields StreamEvents
     round_times(params, sampling, batch)  measured seconds of one round per gamma (adaptive)
 
-Modules: the round's stages (`_round.RoundStages`, which `Engine` extends), the loop state and
-outputs (`_state`), slot refilling (`_slots`), round timing (`_timing`), the adaptive policy
-(`_adaptive`); placement on a mesh is `specjax.sharding`'s, round-time tables `specjax.calibration`'s.
+Modules: the round pipeline (`_round`) and its chain and tree strategies (`_strategies`), the
+prefill (`_prefill`), the loop state and outputs (`_state`), slot refilling (`_slots`), round
+timing (`_timing`), the adaptive policy (`_adaptive`); placement on a mesh is
+`specjax.sharding`'s, round-time tables `specjax.calibration`'s.
 
 One round, in named stages (all on device, no host round trip):
 
     key_B -> (draft, verify, next) per row              explicit split, every round
-    _propose     drafter.propose(context) -> tokens_BG, q_BGV as sampled
-    forward      target.apply([last, d_1..d_gamma])  -> p_BG1V, one (gamma+1)-token pass
-    _sanitize    non-finite q (round becomes gamma = 0), non-finite p (uniform stand-in)
-    _verify      verifier per row with its own key -> n_accepted_B, committed tokens
+    propose      the strategy (chain or tree) drafts -> tokens, q as sampled
+    score        target.apply([last, drafted tokens]) -> p, one pass
+    _sanitize    unusable q (round becomes gamma = 0), non-finite p (uniform stand-in)
+    _verify      the kind's verifier per row with its own key -> accepted path, committed tokens
     _finish      (shared by chain and tree rounds) `_truncate`: EOS, max_new_tokens, NaN
                  positions -> tokens committed, status, done; caches cut to the committed
                  prefix; tokens, features and metrics written; the Commit
 
-Token trees (`gamma` a `specjax.trees.TreeShape` or `DynamicTree`) run `_tree_round`, the same
-stages over a tree: the drafter's `propose_tree` drafts one tree per row, the target scores the
+Token trees (`gamma` a `specjax.trees.TreeShape` or `DynamicTree`) run the same pipeline with
+the tree strategy: the drafter's `propose_tree` drafts one tree per row, the target scores the
 root and every node in one pass (`models.TreeBlock`: positions by depth, an ancestor mask),
 the tree verifier picks a path, `_finish` cuts it as a linear block, and the accepted path's
 K/V move to the committed slots (`KVCache.commit_path`; the drafter's own cache through
@@ -62,10 +64,12 @@ from specjax import sampling as sampling_lib
 from specjax import trees as trees_lib
 from specjax import verify as verify_lib
 from specjax.decoding import _adaptive, _slots, _timing
-from specjax.decoding._round import RoundStages
+from specjax.decoding._prefill import init_draft, prefill_caches
+from specjax.decoding._round import RoundPipeline
 from specjax.decoding._state import (PAD_ID, Batch, Commit, EngineParams, GenerateOutput, LoopState, Metrics,
-                                     Prefill, StreamEvent, check_batch)
-from specjax.drafters import Drafter
+                                     Prefill, StreamEvent, check_batch, constrain_state)
+from specjax.decoding._strategies import draft_context
+from specjax.drafters import Capabilities, Drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +177,9 @@ class GenerationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Engine(RoundStages):
+class Engine:
     """Target, drafter (None for target-only decoding) and generation config; see the module doc.
-    The round's stages come from `RoundStages` (`_round.py`); this class holds the loop."""
+    Holds the round (`pipeline`, a `RoundPipeline` of the same three) and runs the loop around it."""
     target: models.DecoderModel
     drafter: Drafter | None
     config: GenerationConfig
@@ -184,8 +188,12 @@ class Engine(RoundStages):
     # batches on it. Sampling keys are per request, so tokens do not depend on the mesh.
     mesh: Any = None
     rules: Any = None
+    # The round every entry point runs; made from (target, drafter, config), so it takes no part
+    # in the engine's equality and hash.
+    pipeline: RoundPipeline = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "pipeline", RoundPipeline(self.target, self.drafter, self.config))
         if self.config.max_gamma > 0 and self.drafter is None:
             raise ValueError("gamma > 0 needs a drafter")
         if self.drafter is not None and self.drafter.vocab_size != self.target.vocab_size:
@@ -205,10 +213,28 @@ class Engine(RoundStages):
             raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
                              f"but the target model {type(self.target).__name__} cannot return them")
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the drafter declared it needs and offers (`specjax.drafters.Capabilities`); a
+        target-only engine (no drafter, or gamma 0 only) needs nothing."""
+        return self.pipeline.capabilities
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose features the drafter reads (empty: none kept)."""
+        return self.pipeline.feature_layers
+
+    @property
+    def regimes(self) -> int:
+        """The drafter's draft sources that adaptive gamma tells apart (`_adaptive` module doc)."""
+        return self.capabilities.regimes
+
+    # ------------------------------------------------------------------ the loop (traced)
+
     def _step(self, params, sampling, state):
         """One round, with gamma fixed or chosen by the adaptive policy."""
         if not self.config.adaptive:
-            state, commit, _, _ = self._round(params, sampling, self.config.gamma, state)
+            state, commit, _, _ = self.pipeline.run(params, sampling, self.config.gamma, state)
             return self._constrain(state), commit
         chosen, probe, regime, regime_B = self._choose(state)
         branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe, regime, regime_B)
@@ -216,26 +242,8 @@ class Engine(RoundStages):
         return jax.lax.switch(chosen, branches, state)
 
     def _prefill(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft=True):
-        """(target cache, drafter state or None) after the prompts: every prompt token but the
-        last enters the caches (the last is the first round's input)."""
-        B = prompt_BP.shape[0]
-        # The barrier keeps XLA from constant-folding the prefill over an all-zeros cache (it
-        # otherwise spends tens of seconds of compile time folding attention over constants).
-        cache = jax.lax.optimization_barrier(self.target.init_cache(B, capacity))
-        layers = self.feature_layers or None
-        out = models.prefill(self.target, params.target, prompt_BP, cache, prompt_lengths_B - 1,
-                             self.config.prefill_chunk, start_bound=0, feature_layers=layers)
-        cache, f_BPF = out if layers else (out, None)
-        features_BSF = (None if f_BPF is None else
-                        jnp.zeros((B, capacity, f_BPF.shape[-1]), f_BPF.dtype).at[:, :prompt_BP.shape[1]].set(f_BPF))
-        draft_state = (self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
-                       if with_draft and self.config.max_gamma > 0 else None)
-        return cache, draft_state, features_BSF
-
-    def _drafter_init(self, params, prompt_BP, prompt_lengths_B, capacity, f_BPF):
-        if self.feature_layers:
-            return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity, features_BPF=f_BPF)
-        return self.drafter.init(params.draft, prompt_BP, prompt_lengths_B, capacity)
+        """(target cache, drafter state or None, features or None) after the prompts (`_prefill`)."""
+        return prefill_caches(self, params, prompt_BP, prompt_lengths_B, capacity, with_draft)
 
     def _init(self, params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None):
         """The loop state after prefill; ``pre`` = (target cache, drafter state or None) from
@@ -250,7 +258,7 @@ class Engine(RoundStages):
                 draft_state = None
             elif draft_state is None:
                 f_BPF = None if features_BSF is None else features_BSF[:, :P]
-                draft_state = self._drafter_init(params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
+                draft_state = init_draft(self, params, prompt_BP, prompt_lengths_B, capacity, f_BPF)
             if not self.feature_layers:
                 features_BSF = None
         policy = _adaptive.init_policy(self.config.gamma, round_time_RZ) if self.config.adaptive else None
@@ -261,11 +269,134 @@ class Engine(RoundStages):
                          policy=policy, round=jnp.int32(0), features_BSF=features_BSF))
 
     def _constrain(self, state):
-        """The loop state pinned to the mesh (identity without one; `sharding.constrain_loop_state`)."""
-        if self.mesh is None:
-            return state
-        from specjax import sharding
-        return sharding.constrain_loop_state(state, self.mesh, self.rules or sharding.DEFAULT_RULES)
+        """The loop state pinned to the mesh (identity without one; `_state.constrain_state`)."""
+        return constrain_state(state, self.mesh, self.rules)
+
+    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None,
+             with_state: bool = False):
+        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity=capacity, pre=pre)
+        max_rounds = self.config.max_rounds or self.config.max_new_tokens
+
+        def cond(s):
+            return (~jnp.all(s.done_B)) & (s.round < max_rounds)
+
+        policy = self.config.gamma if self.config.adaptive else None
+        if policy is None or not _adaptive._is_zero(policy.gammas[0]) or len(policy.gammas) == 1:
+            state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
+            return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
+
+        # Adaptive gamma with gamma 0 among the choices: the rounds the policy runs at gamma 0
+        # go through an inner loop of plain gamma-0 rounds, and only the others through the
+        # `lax.switch` of `_step`. The same rounds in the same order (same keys, same policy
+        # updates), but a switch carries copies of the caches that a plain round does not
+        # (measured: experiments/bench_speed/results/2026-12-02-head-intel-xeon/NOTES.md), and
+        # most rounds of a draft that does not pay are at gamma 0.
+        def zero_cond(s):
+            return cond(s) & (self._choose(s)[0] == 0)
+
+        def zero_round(s):
+            regime, regime_B = self._regime(s)
+            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, s)[0]
+
+        def body(s):
+            s = jax.lax.while_loop(zero_cond, zero_round, s)
+            # Then one round at the gamma the policy chooses now (not 0: a probe or a better
+            # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
+            chosen, probe, regime, regime_B = self._choose(s)
+            branches = [lambda s: s] + [
+                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, s)[0]
+                for g in policy.gammas]
+            return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
+
+        state = jax.lax.while_loop(cond, body, state)
+        return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
+
+    def _run_consuming(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre):
+        # `_run` that also returns the final caches: with ``pre`` donated, the loop's caches then
+        # alias the prefill's buffers (updated in place) instead of a copy beside them.
+        out, state = self._run(params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity,
+                               pre=pre, with_state=True)
+        return out, (state.target_cache, state.draft_state if pre[1] is not None else None,
+                     state.features_BSF if pre[2] is not None else None)
+
+    def _steps(self, params, sampling, state, n: int):
+        return jax.lax.scan(lambda s, _: self._step(params, sampling, s), state, None, length=n)
+
+    # ------------------------------------------------------------------ adaptive gamma (traced)
+
+    def _regime(self, state: LoopState):
+        """(the next round's batch regime, each row's regime [B]), from the committed tokens."""
+        B = state.lengths_B.shape[0]
+        if self.regimes == 1:
+            return jnp.int32(0), jnp.zeros((B,), jnp.int32)
+        regime_B = self.drafter.regime_B(draft_context(state)).astype(jnp.int32)
+        return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
+
+    def _choose(self, state):
+        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
+        regime, regime_B = self._regime(state)
+        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime)
+        return chosen, probe, regime, regime_B
+
+    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
+        """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
+        ``probe``, ``regime`` and ``regime_B`` as `_choose` gave them), with the round's
+        acceptance folded into each regime's estimate (its rows' tested positions)."""
+        state, commit, tested_sum_B, tested_n_B = self.pipeline.run(params, sampling, gamma, state)
+        in_BR = regime_B[:, None] == jnp.arange(self.regimes)[None]
+        sum_R = jnp.sum(jnp.where(in_BR, tested_sum_B[:, None], 0.0), axis=0)
+        n_R = jnp.sum(jnp.where(in_BR, tested_n_B[:, None], 0), axis=0)
+        policy = _adaptive.update(self.config.gamma, state.policy, chosen, probe, sum_R, n_R, regime)
+        return self._constrain(state.replace(policy=policy)), commit
+
+    def _chosen_round(self, params, sampling, index, state):
+        """`_step`'s adaptive round when the host already knows the policy's choice ``index``
+        (static: the previous round's ``Commit.next_index``, or `_first_choice`): that round
+        alone, compiled without the `lax.switch` over every candidate (and its copies of the
+        caches, see `_run`); the commit carries the next round's choice. Same keys, same policy
+        update, same state as `_step`."""
+        chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
+        state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
+                                           regime, regime_B, state)
+        return state, commit.replace(next_index=self._choose(state)[0])
+
+    def _first_choice(self, state):
+        return self._choose(state)[0]
+
+    # ------------------------------------------------------------------ compiled entry points
+
+    _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
+    _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
+    _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
+    _run_consuming_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity",
+                                           donate_argnames="pre")(_run_consuming)
+    _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
+    _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(_steps)
+    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
+    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
+
+    # ------------------------------------------------------------------ compiling without running
+
+    def state_shapes(self, params, batch_size: int, prompt_len: int, capacity: int):
+        """The loop state's shapes and dtypes (`jax.ShapeDtypeStruct`s) for a batch of
+        ``batch_size`` prompts padded to ``prompt_len`` in caches of ``capacity`` slots; ``params``
+        may be abstract. What `lower_step` takes (after a placement, `specjax.aot`)."""
+        prompt = jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch_size))
+        return jax.eval_shape(functools.partial(self._init, capacity=capacity), params, prompt, lengths, keys,
+                              self._round_time_RZ(None))
+
+    def lower_step(self, params, sampling, state):
+        """`step`'s program lowered for these (possibly abstract, sharded) arguments, to compile
+        without running it (`specjax.aot`)."""
+        return Engine._step_jit.lower(self, params, sampling, state)
+
+    def lower_prefill(self, params, prompt_BP, prompt_lengths_B, capacity: int):
+        """The target's prefill (`prefill`, without the drafter) lowered for these arguments."""
+        return Engine._prefill_jit.lower(self, params, prompt_BP, prompt_lengths_B, capacity=capacity, with_draft=False)
+
+    # ------------------------------------------------------------------ placement on a mesh
 
     def place(self, params: "EngineParams", batch: "Batch") -> tuple["EngineParams", "Batch"]:
         """Weights and batch on this engine's mesh (`place_params`, `place_batch`)."""
@@ -291,94 +422,7 @@ class Engine(RoundStages):
                                                     self.mesh, self.rules or sharding.DEFAULT_RULES)
         return Batch(prompt, lengths, keys, batch.capacity)
 
-    def _run(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre=None,
-             with_state: bool = False):
-        state = self._init(params, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity=capacity, pre=pre)
-        max_rounds = self.config.max_rounds or self.config.max_new_tokens
-
-        def cond(s):
-            return (~jnp.all(s.done_B)) & (s.round < max_rounds)
-
-        policy = self.config.gamma if self.config.adaptive else None
-        if policy is None or not _adaptive._is_zero(policy.gammas[0]) or len(policy.gammas) == 1:
-            state = jax.lax.while_loop(cond, lambda s: self._step(params, sampling, s)[0], state)
-            return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
-
-        # Adaptive gamma with gamma 0 among the choices: the rounds the policy runs at gamma 0
-        # go through an inner loop of plain gamma-0 rounds, and only the others through the
-        # `lax.switch` of `_step`. The same rounds in the same order (same keys, same policy
-        # updates), but a switch carrying the caches costs more per round than a plain round
-        # under the main command's XLA options (its copies; experiments/bench_speed/
-        # results/2026-12-02-head-intel-xeon/NOTES.md), and most rounds of a draft that does
-        # not pay are at gamma 0.
-        def zero_cond(s):
-            return cond(s) & (self._choose(s)[0] == 0)
-
-        def zero_round(s):
-            regime, regime_B = self._regime(s)
-            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, s)[0]
-
-        def body(s):
-            s = jax.lax.while_loop(zero_cond, zero_round, s)
-            # Then one round at the gamma the policy chooses now (not 0: a probe or a better
-            # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
-            chosen, probe, regime, regime_B = self._choose(s)
-            branches = [lambda s: s] + [
-                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, s)[0]
-                for g in policy.gammas]
-            return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
-
-        state = jax.lax.while_loop(cond, body, state)
-        return (GenerateOutput.from_state(state), state) if with_state else GenerateOutput.from_state(state)
-
-
-    # ------------------------------------------------------------------ compiled entry points
-
-    _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
-    _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
-    _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
-
-    def _run_consuming(self, params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity, pre):
-        # `_run` that also returns the final caches: with ``pre`` donated, the loop's caches then
-        # alias the prefill's buffers (updated in place) instead of a copy beside them.
-        out, state = self._run(params, sampling, prompt_BP, prompt_lengths_B, key_B, round_time_RZ, capacity,
-                               pre=pre, with_state=True)
-        return out, (state.target_cache, state.draft_state if pre[1] is not None else None,
-                     state.features_BSF if pre[2] is not None else None)
-
-    _run_consuming_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity",
-                                           donate_argnames="pre")(_run_consuming)
-    _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
-
-    def _steps(self, params, sampling, state, n: int):
-        return jax.lax.scan(lambda s, _: self._step(params, sampling, s), state, None, length=n)
-
-    _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(_steps)
-    _round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(RoundStages._round)
-    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(
-        RoundStages._chosen_round)
-    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(RoundStages._first_choice)
-
-    # ------------------------------------------------------------------ compiling without running
-
-    def state_shapes(self, params, batch_size: int, prompt_len: int, capacity: int):
-        """The loop state's shapes and dtypes (`jax.ShapeDtypeStruct`s) for a batch of
-        ``batch_size`` prompts padded to ``prompt_len`` in caches of ``capacity`` slots; ``params``
-        may be abstract. What `lower_step` takes (after a placement, `specjax.aot`)."""
-        prompt = jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32)
-        lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-        keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch_size))
-        return jax.eval_shape(functools.partial(self._init, capacity=capacity), params, prompt, lengths, keys,
-                              self._round_time_RZ(None))
-
-    def lower_step(self, params, sampling, state):
-        """`step`'s program lowered for these (possibly abstract, sharded) arguments, to compile
-        without running it (`specjax.aot`)."""
-        return Engine._step_jit.lower(self, params, sampling, state)
-
-    def lower_prefill(self, params, prompt_BP, prompt_lengths_B, capacity: int):
-        """The target's prefill (`prefill`, without the drafter) lowered for these arguments."""
-        return Engine._prefill_jit.lower(self, params, prompt_BP, prompt_lengths_B, capacity=capacity, with_draft=False)
+    # ------------------------------------------------------------------ the public entry points
 
     def _round_time_RZ(self, round_time_s):
         """[regimes, gammas] round times for the policy (`calibration.round_time_table`)."""
@@ -388,8 +432,11 @@ class Engine(RoundStages):
         check_batch(self.target, self.config, batch)
 
     def check(self, batch: Batch) -> None:
-        """Raise ValueError / `CacheCapacityError` for a batch this engine cannot run (see `_check`)."""
+        """Raise ValueError / `CacheCapacityError` for a batch this engine cannot run (`check_batch`)."""
         self._check(batch)
+
+    def _pre(self, batch: Batch, prefill: Prefill | None):
+        return None if prefill is None else prefill.parts(self.target, self.drafter, self.feature_layers, batch)
 
     def prefill(self, params: EngineParams, batch: Batch) -> Prefill:
         """The batch's prompts in the target's cache (and the drafter's state): pass it as
@@ -401,9 +448,6 @@ class Engine(RoundStages):
         return Prefill(batch=batch, target=self.target,
                        drafter=self.drafter if self.config.max_gamma > 0 else None,
                        target_cache=cache, draft_state=draft_state, features_BSF=features_BSF)
-
-    def _pre(self, batch: Batch, prefill: Prefill | None):
-        return None if prefill is None else prefill.parts(self.target, self.drafter, self.feature_layers, batch)
 
     def init(self, params: EngineParams, batch: Batch, round_time_s=None, prefill: Prefill | None = None) -> LoopState:
         """Prefill the target (and the drafter) on the batch, or take ``prefill``: the state
@@ -476,7 +520,6 @@ class Engine(RoundStages):
             if last:
                 return
 
-    # ------------------------------------------------------------------ slots (continuous batching)
 
     # ------------------------------------------------------------------ slots and round timing (own modules)
 
@@ -493,6 +536,3 @@ class Engine(RoundStages):
                     prefill: Prefill | None = None) -> list[float]:
         """Median seconds of one round per gamma (and draft source) on this batch (`_timing.round_times`)."""
         return _timing.round_times(self, params, sampling, batch, repeats, prefill)
-
-    def _time_rounds(self, params, sampling, batch, repeats, prefill):
-        return _timing.time_rounds(self, params, sampling, batch, repeats, prefill)

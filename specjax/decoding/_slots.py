@@ -1,6 +1,6 @@
 """Slots: a loop state whose rows take new requests as others finish (continuous batching).
 `specjax.serving`'s scheduler and `generate_offline` drive these through `Engine.empty_state`
-and `Engine.refill`."""
+and `Engine.refill`. Functions of an `Engine` that use only its public fields and methods."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding._state import PAD_ID, RUNNING, Batch, EngineParams, LoopState, _set_rows
+from specjax.decoding._prefill import prefill_caches
+from specjax.decoding._state import PAD_ID, RUNNING, Batch, EngineParams, LoopState, _set_rows, constrain_state
 
 
 def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
@@ -21,13 +22,13 @@ def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths
     (adaptive policy, round, gamma_rounds_Z) untouched."""
     capacity = state.tokens_BS.shape[1]
     P = prompt_1P.shape[1]
-    cache_1, draft_1, features_1 = engine._prefill(params, prompt_1P, prompt_lengths_1, capacity)
+    cache_1, draft_1, features_1 = prefill_caches(engine, params, prompt_1P, prompt_lengths_1, capacity)
     row = lambda big, one: None if one is None else _set_rows(big, one, slot)    # noqa: E731
     set_at = lambda x_B, v: x_B.at[slot].set(v)                                    # noqa: E731
     m = state.metrics
     metrics = m.replace(**{f.name: getattr(m, f.name).at[slot].set(0) for f in dataclasses.fields(m)
                            if f.name != "gamma_rounds_Z"})       # the batch-wide count stays
-    return engine._constrain(state.replace(
+    return constrain_state(state.replace(
         tokens_BS=row(state.tokens_BS, jnp.full((1, capacity), PAD_ID, jnp.int32).at[:, :P].set(prompt_1P)),
         lengths_B=set_at(state.lengths_B, prompt_lengths_1[0]),
         prompt_lengths_B=set_at(state.prompt_lengths_B, prompt_lengths_1[0]),
@@ -35,7 +36,8 @@ def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths
         target_cache=row(state.target_cache, cache_1),
         draft_state=row(state.draft_state, draft_1) if engine.config.max_gamma > 0 else state.draft_state,
         key_B=row(state.key_B, key_1), metrics=metrics,
-        features_BSF=row(state.features_BSF, features_1) if engine.feature_layers else state.features_BSF))
+        features_BSF=row(state.features_BSF, features_1) if engine.feature_layers else state.features_BSF),
+        engine.mesh, engine.rules)
 
 
 _refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(refill_row)
@@ -73,6 +75,6 @@ def refill(engine, params: EngineParams, state: LoopState, slot: int, prompt: Ba
         raise ValueError(f"refill: the request's capacity {prompt.capacity} differs from the state's {capacity}")
     if not 0 <= int(slot) < state.lengths_B.shape[0]:
         raise ValueError(f"slot {slot} outside [0, {state.lengths_B.shape[0]})")
-    engine._check(prompt)
+    engine.check(prompt)
     return _refill_jit(engine, params, state, jnp.int32(slot), prompt.prompt_BP, prompt.prompt_lengths_B,
                             prompt.key_B)

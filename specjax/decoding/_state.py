@@ -1,7 +1,7 @@
 """The generation loop's state and what it returns: plain data (struct dataclasses and frozen
-dataclasses), the status codes, the row-wise buffer writes the rounds share, and the host-side
-checks of a batch (`check_batch`) and of a prefill (`Prefill.parts`). `_engine` runs the rounds
-over these."""
+dataclasses), the status codes, the row-wise buffer writes the rounds share, the state's
+placement on a mesh (`constrain_state`), and the host-side checks of a batch (`check_batch`)
+and of a prefill (`Prefill.parts`). `_engine` runs the rounds over these."""
 
 from __future__ import annotations
 
@@ -255,6 +255,15 @@ class StreamEvent:
     done: list[bool]
     elapsed_s: float                # since the call started (prefill included)
     output: GenerateOutput | None = None   # set on the last event only
+
+
+def constrain_state(state: LoopState, mesh, rules) -> LoopState:
+    """The loop state pinned to ``mesh`` by ``rules`` (default `sharding.DEFAULT_RULES`; identity
+    without a mesh; `sharding.constrain_loop_state`)."""
+    if mesh is None:
+        return state
+    from specjax import sharding
+    return sharding.constrain_loop_state(state, mesh, rules or sharding.DEFAULT_RULES)
 
 
 def _write_block(buf_BSF, block_BTF, start_B):

@@ -1,16 +1,22 @@
 """Round timing: the measured seconds of one round per gamma (and per draft source) that
 adaptive gamma's policy prices rounds with (`Engine.round_times`; cached per machine and
-setting by `specjax.calibration`)."""
+setting by `specjax.calibration`). Uses only the engine's public fields and methods: its state
+from `Engine.init`, its round from the `RoundPipeline` it holds (``engine.pipeline``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
 import numpy as np
 
+from specjax.decoding._round import RoundPipeline
 from specjax.decoding._state import Batch, EngineParams, Prefill
+
+# One round at a static proposal, the state donated (caches updated in place, as in the loop).
+_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(RoundPipeline.run)
 
 
 def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
@@ -24,27 +30,27 @@ def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: i
     (caches updated in place) and each round continues from the previous one's state, so a
     timed round does exactly the work of a round of `run` (rows that finish keep running
     masked, at the same cost; the capacity check of `init` covers every round's writes)."""
-    if engine.regimes > 1:
-        out = []
-        for r in range(engine.regimes):
-            held = engine.drafter.for_regime(r)      # same state and weights as the drafter's
-            pre = (prefill if prefill is None or prefill.drafter != engine.drafter
-                   else dataclasses.replace(prefill, drafter=held))
-            out += dataclasses.replace(engine, drafter=held)._time_rounds(params, sampling, batch, repeats, pre)
-        return out
-    return engine._time_rounds(params, sampling, batch, repeats, prefill)
+    if engine.regimes == 1:
+        return _time_rounds(engine, params, sampling, batch, repeats, prefill)
+    out = []
+    for r in range(engine.regimes):
+        held = engine.drafter.for_regime(r)      # same state and weights as the drafter's
+        pre = (prefill if prefill is None or prefill.drafter != engine.drafter
+               else dataclasses.replace(prefill, drafter=held))
+        out += _time_rounds(dataclasses.replace(engine, drafter=held), params, sampling, batch, repeats, pre)
+    return out
 
 
-def time_rounds(engine, params, sampling, batch, repeats, prefill):
+def _time_rounds(engine, params, sampling, batch, repeats, prefill) -> list[float]:
     """Median seconds of one round per gamma of ``engine`` (its drafter as it is)."""
     state = engine.init(params, batch, prefill=prefill)
     out = []
     for g in engine.config.gammas:
-        state = jax.block_until_ready(engine._round_jit(params, sampling, g, state)[0])
+        state = jax.block_until_ready(_round_jit(engine.pipeline, params, sampling, g, state)[0])
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            state = jax.block_until_ready(engine._round_jit(params, sampling, g, state)[0])
+            state = jax.block_until_ready(_round_jit(engine.pipeline, params, sampling, g, state)[0])
             ts.append(time.perf_counter() - t0)
         out.append(float(np.median(ts)))
     return out

@@ -61,7 +61,8 @@ class Request:
 
 @dataclasses.dataclass
 class RequestResult:
-    """A finished request: its tokens, status, its own counters and its times (s from the start).
+    """A finished served request: its tokens, status, its own counters and its times (s from the
+    start); `decoding.generate_batched` gives a plain `decoding.BatchedResult` instead.
 
     queue_delay_s: arrival -> admitted into a slot; ttft_s: arrival -> first committed token
     (queue delay, prefill and the first round; NaN for a request that committed none, e.g. NaN
