@@ -381,22 +381,19 @@ def run(s: BenchSettings, command: str = "specjax bench") -> list[dict]:
 
     from specjax import build, calibration
 
-    for _, settings in s.methods:
-        build.check_config(settings)              # every drafter's settings before anything loads
+    samp = build.sampling_config(s.baseline)
+    build.check_configs((s.baseline, *(m for _, m in s.methods)))   # every drafter's, before anything loads
     prompts = load_prompts(s.prompts, s.per_category, s.num_prompts)
     out = pathlib.Path(s.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={s.out!r}: is a file; the bench writes results.jsonl and results.md into a directory")
     out.mkdir(parents=True, exist_ok=True)       # (every process: exist_ok)
 
-    build.check_config(s.baseline)
     t0 = time.perf_counter()
     target, params, tokenizer = build.load_target_with_tokenizer(s.baseline)
-    gens = {TARGET_ONLY: build.generator_for(s.baseline, target, params, tokenizer)}
-    for entry, settings in s.methods:
-        gens[entry] = build.generator_for(settings, target, params, tokenizer)
+    made = build.generators_for((s.baseline, *(m for _, m in s.methods)), target, params, tokenizer)
+    gens = dict(zip((TARGET_ONLY, *(entry for entry, _ in s.methods)), made))
     load_s = time.perf_counter() - t0
-    samp = build.sampling_config(s.baseline)
     setup = {"kind": "setup", "command": command, "config": s.record, "commit": _commit(),
              "machine": calibration.machine_key(), "load_s": load_s, "prompts": len(prompts),
              "prompt_ids": [p["id"] for p in prompts], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -152,12 +152,11 @@ def _round_times(job: GenerateJob, gen, batch, samp, pre) -> str:
 
 
 def main(job: GenerateJob) -> dict:
-    """The main command on typed settings: every setting checked before anything heavy (the
-    prompt's text, the generation settings and a local target's context, the seed, the metrics
-    file), the caches, then the run."""
+    """The main command on typed settings: the prompt's text, the seed and the metrics file
+    checked, the caches set, then the run (which checks the generation settings and a local
+    target's context before anything loads, `build.load_generator`)."""
     decoding.check_text(job.prompt, "prompt")     # bytes that are not UTF-8, before anything loads
     decoding.check_text(job.system, "system")
-    build.check_config(job.run)
     build.check_seed(job.seed)
     files.check_output_file("metrics_jsonl", job.metrics_jsonl)
     build.enable_compilation_cache(job.compilation_cache_dir)
@@ -171,15 +170,15 @@ def run(job: GenerateJob) -> dict:
     import jax
 
     s = job.run
+    samp = build.sampling_config(s)
     t0 = time.perf_counter()
-    gen = build.load_generator(s, check=False)     # `main` checked them
+    gen = build.load_generator(s)                   # the settings checked before anything loads
     tok = gen.tokenizer
     load_s = time.perf_counter() - t0
     # Prompts padded to a multiple of 64; target-only and speculative runs share one capacity,
     # so both attend over the same number of cache slots.
     prompt_ids = gen.encode(job.prompt, system=job.system)
     batch = gen.batch([prompt_ids], jax.random.key(job.seed))
-    samp = build.sampling_config(s)
     config = gen.config
 
     print(f"[specjax] target {s.target} ({gen.engine.target.config.num_layers} layers), drafter {s.drafter}, "
@@ -242,7 +241,7 @@ def run(job: GenerateJob) -> dict:
               file=sys.stderr, flush=True)
     stopped = row_status_line(0, stats["status"], len(tokens))      # the one row of the prompt
     if stats["status"] == "nan_logits" and not tokens:
-        _write_stats(job, stats)
+        _write_stats(job.metrics_jsonl, stats)
         raise GenerationFailed(f"no output: {stopped}; check the target's weights and dtype (nothing to time or "
                                f"compare)")
     if stopped:
@@ -260,7 +259,7 @@ def run(job: GenerateJob) -> dict:
             + f", mean accepted tokens {stats['mean_accepted_tokens']:.2f} per target pass"
             + f" (time to first token incl. compile {spec_first_s:.1f}s)")
     print(line, flush=True)
-    _write_stats(job, stats)
+    _write_stats(job.metrics_jsonl, stats)
     return stats
 
 
@@ -291,10 +290,10 @@ def rate_text(tokens_per_s) -> str:
     return f"{x:.1f} tokens/s" if np.isfinite(x) else "tokens/s n/a (too few tokens to time)"
 
 
-def _write_stats(job: GenerateJob, stats: dict) -> None:
+def _write_stats(path: str, stats: dict) -> None:
     from specjax import distributed
-    if job.metrics_jsonl and distributed.is_primary():
+    if path and distributed.is_primary():
         import pathlib
-        with open(pathlib.Path(job.metrics_jsonl).expanduser(), "a") as f:
+        with open(pathlib.Path(path).expanduser(), "a") as f:
             f.write(json.dumps(stats) + "\n")
 

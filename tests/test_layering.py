@@ -31,8 +31,8 @@ FLOORS = {
     "verify": 2, "drafters": 2, "sharding": 2,
     "decoding": 3,
     "build": 4,
-    "distill": 5, "bench": 5, "serving": 5, "aot": 5, "generate": 5, "tools": 5, "config_files": 5,
-    "cli": 6,
+    "distill": 5, "bench": 5, "serving": 5, "aot": 5, "generate": 5, "tools": 5,
+    "cli": 6, "config_files": 6,
 }
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numbers
 
-from specjax import decoding, models, trees
+from specjax import decoding, drafters, models, sampling, trees
 from specjax.build._memory import check_round_memory
-from specjax.build._settings import GenerateSettings, draft_job, require, sampling_config
+from specjax.build._settings import GenerateSettings, generation_config, not_settings
 
 # The most new tokens a config may ask for before any model is read: above every released
 # model's context; the target's own context length is checked once its header is read.
@@ -43,7 +43,8 @@ def check_generation_settings(c: GenerateSettings) -> None:
     ``adaptive_gammas``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
     ``tree_children``, ``temperature``, ``top_k``, ``top_p``. Raises one ``ValueError`` that
     starts with ``setting=value``."""
-    c = require(c, "check_generation_settings")
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("check_generation_settings", c)
     _int_setting("max_new_tokens", c.max_new_tokens, 1)
     if c.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
         # From the config alone: no checkpoint has a context this long, and the cache for it
@@ -96,7 +97,7 @@ def check_generation_settings(c: GenerateSettings) -> None:
             raise ValueError(f"{name}={value!r}: expected a number")
     _int_setting("top_k", c.top_k, 0)
     try:
-        sampling_config(c)
+        sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
     except ValueError as e:
         name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
         raise ValueError(f"{name}={getattr(c, name)!r}: {e}") from None
@@ -111,12 +112,13 @@ def check_target_context(c: GenerateSettings):
     the loaded config). Returns the target's `ModelConfig` or None. Raises ValueError (numbers in
     the message), FileNotFoundError / ModelFetchError for a path that does not exist,
     CheckpointError for a header that does not parse."""
-    c = require(c, "check_target_context")
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("check_target_context", c)
     from specjax.models import registry
     if c.target in registry.KNOWN:
         config = registry.known_config(c.target)
     else:
-        config = _header_config(c, registry.resolve(c.target))   # an existing path, else ModelFetchError
+        config = _header_config(c.target, registry.resolve(c.target))   # an existing path, else ModelFetchError
     if config is None:
         return None                              # no recorded header, another layout: the loader decides
     if c.max_new_tokens + 1 > config.max_position:
@@ -126,7 +128,7 @@ def check_target_context(c: GenerateSettings):
     return config
 
 
-def _header_config(c, path):
+def _header_config(target: str, path):
     """The `ModelConfig` of a local target ``path`` from its header (HF ``config.json`` or GGUF
     metadata), no weights; None for another layout."""
     import json
@@ -134,7 +136,7 @@ def _header_config(c, path):
     if path.is_dir() or path.name == "config.json":
         cfg_file = path / "config.json" if path.is_dir() else path
         if not cfg_file.exists():
-            raise FileNotFoundError(f"target={c.target!r}: no config.json in {cfg_file.parent}")
+            raise FileNotFoundError(f"target={target!r}: no config.json in {cfg_file.parent}")
         try:
             config = hf_loader.config_from_hf(json.loads(cfg_file.read_text()))
         except (json.JSONDecodeError, KeyError) as e:
@@ -168,6 +170,19 @@ def check_mesh(mesh, setting: str = "mesh") -> None:
         raise ValueError(f"{setting}: {', '.join(f'{a}=-1' for a in free)}: at most one axis may be -1 (the rest)")
 
 
+CPU_KERNEL_CHOICES = ("auto", "on", "off")
+
+
+def check_cpu_kernel(value: str, scan_layers: bool, dtype: str) -> None:
+    """``cpu_kernel`` is one of `CPU_KERNEL_CHOICES`, and 'on' has the layout the kernel needs
+    (unrolled layers, float32). Whether the kernel was built is `use_cpu_kernel`'s to check."""
+    if value not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernel={value!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
+    if value == "on" and (scan_layers or dtype != "float32"):
+        raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
+                         f"{scan_layers}, dtype={dtype!r})")
+
+
 def check_config(c: GenerateSettings) -> None:
     """Validate generation settings before anything heavy is loaded (ValueError naming the
     setting and its value). Every decoding setting is checked whichever mode reads it
@@ -175,20 +190,41 @@ def check_config(c: GenerateSettings) -> None:
     the drafter kind checks its own block and the trees it must draft (`DrafterKind.check`); the
     target's header gives its context length (`check_target_context`) and a round's estimated
     memory, refused when this host has less available (`check_round_memory`)."""
-    c = require(c, "check_config")
-    from specjax.build._load import use_cpu_kernel
+    check_configs((c,))
+
+
+def check_configs(settings: tuple) -> None:
+    """`check_config` of several generation settings (a bench's methods), in three passes: the
+    settings' values, each drafter kind's own check, then what the target's header decides."""
+    for c in settings:
+        if not isinstance(c, GenerateSettings):
+            raise not_settings("check_config", c)
+        _check_values(c)
+    for c in settings:
+        kind = c.drafter_kind
+        if kind.check is not None:
+            kind.check(c.draft, _draft_job(c.target, c.tree, c.adaptive_trees))
+    for c in settings:
+        target = check_target_context(c)        # reads a local target's header, no weights
+        if target is not None:                  # the round's estimated memory against this host's
+            check_round_memory(c, target, config=generation_config(c, ()))
+
+
+def _check_values(c: GenerateSettings) -> None:
     from specjax.models.config import SUPPORTED_DTYPES
     if c.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={c.dtype!r}: expected one of {', '.join(SUPPORTED_DTYPES)}")
-    use_cpu_kernel(c, backend="")               # the value only; no backend started
+    check_cpu_kernel(c.cpu_kernel, c.scan_layers, c.dtype)
     check_mesh(c.mesh)
     if c.write_then_attend and c.scan_layers:
         raise ValueError("write_then_attend=True needs scan_layers=False: the scanned layers write the cache "
                          "once, after the scan")
     check_generation_settings(c)
-    kind = c.drafter_kind
-    if kind.check is not None:
-        kind.check(c.draft, draft_job(c))
-    target = check_target_context(c)            # reads a local target's header, no weights
-    if target is not None:
-        check_round_memory(c, target)           # the round's estimated memory against this host's
+
+
+def _draft_job(target: str, tree: str, adaptive_trees: tuple) -> drafters.DraftJob:
+    """What a drafter kind's ``check`` reads: the target and the run's trees (checked by
+    `check_generation_settings` first)."""
+    parsed = (trees.parse_tree(tree),) if tree else tuple(trees.parse_tree(t) for t in adaptive_trees)
+    return drafters.DraftJob(target=target, trees=parsed, tree_setting="tree" if tree else "adaptive_trees",
+                             tree_value=tree if tree else tuple(adaptive_trees))

@@ -4,17 +4,14 @@ engine around it, as a `specjax.decoding.Generator` (the request path)."""
 from __future__ import annotations
 
 from specjax import decoding, drafters, models
-from specjax.build._checks import check_config
-from specjax.build._settings import GenerateSettings, generation_config, require
+from specjax.build._checks import CPU_KERNEL_CHOICES, check_config, check_cpu_kernel
+from specjax.build._settings import GenerateSettings, generation_config, not_settings
 
 
 def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
                 fuse_projections: bool = False, packed_projections: bool = False):
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
                        packed_projections=packed_projections)
-
-
-CPU_KERNEL_CHOICES = ("auto", "on", "off")
 
 
 def use_cpu_kernel(c: GenerateSettings, backend: str | None = None) -> bool:
@@ -28,23 +25,16 @@ def use_cpu_kernel(c: GenerateSettings, backend: str | None = None) -> bool:
       this CPU, the layers are unrolled and the dtype is float32.
 
     ``backend`` (default: JAX's default backend, which this starts) is only read for 'auto'. A
-    bad value is a ValueError naming the setting; `check_config` calls this with ``backend=''``
-    (validation only, no backend started)."""
-    c = require(c, "use_cpu_kernel")
+    bad value is a ValueError naming the setting (`check_cpu_kernel`); ``backend=''`` checks the
+    value only, starting no backend."""
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("use_cpu_kernel", c)
     from specjax import kernels
-    value = c.cpu_kernel
-    if value not in CPU_KERNEL_CHOICES:
-        raise ValueError(f"cpu_kernel={value!r}: expected one of {', '.join(CPU_KERNEL_CHOICES)}")
-    fits = not c.scan_layers and c.dtype == "float32"
+    check_cpu_kernel(c.cpu_kernel, c.scan_layers, c.dtype)
+    value, fits = c.cpu_kernel, not c.scan_layers and c.dtype == "float32"
     if value == "off" or backend == "":
-        if value == "on" and not fits:
-            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
-                             f"{c.scan_layers}, dtype={c.dtype!r})")
-        return False if value != "on" else fits
+        return value == "on"
     if value == "on":
-        if not fits:
-            raise ValueError(f"cpu_kernel='on' needs scan_layers=False and dtype='float32' (got scan_layers="
-                             f"{c.scan_layers}, dtype={c.dtype!r})")
         kernels.check_library()         # a foreign file in the library's place: named
         if not kernels.built():
             raise ValueError("cpu_kernel='on': specjax's CPU kernel was not built at install time (a C++ "
@@ -71,7 +61,8 @@ def load_target_with_tokenizer(c: GenerateSettings):
     """(target, params, tokenizer) of a generation config, from one read of the checkpoint, in
     the layout the config asks for (``scan_layers``, ``fuse_projections``, ``cpu_kernel``: the
     panel matmul and, with it, the attention kernel, see `use_cpu_attention`)."""
-    c = require(c, "load_target_with_tokenizer")
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("load_target_with_tokenizer", c)
     packed = use_cpu_kernel(c)
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
                                                            fuse_projections=c.fuse_projections,
@@ -98,25 +89,38 @@ def use_cpu_attention() -> bool:
 
 
 def generator_for(c: GenerateSettings, target, params, tokenizer, pad_multiple: int = 64) -> decoding.Generator:
-    """The drafter and engine of a generation config around an already loaded target (one
-    target, several drafters: `specjax bench`). The caller has checked the settings with
-    `check_config` before loading the target (as `load_generator` does)."""
-    c = require(c, "generator_for")
-    ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
-    drafter, dparams = drafters.build_drafter(c.drafter, c.draft, ctx)
-    mesh = generation_mesh(c)
-    engine = decoding.Engine(target, drafter, generation_config(c, tokenizer.stop_token_ids), mesh=mesh)
-    eparams = decoding.EngineParams(target=params, draft=dparams)
-    if mesh is not None:
-        eparams = engine.place_params(eparams)
-    return decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad_multiple)
+    """The drafter and engine of generation settings around an already loaded target. The
+    caller has checked the settings with `check_config` before loading the target (as
+    `load_generator` does)."""
+    return generators_for((c,), target, params, tokenizer, pad_multiple)[0]
+
+
+def generators_for(settings: tuple, target, params, tokenizer, pad_multiple: int = 64) -> list[decoding.Generator]:
+    """`generator_for` of several generation settings around one loaded target (one target,
+    several drafters: `specjax bench`): each one's mesh and engine configuration, then the
+    drafters."""
+    for c in settings:
+        if not isinstance(c, GenerateSettings):
+            raise not_settings("generator_for", c)
+    engine_side = [(generation_mesh(c), generation_config(c, tokenizer.stop_token_ids)) for c in settings]
+    out = []
+    for c, (mesh, config) in zip(settings, engine_side):
+        ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
+        drafter, dparams = drafters.build_drafter(c.drafter, c.draft, ctx)
+        engine = decoding.Engine(target, drafter, config, mesh=mesh)
+        eparams = decoding.EngineParams(target=params, draft=dparams)
+        if mesh is not None:
+            eparams = engine.place_params(eparams)
+        out.append(decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad_multiple))
+    return out
 
 
 def generation_mesh(c: GenerateSettings):
     """The generation config's ``mesh`` (data x fsdp x model, -1 = the rest) when the job has
     more than one device (a multi-host job, or host devices from
     ``--xla_force_host_platform_device_count``), else None: one device runs without a mesh."""
-    c = require(c, "generation_mesh")
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("generation_mesh", c)
     import jax
     if jax.device_count() == 1:
         return None

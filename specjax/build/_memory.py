@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specjax import decoding, drafters, trees
-from specjax.build._settings import GenerateSettings, generation_config, require
+from specjax.build._settings import GenerateSettings, generation_config, not_settings
 
 # Prompts are padded and cache capacities rounded up to this many tokens (`decoding.Generator`'s
 # default pad_multiple), as the memory estimate assumes.
@@ -101,15 +101,18 @@ def _block_setting(c: GenerateSettings, config: decoding.GenerationConfig) -> tu
     return "gamma", c.gamma
 
 
-def check_round_memory(c: GenerateSettings, target, batch: int = 1, available: int | None = None) -> dict[str, int]:
+def check_round_memory(c: GenerateSettings, target, batch: int = 1, available: int | None = None,
+                       config: decoding.GenerationConfig | None = None) -> dict[str, int]:
     """Refuse a generation config whose round cannot fit in memory, before the model loads:
     `round_memory` of the target's `ModelConfig` ``target`` (from its header) for the config's
     largest block, a prompt of one token and ``batch`` rows, against ``available`` bytes
     (default: `available_memory` of this host, where the CPU backend runs the round; no backend
     is started to ask an accelerator). ValueError naming the setting that decides the block,
-    with the estimate by item and the memory available; returns the estimate."""
-    c = require(c, "check_round_memory")
-    config = generation_config(c, ())
+    with the estimate by item and the memory available; returns the estimate. ``config``: the
+    engine's configuration of ``c`` where the caller has it (`generation_config`)."""
+    if not isinstance(c, GenerateSettings):
+        raise not_settings("check_round_memory", c)
+    config = generation_config(c, ()) if config is None else config
     block, capacity = config.max_block + 1, round_capacity(config)
     estimate = round_memory(target, block=block, capacity=capacity, batch=batch, tree=config.has_trees,
                             draft_rows=max(draft_rows(g) for g in config.gammas), dtype=c.dtype)

@@ -6,7 +6,7 @@ the frozen settings class the kind registered, `specjax.drafters.register_drafte
 of this class. `generate_settings` turns a ConfigDict or a mapping into it: every known key typed
 (tuples for sequences, the mesh as (axis, size) pairs), a key of the wrong type named; keys it
 does not know (a command's own) are left to the caller. Below the CLI every function takes these
-settings, never a ConfigDict (`require`). Values are checked against each other and against the
+settings, never a ConfigDict (`not_settings`). Values are checked against each other and against the
 target by `specjax.build.check_config`.
 
 The defaults are configs/generate.py's (tests/test_settings.py checks that they agree), so
@@ -123,18 +123,21 @@ def generate_settings(c: Any, **changes) -> GenerateSettings:
     return GenerateSettings(**core, draft=kind.settings_from(values))
 
 
-def require(s, what: str) -> GenerateSettings:
-    """``s`` when it is `GenerateSettings`; a TypeError naming ``what`` otherwise (a ConfigDict
-    is typed once, by `generate_settings`, where the command starts)."""
-    if not isinstance(s, GenerateSettings):
-        raise TypeError(f"{what} takes GenerateSettings (type a config once with specjax.build.generate_settings), "
-                        f"got {type(s).__name__}")
-    return s
+def not_settings(what: str, value) -> TypeError:
+    """The error of a function below the edge given something other than `GenerateSettings`
+    (a ConfigDict is typed once, by `generate_settings`, where the command starts)."""
+    return TypeError(f"{what} takes GenerateSettings (type a config once with specjax.build.generate_settings), "
+                     f"got {type(value).__name__}")
 
 
 def sampling_config(s: GenerateSettings) -> sampling.SamplingConfig:
-    s = require(s, "sampling_config")
-    return sampling.SamplingConfig.make(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    if not isinstance(s, GenerateSettings):
+        raise not_settings("sampling_config", s)
+    try:
+        return sampling.SamplingConfig.make(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    except ValueError as e:
+        name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
+        raise ValueError(f"{name}={getattr(s, name)!r}: {e}") from None
 
 
 def proposals(s: GenerateSettings):
@@ -152,7 +155,8 @@ def proposals(s: GenerateSettings):
 
 def generation_config(s: GenerateSettings, eos_ids) -> decoding.GenerationConfig:
     """The engine's static configuration of checked settings, with the tokenizer's stop ids."""
-    s = require(s, "generation_config")
+    if not isinstance(s, GenerateSettings):
+        raise not_settings("generation_config", s)
     try:
         return decoding.GenerationConfig(max_new_tokens=s.max_new_tokens, gamma=proposals(s), verifier=s.verifier,
                                          eos_ids=tuple(eos_ids), tree_verifier=s.tree_verifier,
@@ -162,11 +166,3 @@ def generation_config(s: GenerateSettings, eos_ids) -> decoding.GenerationConfig
             raise ValueError(f"block_tokens={s.block_tokens!r}: {e}") from None
         raise
 
-
-def draft_job(s: GenerateSettings) -> drafters.DraftJob:
-    """What the drafter kind's ``check`` reads: the target and the run's trees (settings checked
-    by `check_generation_settings` first)."""
-    parsed = (trees.parse_tree(s.tree),) if s.tree else tuple(trees.parse_tree(t) for t in s.adaptive_trees)
-    name = "tree" if s.tree else "adaptive_trees"
-    return drafters.DraftJob(target=s.target, trees=parsed, tree_setting=name,
-                             tree_value=s.tree if s.tree else tuple(s.adaptive_trees))
