@@ -204,10 +204,11 @@ def check_configs(settings: tuple) -> None:
         kind = c.drafter_kind
         if kind.check is not None:
             kind.check(c.draft, _draft_job(c.target, c.tree, c.adaptive_trees))
-    for c in settings:
-        target = check_target_context(c)        # reads a local target's header, no weights
+    configs = [generation_config(c, ()) for c in settings]
+    targets = [check_target_context(c) for c in settings]     # a local target's header, no weights
+    for c, target, config in zip(settings, targets, configs):
         if target is not None:                  # the round's estimated memory against this host's
-            check_round_memory(c, target, config=generation_config(c, ()))
+            check_round_memory(c, target, config=config)
 
 
 def _check_values(c: GenerateSettings) -> None:

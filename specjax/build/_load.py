@@ -102,9 +102,10 @@ def generators_for(settings: tuple, target, params, tokenizer, pad_multiple: int
     for c in settings:
         if not isinstance(c, GenerateSettings):
             raise not_settings("generator_for", c)
-    engine_side = [(generation_mesh(c), generation_config(c, tokenizer.stop_token_ids)) for c in settings]
+    meshes = [generation_mesh(c) for c in settings]
+    configs = [generation_config(c, tokenizer.stop_token_ids) for c in settings]
     out = []
-    for c, (mesh, config) in zip(settings, engine_side):
+    for c, mesh, config in zip(settings, meshes, configs):
         ctx = drafters.BuildContext(target, params, target_name=c.target, dtype=c.dtype, scan_layers=c.scan_layers)
         drafter, dparams = drafters.build_drafter(c.drafter, c.draft, ctx)
         engine = decoding.Engine(target, drafter, config, mesh=mesh)
