@@ -207,23 +207,9 @@ def run(job: GenerateJob) -> dict:
     print(decoder.finish(), flush=True)
     m = jax.device_get(out.metrics)
     rounds = int(np.asarray(m.rounds_B)[0])
-    stats = {
-        "target": s.target, "drafter": s.drafter, "gamma": str(config.gamma), "tree": s.tree,
-        "temperature": s.temperature,
-        "new_tokens": len(tokens), "tokens_per_s": spec_tps, "ttft_s_incl_compile": spec_first_s,
-        "prefill_s_incl_compile": prefill_s,
-        "inter_token_s": timing["inter_token_s"],
-        "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
-        "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
-        "degenerate_residuals": int(m.degenerate_residual_B[0]),
-        "invalid_draft_rounds": int(m.invalid_draft_rounds_B[0]),
-        "status": out.statuses()[0],
-        "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
-        "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
-        "calibration": calibration,
-        "mesh": dict(gen.engine.mesh.shape) if gen.engine.mesh is not None else None,
-    }
-    stats["proposal_rounds"] = {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_Z))}
+    stats = _run_stats({"target": s.target, "drafter": s.drafter, "gamma": str(config.gamma), "tree": s.tree,
+                        "temperature": s.temperature}, config, out, m, tokens, timing, prefill_s, calibration,
+                       gen.engine.mesh)
     why = _why(config, stats, m, gen.round_time_s, out.policy, _regime_names(gen.engine))
     kind = s.drafter_kind
     if kind.describe is not None:
@@ -261,6 +247,28 @@ def run(job: GenerateJob) -> dict:
     print(line, flush=True)
     _write_stats(job.metrics_jsonl, stats)
     return stats
+
+
+def _run_stats(head: dict, config, out, m, tokens, timing, prefill_s, calibration, mesh) -> dict:
+    """The speculative run's stats record after ``head`` (the run's settings), before the
+    target-only comparison."""
+    rounds = int(np.asarray(m.rounds_B)[0])
+    return {
+        **head,
+        "new_tokens": len(tokens), "tokens_per_s": timing["tokens_per_s"],
+        "ttft_s_incl_compile": prefill_s + timing["ttft_s"], "prefill_s_incl_compile": prefill_s,
+        "inter_token_s": timing["inter_token_s"],
+        "target_passes": rounds, "mean_accepted_tokens": len(tokens) / max(rounds, 1),
+        "proposed": int(m.proposed_B[0]), "accepted": int(m.accepted_B[0]),
+        "degenerate_residuals": int(m.degenerate_residual_B[0]),
+        "invalid_draft_rounds": int(m.invalid_draft_rounds_B[0]),
+        "status": out.statuses()[0],
+        "tokens_scored_per_pass": int(m.scored_B[0]) / max(rounds, 1),
+        "acceptance_per_depth": [float(x) / max(int(t), 1) for x, t in zip(m.accepted_at_BG[0], m.tested_at_BG[0])],
+        "calibration": calibration,
+        "mesh": dict(mesh.shape) if mesh is not None else None,
+        "proposal_rounds": {_describe(g): int(n) for g, n in zip(config.gammas, np.asarray(m.gamma_rounds_Z))},
+    }
 
 
 class GenerationFailed(RuntimeError):
