@@ -5,10 +5,12 @@ tests/test_layering.py's, which checks the imports from the source; experiments/
 only public names):
 
     6  cli.py            the command line: each command's config typed once
+       config_files.py   a command's config file, with every drafter kind's keys
     5  distill/          trainer and data engine
        serving/          the slot-refilling scheduler
        aot/              every program compiled for a TPU topology or GPU host, deviceless
-       bench.py  generate.py  tools.py      the bench, generate, eval and export commands
+       bench.py  generate.py  tools.py      the commands on their typed settings (bench, generate,
+                                            eval, export, data)
     4  build/            typed settings -> the target, the drafter, the engine
     3  decoding/         the engine object and the one request path
     2  drafters/         who proposes
