@@ -292,7 +292,7 @@ def entry_changes(entry: str) -> tuple[str, dict]:
     except ValueError as e:
         raise ValueError(f"drafters entry {entry!r}: {e}") from None
     fields = dataclasses.fields(kind.settings)
-    own = {f.name: f for f in fields}
+    own, hints = {f.name: f for f in fields}, field_types(kind.settings)
     changes = {"drafter": name}
     if colon:
         if not fields:
@@ -306,7 +306,7 @@ def entry_changes(entry: str) -> tuple[str, dict]:
             raise ValueError(f"drafters entry {entry!r}: {item!r} is not KEY=VALUE of a drafting setting of drafter "
                              f"{name!r} ({', '.join(COMMON_ENTRY_SETTINGS + tuple(own))}; the target, sampling and "
                              f"length are the bench's own)")
-        is_text = key in build.STRING_FIELDS or (key in own and own[key].type in ("str", str))
+        is_text = key in build.STRING_FIELDS or (key in own and hints[key] is str)
         try:
             changes[key] = _unquote(text, entry) if is_text else json.loads(text)
         except json.JSONDecodeError:
