@@ -8,12 +8,16 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# XLA CPU options for subprocesses of the tests: the backend's code generation turned down. It
-# compiles these tiny programs in about 60% of the time; the optimized HLO (SPMD partitioning,
-# fusion, copy insertion) is the same, only float rounding differs (a tiny Llama's logits by up
+# XLA CPU options for subprocesses of the tests (and, through tests/conftest.py, the test
+# processes themselves): the backend's code generation turned down, and fusions emitted by XLA's
+# older LLVM IR emitters instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`),
+# whose pipeline costs far more than these tiny programs' execution (times: the README's tests
+# row). The optimized HLO (SPMD partitioning, copy insertion) is the
+# same up to a few fusion decisions; float rounding differs a little (a tiny Llama's logits by up
 # to ~5e-6 relative here), so a test that uses it compares exactly only with programs compiled
 # the same way, and otherwise within a tolerance (each test's docstring says which).
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                          "--xla_cpu_use_fusion_emitters=false")
 
 
 def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records_file: str = "results.jsonl"):

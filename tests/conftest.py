@@ -3,8 +3,14 @@ generation turned down, a per-run compilation cache, derandomized hypothesis."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One intra-op thread for PyTorch (the transformers references) and OpenMP/BLAS libraries, in
+# this process and the subprocesses it starts: the suite runs one worker per core, where torch's
+# thread pool mostly spins on the tiny references. XLA's own thread pool is not affected. (Times
+# with and without: the README's tests row.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import atexit  # noqa: E402
+import collections  # noqa: E402
 import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -22,13 +28,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # XLA's backend code generation turned down for the whole run (and the subprocesses tests start),
-# as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: the optimized HLO is the same, only LLVM's work on
-# it is cut, so float rounding differs a little from a user's build and every exact comparison
-# in the suite is between programs compiled with the same options. Measured on AMD EPYC, 2
-# cores (two workers): the head tests + tests/test_engine_tree.py 581 -> 365 s; the
-# real-model files (test_engine_real, test_long_prompt, test_gguf_parity, test_kernels) 596 ->
-# 534 s, the 135M model's decode steps running a little slower unoptimized. The whole suite went
-# over CI's 25 minutes without it (1737 s here). SPECJAX_TEST_XLA=full keeps XLA's defaults.
+# as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: LLVM's work cut and fusions emitted by XLA's older
+# IR emitters; the optimized HLO is the same up to a few fusion decisions, so float rounding
+# differs a little from a user's build and every exact comparison in the suite is between
+# programs compiled with the same options; the real model's decode steps run a little slower
+# unoptimized, and compilation, most of the suite's time, much faster (times: the README's tests
+# row). SPECJAX_TEST_XLA=full keeps XLA's defaults.
 if os.environ.get("SPECJAX_TEST_XLA", "fast") != "full":
     from _bench_run import FAST_COMPILE_XLA_FLAGS  # noqa: E402
 
@@ -68,12 +73,45 @@ def _drop_compiled_programs():
 REAL_MODEL_FIXTURES = frozenset({"gguf_path", "real", "real_refs", "sj", "hf"})
 
 
+# The order of the files for pytest-xdist's `--dist loadfile` (whole files per worker): the
+# longest first, so that the run ends on short files and both workers finish together. xdist
+# would otherwise start with the files of most tests and end with the one-test files, which are
+# the long subprocess runs (each worker also holds up to 3 such files queued at the end).
+# The weights are each file's relative cost (its CPU seconds alone, in one process, when the
+# table was made); a file not listed weighs FILE_SECONDS_PER_TEST per test. Only the order
+# depends on them: a stale weight costs balance, never a result.
+FILE_SECONDS = {
+    "test_engine_tree.py": 96, "test_families.py": 95, "test_tree_verify.py": 92, "test_engine_real.py": 91,
+    "test_distill.py": 86, "test_gguf_parity.py": 86, "test_long_prompt.py": 79, "test_heads_train.py": 79,
+    "test_kernels.py": 77, "test_block_step_bitwise.py": 69, "test_datagen.py": 64, "test_heads_engine.py": 61,
+    "test_cli_commands.py": 60, "test_heads_sampling.py": 59, "test_sampled_exactness.py": 57,
+    "test_distill_study.py": 53, "test_heads_greedy.py": 52, "test_multiprocess.py": 50,
+    "test_distill_resume.py": 46, "test_aot.py": 43, "test_eagle3_formats.py": 43, "test_sharded_engine.py": 40,
+    "test_engine_distribution.py": 40, "test_sharded_train.py": 38, "test_cpu_levers.py": 38,
+    "test_heads_hybrid.py": 36, "test_learning_curve.py": 35, "test_bench_speed.py": 34, "test_serving.py": 34,
+    "test_heads_features.py": 33, "test_bad_input_round4_cli.py": 32, "test_engine_edges.py": 31,
+    "test_attention_ops.py": 31, "test_cli.py": 27, "test_theory_temperature.py": 27, "test_llama_cache.py": 27,
+    "test_bad_input_distill.py": 26, "test_tokenizer.py": 24, "test_engine_greedy.py": 24,
+    "test_tree_attention.py": 24, "test_checkpoint_faults.py": 22, "test_greedy_bf16.py": 21,
+    "test_load_study.py": 20, "test_hf_parity.py": 20,
+}
+FILE_SECONDS_PER_TEST = 0.5
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: loads the real SmolLM2-135M-Instruct (deselect with "
                                        "-m 'not real_model')")
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope") and not hasattr(config, "workerinput"):
+        config.option.loadscopereorder = False     # keep the order pytest_collection_modifyitems makes
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+    if hasattr(config, "workerinput"):            # an xdist worker: the files longest first
+        files = [item.nodeid.split("::")[0] for item in items]
+        per_test = collections.Counter(files)
+        cost = {f: FILE_SECONDS.get(f.rpartition("/")[2], FILE_SECONDS_PER_TEST * n) for f, n in per_test.items()}
+        order = {id(item): -cost[f] for item, f in zip(items, files)}
+        items.sort(key=lambda item: order[id(item)])      # stable: each file's tests keep their order

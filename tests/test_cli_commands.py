@@ -296,7 +296,8 @@ def test_generate_on_two_host_devices_uses_the_mesh_and_prints_the_same_answer(p
     runs on the generation config's mesh (model=-1: tensor parallel over both) and streams the
     same greedy answer as the one-device process, speculative equal to target-only. (Both
     processes compile with XLA's backend code generation turned down,
-    `_bench_run.FAST_COMPILE_XLA_FLAGS`: the same optimized HLO, compiled faster.)"""
+    `_bench_run.FAST_COMPILE_XLA_FLAGS`: the same optimized HLO up to a few fusion
+    decisions, compiled faster.)"""
     import os
     import subprocess
     import sys

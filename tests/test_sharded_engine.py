@@ -12,8 +12,9 @@ more than the rounding differences of sharded matmuls (~1e-7; the script checks 
 and a sampled token or an accept/reject decision could only flip if its uniform fell within
 that rounding of a boundary (probability ~1e-6 per decision; the keys are fixed, so the
 outcome is deterministic). The subprocess compiles with XLA's backend code generation turned
-down (`_bench_run.FAST_COMPILE_XLA_FLAGS`: the same optimized HLO, compiled in ~60% of the
-time); the reference runs are compiled in that process too, so the comparison is like for like."""
+down (`_bench_run.FAST_COMPILE_XLA_FLAGS`: the same optimized HLO up to a few fusion decisions,
+compiled in a fraction of the time); the reference runs are compiled in that process too, so the
+comparison is like for like."""
 import os
 import subprocess
 import sys
