@@ -188,7 +188,7 @@ class Builder:
         tokens = jax.ShapeDtypeStruct((s.batch, k), jnp.int32, sharding=rows)
         fn = jax.jit(_apply, static_argnums=0, donate_argnums=3)
         args = (self.model, self.params, tokens, cache)
-        return Program(f"verify_k{k}", lambda: fn.lower(*args), args[1:], _tree_bytes(cache),
+        return Program(f"verify_k{k}", lambda: _lower(self.mesh, fn, args), args[1:], _tree_bytes(cache),
                        self._ideal(k), 0.0, self.weight_sizes, self._cache_sizes(cache), k)
 
     def train_head(self) -> Program:
@@ -232,7 +232,7 @@ class Builder:
                 self.mesh, sharding.logical_to_spec(("vocab", "embed"), rules, self.mesh, head_UD.shape)))
         step = distill.make_train_step(objective, distill.LossSpec(), optimizer, loss=loss, state_shardings=st_sh)
         args = (state, frozen, head_UD, batch)
-        return Program(name, lambda: step.lower(*args), args, _tree_bytes(state), None,
+        return Program(name, lambda: _lower(self.mesh, step, args), args, _tree_bytes(state), None,
                        weight_bytes=self.weight_sizes, tokens=s.train_seq)
 
     def build(self, names) -> list[Callable[[], Program]]:
@@ -244,6 +244,13 @@ class Builder:
             else:
                 out.append(getattr(self, n))
         return out
+
+
+def _lower(mesh, fn, args):
+    """``fn`` lowered under ``mesh`` (`jax.set_mesh`), as the engine traces its own
+    programs under its mesh: a Pallas kernel splits its operands over it."""
+    with jax.set_mesh(mesh):
+        return fn.lower(*args)
 
 
 def _apply(model, params, tokens_BT, cache):

@@ -66,7 +66,7 @@ from specjax import verify as verify_lib
 from specjax.decoding import _adaptive, _slots, _timing
 from specjax.decoding._prefill import init_draft, prefill_caches
 from specjax.decoding._round import RoundPipeline
-from specjax.decoding._state import (PAD_ID, Batch, Commit, EngineParams, GenerateOutput, LoopState, Metrics,
+from specjax.decoding._state import (PAD_ID, under_engine_mesh, Batch, Commit, EngineParams, GenerateOutput, LoopState, Metrics,
                                      Prefill, StreamEvent, check_batch, constrain_state)
 from specjax.decoding._strategies import draft_context
 from specjax.drafters import Capabilities, Drafter
@@ -365,15 +365,15 @@ class Engine:
 
     # ------------------------------------------------------------------ compiled entry points
 
-    _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(_prefill)
-    _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_init)
-    _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(_run)
+    _prefill_jit = functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity", "with_draft"))(under_engine_mesh(_prefill))
+    _init_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(under_engine_mesh(_init))
+    _run_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity")(under_engine_mesh(_run))
     _run_consuming_jit = functools.partial(jax.jit, static_argnums=0, static_argnames="capacity",
-                                           donate_argnames="pre")(_run_consuming)
-    _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(_step)
-    _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(_steps)
-    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_chosen_round)
-    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(_first_choice)
+                                           donate_argnames="pre")(under_engine_mesh(_run_consuming))
+    _step_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(under_engine_mesh(_step))
+    _steps_jit = functools.partial(jax.jit, static_argnums=(0, 4), donate_argnames="state")(under_engine_mesh(_steps))
+    _chosen_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(under_engine_mesh(_chosen_round))
+    _first_choice_jit = functools.partial(jax.jit, static_argnums=0)(under_engine_mesh(_first_choice))
 
     # ------------------------------------------------------------------ compiling without running
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decoding._prefill import prefill_caches
-from specjax.decoding._state import PAD_ID, RUNNING, Batch, EngineParams, LoopState, _set_rows, constrain_state
+from specjax.decoding._state import (PAD_ID, RUNNING, Batch, EngineParams, LoopState, _set_rows, constrain_state,
+                                     under_engine_mesh)
 
 
 def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
@@ -40,7 +41,7 @@ def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths
         engine.mesh, engine.rules)
 
 
-_refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(refill_row)
+_refill_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames="state")(under_engine_mesh(refill_row))
 
 
 def empty_state(engine, params: EngineParams, slots: int, capacity: int, round_time_s=None,

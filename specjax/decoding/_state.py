@@ -1,11 +1,12 @@
 """The generation loop's state and what it returns: plain data (struct dataclasses and frozen
 dataclasses), the status codes, the row-wise buffer writes the rounds share, the state's
-placement on a mesh (`constrain_state`), and the host-side checks of a batch (`check_batch`)
+placement on a mesh (`constrain_state`, `under_engine_mesh`), and the host-side checks of a batch (`check_batch`)
 and of a prefill (`Prefill.parts`). `_engine` runs the rounds over these."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -264,6 +265,19 @@ def constrain_state(state: LoopState, mesh, rules) -> LoopState:
         return state
     from specjax import sharding
     return sharding.constrain_loop_state(state, mesh, rules or sharding.DEFAULT_RULES)
+
+
+def under_engine_mesh(fn):
+    """``fn(engine, ...)`` traced under the engine's mesh (`jax.sharding.use_abstract_mesh`), so
+    that an op XLA does not partition by itself (a Pallas kernel: `specjax.kernels.cache_attention`)
+    finds the mesh to split its operands over. Without a mesh: ``fn`` itself."""
+    @functools.wraps(fn)
+    def traced(engine, *args, **kwargs):
+        if engine.mesh is None:
+            return fn(engine, *args, **kwargs)
+        with jax.sharding.use_abstract_mesh(engine.mesh.abstract_mesh):
+            return fn(engine, *args, **kwargs)
+    return traced
 
 
 def _write_block(buf_BSF, block_BTF, start_B):

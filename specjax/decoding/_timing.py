@@ -12,11 +12,15 @@ import time
 import jax
 import numpy as np
 
-from specjax.decoding._round import RoundPipeline
-from specjax.decoding._state import Batch, EngineParams, Prefill
+from specjax.decoding._state import Batch, EngineParams, Prefill, under_engine_mesh
 
 # One round at a static proposal, the state donated (caches updated in place, as in the loop).
-_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(RoundPipeline.run)
+@under_engine_mesh
+def _round(engine, params, sampling, gamma, state):
+    return engine.pipeline.run(params, sampling, gamma, state)
+
+
+_round_jit = functools.partial(jax.jit, static_argnums=(0, 3), donate_argnames="state")(_round)
 
 
 def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: int = 5,
@@ -46,11 +50,11 @@ def _time_rounds(engine, params, sampling, batch, repeats, prefill) -> list[floa
     state = engine.init(params, batch, prefill=prefill)
     out = []
     for g in engine.config.gammas:
-        state = jax.block_until_ready(_round_jit(engine.pipeline, params, sampling, g, state)[0])
+        state = jax.block_until_ready(_round_jit(engine, params, sampling, g, state)[0])
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            state = jax.block_until_ready(_round_jit(engine.pipeline, params, sampling, g, state)[0])
+            state = jax.block_until_ready(_round_jit(engine, params, sampling, g, state)[0])
             ts.append(time.perf_counter() - t0)
         out.append(float(np.median(ts)))
     return out

@@ -1,5 +1,7 @@
 """CPU kernels through XLA's FFI: the panel matrix product of the target's projections, and
-attention of a few new tokens over a KV cache (`decode_attention`).
+attention of a few new tokens over a KV cache (`decode_attention`); and a Pallas kernel of
+attention over the written cache for the accelerators (`cache_attention`, in
+`_pallas_attention`).
 
 ``matmul(x, panels, n)`` computes ``x @ W`` for ``W = unpack(panels, n)`` of shape [D, n],
 stored as 32-column panels ``[ceil(n / 32), D, 32]`` (`pack`). On the CPU backend, with the
@@ -25,6 +27,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.kernels._pallas_attention import cache_attention  # noqa: F401  (the accelerators' kernel)
 
 PANEL = 32
 TARGET = "specjax_panel_matmul"

@@ -38,8 +38,13 @@ Ops (`ATTENTION_OPS`, chosen by ``ModelConfig.attention_op``):
 * ``dot_product``: `jax.nn.dot_product_attention` over the concatenated keys with a boolean
   mask (XLA's fused attention; cuDNN on a GPU where the shapes allow). No soft-capping.
 
-Both are pure functions of the same arguments and agree within float tolerance
-(`tests/test_attention_ops.py`). A new op is one function added with `register_attention_op`.
+* ``pallas``: write-then-attend calls by `specjax.kernels.cache_attention`, a Pallas kernel
+  that reads the cache in place up to each row's live length (Mosaic on TPU, the Pallas
+  interpreter on CPU, the reference op elsewhere); every other call (no cache, keys appended)
+  by the reference op. Every feature of the reference op.
+
+All are pure functions of the same arguments and agree within float tolerance
+(`tests/test_attention_ops.py`, `tests/test_pallas_attention.py`). A new op is one function added with `register_attention_op`.
 ``ModelConfig.cpu_attention`` routes plain causal decode steps to `specjax.kernels`' CPU kernel
 instead, which reads only the committed slots.
 """
@@ -289,8 +294,19 @@ def dot_product_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec
     return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
 
 
+def pallas_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
+    """Write-then-attend calls by the Pallas kernel (module docstring), the rest by the reference op."""
+    if k_new_BTKH is not None:
+        return reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec)
+    k_BKSH, v_BKHS, _ = past
+    return kernels.cache_attention(
+        q_BTQH, k_BKSH, v_BKHS, visibility[0], scale=spec.scale, softcap=spec.softcap,
+        fallback=lambda: _attend_cache(q_BTQH, past, visibility[0], spec)).astype(q_BTQH.dtype)
+
+
 AttentionOp = Callable[..., jax.Array]
-ATTENTION_OPS: dict[str, AttentionOp] = {"reference": reference_attention, "dot_product": dot_product_attention}
+ATTENTION_OPS: dict[str, AttentionOp] = {"reference": reference_attention, "dot_product": dot_product_attention,
+                                         "pallas": pallas_attention}
 
 
 def register_attention_op(name: str, op: AttentionOp) -> None:
