@@ -129,24 +129,8 @@ def test_a_registered_op_is_what_the_model_calls():
 
 @pytest.mark.parametrize("window", [0, 3], ids=["llama", "windowed"])
 def test_models_agree_across_ops(window):
-    base = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                       ffn_size=48, sliding_window=window, window_layers=(True, False) if window else None,
-                       arch="mistral" if window else "llama")
-    ref_model, dpa_model = Llama(base), Llama(base.replace(attention_op="dot_product"))
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, ref_model.init_params(jax.random.key(2)))
-    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 61)
-    lengths = jnp.asarray([9, 6], jnp.int32)
-    outs = []
-    for model in (ref_model, dpa_model):
-        step = jax.jit(model.apply)
-        lg, cache = step(params, tokens, model.init_cache(2, 24), lengths)
-        lg2, cache = step(params, tokens[:, :1], cache)
-        shape = trees.TreeShape.from_branching((2, 2))
-        parents = jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (2, shape.num_nodes))
-        vis = trees.ancestor_mask(parents, jnp.ones((2, shape.num_nodes), bool), shape.max_depth)
-        rel = jnp.broadcast_to(jnp.asarray((0,) + shape.depths, jnp.int32), (2, shape.num_nodes + 1))
-        lg3, _ = step(params, tokens[:, :shape.num_nodes + 1], cache, None,
-                      TreeBlock(rel_positions_BT=rel, visible_BTW=vis))
-        outs.append([np.asarray(x) for x in (lg, lg2, lg3)])
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
+    from _ops_common import assert_models_agree
+    assert_models_agree(ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, ffn_size=48, sliding_window=window,
+                                    window_layers=(True, False) if window else None,
+                                    arch="mistral" if window else "llama"), ("reference", "dot_product"))

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import aot, kernels, sharding, trees
-from specjax.models import Llama, ModelConfig, TreeBlock
+from specjax.models import ModelConfig, TreeBlock
 from specjax.models import attention as attn
 
 B, N, K, H = 2, 4, 2, 8
@@ -171,26 +171,10 @@ def test_models_with_the_op_give_the_reference_logits(family):
     'reference': the same logits for a ragged prefill, a decode step and a token-tree block."""
     extra = {"windowed": dict(sliding_window=3, window_layers=(True, False), arch="mistral"),
              "softcapped": dict(attn_softcap=3.0)}.get(family, {})
-    base = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                       ffn_size=48, scan_layers=False, write_then_attend=True, **extra)
-    ref_model, pallas_model = Llama(base), Llama(base.replace(attention_op="pallas"))
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, ref_model.init_params(jax.random.key(2)))
-    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 61)
-    lengths = jnp.asarray([9, 6], jnp.int32)
-    outs = []
-    for model in (ref_model, pallas_model):
-        step = jax.jit(model.apply)
-        lg, cache = step(params, tokens, model.init_cache(2, 24), lengths)
-        lg2, cache = step(params, tokens[:, :1], cache)
-        shape = trees.TreeShape.from_branching((2, 2))
-        parents = jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (2, shape.num_nodes))
-        vis = trees.ancestor_mask(parents, jnp.ones((2, shape.num_nodes), bool), shape.max_depth)
-        rel = jnp.broadcast_to(jnp.asarray((0,) + shape.depths, jnp.int32), (2, shape.num_nodes + 1))
-        lg3, _ = step(params, tokens[:, :shape.num_nodes + 1], cache, None,
-                      TreeBlock(rel_positions_BT=rel, visible_BTW=vis))
-        outs.append([np.asarray(x) for x in (lg, lg2, lg3)])
-    for a, b in zip(*outs):
-        np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
+    from _ops_common import assert_models_agree
+    assert_models_agree(ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, ffn_size=48, scan_layers=False, write_then_attend=True, **extra),
+                        ("reference", "pallas"))
 
 
 _MESH_SCRIPT = """
