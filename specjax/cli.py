@@ -1,6 +1,7 @@
 """The `specjax` command: ``specjax <command> --config=FILE [--config.KEY=VALUE ...]``.
 
     specjax generate --config=configs/generate.py --config.prompt="..."
+    specjax serve    --config=configs/serve.py                 # an OpenAI-compatible server
     specjax bench    --config=configs/bench.py                 # drafters x Spec-Bench categories
     specjax distill  --config=configs/distill.py --workdir=DIR  # run or resume a distillation
     specjax eval     --config=configs/eval.py                  # teacher-forced alpha of a draft
@@ -50,6 +51,16 @@ def main(c) -> dict:
     """`specjax generate` on a config: typed once (`generate.generate_job`), then run."""
     from specjax import generate
     return generate.main(generate.generate_job(c))
+
+
+def serve_main(c) -> None:
+    """`specjax serve`: the OpenAI-compatible server (`specjax.serve`), typed once, then run."""
+    import importlib.util
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"specjax serve needs {' and '.join(missing)}: pip install -e '.[serve]'")
+    from specjax import serve
+    serve.main(serve.serve_job(c))
 
 
 def bench_main(c, command: str = "specjax bench") -> list[dict]:
@@ -107,6 +118,8 @@ COMMANDS = {c.name: c for c in (
     Command("generate", "speculative generation on one chat prompt: the text streamed, then one line of stats "
             "(tokens/s, speedup over target-only, mean accepted tokens)", "configs/generate.py",
             lambda c, w, line: main(c)),
+    Command("serve", "an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, streaming, "
+            "/metrics) over the slot scheduler", "configs/serve.py", lambda c, w, line: serve_main(c)),
     Command("bench", "drafters against target-only decoding over a prompt set (default: held-out Spec-Bench), "
             "per category: speedup, mean accepted tokens, acceptance per position (Markdown + JSONL)",
             "configs/bench.py", lambda c, w, line: bench_main(c, line)),

@@ -40,7 +40,7 @@ def test_help_lists_every_command():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     listed = [ln.split()[0] for ln in out.stdout.split("commands:")[1].strip().splitlines()[:len(cli.COMMANDS)]]
-    assert listed == ["generate", "bench", "distill", "data", "eval", "export", "aot"]
+    assert listed == ["generate", "serve", "bench", "distill", "data", "eval", "export", "aot"]
     for c in cli.COMMANDS.values():
         assert f"--config={c.config}" in out.stdout and os.path.isfile(os.path.join(REPO, c.config))
 
@@ -60,7 +60,7 @@ def test_command_help_lists_the_config_keys(capsys):
 
 @pytest.mark.parametrize("args,message", [
     ((), "usage: specjax <command>"),
-    (("gen",), "unknown command 'gen': expected one of generate, bench, distill, data, eval, export, aot"),
+    (("gen",), "unknown command 'gen': expected one of generate, serve, bench, distill, data, eval, export, aot"),
     (("--config=configs/generate.py",), "name a command before the flags, e.g. specjax generate --config="),
     (("generate",), "--config is required, e.g. --config=configs/generate.py"),
     (("generate", "--config=configs/nope.py"), "--config=configs/nope.py: no such file"),

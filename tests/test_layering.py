@@ -31,7 +31,7 @@ FLOORS = {
     "verify": 2, "drafters": 2, "sharding": 2,
     "decoding": 3,
     "build": 4,
-    "distill": 5, "bench": 5, "serving": 5, "aot": 5, "generate": 5, "tools": 5,
+    "distill": 5, "bench": 5, "serving": 5, "aot": 5, "generate": 5, "serve": 5, "tools": 5,
     "cli": 6, "config_files": 6,
 }
 

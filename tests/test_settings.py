@@ -108,7 +108,7 @@ def test_only_the_commands_edges_type_a_generation_config():
     root = pathlib.Path(specjax.__file__).parent
     callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if re.search(r"\bgenerate_settings\(", p.read_text()) and p.name != "_settings.py")
-    assert callers == ["bench.py", "generate.py", "tools.py"], callers
+    assert callers == ["bench.py", "generate.py", "serve.py", "tools.py"], callers
 
 
 # ----------------------------------------------------------------------------- distillation

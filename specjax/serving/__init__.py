@@ -1,8 +1,12 @@
 """Serving: a request scheduler that keeps a fixed batch of slots full (a finished row's slot
-is refilled with the next request), for load studies and batched data generation."""
+is refilled with the next request), for load studies and batched data generation; the same on
+the real clock in an engine thread (`LiveScheduler`), and an OpenAI-compatible HTTP API over it
+(`make_app`, run by `specjax serve`)."""
 
+from specjax.serving._http import make_app
+from specjax.serving._live import LiveScheduler, QueueFull, Stopped
 from specjax.serving._scheduler import (Request, RequestResult, Scheduler, ServeOutput, generate_offline,
                                         poisson_arrivals, summarize)
 
-__all__ = ["Request", "RequestResult", "Scheduler", "ServeOutput", "generate_offline", "poisson_arrivals",
-           "summarize"]
+__all__ = ["LiveScheduler", "QueueFull", "Request", "RequestResult", "Scheduler", "ServeOutput", "Stopped",
+           "generate_offline", "make_app", "poisson_arrivals", "summarize"]

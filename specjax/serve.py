@@ -1,0 +1,85 @@
+"""`specjax serve`: an OpenAI-compatible HTTP server over the slot scheduler (`specjax.serving`).
+
+`serve_job` types the command's config once (`ServeJob`: the generation settings, which load the
+target and the drafter as `specjax generate` does, and the server's own keys); `main` loads the
+model, sizes every row's cache for ``max_prompt_tokens`` plus the generation's
+``max_new_tokens``, compiles the engine's programs, starts the engine thread and runs uvicorn
+until SIGINT/SIGTERM, then drains: no new request is taken and those in flight get up to
+``drain_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from specjax import build
+from specjax.settings import Settings, field_types, typed_value
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeJob(Settings):
+    """`specjax serve`'s settings: the generation settings and the server's own keys."""
+    run: build.GenerateSettings = build.GenerateSettings()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 4                       # rows decoded together (continuous batching)
+    max_queue: int = 64                  # waiting requests beyond which a request gets 429
+    max_prompt_tokens: int = 1024        # the longest prompt a request may send (sizes the caches)
+    model_name: str = ""                 # the name clients send as "model" ("" = the target's name)
+    seed: int = 0                        # the key every request's key is folded from
+    drain_s: float = 30.0                # at shutdown, the time in-flight requests get to finish
+    log_level: str = "warning"           # uvicorn's log level
+    compilation_cache_dir: str = "~/.cache/specjax/xla"
+
+
+def serve_job(c: Any) -> ServeJob:
+    """`ServeJob` of a serve config, typed once (as `generate.generate_job`)."""
+    values = c.to_dict() if hasattr(c, "to_dict") else dict(c)
+    hints = field_types(ServeJob)
+    own = {f.name: typed_value(f.name, hints[f.name], values[f.name]) for f in dataclasses.fields(ServeJob)
+           if f.name != "run" and f.name in values}
+    job = ServeJob(run=build.generate_settings(values), **own)
+    for name in ("slots", "max_queue", "max_prompt_tokens"):
+        if getattr(job, name) < 1:
+            raise ValueError(f"config.{name}: must be >= 1, got {getattr(job, name)}")
+    if not 0 <= job.port < 65536:
+        raise ValueError(f"config.port: {job.port} is not a TCP port (0 picks a free one)")
+    return job
+
+
+def build_server(job: ServeJob):
+    """(the live scheduler, the ASGI app, the model name): the model loaded, compiled, started."""
+    import jax
+
+    from specjax import serving
+    s = job.run
+    gen = build.load_generator(s)
+    if gen.engine.mesh is not None:
+        raise ValueError("specjax serve runs on one device for now (mesh settings name several)")
+    samp = build.sampling_config(s)
+    capacity = gen.config.slots_needed(-(-job.max_prompt_tokens // gen.pad_multiple) * gen.pad_multiple)
+    live = serving.LiveScheduler(gen.engine, gen.params, samp, slots=job.slots, capacity=capacity,
+                                 key=jax.random.key(job.seed), max_queue=job.max_queue, pad_multiple=gen.pad_multiple)
+    live.warmup()
+    live.start()
+    name = job.model_name or s.target
+    sampling_settings = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    return live, serving.make_app(live, gen.tokenizer, name, sampling_settings), name
+
+
+def main(job: ServeJob) -> None:
+    import uvicorn
+
+    build.check_seed(job.seed)
+    build.enable_compilation_cache(job.compilation_cache_dir)
+    build.limit_heap_retention()
+    live, app, name = build_server(job)
+    print(f"[specjax] serving {name} (drafter {job.run.drafter}) on http://{job.host}:{job.port}/v1 with "
+          f"{job.slots} slots", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=job.host, port=job.port, log_level=job.log_level,
+                    timeout_graceful_shutdown=max(1, int(job.drain_s)))
+    finally:
+        live.stop(job.drain_s)

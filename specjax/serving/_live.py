@@ -1,0 +1,293 @@
+"""The slot scheduler on the real clock, for a server: one engine thread, requests at any time.
+
+`LiveScheduler` owns one engine's loop state of ``slots`` rows, as `Scheduler` does, but takes
+requests while it runs: `submit` queues one (FIFO; a full queue raises `QueueFull`), the engine
+thread prefills it into a free slot (`Engine.refill`) and runs rounds (`Engine.step`) while any
+slot is busy, and calls the request's ``on_event`` from the engine thread with each round's new
+tokens and, at the end, with its finish reason and counters. `cancel` frees a request's slot at
+the next round (its row is marked done; a later request refills it). A request's own
+``max_tokens`` (at most the engine's ``max_new_tokens``) ends it host-side, the same way.
+
+What a request gets is what it would get decoded alone, as with `Scheduler`: its key is
+``fold_in(key, id)``, its counters are its own, and its row's rounds do not depend on the other
+rows (a fixed gamma; under adaptive gamma the draft length is the batch's). Greedy answers are
+the target's greedy tokens.
+
+Events (dicts): ``{"type": "tokens", "ids": [...]}`` after a round that committed tokens;
+``{"type": "done", "finish_reason": "stop" | "length" | "cancelled" | "error", "status": ...,
+"usage": {...}}`` once, last. ``usage`` holds the engine's per-row counters: target passes,
+proposed and accepted drafts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from specjax import decoding
+from specjax.serving._scheduler import ROW_COUNTERS
+
+
+class QueueFull(Exception):
+    """The scheduler's queue holds ``max_queue`` requests already."""
+
+
+class Stopped(Exception):
+    """The scheduler is draining or stopped: it takes no new request."""
+
+
+@dataclasses.dataclass(eq=False)
+class Ticket:
+    """One submitted request, as the engine thread tracks it."""
+    id: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    on_event: Callable[[dict], None]
+    arrival: float
+    cancelled: bool = False
+    tokens: list = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    admitted: float | None = None
+    first: float | None = None
+
+
+_FINISH = {"eos": "stop", "max_new_tokens": "length", "nan_logits": "error"}
+
+
+class LiveScheduler:
+    """Serve requests through ``slots`` rows of one engine in a thread (module docstring).
+
+    ``capacity``: cache slots per row, for every request (`submit` refuses a prompt that does
+    not fit with its max_tokens); prompts are padded to ``pad_multiple`` (one compiled refill
+    per padded width)."""
+
+    def __init__(self, engine: decoding.Engine, params: decoding.EngineParams, sampling, *, slots: int,
+                 capacity: int, key, max_queue: int = 64, pad_multiple: int = 64):
+        if slots < 1 or max_queue < 1:
+            raise ValueError(f"slots and max_queue must be >= 1, got {slots} and {max_queue}")
+        self.engine, self.params, self.sampling = engine, params, sampling
+        self.slots, self.capacity, self.key = slots, capacity, key
+        self.max_queue, self.pad_multiple = max_queue, pad_multiple
+        self.max_new_tokens = engine.config.max_new_tokens
+        self._lock = threading.Condition()
+        self._queue: collections.deque[Ticket] = collections.deque()
+        self._occupant: list[Ticket | None] = [None] * slots
+        self._next_id = 0
+        self._accepting = True
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.started = time.perf_counter()
+        # host-side figures for /metrics (written by the engine thread, read under the lock)
+        self.stats = {"requests_total": 0, "finished_total": 0, "cancelled_total": 0, "tokens_total": 0,
+                      "rounds_total": 0, "proposed_total": 0, "accepted_total": 0,
+                      "gamma_rounds": [0] * len(engine.config.gammas)}
+        # finished rows' drafts, per draft position: accepted, and reached verification
+        self.accepted_at = np.zeros(engine.config.max_gamma, np.int64)
+        self.tested_at = np.zeros(engine.config.max_gamma, np.int64)
+
+    # ------------------------------------------------------------------ requests (any thread)
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a prompt of this length can get here: the engine's
+        ``max_new_tokens`` when the prompt, padded, fits the cache with them and the
+        verification block (`GenerationConfig.slots_needed`); else 0."""
+        padded = -(-prompt_tokens // self.pad_multiple) * self.pad_multiple
+        fits = self.engine.config.slots_needed(prompt_tokens) <= self.capacity and padded <= self.capacity
+        return self.max_new_tokens if fits else 0
+
+    def submit(self, prompt: Sequence[int], max_tokens: int, on_event: Callable[[dict], None]) -> Ticket:
+        """Queue a request; `QueueFull` when ``max_queue`` wait already, `Stopped` while draining.
+        ValueError when the prompt and ``max_tokens`` do not fit (`room`)."""
+        prompt = tuple(decoding.token_ids(prompt, "prompt"))
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        room = self.room(len(prompt))
+        if max_tokens < 1 or max_tokens > room:
+            raise ValueError(f"max_tokens={max_tokens}: a prompt of {len(prompt)} tokens leaves room for 1 to {room} "
+                             f"new tokens here (cache {self.capacity} slots, at most {self.max_new_tokens} new tokens)")
+        with self._lock:
+            if not self._accepting:
+                raise Stopped("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
+            t = Ticket(id=self._next_id, prompt=prompt, max_tokens=int(max_tokens), on_event=on_event,
+                       arrival=time.perf_counter())
+            self._next_id = (self._next_id + 1) % (2 ** 32)
+            self._queue.append(t)
+            self.stats["requests_total"] += 1
+            self._lock.notify_all()
+        return t
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop a request: out of the queue now, out of its slot at the next round."""
+        with self._lock:
+            ticket.cancelled = True
+            self._lock.notify_all()
+
+    def snapshot(self) -> dict:
+        """Figures for /metrics and /health: queue depth, active slots, totals since start."""
+        with self._lock:
+            return {**self.stats, "gamma_rounds": list(self.stats["gamma_rounds"]), "queue_depth": len(self._queue),
+                    "active_slots": sum(o is not None for o in self._occupant), "slots": self.slots,
+                    "uptime_s": time.perf_counter() - self.started, "running": self._running,
+                    "accepted_at": self.accepted_at.tolist(), "tested_at": self.tested_at.tolist(),
+                    "error": None if self._error is None else f"{type(self._error).__name__}: {self._error}"}
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def warmup(self, widths: Sequence[int] = (1,)) -> None:
+        """Compile the refill for prompts of these lengths' padded widths and one round, on a
+        throw-away state (so the first requests do not wait for compilation)."""
+        state = self.engine.empty_state(self.params, self.slots, self.capacity, key=self.key)
+        for n in widths:
+            state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
+        jax.block_until_ready(self.engine.step(self.params, self.sampling, state)[0])
+
+    def start(self) -> None:
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Take no new request, let the queued and running ones finish (up to ``drain_s``),
+        cancel what is left, then end the engine thread."""
+        deadline = time.perf_counter() + drain_s
+        with self._lock:
+            self._accepting = False
+            while (self._queue or any(self._occupant)) and self._running:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._lock.wait(min(left, 0.1))
+            for t in list(self._queue) + [o for o in self._occupant if o is not None]:
+                t.cancelled = True
+            self._lock.notify_all()
+        deadline = time.perf_counter() + 30.0
+        while self._thread is not None and self._thread.is_alive() and time.perf_counter() < deadline:
+            with self._lock:
+                if not (self._queue or any(self._occupant)):
+                    self._running = False
+                    self._lock.notify_all()
+            self._thread.join(0.1)
+
+    def _batch(self, t: Ticket) -> decoding.Batch:
+        return decoding.make_batch([t.prompt], self.engine.config, self.key, request_ids=[t.id],
+                                   pad_multiple=self.pad_multiple, capacity=self.capacity)
+
+    def _finish(self, t: Ticket, reason: str, status: str, counters: dict | None) -> None:
+        if t.slot is not None:
+            self._occupant[t.slot] = None
+        self.stats["finished_total"] += 1
+        self.stats["cancelled_total"] += reason == "cancelled"
+        usage = {"prompt_tokens": len(t.prompt), "completion_tokens": len(t.tokens),
+                 "total_tokens": len(t.prompt) + len(t.tokens)}
+        if counters:
+            passes = counters["target_passes"]
+            usage.update(target_passes=passes, proposed=counters["proposed"], accepted=counters["accepted"],
+                         accepted_tokens_per_pass=round(len(t.tokens) / passes, 4) if passes else None)
+        now = time.perf_counter()
+        usage["ttft_s"] = None if t.first is None else round(t.first - t.arrival, 6)
+        usage["latency_s"] = round(now - t.arrival, 6)
+        t.on_event({"type": "done", "finish_reason": reason, "status": status, "usage": usage})
+
+    def _loop(self) -> None:
+        engine, params = self.engine, self.params
+        try:
+            state = engine.empty_state(params, self.slots, self.capacity, key=self.key)
+            while True:
+                with self._lock:
+                    # cancelled requests leave the queue and their slots (the row is marked done)
+                    for t in [t for t in self._queue if t.cancelled]:
+                        self._queue.remove(t)
+                        self._finish(t, "cancelled", "cancelled", None)
+                    freed = [s for s, o in enumerate(self._occupant) if o is not None and o.cancelled]
+                    admit = []
+                    for s in range(self.slots):
+                        if (self._occupant[s] is None or s in freed) and self._queue and s not in freed:
+                            admit.append((s, self._queue.popleft()))
+                    busy = [s for s, o in enumerate(self._occupant) if o is not None and not o.cancelled] + \
+                        [s for s, _ in admit]
+                    if not busy and not freed:
+                        if not self._running:
+                            return
+                        self._lock.wait(0.05)
+                        continue
+                for s in freed:
+                    t = self._occupant[s]
+                    state = state.replace(done_B=state.done_B.at[s].set(True))
+                    with self._lock:
+                        self._finish(t, "cancelled", "cancelled", self._counters(state, s))
+                for s, t in admit:
+                    t.slot, t.admitted = s, time.perf_counter()
+                    state = engine.refill(params, state, s, self._batch(t))
+                    with self._lock:
+                        self._occupant[s] = t
+                if not busy:
+                    continue
+                state, commit = engine.step(params, self.sampling, state)
+                c = jax.device_get(commit)
+                now = time.perf_counter()
+                ended = []
+                with self._lock:
+                    self.stats["rounds_total"] += 1
+                    for s in busy:
+                        t = self._occupant[s]
+                        n = int(c.n_B[s])
+                        new = [int(x) for x in c.tokens_BC[s, :n]][:t.max_tokens - len(t.tokens)]
+                        if new:
+                            t.tokens.extend(new)
+                            t.first = t.first if t.first is not None else now
+                            self.stats["tokens_total"] += len(new)
+                            t.on_event({"type": "tokens", "ids": new})
+                        if bool(c.done_B[s]) or len(t.tokens) >= t.max_tokens:
+                            ended.append(s)
+                if ended:
+                    status_B = np.asarray(jax.device_get(state.status_B))
+                    for s in ended:
+                        t = self._occupant[s]
+                        status = decoding.STATUS_NAMES[int(status_B[s])]
+                        reason = _FINISH.get(status, "length")
+                        if status == "running":          # its own max_tokens: the row stops here
+                            state = state.replace(done_B=state.done_B.at[s].set(True))
+                            status = "max_tokens"
+                        counters = self._counters(state, s)
+                        with self._lock:
+                            self._finish(t, reason, status, counters)
+                with self._lock:
+                    self.stats["gamma_rounds"] = [int(x) for x in jax.device_get(state.metrics.gamma_rounds_Z)]
+                    self._lock.notify_all()
+        except BaseException as e:        # noqa: BLE001 - every waiting request is told
+            with self._lock:
+                self._error = e
+                self._running = False
+                self._accepting = False
+                for t in list(self._queue) + [o for o in self._occupant if o is not None]:
+                    t.on_event({"type": "done", "finish_reason": "error", "status": f"{type(e).__name__}: {e}",
+                                "usage": {"prompt_tokens": len(t.prompt), "completion_tokens": len(t.tokens),
+                                          "total_tokens": len(t.prompt) + len(t.tokens)}})
+                self._queue.clear()
+                self._occupant = [None] * self.slots
+                self._lock.notify_all()
+            raise
+
+    def _counters(self, state, slot: int) -> dict:
+        m = jax.device_get(state.metrics)
+        counters = {name.removesuffix("_B"): int(np.asarray(getattr(m, name))[slot]) for name in ROW_COUNTERS}
+        counters["target_passes"] = counters.pop("rounds")
+        with self._lock:
+            self.stats["proposed_total"] += counters["proposed"]
+            self.stats["accepted_total"] += counters["accepted"]
+            if self.accepted_at.size:
+                self.accepted_at += np.asarray(m.accepted_at_BG)[slot, :self.accepted_at.size].astype(np.int64)
+                self.tested_at += np.asarray(m.tested_at_BG)[slot, :self.tested_at.size].astype(np.int64)
+        return counters

@@ -1,0 +1,176 @@
+"""`specjax serve` (issue 56, part 1): the OpenAI-compatible server on the real SmolLM2, called
+with the `openai` client over 127.0.0.1.
+
+One server for the module (configs/serve.py: the default hybrid drafter, greedy; 2 slots,
+max_new_tokens 24), run by uvicorn in a thread. Greedy answers equal `specjax generate`'s path
+for the same chat prompt (`generate.stream_tokens` on the same engine and cache capacity),
+streamed and not; concurrent requests each get their own answer; a client that disconnects
+mid-stream frees its slot; bad requests get one JSON error each (the field named) and the server
+goes on serving; a full queue answers 429.
+"""
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+
+from configs import serve as serve_config
+from specjax import build, config_files, decoding, generate, serve, serving
+
+pytestmark = pytest.mark.real_model
+
+MAX_NEW = 24
+PROMPTS = ["Name three primary colors.", "What is 7 times 8?", "Write a haiku about rain.",
+           "Give one synonym for 'happy'."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+    c = config_files.with_drafter_keys(serve_config.get_config())
+    c.update(port=_free_port(), slots=2, max_queue=8, max_prompt_tokens=256, max_new_tokens=MAX_NEW,
+             compilation_cache_dir="")
+    job = serve.serve_job(c)
+    live, app, name = serve.build_server(job)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=job.port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    assert srv.started
+    gen = build.load_generator(job.run)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{job.port}/v1", api_key="none", max_retries=0)
+    yield {"live": live, "name": name, "client": client, "gen": gen, "job": job,
+           "url": f"http://127.0.0.1:{job.port}"}
+    srv.should_exit = True
+    thread.join(30)
+    live.stop(5)
+
+
+def _reference(server, prompt: str) -> tuple[list[int], str]:
+    """`specjax generate`'s tokens for this chat prompt (its own streaming path), on the server's
+    engine and cache capacity, decoded as the server decodes them."""
+    gen, live = server["gen"], server["live"]
+    ids = gen.encode(prompt)
+    batch = decoding.make_batch([ids], gen.config, jax.random.key(0), pad_multiple=gen.pad_multiple,
+                                capacity=live.capacity)
+    tokens, _, _ = generate.stream_tokens(gen, batch, build.sampling_config(server["job"].run))
+    return tokens, gen.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _chat(server, prompt, **kw):
+    return server["client"].chat.completions.create(model=server["name"], messages=[{"role": "user", "content": prompt}],
+                                                    **kw)
+
+
+def test_greedy_chat_equals_generate_streamed_and_not(server):
+    tokens, text = _reference(server, PROMPTS[0])
+    r = _chat(server, PROMPTS[0])
+    assert r.choices[0].message.content == text and text
+    u = r.usage.model_dump()
+    assert u["completion_tokens"] == len(tokens) and u["prompt_tokens"] == len(server["gen"].encode(PROMPTS[0]))
+    assert u["target_passes"] >= 1 and u["accepted_tokens_per_pass"] == pytest.approx(len(tokens) / u["target_passes"],
+                                                                                     abs=1e-3)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    pieces, finish, usage = [], None, None
+    for chunk in _chat(server, PROMPTS[0], stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert "".join(pieces) == text and finish == r.choices[0].finish_reason
+    assert usage.completion_tokens == len(tokens)
+
+
+def test_concurrent_requests_get_their_own_answers(server):
+    want = {p: _reference(server, p)[1] for p in PROMPTS}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = dict(zip(PROMPTS, pool.map(lambda p: _chat(server, p).choices[0].message.content, PROMPTS)))
+    assert got == want
+    # the plain completions route: the text as it is (no chat template), up to max_tokens
+    r = server["client"].completions.create(model=server["name"], prompt="The capital of France is", max_tokens=5)
+    assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert [m.id for m in server["client"].models.list().data] == [server["name"]]
+
+
+def test_a_disconnected_stream_frees_its_slot(server):
+    live = server["live"]
+    before = live.snapshot()["cancelled_total"]
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=60,
+                      json={"model": server["name"], "stream": True,
+                            "messages": [{"role": "user", "content": "Count from one to one hundred in words."}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"content": ""' not in line:
+                break                                   # the first text: then the client goes away
+    for _ in range(200):
+        s = live.snapshot()
+        if s["cancelled_total"] > before and s["active_slots"] == 0:
+            break
+        time.sleep(0.05)
+    assert s["cancelled_total"] == before + 1 and s["active_slots"] == 0, s
+    assert _chat(server, PROMPTS[1]).choices[0].message.content == _reference(server, PROMPTS[1])[1]
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"temperature": 0.7, "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ({"max_tokens": MAX_NEW + 1, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ({"logit_bias": {"5": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+], ids=["unknown_model", "other_temperature", "zero_tokens", "too_many_tokens", "unsupported_field",
+        "no_messages", "bad_role", "prompt_too_long"])
+def test_bad_requests_get_one_json_error_each(server, body, status, param):
+    body = {"model": server["name"], **body}
+    r = httpx.post(server["url"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+    assert httpx.get(server["url"] + "/health").status_code == 200      # still serving
+
+
+def test_malformed_bodies_health_and_metrics(server):
+    r = httpx.post(server["url"] + "/v1/completions", content=b"{not json", timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    r = httpx.post(server["url"] + "/v1/completions", json={"model": server["name"], "prompt": [10 ** 9]}, timeout=60)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    text = httpx.get(server["url"] + "/metrics").text
+    for name in ("specjax_tokens_total", "specjax_queue_depth", "specjax_active_slots",
+                 'specjax_acceptance_at_position{position="1"}', "specjax_rounds_per_gamma"):
+        assert name in text, name
+    tokens = [line for line in text.splitlines() if line.startswith("specjax_tokens_total")]
+    assert float(tokens[0].split()[1]) > 0
+
+
+def test_a_full_queue_answers_429(server):
+    """A second scheduler on the same engine, not started (nothing leaves its queue): with
+    max_queue=1 one request fills it, the next gets 429 through the API."""
+    from starlette.testclient import TestClient
+    live = server["live"]
+    idle = serving.LiveScheduler(live.engine, live.params, live.sampling, slots=1, capacity=live.capacity,
+                                 key=jax.random.key(0), max_queue=1)
+    idle.submit([1, 2, 3], 4, lambda ev: None)
+    with pytest.raises(serving.QueueFull):
+        idle.submit([1, 2, 3], 4, lambda ev: None)
+    app = serving.make_app(idle, server["gen"].tokenizer, "m", {"temperature": 0.0, "top_p": 1.0, "top_k": 0})
+    r = TestClient(app).post("/v1/chat/completions",
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+    assert json.loads(r.text)["error"]["message"].startswith("the server is busy")
