@@ -93,7 +93,7 @@ FILE_SECONDS = {
     "test_attention_ops.py": 31, "test_cli.py": 27, "test_theory_temperature.py": 27, "test_llama_cache.py": 27,
     "test_bad_input_distill.py": 26, "test_tokenizer.py": 24, "test_engine_greedy.py": 24,
     "test_tree_attention.py": 24, "test_checkpoint_faults.py": 22, "test_greedy_bf16.py": 21,
-    "test_load_study.py": 20, "test_hf_parity.py": 20, "test_server.py": 90, "test_pallas_attention.py": 60,
+    "test_load_study.py": 20, "test_hf_parity.py": 20, "test_server.py": 90, "test_pallas_attention.py": 60, "test_serving_live.py": 15,
 }
 FILE_SECONDS_PER_TEST = 0.5
 

@@ -198,7 +198,15 @@ class LiveScheduler:
         now = time.perf_counter()
         usage["ttft_s"] = None if t.first is None else round(t.first - t.arrival, 6)
         usage["latency_s"] = round(now - t.arrival, 6)
-        t.on_event({"type": "done", "finish_reason": reason, "status": status, "usage": usage})
+        self._emit(t, {"type": "done", "finish_reason": reason, "status": status, "usage": usage})
+
+    def _emit(self, t: Ticket, event: dict) -> None:
+        """``t.on_event(event)``; a callback that fails (its client's event loop gone) cancels its
+        request instead of stopping the engine thread."""
+        try:
+            t.on_event(event)
+        except Exception:  # noqa: BLE001 - the request's receiver is gone, not the engine
+            t.cancelled = True
 
     def _loop(self) -> None:
         engine, params = self.engine, self.params
@@ -248,7 +256,7 @@ class LiveScheduler:
                             t.tokens.extend(new)
                             t.first = t.first if t.first is not None else now
                             self.stats["tokens_total"] += len(new)
-                            t.on_event({"type": "tokens", "ids": new})
+                            self._emit(t, {"type": "tokens", "ids": new})
                         if bool(c.done_B[s]) or len(t.tokens) >= t.max_tokens:
                             ended.append(s)
                 if ended:
@@ -272,9 +280,9 @@ class LiveScheduler:
                 self._running = False
                 self._accepting = False
                 for t in list(self._queue) + [o for o in self._occupant if o is not None]:
-                    t.on_event({"type": "done", "finish_reason": "error", "status": f"{type(e).__name__}: {e}",
-                                "usage": {"prompt_tokens": len(t.prompt), "completion_tokens": len(t.tokens),
-                                          "total_tokens": len(t.prompt) + len(t.tokens)}})
+                    self._emit(t, {"type": "done", "finish_reason": "error", "status": f"{type(e).__name__}: {e}",
+                                   "usage": {"prompt_tokens": len(t.prompt), "completion_tokens": len(t.tokens),
+                                             "total_tokens": len(t.prompt) + len(t.tokens)}})
                 self._queue.clear()
                 self._occupant = [None] * self.slots
                 self._lock.notify_all()
