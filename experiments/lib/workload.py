@@ -154,7 +154,7 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
     if c.workload.startswith("preset:"):
         size = c.workload.split(":", 1)[1]
         target = models.Llama(preset_config(size, c.dtype, **fields).replace(
-            write_then_attend=bool(c.get("write_then_attend", False))))
+            write_then_attend=bool(c.get("write_then_attend", False)), attention_op=c.get("attention_op", "reference")))
         canonical = random_params(target.config, jax.random.key(c.seed), c.init_std)
         params = jax.block_until_ready(target.prepare_params(canonical))
         w = Workload(c.workload, target, params, _random_prompts(questions, c.prompt_len, target.vocab_size, c.seed),
@@ -167,8 +167,9 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
             w.model_sha256 = toolkit.sha256(w.model_file)
         return w
     target, params, tok = models.load_with_tokenizer(c.workload, dtype=c.dtype, **fields)
-    if c.get("write_then_attend", False):
-        target = models.Llama(target.config.replace(write_then_attend=True))
+    if c.get("write_then_attend", False) or c.get("attention_op", "reference") != "reference":
+        target = models.Llama(target.config.replace(write_then_attend=bool(c.get("write_then_attend", False)),
+                                                    attention_op=c.get("attention_op", "reference")))
     prompts = [Prompt(q.question_id, q.category, tuple(decoding.encode_prompt(tok, q.prompt))) for q in questions]
     path = models.resolve(c.workload)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
