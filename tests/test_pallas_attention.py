@@ -155,6 +155,14 @@ def test_a_block_row_is_bitwise_the_step_in_bfloat16():
         np.testing.assert_array_equal(step[:, 0], block[:, t])
 
 
+def test_the_op_asks_for_capacities_it_reads_in_place():
+    """`specjax.build` pads prompts (and so rounds capacities) to the op's slot multiple: the
+    kernel's 128-slot blocks for 'pallas' (another capacity is padded, a copy), any for the rest."""
+    assert attn.slot_multiple("pallas") == 128 and attn.slot_multiple("reference") == 1
+    with pytest.raises(ValueError, match="unknown attention op 'nope'"):
+        attn.slot_multiple("nope")
+
+
 def test_bad_shapes_are_named():
     k, v, _ = _cache(128, jnp.float32)
     q = jax.random.normal(jax.random.key(0), (B, 1, 3, H))

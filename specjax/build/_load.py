@@ -3,7 +3,10 @@ engine around it, as a `specjax.decoding.Generator` (the request path)."""
 
 from __future__ import annotations
 
+import math
+
 from specjax import decoding, drafters, models
+from specjax.models import attention
 from specjax.build._checks import CPU_KERNEL_CHOICES, check_config, check_cpu_kernel
 from specjax.build._settings import GenerateSettings, generation_config, not_settings
 
@@ -112,7 +115,9 @@ def generators_for(settings: tuple, target, params, tokenizer, pad_multiple: int
         eparams = decoding.EngineParams(target=params, draft=dparams)
         if mesh is not None:
             eparams = engine.place_params(eparams)
-        out.append(decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad_multiple))
+        # prompts padded (and so capacities rounded) to what the attention op reads in place
+        pad = math.lcm(pad_multiple, attention.slot_multiple(target.config.attention_op))
+        out.append(decoding.Generator(engine, eparams, tokenizer, pad_multiple=pad))
     return out
 
 

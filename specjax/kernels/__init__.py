@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels._pallas_attention import LANES as CACHE_SLOT_MULTIPLE  # noqa: F401
 from specjax.kernels._pallas_attention import cache_attention  # noqa: F401  (the accelerators' kernel)
 
 PANEL = 32

@@ -131,7 +131,8 @@ def _pallas_call(q_BKGTH, k, v_BKHS, vis_BTS, live_B, *, scale, softcap, block_s
 def _slot_block(S: int, block_slots: int) -> int:
     """The widest multiple of LANES up to ``block_slots`` that divides a capacity of S slots;
     for a capacity that is no multiple of LANES, the block the capacity is padded to (a copy
-    of the cache per call: the accelerator profiles' capacities are multiples of LANES)."""
+    of the cache per call; `specjax.build` pads prompts, and so rounds capacities, to a
+    multiple of LANES for this op: `models.attention.slot_multiple`)."""
     if S % LANES:
         return min(block_slots, -(-S // LANES) * LANES)
     return max(b for b in range(LANES, min(block_slots, S) + 1, LANES) if S % b == 0)

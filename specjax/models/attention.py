@@ -318,6 +318,17 @@ def register_attention_op(name: str, op: AttentionOp) -> None:
     ATTENTION_OPS[name] = op
 
 
+# Cache capacities an op reads without a copy come in multiples of this many slots (the Pallas
+# kernel's slot blocks; another capacity is padded to whole blocks, a copy per layer).
+SLOT_MULTIPLES: dict[str, int] = {"pallas": kernels.CACHE_SLOT_MULTIPLE}
+
+
+def slot_multiple(name: str) -> int:
+    """The cache capacity multiple attention op ``name`` reads in place (1: any)."""
+    get_attention_op(name)
+    return SLOT_MULTIPLES.get(name, 1)
+
+
 def get_attention_op(name: str) -> AttentionOp:
     try:
         return ATTENTION_OPS[name]
