@@ -127,13 +127,14 @@ def test_a_disconnected_stream_frees_its_slot(server):
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ({"temperature": 0.7, "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
+    ({"seed": 3, "messages": [{"role": "user", "content": "hi"}]}, 400, "seed"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"max_tokens": MAX_NEW + 1, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"logit_bias": {"5": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
-], ids=["unknown_model", "other_temperature", "zero_tokens", "too_many_tokens", "unsupported_field",
+], ids=["unknown_model", "other_temperature", "seed", "zero_tokens", "too_many_tokens", "unsupported_field",
         "no_messages", "bad_role", "prompt_too_long"])
 def test_bad_requests_get_one_json_error_each(server, body, status, param):
     body = {"model": server["name"], **body}

@@ -13,8 +13,8 @@ full, 503 while shutting down. A client that disconnects has its request cancell
 is free at the next round.
 
 Sampling is the server's (``--config.temperature`` etc.): a request may repeat the server's
-value of temperature, top_p or top_k, or leave it out; another value is a 400 naming the field
-(per-request sampling settings are not built yet), never silently ignored.
+value of temperature, top_p or top_k, or leave it out; another value, or any seed, is a 400
+naming the field (per-request sampling settings are not built yet), never silently ignored.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def _sampling_echo(name: str, value, server) -> None:
     """A request's sampling field: absent/None or the server's own value, else a 400 naming it."""
     if value is None:
         return
-    if name == "seed":
-        return                          # one key per request already (fold_in(key, request id))
+    if name == "seed":                  # each request's key is fold_in(server key, request id)
+        raise ApiError(400, f"seed={value}: per-request seeds are not supported yet (each request gets its own "
+                            f"key from the server's seed); omit seed", "seed")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ApiError(400, f"{name} must be a number, got {value!r}", name)
     if float(value) != float(server):

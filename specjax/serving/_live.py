@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from specjax import decoding
-from specjax.serving._scheduler import ROW_COUNTERS
+from specjax.serving._scheduler import row_counters
 
 
 class QueueFull(Exception):
@@ -230,11 +230,12 @@ class LiveScheduler:
                             return
                         self._lock.wait(0.05)
                         continue
-                for s in freed:
-                    t = self._occupant[s]
-                    state = state.replace(done_B=state.done_B.at[s].set(True))
-                    with self._lock:
-                        self._finish(t, "cancelled", "cancelled", self._counters(state, s))
+                if freed:
+                    m = jax.device_get(state.metrics)
+                    for s in freed:
+                        state = state.replace(done_B=state.done_B.at[s].set(True))
+                        with self._lock:
+                            self._finish(self._occupant[s], "cancelled", "cancelled", self._counters(m, s))
                 for s, t in admit:
                     t.slot, t.admitted = s, time.perf_counter()
                     state = engine.refill(params, state, s, self._batch(t))
@@ -243,7 +244,8 @@ class LiveScheduler:
                 if not busy:
                     continue
                 state, commit = engine.step(params, self.sampling, state)
-                c = jax.device_get(commit)
+                # one transfer a round: the commit and the batch's rounds per gamma
+                c, gamma_rounds = jax.device_get((commit, state.metrics.gamma_rounds_Z))
                 now = time.perf_counter()
                 ended = []
                 with self._lock:
@@ -260,7 +262,7 @@ class LiveScheduler:
                         if bool(c.done_B[s]) or len(t.tokens) >= t.max_tokens:
                             ended.append(s)
                 if ended:
-                    status_B = np.asarray(jax.device_get(state.status_B))
+                    status_B, m = jax.device_get((state.status_B, state.metrics))
                     for s in ended:
                         t = self._occupant[s]
                         status = decoding.STATUS_NAMES[int(status_B[s])]
@@ -268,11 +270,11 @@ class LiveScheduler:
                         if status == "running":          # its own max_tokens: the row stops here
                             state = state.replace(done_B=state.done_B.at[s].set(True))
                             status = "max_tokens"
-                        counters = self._counters(state, s)
+                        counters = self._counters(m, s)
                         with self._lock:
                             self._finish(t, reason, status, counters)
                 with self._lock:
-                    self.stats["gamma_rounds"] = [int(x) for x in jax.device_get(state.metrics.gamma_rounds_Z)]
+                    self.stats["gamma_rounds"] = [int(x) for x in gamma_rounds]
                     self._lock.notify_all()
         except BaseException as e:        # noqa: BLE001 - every waiting request is told
             with self._lock:
@@ -288,10 +290,9 @@ class LiveScheduler:
                 self._lock.notify_all()
             raise
 
-    def _counters(self, state, slot: int) -> dict:
-        m = jax.device_get(state.metrics)
-        counters = {name.removesuffix("_B"): int(np.asarray(getattr(m, name))[slot]) for name in ROW_COUNTERS}
-        counters["target_passes"] = counters.pop("rounds")
+    def _counters(self, m, slot: int) -> dict:
+        """A finished row's counters from the host metrics ``m``, added to the totals."""
+        counters = row_counters(m, slot)
         with self._lock:
             self.stats["proposed_total"] += counters["proposed"]
             self.stats["accepted_total"] += counters["accepted"]

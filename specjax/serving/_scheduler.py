@@ -112,6 +112,15 @@ class ServeOutput:
     steps: list[tuple[float, int]]    # (time after the round, active slots during it) per engine round
 
 
+def row_counters(metrics, slot: int) -> dict:
+    """One row's counters from the loop state's metrics (on the host): `ROW_COUNTERS` without
+    their ``_B``, ``rounds`` named ``target_passes`` and ``degenerate_residual`` plural."""
+    counters = {name.removesuffix("_B"): int(np.asarray(getattr(metrics, name))[slot]) for name in ROW_COUNTERS}
+    counters["target_passes"] = counters.pop("rounds")
+    counters["degenerate_residuals"] = counters.pop("degenerate_residual")
+    return counters
+
+
 def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> np.ndarray:
     """Arrival times (s) of a Poisson process: n exponential gaps of mean 1/rate, cumulated
     (host-side numpy randomness: the arrival process is the workload, not the sampler)."""
@@ -313,9 +322,7 @@ class Scheduler:
                 status_B, m = jax.device_get((state.status_B, state.metrics))
                 for s in finished:
                     o, r = occupant[s], occupant[s]["request"]
-                    counters = {name.removesuffix("_B"): int(getattr(m, name)[s]) for name in ROW_COUNTERS}
-                    counters["target_passes"] = counters.pop("rounds")
-                    counters["degenerate_residuals"] = counters.pop("degenerate_residual")
+                    counters = row_counters(m, s)
                     results[r.id] = RequestResult(
                         id=r.id, prompt_tokens=len(r.prompt), tokens=o["tokens"],
                         status=decoding.STATUS_NAMES[int(status_B[s])], slot=s, arrival_s=r.arrival_s,
