@@ -11,7 +11,10 @@ batch 2 with rows at different lengths:
 * chains: a k-token block over a prefilled cache against k one-token steps, logits compared
   with ``==`` (no tolerance), and the caches' committed entries after both paths;
 * trees: a tree block (root + nodes, ancestor mask) against one-token steps along a
-  root-to-leaf path, the path's rows compared with ``==``.
+  root-to-leaf path, the path's rows compared with ``==``. A node's ancestors sit at other slots
+  than the steps find them at; each query sums its last keys apart, in their order
+  (`AttentionSpec.ordered_tail`). The attention-level tests and a float32 model check show it
+  (bfloat16 outputs of tiny models hide most differences), with a control that fails without it.
 
 A step scores the engine's one block shape (`GenerationConfig.block_tokens`, as the profiles
 set it): its token, then padding, in a pass as wide as the verification block. At batch 1 a
@@ -24,6 +27,11 @@ it on this CPU: its blocks and steps differ in the last bit of some logits.
 """
 
 from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -241,3 +249,93 @@ def test_write_then_attend_computes_the_same_attention(kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for a, b in zip(got[0][3], got[1][3]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Token trees: a node's ancestors sit at the slots of their block rows, not at the slots the
+# steps find them at; `AttentionSpec.ordered_tail` sums each query's last keys in their order.
+# ---------------------------------------------------------------------------------------
+def _tree_visibility(B: int):
+    """Visibility among a tree block's tokens (the root, then the nodes of PARENTS): [B, T, T]."""
+    T = len(PARENTS) + 1
+    vt = np.zeros((T, T), bool)
+    for t in range(T):
+        vt[t, 0] = vt[t, t] = True
+        n = t - 1
+        while n >= 0:
+            vt[t, n + 1] = True
+            n = PARENTS[n]
+    return jnp.asarray(np.broadcast_to(vt, (B, T, T)))
+
+
+def _tree_rows_against_steps(op: str, dtype: str, ordered_tail: bool):
+    """A tree block (root + PARENTS) over 150 and 97 committed slots against one-token steps (each
+    a pass of the block's width) along the path root, 1, 2, 3, 4: (differing outputs, outputs)."""
+    from specjax.models.attention import AttentionSpec, attention, written_visibility
+    from specjax.models.kv_cache import write_kv
+    T = len(PARENTS) + 1
+    q, k_new, v_new, k_buf, v_buf, lengths = _attention_case(dtype, T=T)
+    B, S = q.shape[0], k_buf.shape[2]
+    spec = AttentionSpec(scale=float(1 / np.sqrt(q.shape[-1])), ordered_tail=T if ordered_tail else 0)
+
+    @jax.jit
+    def written(q, k_new, v_new, k_buf, v_buf, lengths, visible_new_BTT):
+        kb, vb = write_kv(k_buf, v_buf, k_new, v_new, lengths)
+        past_B1S = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, :]
+        visible = written_visibility((past_B1S, visible_new_BTT), lengths, lengths, T, S)
+        return attention(q, None, None, (kb, vb, lengths), (visible, None), spec=spec, op=op), (kb, vb)
+
+    tree, _ = written(q, k_new, v_new, k_buf, v_buf, lengths, _tree_visibility(B))
+    causal = jnp.asarray(np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)))
+    differ = total = 0
+    kb, vb = k_buf, v_buf
+    for depth, row in enumerate([0, 2, 3, 4, 5]):
+        step, (kb, vb) = written(_pad(q, row, T), _pad(k_new, row, T), _pad(v_new, row, T), kb, vb, lengths + depth,
+                                 causal)
+        differ += int(jnp.sum(step[:, 0] != tree[:, row]))
+        total += step[:, 0].size
+    return differ, total
+
+
+@pytest.mark.parametrize("op", ["reference", "pallas"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tree_block_row_equals_step(op, dtype):
+    """Each row on a root-to-leaf path of a tree block equals, bit for bit, the padded one-token
+    step that scores its token once its ancestors are committed (at ``length + depth``)."""
+    differ, total = _tree_rows_against_steps(op, dtype, ordered_tail=True)
+    assert differ == 0, f"{differ} of {total} outputs differ"
+
+
+@pytest.mark.parametrize("op", ["reference", "pallas"])
+def test_tree_without_ordered_tail_rounds_differently(op):
+    """The control: summing over slots (the ancestors where the block put them) differs in the last
+    bit of some outputs in float32."""
+    differ, _ = _tree_rows_against_steps(op, "float32", ordered_tail=False)
+    assert differ > 0
+
+
+_TREE_FLOAT32 = """
+import sys
+sys.path.insert(0, "tests")
+import test_block_step_bitwise as t
+for kind in sys.argv[1:]:
+    model, params = t._model(kind, dtype="float32")
+    t._tree(model, params, t._prefilled(model, params, 2), kind)
+    print(kind, "equal")
+"""
+
+
+def test_tree_block_equals_steps_float32():
+    """Whole models in float32 (where a different summation order shows in the logits), batch 2:
+    a tree block's path rows equal the steps' logits bit for bit (llama; gemma2: windows and
+    soft-caps; mixtral: routed experts).
+
+    Compiled with XLA's default options, as `specjax generate` compiles, in a subprocess: the
+    suite's fast compilation (`FAST_COMPILE_XLA_FLAGS`) has XLA:CPU compute RoPE's cos and sin
+    of the same positions to different bits in the tree's program and the steps'."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    kinds = ("llama", "gemma2", "mixtral")
+    r = subprocess.run([sys.executable, "-c", _TREE_FLOAT32, *kinds], capture_output=True, text=True, env=env,
+                       cwd=pathlib.Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.split() == [w for k in kinds for w in (k, "equal")]

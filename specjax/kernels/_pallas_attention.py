@@ -44,11 +44,16 @@ LANES = 128
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _kernel(live_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
-            softcap: float | None, block_slots: int, num_kv_heads: int, group: int, keys_by_lane: bool):
+def _kernel(live_ref, q_ref, k_ref, v_ref, vis_ref, *refs, scale: float, softcap: float | None,
+            block_slots: int, num_kv_heads: int, group: int, keys_by_lane: bool, partial: bool):
     """One (row b, slot block j) step. q [1, K, G, T, H]; k [1, K, blk, H] ([1, K, H, blk] with
-    ``keys_by_lane``); v [1, K, H, blk];
-    vis [1, T, blk] int32; o [1, K, G, T, H]; scratch m, l [K*G, T, LANES], acc [K*G, T, H]."""
+    ``keys_by_lane``); v [1, K, H, blk]; vis [1, T, blk] int32; o [1, K, G, T, H] (``partial``:
+    float32 and unnormalized, then the outputs m_out, l_out [1, K*G, T, LANES]); scratch m, l
+    [K*G, T, LANES], acc [K*G, T, H]."""
+    if partial:
+        o_ref, m_out, l_out, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, m_ref, l_ref, acc_ref = refs
     b, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when(j == 0)
@@ -84,6 +89,13 @@ def _kernel(live_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc_ref
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
+        if partial:
+            for kh in range(num_kv_heads):
+                for g in range(group):
+                    o_ref[0, kh, g] = acc_ref[kh * group + g]
+            m_out[0] = m_ref[...]
+            l_out[0] = l_ref[...]
+            return
         for kh in range(num_kv_heads):
             for g in range(group):
                 n = kh * group + g
@@ -92,7 +104,8 @@ def _kernel(live_ref, q_ref, k_ref, v_ref, vis_ref, o_ref, m_ref, l_ref, acc_ref
                                             0.0).astype(o_ref.dtype)
 
 
-def _pallas_call(q_BKGTH, k, v_BKHS, vis_BTS, live_B, *, scale, softcap, block_slots, interpret, keys_by_lane):
+def _pallas_call(q_BKGTH, k, v_BKHS, vis_BTS, live_B, *, scale, softcap, block_slots, interpret, keys_by_lane,
+                 partial):
     B, K, G, T, H = q_BKGTH.shape
     S = v_BKHS.shape[3]
     num_blocks = S // block_slots
@@ -103,7 +116,7 @@ def _pallas_call(q_BKGTH, k, v_BKHS, vis_BTS, live_B, *, scale, softcap, block_s
         return jnp.minimum(j, last)
 
     kernel = functools.partial(_kernel, scale=scale, softcap=softcap, block_slots=block_slots,
-                               num_kv_heads=K, group=G, keys_by_lane=keys_by_lane)
+                               num_kv_heads=K, group=G, keys_by_lane=keys_by_lane, partial=partial)
     key_block = (1, K, H, block_slots) if keys_by_lane else (1, K, block_slots, H)
     key_index = (lambda b, j, live: (b, 0, 0, slot_block(b, j, live))) if keys_by_lane else \
         (lambda b, j, live: (b, 0, slot_block(b, j, live), 0))
@@ -116,16 +129,23 @@ def _pallas_call(q_BKGTH, k, v_BKHS, vis_BTS, live_B, *, scale, softcap, block_s
             pl.BlockSpec((1, K, H, block_slots), lambda b, j, live: (b, 0, 0, slot_block(b, j, live))),
             pl.BlockSpec((1, T, block_slots), lambda b, j, live: (b, 0, slot_block(b, j, live))),
         ],
-        out_specs=pl.BlockSpec((1, K, G, T, H), lambda b, j, live: (b, 0, 0, 0, 0)),
+        out_specs=[pl.BlockSpec((1, K, G, T, H), lambda b, j, live: (b, 0, 0, 0, 0))] + (
+            [pl.BlockSpec((1, K * G, T, LANES), lambda b, j, live: (b, 0, 0, 0))] * 2 if partial else []),
         scratch_shapes=[pltpu.VMEM((K * G, T, LANES), jnp.float32),
                         pltpu.VMEM((K * G, T, LANES), jnp.float32),
                         pltpu.VMEM((K * G, T, H), jnp.float32)],
     )
-    return pl.pallas_call(
-        kernel, grid_spec=grid_spec, interpret=interpret,
-        out_shape=jax.ShapeDtypeStruct(q_BKGTH.shape, q_BKGTH.dtype),
+    out_shape = [jax.ShapeDtypeStruct(q_BKGTH.shape, jnp.float32 if partial else q_BKGTH.dtype)]
+    if partial:
+        out_shape += [jax.ShapeDtypeStruct((B, K * G, T, LANES), jnp.float32)] * 2
+    out = pl.pallas_call(
+        kernel, grid_spec=grid_spec, interpret=interpret, out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     )(live_B, q_BKGTH, k, v_BKHS, vis_BTS)
+    if not partial:
+        return out[0]
+    acc, m, l = out
+    return acc, m[..., 0].reshape(B, K, G, T), l[..., 0].reshape(B, K, G, T)
 
 
 def _slot_block(S: int, block_slots: int) -> int:
@@ -139,7 +159,7 @@ def _slot_block(S: int, block_slots: int) -> int:
 
 
 def cache_attention(q_BTQH, k_BKSH, v_BKHS, visible_BTS, *, scale: float, softcap: float | None = None,
-                    block_slots: int = DEFAULT_BLOCK_SLOTS, fallback=None):
+                    block_slots: int = DEFAULT_BLOCK_SLOTS, fallback=None, partial: bool = False):
     """Attention of the T queries of each row over the cache slots ``visible_BTS`` allows: [B, T, N*H].
 
     ``visible_BTS`` [B, T, S] (or [B, 1, S]) bool; the cache already holds this call's keys and
@@ -147,6 +167,11 @@ def cache_attention(q_BTQH, k_BKSH, v_BKHS, visible_BTS, *, scale: float, softca
     interpreter there too). A query that sees no slot gets zeros. Traced under a mesh
     (`jax.set_mesh`), the kernel runs on each device's rows and KV heads (`_on_mesh`); XLA does
     not partition a Mosaic kernel, so a TPU program over several chips must be traced so.
+
+    ``partial``: the softmax's parts instead, for a caller that adds keys of its own:
+    (acc_BTNH, m_BTN, l_BTN), float32, with out = acc / l; m is the largest score, l the sum of
+    exp(score - m) and acc the sum of exp(score - m) v (the weights rounded to the values' dtype
+    first). ``fallback`` then returns the same triple.
     """
     B, T, N, H = q_BTQH.shape
     K, S = k_BKSH.shape[1], k_BKSH.shape[2]
@@ -178,16 +203,25 @@ def cache_attention(q_BTQH, k_BKSH, v_BKHS, visible_BTS, *, scale: float, softca
     def kernel_call(interpret):
         def local(q, k, v, vis, live):
             return _pallas_call(q, k, v, vis, live, scale=scale, softcap=softcap, block_slots=blk,
-                                interpret=interpret, keys_by_lane=keys_by_lane)
-        return _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B)
+                                interpret=interpret, keys_by_lane=keys_by_lane, partial=partial)
+        out = _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B, partial)
+        if not partial:
+            return out
+        acc_BKGTH, m_BKGT, l_BKGT = out
+        to_BTN = lambda x: jnp.transpose(x, (0, 3, 1, 2)).reshape(B, T, N)       # noqa: E731
+        return jnp.transpose(acc_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N, H), to_BTN(m_BKGT), to_BTN(l_BKGT)
 
     def other():
+        if partial:
+            return fallback()
         return jnp.transpose(fallback().reshape(B, T, K, G, H).astype(q_BTQH.dtype), (0, 2, 3, 1, 4))
 
     branches = dict(tpu=lambda: kernel_call(False), cpu=lambda: kernel_call(True))
     branches["default"] = other if fallback is not None else branches["cpu"]
-    out_BKGTH = jax.lax.platform_dependent(**branches)
-    return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N * H)
+    out = jax.lax.platform_dependent(**branches)
+    if partial:
+        return out
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, T, N * H)
 
 
 # The mesh axes rows and KV heads are split over when the call is traced under a mesh
@@ -197,7 +231,7 @@ ROW_AXES = ("data", "fsdp")
 HEAD_AXIS = "model"
 
 
-def _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B):
+def _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B, partial: bool = False):
     """``local`` on each device's rows and KV heads under the traced mesh (a Mosaic kernel is not
     partitioned by XLA), or on the whole arrays without one. An axis that does not divide its
     dimension is not split (its dimension stays whole on every device)."""
@@ -211,5 +245,6 @@ def _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B):
     heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 and K % sizes[HEAD_AXIS] == 0 else None
     P = jax.sharding.PartitionSpec
     qkv = P(rows, heads)
-    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows), P(rows)), out_specs=qkv,
+    out_specs = (qkv, qkv, qkv) if partial else qkv      # m, l: [B, K*G, ...], K-major
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows), P(rows)), out_specs=out_specs,
                          check_vma=False)(q_BKGTH, keys, v_BKHS, vis_BTS, live_B)

@@ -24,6 +24,19 @@ operands in the same order, which the low-precision profiles need for bitwise eq
 the block's keys appended after the cache, a token's key sits in the cache for a step and in
 the appended part for a block row, and the sums split differently).
 
+Token trees in low precision: write-then-attend makes a chain block's row t reduce over the
+same slots as the step that scores its token, but a tree node's ancestors sit at the slots of
+their block rows (breadth-first), not at ``length + depth`` where the steps find them, and a sum
+over slots groups them differently (float32 and bfloat16 results differ in the last bits). With
+``AttentionSpec.ordered_tail = W`` an op splits every query's visible keys in two: the last W
+(by slot; for a node of a tree of at most W - 1 levels these include all its ancestors in the
+block, in depth order) gathered into a [W] axis in slot order, and all others, read in place
+(slots below the tail's first; for a tree node these are committed, at the slots a step reads
+them at). The maximum is taken over both, each part is summed on its own and the two sums are
+added. A tree node and the step at the same position then see the same keys in the same
+order in each part, so they compute the same bits; the step's own tail is its last W keys
+too. The tail's gather reads W keys and values per query, not the cache.
+
 Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
 holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
 query at position i (Mistral, Gemma 2/3, the Hugging Face rule). Tentative tree entries of
@@ -66,9 +79,19 @@ NEG = float(jnp.finfo(jnp.float32).min)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """What an op computes besides the mask: scores = cap * tanh(q.k * scale / cap) (no cap: q.k * scale)."""
+    """What an op computes besides the mask: scores = cap * tanh(q.k * scale / cap) (no cap: q.k * scale).
+
+    ``ordered_tail`` (write-then-attend calls only; 0: off): each query's last ``ordered_tail``
+    visible keys are summed apart from the rest, gathered in slot order (see "Token trees in
+    low precision" in the module docstring)."""
     scale: float
     softcap: float | None = None
+    ordered_tail: int = 0
+
+
+# The widest block whose write-then-attend calls sum their last keys in position order
+# (`AttentionSpec.ordered_tail`): verification blocks and trees; a prompt's prefill is wider.
+ORDERED_TAIL_MAX = 64
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,6 +278,9 @@ def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):
     """The reference op under write-then-attend: the cache already holds the block (no new keys)."""
     B, T, N, H = q_BTQH.shape
     k_BKSH, v_BKHS, _ = past
+    if spec.ordered_tail:
+        slots_BTW, rest_BTS = ordered_tail(jnp.broadcast_to(visible_BTS, (B, T, k_BKSH.shape[2])), spec.ordered_tail)
+        return _with_tail(q_BTQH, past, slots_BTW, spec, *_cache_parts(q_BTQH, past, rest_BTS, spec))
     K = k_BKSH.shape[1]
     q = q_BTQH.reshape(B, T, K, N // K, H)
     s = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH, preferred_element_type=jnp.float32),
@@ -262,6 +288,60 @@ def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):
     probs = jax.nn.softmax(jnp.where(visible_BTS[:, None, None], s, NEG), axis=-1)
     out = jnp.einsum("bkgts,bkhs->btkgh", probs.astype(v_BKHS.dtype), v_BKHS, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
+
+
+def _cache_parts(q_BTQH, past, visible_BTS, spec: AttentionSpec):
+    """The softmax's parts over the visible cache slots (what `kernels.cache_attention` returns
+    with ``partial``): acc [B, T, N, H], m and l [B, T, N], float32; m = NEG, l = 0 where none."""
+    B, T, N, H = q_BTQH.shape
+    k_BKSH, v_BKHS, _ = past
+    K = k_BKSH.shape[1]
+    q = q_BTQH.reshape(B, T, K, N // K, H)
+    s = _scores(jnp.einsum("btkgh,bksh->btkgs", q.astype(k_BKSH.dtype), k_BKSH, preferred_element_type=jnp.float32),
+                spec)
+    visible = visible_BTS[:, :, None, None]
+    s = jnp.where(visible, s, NEG)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+    acc = jnp.einsum("btkgs,bkhs->btkgh", p.astype(v_BKHS.dtype), v_BKHS, preferred_element_type=jnp.float32)
+    return acc.reshape(B, T, N, H), m.reshape(B, T, N), jnp.sum(p, axis=-1).reshape(B, T, N)
+
+
+def _with_tail(q_BTQH, past, slots_BTW, spec: AttentionSpec, acc_BTNH, m_BTN, l_BTN):
+    """Attention from the parts of the keys outside each query's tail and the tail's keys at
+    ``slots_BTW`` (`ordered_tail`), summed in their order: [B, T, N*H]."""
+    B, T, N, H = q_BTQH.shape
+    k_BKSH, v_BKHS, _ = past
+    K = k_BKSH.shape[1]
+    G = N // K
+    at = jnp.maximum(slots_BTW, 0)
+    k_BKTWH = jax.vmap(lambda k_KSH, i_TW: k_KSH[:, i_TW])(k_BKSH, at)
+    v_BKHTW = jax.vmap(lambda v_KHS, i_TW: v_KHS[:, :, i_TW])(v_BKHS, at)
+    q = q_BTQH.reshape(B, T, K, G, H)
+    s = _scores(jnp.einsum("btkgh,bktwh->btkgw", q.astype(k_BKSH.dtype), k_BKTWH, preferred_element_type=jnp.float32),
+                spec)
+    valid = (slots_BTW >= 0)[:, :, None, None, :]
+    s = jnp.where(valid, s, NEG)
+    m_rest = m_BTN.reshape(B, T, K, G)
+    m = jnp.maximum(m_rest, jnp.max(s, axis=-1))
+    alpha = jnp.exp(m_rest - m)
+    p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
+    l = alpha * l_BTN.reshape(B, T, K, G) + jnp.sum(p, axis=-1)
+    acc = alpha[..., None] * acc_BTNH.reshape(B, T, K, G, H) + jnp.einsum(
+        "btkgw,bkhtw->btkgh", p.astype(v_BKHS.dtype), v_BKHTW, preferred_element_type=jnp.float32)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
+
+
+def ordered_tail(visible_BTS, width: int):
+    """(slots_BTW, rest_BTS) for `AttentionSpec.ordered_tail`: each query's last ``width``
+    visible slots in ascending order (-1 first where it sees fewer), and its other visible
+    slots (all below the tail's first). ``visible_BTS`` may be [B, 1, S]."""
+    S = visible_BTS.shape[-1]
+    slot_S = jnp.arange(S, dtype=jnp.int32)
+    last, _ = jax.lax.top_k(jnp.where(visible_BTS, slot_S, -1), min(width, S))
+    slots_BTW = last[..., ::-1]
+    return slots_BTW, visible_BTS & (slot_S < jnp.maximum(slots_BTW[..., :1], 0))
 
 
 def dot_product_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
@@ -299,9 +379,16 @@ def pallas_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: Att
     if k_new_BTKH is not None:
         return reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec)
     k_BKSH, v_BKHS, _ = past
-    return kernels.cache_attention(
-        q_BTQH, k_BKSH, v_BKHS, visibility[0], scale=spec.scale, softcap=spec.softcap,
-        fallback=lambda: _attend_cache(q_BTQH, past, visibility[0], spec)).astype(q_BTQH.dtype)
+    visible_BTS = visibility[0]
+    if not spec.ordered_tail:
+        return kernels.cache_attention(
+            q_BTQH, k_BKSH, v_BKHS, visible_BTS, scale=spec.scale, softcap=spec.softcap,
+            fallback=lambda: _attend_cache(q_BTQH, past, visible_BTS, spec)).astype(q_BTQH.dtype)
+    B, T = q_BTQH.shape[:2]
+    slots_BTW, rest_BTS = ordered_tail(jnp.broadcast_to(visible_BTS, (B, T, k_BKSH.shape[2])), spec.ordered_tail)
+    parts = kernels.cache_attention(q_BTQH, k_BKSH, v_BKHS, rest_BTS, scale=spec.scale, softcap=spec.softcap,
+                                    partial=True, fallback=lambda: _cache_parts(q_BTQH, past, rest_BTS, spec))
+    return _with_tail(q_BTQH, past, slots_BTW, spec, *parts)
 
 
 AttentionOp = Callable[..., jax.Array]

@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels
-from specjax.models.attention import AttentionSpec, attention, tree_attention_mask, window_mask, written_visibility
+from specjax.models.attention import (ORDERED_TAIL_MAX, AttentionSpec, attention, tree_attention_mask, window_mask,
+                                      written_visibility)
 from specjax.models.attention import causal_mask as causal_mask_for
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, TreeBlock, write_kv  # noqa: F401  (TreeBlock: the protocol's type)
@@ -450,6 +451,8 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     v = v.astype(kv_dtype)
     spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
     if write_at is not None:
+        # a verification block's or tree's last keys in position order (`AttentionSpec.ordered_tail`)
+        spec = dataclasses.replace(spec, ordered_tail=T if T <= ORDERED_TAIL_MAX else 0)
         # The barrier asks XLA to keep the written buffers one value that attention and the
         # returned cache share. XLA:CPU expands barriers early and still copies the buffers at
         # batch 1 (tests/test_llama_cache.py checks the CPU profile, which keeps this off); the
