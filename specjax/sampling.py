@@ -16,7 +16,16 @@ Static vs traced
   ``top_p`` (float32, 1.0 = off). Changing their values does NOT recompile.
 
 Build configs with :meth:`SamplingConfig.make`, which takes Python numbers and derives the
-static flags from them. Shapes are static as usual. The filters sort nothing: their thresholds
+static flags from them.
+
+Per-row settings (a server's batch, each request with its own): :meth:`SamplingConfig.rows`
+takes one temperature, top-k and top-p per row. Its numbers are arrays [B] against the
+logits' leading (batch) axis, and its static flags are the same for every mix (``per_row``
+on, ``greedy`` off, both filters traced), so one compiled program serves any mix. A row with
+temperature 0 is greedy: its distribution is the one-hot of the argmax, which every verifier
+treats exactly as greedy decoding (a one-hot q is accepted iff the target's argmax is the
+proposal, and a one-hot residual or p yields the argmax). A filter's search runs only in
+calls where some row uses it (``lax.cond``). Shapes are static as usual. The filters sort nothing: their thresholds
 come from a binary search (see `_filtered_logits`).
 
 Order of operations (same as the common HF convention): temperature, then top-k, then top-p,
@@ -44,6 +53,7 @@ from flax import struct
 
 __all__ = [
     "MIN_TEMPERATURE",
+    "check_settings",
     "SamplingConfig",
     "probabilities",
     "log_probabilities",
@@ -69,6 +79,7 @@ class SamplingConfig:
     greedy: bool = struct.field(pytree_node=False, default=False)
     use_top_k: bool = struct.field(pytree_node=False, default=False)
     use_top_p: bool = struct.field(pytree_node=False, default=False)
+    per_row: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingConfig":
@@ -81,16 +92,7 @@ class SamplingConfig:
         ``ValueError`` unless ``temperature`` is 0 or a finite value ``>= MIN_TEMPERATURE`` (the
         smallest normal float32; see there), ``top_k >= 0`` and ``0 < top_p <= 1``.
         """
-        temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
-        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= float(np.finfo(np.float32).max)):
-            raise ValueError(
-                f"temperature must be 0 (greedy) or a finite float32 >= {MIN_TEMPERATURE:.6g} (the smallest "
-                f"normal float32: smaller values are flushed to 0 and the scaling would divide by zero), "
-                f"got {temperature!r}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        temperature, top_k, top_p = check_settings(temperature, top_k, top_p)
         greedy = temperature == 0.0
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
@@ -102,9 +104,64 @@ class SamplingConfig:
         )
 
     @classmethod
+    def rows(cls, temperature, top_k=None, top_p=None) -> "SamplingConfig":
+        """Per-row settings: one temperature (0 = greedy), top-k (0 = off) and top-p (1 = off)
+        per row of the batch, as sequences of equal length B (top_k, top_p None: off for every
+        row). The static flags do not depend on the values (module docstring), so any mix of
+        the same B runs one compiled program. ``ValueError`` naming the row for a value
+        `make` refuses."""
+        temperature = list(np.ravel(np.asarray(temperature, dtype=object)))
+        B = len(temperature)
+        top_k = [0] * B if top_k is None else list(np.ravel(np.asarray(top_k, dtype=object)))
+        top_p = [1.0] * B if top_p is None else list(np.ravel(np.asarray(top_p, dtype=object)))
+        if B == 0 or len(top_k) != B or len(top_p) != B:
+            raise ValueError(f"rows: one temperature, top_k and top_p per row, got {B}, {len(top_k)} and "
+                             f"{len(top_p)} values")
+        checked = []
+        for i, row in enumerate(zip(temperature, top_k, top_p)):
+            try:
+                checked.append(check_settings(*row))
+            except ValueError as e:
+                raise ValueError(f"row {i}: {e}") from None
+        t, k, p = zip(*checked)
+        return cls(temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
+                   top_p=jnp.asarray(p, jnp.float32), greedy=False, use_top_k=True, use_top_p=True, per_row=True)
+
+    @classmethod
     def greedy_config(cls) -> "SamplingConfig":
         """Temperature 0: argmax decoding."""
         return cls.make(temperature=0.0)
+
+
+def check_settings(temperature, top_k, top_p) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as Python numbers, or ``ValueError`` naming the bad one (the
+    rules of `SamplingConfig.make`)."""
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
+    if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= float(np.finfo(np.float32).max)):
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a finite float32 >= {MIN_TEMPERATURE:.6g} (the smallest "
+            f"normal float32: smaller values are flushed to 0 and the scaling would divide by zero), "
+            f"got {temperature!r}")
+    if isinstance(top_k, bool) or not float(top_k) == int(top_k):
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    top_k = int(top_k)
+    if top_k < 0 or top_k > np.iinfo(np.int32).max:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    try:
+        top_p = float(top_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}") from None
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    return temperature, top_k, top_p
+
+
+def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """A setting against ``like`` [..., V]: a scalar as it is, a per-row [B] as [B, 1, ..., 1]."""
+    return x if jnp.ndim(x) == 0 else x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
@@ -147,7 +204,10 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     x = logits_V.astype(jnp.float32)
     # The shift is a constant for softmax/log_softmax (no gradient needed through it).
     top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    scaled = (x - top) / cfg.temperature
+    temperature = _per_row(cfg.temperature, x)
+    if cfg.per_row:         # greedy rows (temperature 0) are scaled by 1; `probabilities` one-hots them
+        temperature = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = (x - top) / temperature
     if not (cfg.use_top_k or cfg.use_top_p):
         return scaled
     vocab = scaled.shape[-1]
@@ -155,16 +215,21 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     row = scaled.shape[:-1] + (1,)
     lowest = jnp.min(key, axis=-1, keepdims=True)
     keep = jnp.ones(scaled.shape, bool)
+    top_k, top_p = _per_row(cfg.top_k, x), _per_row(cfg.top_p, x)
+    # Per row, a filter's search runs only in calls where some row uses it.
+    searched = (lambda used, search, skip: jax.lax.cond(used, search, skip)) if cfg.per_row else         (lambda used, search, skip: search())
     if cfg.use_top_k:
         # top_k <= 0 at run time means "off": keep everything.
-        k = jnp.where(cfg.top_k <= 0, vocab, jnp.clip(cfg.top_k, 1, vocab))
+        k = jnp.where(top_k <= 0, vocab, jnp.clip(top_k, 1, vocab))
 
         def kth(_, bounds):          # invariant: count(key >= lo) >= k > count(key >= hi)
             lo, hi = bounds
             mid = _midpoint(lo, hi)
             ok = jnp.sum(key >= mid, axis=-1, keepdims=True) >= k
             return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-        v_k, _ = jax.lax.fori_loop(0, _SEARCH_STEPS, kth, (lowest, jnp.ones(row, jnp.int32)))
+        v_k = searched(jnp.any(top_k > 0),
+                       lambda: jax.lax.fori_loop(0, _SEARCH_STEPS, kth, (lowest, jnp.ones(row, jnp.int32)))[0],
+                       lambda: lowest)
         keep = key >= v_k
     if cfg.use_top_p:
         p = jax.lax.stop_gradient(jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1))
@@ -172,11 +237,14 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
         def nucleus(_, bounds):      # invariant: mass(key > lo) >= top_p > mass(key > hi)
             lo, hi = bounds
             mid = _midpoint(lo, hi)
-            ok = jnp.sum(jnp.where(key > mid, p, 0.0), axis=-1, keepdims=True) < cfg.top_p
+            ok = jnp.sum(jnp.where(key > mid, p, 0.0), axis=-1, keepdims=True) < top_p
             return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-        _, v_p = jax.lax.fori_loop(0, _SEARCH_STEPS, nucleus, (lowest - 1, jnp.zeros(row, jnp.int32)))
+        v_p = searched(jnp.any(top_p < 1.0),
+                       lambda: jax.lax.fori_loop(0, _SEARCH_STEPS, nucleus,
+                                                 (lowest - 1, jnp.zeros(row, jnp.int32)))[1],
+                       lambda: lowest)
         # top_p >= 1 at run time means "off" (guards float32 rounding of the total mass).
-        keep &= key >= jnp.where(cfg.top_p >= 1.0, lowest, v_p)
+        keep &= key >= jnp.where(top_p >= 1.0, lowest, v_p)
     out = jnp.where(keep, scaled, -jnp.inf)
     return jnp.where(jnp.isnan(scaled).any(axis=-1, keepdims=True), jnp.nan, out)
 
@@ -191,14 +259,22 @@ def probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     if cfg.greedy:
         vocab = logits_V.shape[-1]
         return jax.nn.one_hot(argmax(logits_V), vocab, dtype=jnp.float32)
-    return jax.nn.softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    probs = jax.nn.softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    if cfg.per_row:
+        greedy = jax.nn.one_hot(argmax(logits_V), logits_V.shape[-1], dtype=jnp.float32)
+        probs = jnp.where(_per_row(cfg.temperature, probs) == 0, greedy, probs)
+    return probs
 
 
 def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """``log(probabilities(logits, cfg))`` computed stably (-inf on excluded tokens)."""
     if cfg.greedy:
         return jnp.log(probabilities(logits_V, cfg))
-    return jax.nn.log_softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    logp = jax.nn.log_softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    if cfg.per_row:
+        greedy = jnp.log(jax.nn.one_hot(argmax(logits_V), logits_V.shape[-1], dtype=jnp.float32))
+        logp = jnp.where(_per_row(cfg.temperature, logp) == 0, greedy, logp)
+    return logp
 
 
 def sample(key: jax.Array, probs_V: jax.Array) -> jax.Array:

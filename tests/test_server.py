@@ -4,9 +4,10 @@ with the `openai` client over 127.0.0.1.
 One server for the module (configs/serve.py: the default hybrid drafter, greedy; 2 slots,
 max_new_tokens 24), run by uvicorn in a thread. Greedy answers equal `specjax generate`'s path
 for the same chat prompt (`generate.stream_tokens` on the same engine and cache capacity),
-streamed and not; concurrent requests each get their own answer; a client that disconnects
-mid-stream frees its slot; bad requests get one JSON error each (the field named) and the server
-goes on serving; a full queue answers 429.
+streamed and not; concurrent requests each get their own answer; sampled requests with their
+own settings and seeds run beside greedy ones (issue 56, part 2); stop sequences end the text
+before them; a client that disconnects mid-stream frees its slot; bad requests get one JSON
+error each (the field named) and the server goes on serving; a full queue answers 429.
 """
 import concurrent.futures
 import json
@@ -124,17 +125,55 @@ def test_a_disconnected_stream_frees_its_slot(server):
     assert _chat(server, PROMPTS[1]).choices[0].message.content == _reference(server, PROMPTS[1])[1]
 
 
+def test_per_request_sampling_in_one_batch(server):
+    """Sampled requests (their own temperature, top-p, top-k, seed) beside greedy ones: the greedy
+    answers stay `specjax generate`'s; a seeded request gives the same text alone and beside
+    another request, another seed (almost surely) another text."""
+    sampled = dict(temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 40})
+    alone = _chat(server, PROMPTS[2], **sampled).choices[0].message.content
+    want = {p: _reference(server, p)[1] for p in PROMPTS[:2]}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        beside = pool.submit(lambda: _chat(server, PROMPTS[2], **sampled).choices[0].message.content)
+        greedy = list(pool.map(lambda p: _chat(server, p).choices[0].message.content, PROMPTS[:2]))
+    assert beside.result() == alone and alone
+    assert dict(zip(PROMPTS[:2], greedy)) == want
+    others = {_chat(server, PROMPTS[2], **{**sampled, "seed": s}).choices[0].message.content for s in (1, 2, 3)}
+    assert len(others | {alone}) > 1
+
+
+def test_stop_sequences_end_the_text_before_them(server):
+    tokens, text = _reference(server, PROMPTS[0])
+    words = text.split()
+    stop = " " + words[len(words) // 2]          # a word from the middle of the greedy answer
+    cut = text[:text.find(stop)]
+    r = _chat(server, PROMPTS[0], stop=[stop, "@@never@@"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < len(tokens)
+    pieces, finish = [], None
+    for chunk in _chat(server, PROMPTS[0], stop=stop, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == cut and finish == "stop"
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"temperature": 0.7, "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
-    ({"seed": 3, "messages": [{"role": "user", "content": "hi"}]}, 400, "seed"),
+    ({"temperature": -0.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
+    ({"top_p": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "top_p"),
+    ({"top_k": 2.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "top_k"),
+    ({"seed": -1, "messages": [{"role": "user", "content": "hi"}]}, 400, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"], "messages": [{"role": "user", "content": "hi"}]}, 400, "stop"),
+    ({"stop": ["x" * 300], "messages": [{"role": "user", "content": "hi"}]}, 400, "stop"),
+    ({"stop": 7, "messages": [{"role": "user", "content": "hi"}]}, 400, "stop"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"max_tokens": MAX_NEW + 1, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"logit_bias": {"5": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
-], ids=["unknown_model", "other_temperature", "seed", "zero_tokens", "too_many_tokens", "unsupported_field",
+], ids=["unknown_model", "negative_temperature", "top_p_zero", "top_k_not_integer", "negative_seed",
+        "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field",
         "no_messages", "bad_role", "prompt_too_long"])
 def test_bad_requests_get_one_json_error_each(server, body, status, param):
     body = {"model": server["name"], **body}

@@ -113,3 +113,39 @@ def test_bad_submissions_are_named(setup):
         live.submit([], 1, Collector())
     with pytest.raises(ValueError, match="slots and max_queue must be >= 1"):
         serving.LiveScheduler(engine, params, greedy, slots=0, capacity=capacity, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        live.submit([1, 2, 3], 2, Collector(), settings=(-1.0, 0, 1.0))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        live.submit([1, 2, 3], 2, Collector(), settings=(1.0, 0, 1.5))
+    with pytest.raises(ValueError, match="seed must be an integer from 0 to 4294967295"):
+        live.submit([1, 2, 3], 2, Collector(), seed=2 ** 32)
+    with pytest.raises(ValueError, match="one setting"):
+        serving.LiveScheduler(engine, params, sampling.SamplingConfig.rows([1.0]), slots=1, capacity=capacity,
+                              key=jax.random.key(0))
+
+
+def test_sampled_and_greedy_requests_share_a_batch(setup):
+    """A seeded sampled request (its own temperature and top-k) beside a greedy one: each gets what
+    it gets decoded alone (`Engine.run` on a one-row batch with the request's key and settings);
+    a stop test ends a request with finish reason "stop"."""
+    engine, params, greedy, capacity = setup
+    live = serving.LiveScheduler(engine, params, greedy, slots=2, capacity=capacity, key=jax.random.key(0))
+    live.warmup()
+    live.start()
+    prompt, settings, seed = [5, 17, 3, 40], (0.8, 20, 1.0), 77
+    sampled, plain, stopped = Collector(), Collector(), Collector()
+    live.submit(prompt, MAX_NEW, sampled, settings=settings, seed=seed)
+    live.submit([9, 9, 2], MAX_NEW, plain)
+    live.submit([9, 9, 2], MAX_NEW, stopped, stop=lambda toks: len(toks) >= 3)
+    for c in (sampled, plain, stopped):
+        assert c.event.wait(120)
+    live.stop(5)
+    batch = decoding.make_batch([prompt], engine.config, jax.random.key(seed), request_ids=[0], pad_multiple=64,
+                                capacity=capacity)
+    out = engine.run(params, sampling.SamplingConfig.rows(*zip(settings)), batch)
+    n = int(np.asarray(out.lengths_B)[0]) - len(prompt)
+    assert sampled.tokens == [int(x) for x in np.asarray(out.tokens_BS)[0, len(prompt):len(prompt) + n]]
+    assert sampled.tokens != _alone(setup, prompt)          # it did sample
+    assert plain.tokens == _alone(setup, [9, 9, 2])
+    assert stopped.done["finish_reason"] == "stop" and stopped.done["status"] == "stop_sequence"
+    assert 3 <= len(stopped.tokens) < MAX_NEW and stopped.tokens == plain.tokens[:len(stopped.tokens)]

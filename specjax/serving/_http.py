@@ -12,9 +12,12 @@ a bad field (the field named in ``param``), 404 for an unknown model, 429 when t
 full, 503 while shutting down. A client that disconnects has its request cancelled: its slot
 is free at the next round.
 
-Sampling is the server's (``--config.temperature`` etc.): a request may repeat the server's
-value of temperature, top_p or top_k, or leave it out; another value, or any seed, is a 400
-naming the field (per-request sampling settings are not built yet), never silently ignored.
+Sampling per request: ``temperature``, ``top_p``, ``top_k`` (an extension of the OpenAI API)
+and ``seed`` apply to that request alone (`LiveScheduler`: one batch, each row its own
+settings; omitted: the server's ``--config.temperature`` etc.); a value the sampler refuses is a
+400 naming the field. ``stop``: a string or up to `MAX_STOPS` strings of at most
+`MAX_STOP_CHARS` characters; the text ends before the first one found (finish reason "stop"),
+and a stream holds back the last characters that could begin one until they cannot.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import json
 import time
 import uuid
 
-from specjax.serving._live import LiveScheduler, QueueFull, Stopped
+from specjax import sampling as sampling_lib
+from specjax.serving._live import MAX_SEED, LiveScheduler, QueueFull, Stopped
 
 # The request fields each route reads; any other field is refused by name (a 400), so a client
 # never believes a setting took effect that did not.
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature", "top_p",
-           "top_k", "n", "user", "seed"}
+           "top_k", "n", "user", "seed", "stop"}
+MAX_STOPS = 4               # stop sequences per request (as the OpenAI API)
+MAX_STOP_CHARS = 256        # characters per stop sequence
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages"}
 
@@ -44,19 +50,38 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _sampling_echo(name: str, value, server) -> None:
-    """A request's sampling field: absent/None or the server's own value, else a 400 naming it."""
+def _number(body: dict, name: str, kind: type):
+    """A request's numeric field (absent or null: None), else a 400 naming it."""
+    value = body.get(name)
     if value is None:
-        return
-    if name == "seed":                  # each request's key is fold_in(server key, request id)
-        raise ApiError(400, f"seed={value}: per-request seeds are not supported yet (each request gets its own "
-                            f"key from the server's seed); omit seed", "seed")
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ApiError(400, f"{name} must be a number, got {value!r}", name)
-    if float(value) != float(server):
-        raise ApiError(400, f"{name}={value}: this server samples with {name}={server} for every request "
-                            f"(per-request sampling settings are not supported yet); omit {name} or send {server}",
-                       name)
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value) == int(value)
+    if not ok:
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    return kind(value)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {stop!r}"[:300], "stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop: {len(stops)} sequences, at most {MAX_STOPS}", "stop")
+    long = [x for x in stops if len(x) > MAX_STOP_CHARS]
+    if long:
+        raise ApiError(400, f"stop: a sequence of {len(long[0])} characters, at most {MAX_STOP_CHARS}", "stop")
+    return tuple(stops)
+
+
+def cut_at_stop(text: str, stops) -> tuple[str, bool]:
+    """(the text before the first stop sequence found, whether one was found)."""
+    at = [i for i in (text.find(x) for x in stops) if i >= 0]
+    return (text[:min(at)], True) if at else (text, False)
 
 
 class Api:
@@ -84,13 +109,27 @@ class Api:
         if model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
-        for name in ("temperature", "top_p", "top_k", "seed"):
-            _sampling_echo(name, body.get(name), self.sampling_settings.get(name))
         if body.get("n", 1) != 1:
             raise ApiError(400, f"n={body['n']}: one choice per request", "n")
         if "stream" in body and not isinstance(body["stream"], bool):
             raise ApiError(400, f"stream must be true or false, got {body['stream']!r}", "stream")
         return body
+
+    def sampling(self, body: dict) -> dict:
+        """The request's own sampling: ``settings`` (temperature, top_k, top_p; the server's where
+        absent), ``seed`` and ``stop`` (strings); a 400 naming the bad field."""
+        values = {name: _number(body, name, kind) for name, kind in
+                  (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int))}
+        default = self.sampling_settings
+        settings = tuple(default[n] if values[n] is None else values[n] for n in ("temperature", "top_k", "top_p"))
+        try:
+            sampling_lib.check_settings(*settings)
+        except ValueError as e:            # its message begins with the setting's name
+            raise ApiError(400, str(e), str(e).split(" ")[0]) from None
+        seed = values["seed"]
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")
+        return {"settings": settings, "seed": seed, "stop": _stops(body)}
 
     def max_tokens(self, body: dict, prompt_tokens: int) -> int:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -143,8 +182,8 @@ class Api:
     def usage(self, done: dict) -> dict:
         return {k: v for k, v in done["usage"].items() if v is not None}
 
-    def full(self, chat: bool, rid: str, tokens: list[int], done: dict) -> dict:
-        text = self.text(tokens)
+    def full(self, chat: bool, rid: str, tokens: list[int], done: dict, stops=()) -> dict:
+        text = cut_at_stop(self.text(tokens), stops)[0]
         choice = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -193,6 +232,29 @@ class Api:
         return "\n".join(lines) + "\n"
 
 
+class _StopText:
+    """A stream's text with stop sequences: `add` gives the new text that can no longer be part
+    of a stop sequence (the last ``longest - 1`` characters, and an unfinished character, wait),
+    `finish` what is left before the first stop sequence."""
+
+    def __init__(self, api: Api, stops):
+        self.api, self.stops, self.hold = api, stops, max(len(x) for x in stops) - 1
+        self.ids, self.sent = [], 0
+
+    def add(self, ids) -> str:
+        self.ids.extend(ids)
+        text, found = cut_at_stop(self.api.text(self.ids), self.stops)
+        end = len(text) if found else max(self.sent, len(text) - self.hold)
+        while end > self.sent and text[end - 1] == "\ufffd":       # an unfinished UTF-8 character
+            end -= 1
+        piece, self.sent = text[self.sent:end], max(self.sent, end)
+        return piece
+
+    def finish(self) -> str:
+        text = cut_at_stop(self.api.text(self.ids), self.stops)[0]
+        return text[self.sent:]
+
+
 def make_app(live: LiveScheduler, tokenizer, model_name: str, sampling_settings: dict):
     """The Starlette application (routes in the module docstring)."""
     from starlette.applications import Starlette
@@ -210,12 +272,16 @@ def make_app(live: LiveScheduler, tokenizer, model_name: str, sampling_settings:
             body = api.parse(await request.body(), CHAT_FIELDS if chat else COMPLETION_FIELDS)
             ids = api.chat_prompt(body) if chat else api.completion_prompt(body)
             max_tokens = api.max_tokens(body, len(ids))
+            samp = api.sampling(body)
         except ApiError as e:
             return error(e)
+        stops = samp["stop"]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
-            ticket = live.submit(ids, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            ticket = live.submit(ids, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                 settings=samp["settings"], seed=samp["seed"],
+                                 stop=(lambda toks: cut_at_stop(api.text(toks), stops)[1]) if stops else None)
         except QueueFull as e:
             return error(ApiError(429, f"the server is busy: {e}; retry later", kind="rate_limit_error"))
         except Stopped as e:
@@ -241,14 +307,14 @@ def make_app(live: LiveScheduler, tokenizer, model_name: str, sampling_settings:
                         continue
                     if ev["finish_reason"] == "error":
                         return error(ApiError(500, f"the engine failed: {ev['status']}", kind="server_error"))
-                    return JSONResponse(api.full(chat, rid, tokens, ev))
+                    return JSONResponse(api.full(chat, rid, tokens, ev, stops))
             finally:
                 if not waiter.done():
                     waiter.cancel()
                 live.cancel(ticket)        # no-op once it finished
 
         async def stream():
-            decoder = tokenizer.incremental_decoder(skip_special_tokens=True)
+            decoder = tokenizer.incremental_decoder(skip_special_tokens=True) if not stops else _StopText(api, stops)
             try:
                 if chat:
                     yield api.chunk(chat, rid, "", None, None, first=True)

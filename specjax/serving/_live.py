@@ -6,10 +6,18 @@ thread prefills it into a free slot (`Engine.refill`) and runs rounds (`Engine.s
 slot is busy, and calls the request's ``on_event`` from the engine thread with each round's new
 tokens and, at the end, with its finish reason and counters. `cancel` frees a request's slot at
 the next round (its row is marked done; a later request refills it). A request's own
-``max_tokens`` (at most the engine's ``max_new_tokens``) ends it host-side, the same way.
+``max_tokens`` (at most the engine's ``max_new_tokens``) and its ``stop`` test (stop sequences,
+checked after each round on its tokens) end it host-side, the same way.
+
+Sampling per request: a request may bring its own temperature, top-k and top-p (``settings``;
+default the scheduler's) and ``seed``. A round where every busy row is greedy runs the greedy
+program (`SamplingConfig.greedy_config`); any other round runs the per-row program
+(`SamplingConfig.rows`, each slot its occupant's settings): two compiled programs for every mix
+(`warmup` compiles both). A greedy row gets the same tokens from either.
 
 What a request gets is what it would get decoded alone, as with `Scheduler`: its key is
-``fold_in(key, id)``, its counters are its own, and its row's rounds do not depend on the other
+``fold_in(key, id)`` (with a seed, ``fold_in(jax.random.key(seed), 0)``, so the same seed and
+prompt give the same tokens whatever else runs), its counters are its own, and its row's rounds do not depend on the other
 rows (a fixed gamma; under adaptive gamma the draft length is the batch's). Greedy answers are
 the target's greedy tokens.
 
@@ -31,7 +39,11 @@ import jax
 import numpy as np
 
 from specjax import decoding
+from specjax import sampling as sampling_lib
 from specjax.serving._scheduler import row_counters
+
+# The largest seed a request may bring (a uint32: `jax.random.key` takes it as it is).
+MAX_SEED = 2 ** 32 - 1
 
 
 class QueueFull(Exception):
@@ -55,9 +67,20 @@ class Ticket:
     slot: int | None = None
     admitted: float | None = None
     first: float | None = None
+    settings: tuple[float, int, float] = (0.0, 0, 1.0)    # temperature, top_k, top_p
+    seed: int | None = None
+    stop: Callable[[list], bool] | None = None             # True once the tokens hold a stop sequence
+    stopped: bool = False
 
 
 _FINISH = {"eos": "stop", "max_new_tokens": "length", "nan_logits": "error"}
+
+
+def _settings_of(sampling) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a scalar `SamplingConfig` as Python numbers."""
+    if sampling.per_row:
+        raise ValueError("the scheduler's default sampling must be one setting (SamplingConfig.make)")
+    return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
 
 
 class LiveScheduler:
@@ -72,6 +95,9 @@ class LiveScheduler:
         if slots < 1 or max_queue < 1:
             raise ValueError(f"slots and max_queue must be >= 1, got {slots} and {max_queue}")
         self.engine, self.params, self.sampling = engine, params, sampling
+        self.default_settings = _settings_of(sampling)
+        self._greedy = sampling_lib.SamplingConfig.greedy_config()
+        self._rows_cache: tuple | None = None        # (slot settings, SamplingConfig.rows of them)
         self.slots, self.capacity, self.key = slots, capacity, key
         self.max_queue, self.pad_multiple = max_queue, pad_multiple
         self.max_new_tokens = engine.config.max_new_tokens
@@ -102,9 +128,13 @@ class LiveScheduler:
         fits = self.engine.config.slots_needed(prompt_tokens) <= self.capacity and padded <= self.capacity
         return self.max_new_tokens if fits else 0
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, on_event: Callable[[dict], None]) -> Ticket:
+    def submit(self, prompt: Sequence[int], max_tokens: int, on_event: Callable[[dict], None], *,
+               settings: tuple | None = None, seed: int | None = None,
+               stop: Callable[[list], bool] | None = None) -> Ticket:
         """Queue a request; `QueueFull` when ``max_queue`` wait already, `Stopped` while draining.
-        ValueError when the prompt and ``max_tokens`` do not fit (`room`)."""
+        ValueError when the prompt and ``max_tokens`` do not fit (`room`), or naming a bad
+        sampling setting (``settings``: (temperature, top_k, top_p); None: the scheduler's) or
+        seed (an integer in [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop")."""
         prompt = tuple(decoding.token_ids(prompt, "prompt"))
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -112,13 +142,18 @@ class LiveScheduler:
         if max_tokens < 1 or max_tokens > room:
             raise ValueError(f"max_tokens={max_tokens}: a prompt of {len(prompt)} tokens leaves room for 1 to {room} "
                              f"new tokens here (cache {self.capacity} slots, at most {self.max_new_tokens} new tokens)")
+        settings = self.default_settings if settings is None else sampling_lib.check_settings(*settings)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or not 0 <= seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
         with self._lock:
             if not self._accepting:
                 raise Stopped("the server is shutting down")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
             t = Ticket(id=self._next_id, prompt=prompt, max_tokens=int(max_tokens), on_event=on_event,
-                       arrival=time.perf_counter())
+                       arrival=time.perf_counter(), settings=settings, seed=None if seed is None else int(seed),
+                       stop=stop)
             self._next_id = (self._next_id + 1) % (2 ** 32)
             self._queue.append(t)
             self.stats["requests_total"] += 1
@@ -143,12 +178,26 @@ class LiveScheduler:
     # ------------------------------------------------------------------ the engine thread
 
     def warmup(self, widths: Sequence[int] = (1,)) -> None:
-        """Compile the refill for prompts of these lengths' padded widths and one round, on a
-        throw-away state (so the first requests do not wait for compilation)."""
+        """Compile the refill for prompts of these lengths' padded widths and a round of both
+        programs (greedy and per-row), on a throw-away state (so no request waits for compilation)."""
         state = self.engine.empty_state(self.params, self.slots, self.capacity, key=self.key)
         for n in widths:
             state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
-        jax.block_until_ready(self.engine.step(self.params, self.sampling, state)[0])
+        state = jax.block_until_ready(self.engine.step(self.params, self._greedy, state)[0])
+        state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * widths[0], 1, None, 0.0)))
+        rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots)
+        jax.block_until_ready(self.engine.step(self.params, rows, state)[0])
+
+    def _sampling_for(self, busy: Sequence[int]):
+        """The round's sampling: greedy when every busy row is, else each slot's settings per row
+        (free slots the default's; rebuilt only when the slots' settings change)."""
+        occupants = [self._occupant[s] for s in busy]
+        if all(t.settings[0] == 0.0 for t in occupants):
+            return self._greedy
+        settings = tuple(o.settings if o is not None else self.default_settings for o in self._occupant)
+        if self._rows_cache is None or self._rows_cache[0] != settings:
+            self._rows_cache = (settings, sampling_lib.SamplingConfig.rows(*zip(*settings)))
+        return self._rows_cache[1]
 
     def start(self) -> None:
         with self._lock:
@@ -181,7 +230,8 @@ class LiveScheduler:
             self._thread.join(0.1)
 
     def _batch(self, t: Ticket) -> decoding.Batch:
-        return decoding.make_batch([t.prompt], self.engine.config, self.key, request_ids=[t.id],
+        key, rid = (self.key, t.id) if t.seed is None else (jax.random.key(t.seed), 0)
+        return decoding.make_batch([t.prompt], self.engine.config, key, request_ids=[rid],
                                    pad_multiple=self.pad_multiple, capacity=self.capacity)
 
     def _finish(self, t: Ticket, reason: str, status: str, counters: dict | None) -> None:
@@ -243,7 +293,9 @@ class LiveScheduler:
                         self._occupant[s] = t
                 if not busy:
                     continue
-                state, commit = engine.step(params, self.sampling, state)
+                with self._lock:
+                    sampling = self._sampling_for(busy)
+                state, commit = engine.step(params, sampling, state)
                 # one transfer a round: the commit and the batch's rounds per gamma
                 c, gamma_rounds = jax.device_get((commit, state.metrics.gamma_rounds_Z))
                 now = time.perf_counter()
@@ -261,15 +313,18 @@ class LiveScheduler:
                             self._emit(t, {"type": "tokens", "ids": new})
                         if bool(c.done_B[s]) or len(t.tokens) >= t.max_tokens:
                             ended.append(s)
+                        elif new and t.stop is not None and t.stop(t.tokens):
+                            t.stopped = True
+                            ended.append(s)
                 if ended:
                     status_B, m = jax.device_get((state.status_B, state.metrics))
                     for s in ended:
                         t = self._occupant[s]
                         status = decoding.STATUS_NAMES[int(status_B[s])]
                         reason = _FINISH.get(status, "length")
-                        if status == "running":          # its own max_tokens: the row stops here
+                        if status == "running":          # its own max_tokens or stop: the row stops here
                             state = state.replace(done_B=state.done_B.at[s].set(True))
-                            status = "max_tokens"
+                            status, reason = ("stop_sequence", "stop") if t.stopped else ("max_tokens", "length")
                         counters = self._counters(m, s)
                         with self._lock:
                             self._finish(t, reason, status, counters)
