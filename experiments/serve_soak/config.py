@@ -1,0 +1,36 @@
+"""Settings of the server soak (`python -m experiments.serve_soak.run --config=<this file>[:short]`).
+
+`specjax serve` (configs/serve.py: the default target and drafter) started as a subprocess on
+127.0.0.1, then `clients` threads send requests for `duration_s`: greedy chat answers, streamed
+sampled answers with seeds, streams dropped after their first text, stop sequences, and bad
+requests (one of several kinds each time), mixed by a seeded draw. Then a SIGTERM while
+`drain_requests` long answers are in flight. Variant "short": a one-minute soak.
+"""
+
+import ml_collections
+
+# action -> weight of the seeded draw
+MIX = {"greedy": 4, "sampled_stream": 3, "cancel": 1, "stop": 1, "bad": 1}
+
+
+def get_config(variant: str = ""):
+    c = ml_collections.ConfigDict()
+    c.serve_config = "configs/serve.py"
+    c.slots = 4
+    c.max_new_tokens = 48
+    c.max_prompt_tokens = 512
+    c.duration_s = 600.0
+    c.clients = 6
+    c.prompts = 24                       # held-out Spec-Bench questions, cut to their first 300 characters
+    c.mix = tuple(MIX.items())
+    c.drain_requests = 4
+    c.drain_s = 60.0
+    c.seed = 0
+    c.startup_timeout_s = 900.0
+    c.out = "experiments/serve_soak/results/results.jsonl"
+    if variant == "short":
+        c.duration_s = 60.0
+        c.out = "/tmp/serve_soak_short.jsonl"
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}")
+    return c
