@@ -299,12 +299,12 @@ def load_sharded(path, mesh: Mesh, rules: Rules = DEFAULT_RULES, dtype: str = "b
     def sharding_of(key, shape, axes):
         return NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape))
 
-    fixed = {"scan_layers", "fuse_projections", "packed_projections"} & set(layout)
+    fixed = {"scan_layers", "fuse_projections", "linear_op"} & set(layout)
     if fixed:
-        raise ValueError(f"load_sharded reads the canonical layout (scan_layers=True, unfused, unpacked); "
+        raise ValueError(f"load_sharded reads the canonical layout (scan_layers=True, unfused, linear_op='xla'); "
                          f"{sorted(fixed)} cannot be set here (convert afterwards with model.prepare_params)")
     config, params = read_hf_placed(path, sharding_of, dtype=dtype)
-    config = config.replace(scan_layers=True, fuse_projections=False, packed_projections=False, **layout)
+    config = config.replace(scan_layers=True, fuse_projections=False, linear_op="xla", **layout)
     return Llama(config), params
 
 

@@ -533,7 +533,7 @@ def _pvalue(gen_BN, law):
     return support_chisquare(np.bincount(index, minlength=len(law)), law)
 
 
-PACKED_CFG = CFG.replace(scan_layers=False, fuse_projections=True, packed_projections=True)
+PACKED_CFG = CFG.replace(scan_layers=False, fuse_projections=True, linear_op="panels")
 
 
 @functools.cache

@@ -105,7 +105,7 @@ def test_model_forward_with_cpu_attention():
     4-token verification block give the same logits within float tolerance."""
     cfg = models.ModelConfig(vocab_size=97, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8,
                              ffn_size=64, max_position=256, scan_layers=False, fuse_projections=True,
-                             packed_projections=True)
+                             linear_op="panels")
     ref, ker = models.Llama(cfg), models.Llama(cfg.replace(cpu_attention=True))
     params = ref.init_params(jax.random.key(0))
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, params)

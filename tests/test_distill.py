@@ -370,6 +370,14 @@ def test_draft_artifact_round_trip(toy_pair, tmp_path, head_vocab):
     want = np.asarray(draft.apply(params, toks, None)[0])
     on = np.isfinite(want)
     np.testing.assert_allclose(got[on], want[on], rtol=1e-5, atol=1e-5)
+    # A draft written before ModelConfig.linear_op names packed_projections (false) in its config.
+    meta_path = tmp_path / "d" / "draft.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["packed_projections"] = False
+    meta_path.write_text(json.dumps(meta))
+    model_o, loaded_o = load_draft(tmp_path / "d", target, tparams, scan_layers=True)
+    np.testing.assert_array_equal(np.asarray(model_o.apply(loaded_o, toks, None)[0]),
+                                  np.asarray(model.apply(loaded, toks, None)[0]))
     # bfloat16 storage: close, smaller.
     desc16 = save_draft(tmp_path / "d16", draft, params, shared=choice.shared, dtype="bfloat16")
     assert desc16["bytes"] < 0.6 * desc["bytes"]

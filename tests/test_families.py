@@ -282,11 +282,11 @@ def test_final_softcap_on_every_logits_path(family_paths):
 
 
 def test_moe_loads_in_the_cpu_profile(family_paths):
-    """The CPU profile asks for the packed kernel layout; its panels hold no experts, so a
+    """The CPU profile asks for the panels linear op (the kernel layout); it holds no experts, so a
     mixture-of-experts target keeps XLA's matmuls (unrolled and fused as asked) and the same logits."""
     path, ref_model = family_paths("mixtral")
-    model, params = load(str(path), scan_layers=False, fuse_projections=True, packed_projections=True)
-    assert not model.config.packed_projections and model.config.fuse_projections
+    model, params = load(str(path), scan_layers=False, fuse_projections=True, linear_op="panels")
+    assert model.config.linear_op == "xla" and model.config.fuse_projections
     seq = np.asarray(PROMPTS[1])
     _check(_reference(ref_model, seq), np.asarray(jax.jit(model.apply)(params, jnp.asarray(seq[None]), None)[0][0]),
            "mixtral cpu profile")

@@ -85,7 +85,7 @@ def test_packed_head_drafts_as_the_plain_head(kind, tmp_path):
     pmodel, ptp = _packed_target()
     dr, hp = drafters.load_head(tmp_path / "h", pmodel, ptp)
     got = dr.config if kind == "medusa" else dr.model.config
-    assert got == dataclasses.replace(hc, target=PACKED_CFG, packed=True)
+    assert got == dataclasses.replace(hc, target=PACKED_CFG, linear_op="panels")
     assert json.loads((tmp_path / "h" / "head.json").read_text())["head"] == hc.to_dict()   # no layout stored
     leaves = hp["medusa_w"] if kind == "medusa" else hp["fc"]
     assert leaves.ndim == 3 and leaves.shape[-1] == 32, "the packed head's matrices are kernel panels"
@@ -101,8 +101,10 @@ def test_packed_head_drafts_as_the_plain_head(kind, tmp_path):
                       decoding.make_batch(PROMPTS, eng.config, jax.random.key(2)))
         _assert_target_tokens(out)
         assert int(np.asarray(out.metrics.accepted_B).sum()) > 0
-    with pytest.raises(ValueError, match="packed target"):
-        dataclasses.replace(hc, packed=True)
+    with pytest.raises(ValueError, match="target's linear op is 'xla'"):
+        dataclasses.replace(hc, linear_op="panels")
+    with pytest.raises(ValueError, match="unknown linear op"):
+        dataclasses.replace(hc, target=PACKED_CFG, linear_op="int4")
 
 
 def test_prefill_reuse_with_eagle_head():

@@ -12,10 +12,12 @@ What is tested:
   (M = 9 vs M = 1 and M = 5 calls), across the thread split;
 * the custom call is in the compiled program for float32 operands only; the einsum fallback
   agrees with it; the call works under `jax.vmap`; shape errors; pack / unpack / pack_rows;
-* ``ModelConfig.packed_projections`` on tiny random models (tied and untied + bias, fused and
-  unfused): logits of prefill, decode and a block on the returned caches; the round trip
+* ``ModelConfig.linear_op="panels"`` (the packed layout) on tiny random models (tied and
+  untied + bias, fused and unfused): logits of prefill, decode and a block on the returned caches; the round trip
   through `canonical_params`; the layout errors (naming `prepare_params` where the params
   lack the head panels);
+* the linear-op registry (`kernels.LINEAR_OPS`): unknown names and a second op under a name
+  refused; a toy op registered under a new name runs a model with no model edit;
 * greedy speculative decoding on a packed target equals its target-only greedy decoding (tiny
   model: n-gram and early-exit drafters; the real SmolLM2-135M-Instruct: the n-gram drafter and
   the shipped draft head in the main command's layout), with `specjax.decoding.greedy_check`'s near-tie rule;
@@ -51,6 +53,7 @@ the module, its references are one batch of 4 and its prompts pad to one width.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -279,14 +282,14 @@ def test_packed_layout_logits_match_fused(cfg):
     ref = _compiled(_three_steps(fused), params, tokens, fused.init_cache(2, 16), kernel=False)
     assert 1.0 < float(jnp.max(jnp.abs(ref[0]))) < 100.0, "logits not O(1): the tolerance would mean nothing"
     for fuse in (True, False):
-        packed = models.Llama(cfg.replace(fuse_projections=fuse, packed_projections=True))
+        packed = models.Llama(cfg.replace(fuse_projections=fuse, linear_op="panels"))
         pp = packed.prepare_params(params)
         lp = pp["layers"][0]
         projections = ("wqkv", "wo", "w_gate_up", "w_down") if fuse else \
             ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
         assert {k for k in lp if lp[k].ndim == 3} == set(projections)      # every projection, nothing else
         assert all(lp[k].shape[2] == kernels.PANEL for k in projections)
-        assert pp["head_panels"].shape == (kernels.num_panels(cfg.vocab_size), cfg.hidden_size, kernels.PANEL)
+        assert pp["head_linear"].shape == (kernels.num_panels(cfg.vocab_size), cfg.hidden_size, kernels.PANEL)
         got = _compiled(_three_steps(packed), pp, tokens, packed.init_cache(2, 16), kernel=True)
         for name, a, b in zip(("prefill (6 tokens)", "decode (1 token)", "block (4 tokens)"), ref, got):
             diff = float(jnp.max(jnp.abs(a - b)))
@@ -309,12 +312,12 @@ def test_packed_layout_logits_match_fused(cfg):
 
 def test_packed_layout_errors():
     with pytest.raises(ValueError, match="scan_layers=False"):
-        TINY.replace(scan_layers=True, packed_projections=True)
+        TINY.replace(scan_layers=True, linear_op="panels")
     with pytest.raises(ValueError, match="scan_layers=False"):
         models.ModelConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=16, ffn_size=96, scan_layers=True, packed_projections=True)
+                           head_dim=16, ffn_size=96, scan_layers=True, linear_op="panels")
     fused, params = _tiny(TINY)
-    packed = models.Llama(TINY.replace(packed_projections=True))
+    packed = models.Llama(TINY.replace(linear_op="panels"))
     tokens = jnp.zeros((1, 3), jnp.int32)
     with pytest.raises(ValueError, match="prepare_params"):
         packed.apply(params, tokens, None)                          # unpacked params
@@ -322,17 +325,91 @@ def test_packed_layout_errors():
     # A layer layout mismatch that the head check does not catch is an error before anything
     # runs, naming the tensor and the conversion.
     with pytest.raises(ValueError, match=r"params\['layers'\]\[0\].*prepare_params"):
-        packed.apply(params | {"head_panels": pp["head_panels"]}, tokens, None)   # unpacked layers
+        packed.apply(params | {"head_linear": pp["head_linear"]}, tokens, None)   # unpacked layers
     with pytest.raises(ValueError, match=r"params\['layers'\]\[0\].*prepare_params"):
         fused.apply(pp, tokens, None)                               # packed params, unpacked model
-    no_head = {k: v for k, v in pp.items() if k != "head_panels"}
-    with pytest.raises(ValueError, match="head_panels"):
+    no_head = {k: v for k, v in pp.items() if k != "head_linear"}
+    with pytest.raises(ValueError, match="head_linear"):
         packed.apply(no_head, tokens, None)
-    with pytest.raises(ValueError, match="head_panels"):
+    with pytest.raises(ValueError, match="head_linear"):
         packed.logits_from_hidden(no_head, jnp.zeros((1, 1, TINY.hidden_size)))
-    wrong_head = dict(pp, head_panels=pp["head_panels"][:-1])
-    with pytest.raises(ValueError, match="head_panels"):
+    wrong_head = dict(pp, head_linear=pp["head_linear"][:-1])
+    with pytest.raises(ValueError, match="head_linear"):
         packed.apply(wrong_head, tokens, None)
+
+
+# ------------------------------------------------------------------- the linear-op registry
+
+@dataclasses.dataclass(frozen=True)
+class _TransposedOp(kernels.LinearOp):
+    """A stand-in for a new op (an int8 one, say): W [in, out] stored as W.T [out, in, 1]."""
+    name: str = "test_transposed"
+    head_copy: bool = True
+
+    def stored_shape(self, d_in, d_out):
+        return (int(d_out), int(d_in), 1)
+
+    def stored_axes(self, axis_in, axis_out):
+        return (axis_out, axis_in, None)
+
+    def store(self, w_DN):
+        return jnp.asarray(w_DN).T[:, :, None]
+
+    def store_rows(self, e_ND):
+        return jnp.asarray(e_ND)[:, :, None]           # (e.T).T: the rows as they are
+
+    def restore(self, w, n):
+        return w[:n, :, 0].T
+
+    def is_stored(self, w):
+        shape = jnp.shape(w)
+        return len(shape) == 3 and shape[-1] == 1
+
+    def apply(self, x, w, n):
+        return jnp.einsum("...d,nd->...n", x, w[:n, :, 0].astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def test_linear_op_registry():
+    with pytest.raises(ValueError, match="unknown linear op 'int4'.*registered: xla, panels"):
+        TINY.replace(linear_op="int4")
+    with pytest.raises(ValueError, match="already registered"):
+        kernels.register_linear_op("panels", kernels.LinearOp("panels"))
+    kernels.register_linear_op("panels", kernels.get_linear_op("panels"))      # the same op again: fine
+    assert kernels.get_linear_op("xla").per_layer_only is False and kernels.get_linear_op("panels").head_copy
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        TINY.replace(num_experts=4, experts_per_token=2, linear_op="panels")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["per_layer", "stacked"])
+def test_a_new_linear_op_is_one_registration(scan):
+    """A toy op registered under a new name runs a tiny model through `prepare_params` / `apply`
+    (tied and untied heads, fused or stacked layers) with the "xla" op's logits, and its params
+    convert back to the canonical ones: no model edit."""
+    op = _TransposedOp()
+    kernels.register_linear_op(op.name, op)
+    try:
+        for base in (TINY, TINY_UNTIED):
+            cfg = base.replace(scan_layers=scan, fuse_projections=not scan)
+            plain, params = _tiny(base)
+            tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+            ref, _ = jax.jit(plain.apply)(params, tokens, None)
+            model = models.Llama(cfg.replace(linear_op=op.name))
+            assert model.config.linear is op
+            tp = model.prepare_params(params)
+            lp = tp["layers"] if scan else tp["layers"][0]
+            assert lp["wo"].shape == ((cfg.num_layers,) if scan else ()) + op.stored_shape(cfg.q_size, cfg.hidden_size)
+            assert tp["head_linear"].shape == (cfg.vocab_size, cfg.hidden_size, 1)
+            got, _ = jax.jit(model.apply)(tp, tokens, None)
+            diff = float(jnp.max(jnp.abs(got - ref)))
+            assert got.shape == ref.shape and diff <= 1e-5, (base.tie_embeddings, diff)
+            back, want = canonical_params(tp, model.config), canonical_params(params, base)
+            assert jax.tree.structure(back) == jax.tree.structure(want)
+            assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(back),
+                                                                                     jax.tree.leaves(want)))
+            again = models.Llama(base.replace(linear_op="panels")).prepare_params(tp)     # op to op
+            assert again["head_linear"].shape[-1] == kernels.PANEL
+    finally:
+        kernels.LINEAR_OPS.pop(op.name, None)
 
 
 # ----------------------------------------------------------- greedy exactness, tiny target
@@ -344,7 +421,7 @@ TINY_NEW = 16
 @pytest.fixture(scope="module")
 def tiny_packed():
     _, params = _tiny(TINY)
-    target = models.Llama(TINY.replace(packed_projections=True))
+    target = models.Llama(TINY.replace(linear_op="panels"))
     pp = target.prepare_params(params)
     refs = reference_greedy(target, pp, TINY_PROMPTS, TINY_NEW)
     assert all(len(set(r)) > 1 for r in refs), f"constant greedy outputs: the test would be weak ({refs})"
@@ -373,7 +450,7 @@ REAL_PROMPTS = 4
 @pytest.fixture(scope="module")
 def real():
     target, params = build.load_target(TARGET_NAME, scan_layers=False, fuse_projections=True)
-    packed = models.Llama(target.config.replace(packed_projections=True))
+    packed = models.Llama(target.config.replace(linear_op="panels"))
     return target, params, packed, packed.prepare_params(params)
 
 
@@ -448,7 +525,7 @@ def test_real_packed_greedy_with_the_shipped_head_matches_target_only(real, real
     time)."""
     _, _, packed, pp = real
     drafter, dparams = build.make_drafter("head", packed, pp, target_name=TARGET_NAME)
-    assert drafter.model.config.packed
+    assert drafter.model.config.linear_op == "panels"
     rate = _real_greedy_check(real, real_refs, drafter, dparams, gamma=3)
     assert rate >= 0.05, rate
 

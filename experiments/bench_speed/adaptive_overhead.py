@@ -14,7 +14,7 @@ from specjax import build, models, decoding, sampling, specbench
 if sys.argv[3:] == ["tune"]: print("tuned", build.tune_xla_cpu())
 tname = "smollm2-135m-instruct"
 target, params = build.load_target(tname, scan_layers=False, fuse_projections=True)
-packed = models.Llama(target.config.replace(packed_projections=True)); pp = packed.prepare_params(params)
+packed = models.Llama(target.config.replace(linear_op="panels")); pp = packed.prepare_params(params)
 tok = models.load_tokenizer(tname)
 qs = {q.question_id: q for q in specbench.load(split="held_out")}
 prompts = [decoding.encode_prompt(tok, qs[i].prompt) for i in (84, 104)]

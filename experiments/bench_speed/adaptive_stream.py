@@ -19,7 +19,7 @@ from specjax import build, decoding, models, sampling, specbench
 build.tune_xla_cpu()
 NAME = "smollm2-135m-instruct"
 target, params = build.load_target(NAME, scan_layers=False, fuse_projections=True)
-packed = models.Llama(target.config.replace(packed_projections=True))
+packed = models.Llama(target.config.replace(linear_op="panels"))
 pp = packed.prepare_params(params)
 tok = models.load_tokenizer(NAME)
 qs = {q.question_id: q for q in specbench.load(split="held_out")}

@@ -14,8 +14,10 @@ every candidate). Median of `iters` jitted calls after a warm-up, per k. Candida
   operand is then the one a matrix kernel would pack);
 * ``xla_bf16``: bfloat16 weights, bfloat16 activations, float32 accumulation
   (``preferred_element_type``); half the bytes, another target model;
-* ``panels_einsum``: the packed layout through an einsum (the kernel's fallback off CPU);
-* ``kernel``: the packed layout through `specjax.kernels.matmul` (what the main command runs);
+* ``panels_einsum``: the "panels" linear op's stored form through an einsum (the kernel's
+  fallback off CPU);
+* ``kernel``: the "panels" linear op (`specjax.kernels.get_linear_op("panels")`: the CPU
+  kernel's matmul; what the main command runs);
 * ``two_devices``: ``xla`` with every weight's output columns split over a 2-device mesh axis
   (each core streams half of every matrix; the activations are gathered after each product).
   Needs ``--config.devices=2`` (`--xla_force_host_platform_device_count=2`, set before the
@@ -37,6 +39,7 @@ from specjax import build, kernels
 
 from experiments.lib import toolkit
 
+PANELS = kernels.get_linear_op("panels")
 CANDIDATES = ("xla", "xla_transposed", "xla_bf16", "panels_einsum", "kernel", "two_devices")
 
 
@@ -65,7 +68,7 @@ def _weights(c, candidate: str, key) -> list:
         elif candidate == "xla_bf16":
             w = w.astype(jnp.bfloat16)
         elif candidate in ("panels_einsum", "kernel"):
-            w = kernels.pack(w)
+            w = PANELS.store(w)
         elif candidate == "two_devices":
             w = jax.device_put(w, _column_split())
         out.append(jax.block_until_ready(w))
@@ -88,7 +91,9 @@ def _product(candidate: str, x, w, n: int):
         return jnp.einsum("td,nd->tn", x, w)
     if candidate == "xla_bf16":
         return jnp.einsum("td,dn->tn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
-    return kernels.matmul(x, w, n, use_kernel=candidate == "kernel")
+    if candidate == "kernel":
+        return PANELS.apply(x, w, n)
+    return kernels.matmul(x, w, n, use_kernel=False)          # the panels op's einsum fallback
 
 
 def forward(candidate: str, c, ws, x_TD):

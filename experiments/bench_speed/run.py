@@ -74,9 +74,9 @@ def run(c) -> pathlib.Path:
     jl = toolkit.Jsonl(out / "results.jsonl", prov)
     cfg = w.target.config
     jl.write("setup", num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, param_count=cfg.num_params(),
-             # bytes a decode step streams (the packed layout's second copy of the head, head_panels,
+             # bytes a decode step streams (the packed layout's second copy of the head, head_linear,
              # replaces the embedding's reads, which are one row per token), and what is resident
-             weight_bytes=sum(x.nbytes for k, x in w.params.items() if k != "head_panels" for x in jax.tree.leaves(x)),
+             weight_bytes=sum(x.nbytes for k, x in w.params.items() if k != "head_linear" for x in jax.tree.leaves(x)),
              resident_param_bytes=sum(x.nbytes for x in jax.tree.leaves(w.params)),
              kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize,
              early_exit_layers=workload.early_exit_layers(w, c), eos_ids=list(w.eos_ids), layers=c.layers,

@@ -86,7 +86,7 @@ def child(c, name: str) -> dict:
         gen = build.generator_for(gc, target, params, tok)
         mesh = gen.engine.mesh
     placed = gen.params.target
-    rec = {"variant": name, "dtype": dtype, "cpu_kernel": bool(target.config.packed_projections),
+    rec = {"variant": name, "dtype": dtype, "cpu_kernel": target.config.linear_op == "panels",
            "devices": devices, "mesh": dict(mesh.shape) if mesh is not None else None}
     # k-token forward costs
     log = toolkit.CompileLog()

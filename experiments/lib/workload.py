@@ -95,7 +95,7 @@ def layout(name: str) -> dict:
     if name not in LAYOUTS:
         raise ValueError(f"layers must be one of {', '.join(LAYOUTS)}, got {name!r}")
     return dict(scan_layers=name == "scan", fuse_projections=name in ("fused", "packed"),
-                packed_projections=name == "packed")
+                linear_op="panels" if name == "packed" else "xla")
 
 
 def layers_of(g) -> str:
@@ -114,11 +114,11 @@ def in_layout(target, params, name: str):
 
 
 def preset_config(size: str, dtype: str = "float32", scan_layers: bool = True, fuse_projections: bool = False,
-                  packed_projections: bool = False):
+                  linear_op: str = "xla"):
     if size not in PRESETS:
         raise ValueError(f"unknown preset {size!r}; choose from {sorted(PRESETS)}")
     return models.ModelConfig(**PRESETS[size], dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
-                              packed_projections=packed_projections)
+                              linear_op=linear_op)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "std"))

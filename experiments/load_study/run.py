@@ -107,7 +107,7 @@ def main(c):
     out = toolkit.Jsonl(c.out, prov)
     out.write("setup", slots=c.slots, capacity=capacity, requests=len(prompts), prompt_tokens=[len(p) for p in prompts],
               max_new_tokens=c.max_new_tokens, temperature=c.temperature, rates=list(c.rates), modes=list(c.modes),
-              cpu_kernel=bool(getattr(target.config, "packed_projections", False)), seed=c.seed)
+              cpu_kernel=target.config.linear_op == "panels", seed=c.seed)
     reference = {}                                  # request id -> target-only tokens (first rate)
     for mode in c.modes:
         engine, eparams = _engine(c, gc, target, params, eos_ids, mode)

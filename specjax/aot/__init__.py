@@ -117,7 +117,7 @@ def _model(s: AotSettings):
         raise AotError(str(e)) from None
     config = config.replace(scan_layers=s.scan_layers, fuse_projections=s.fuse_projections,
                             attention_op=s.attention_op, write_then_attend=s.write_then_attend,
-                            packed_projections=False, cpu_attention=False)
+                            linear_op="xla", cpu_attention=False)
     return models.Llama(config)
 
 

@@ -12,14 +12,14 @@ from specjax.build._settings import GenerateSettings, generation_config, not_set
 
 
 def load_target(name_or_path: str, dtype: str = "float32", scan_layers: bool = True,
-                fuse_projections: bool = False, packed_projections: bool = False):
+                fuse_projections: bool = False, linear_op: str = "xla"):
     return models.load(name_or_path, dtype=dtype, scan_layers=scan_layers, fuse_projections=fuse_projections,
-                       packed_projections=packed_projections)
+                       linear_op=linear_op)
 
 
 def use_cpu_kernel(c: GenerateSettings, backend: str | None = None) -> bool:
-    """Whether a generation config's target runs on `specjax.kernels`' CPU matmul (the packed
-    layout, ``ModelConfig.packed_projections``), from ``cpu_kernel``:
+    """Whether a generation config's target runs on `specjax.kernels`' CPU matmul (the "panels"
+    linear op, ``ModelConfig.linear_op``; "xla" otherwise), from ``cpu_kernel``:
 
     * ``'off'``: never (XLA's own matmuls);
     * ``'on'``: always; an error unless the kernel was built, the layers are unrolled
@@ -66,11 +66,11 @@ def load_target_with_tokenizer(c: GenerateSettings):
     panel matmul and, with it, the attention kernel, see `use_cpu_attention`)."""
     if not isinstance(c, GenerateSettings):
         raise not_settings("load_target_with_tokenizer", c)
-    packed = use_cpu_kernel(c)
+    kernel = use_cpu_kernel(c)
     target, params, tokenizer = models.load_with_tokenizer(c.target, dtype=c.dtype, scan_layers=c.scan_layers,
                                                            fuse_projections=c.fuse_projections,
-                                                           packed_projections=packed)
-    if target.config.packed_projections and use_cpu_attention():
+                                                           linear_op="panels" if kernel else "xla")
+    if target.config.linear_op == "panels" and use_cpu_attention():
         target = type(target)(target.config.replace(cpu_attention=True))
     op = c.attention_op
     if op != target.config.attention_op:

@@ -62,7 +62,7 @@ def select_layers(params, config: ModelConfig, layer_ids) -> tuple[dict, ModelCo
     p = dict(params)
     layers = stack_layers(p["layers"])
     p["layers"] = jax.tree.map(lambda x: x[jnp.asarray(ids)], layers)
-    return p, config.layers_config(ids, scan_layers=True, packed_projections=False)
+    return p, config.layers_config(ids, scan_layers=True, linear_op="xla")
 
 
 def build_draft(choice: DraftChoice, target: Llama, target_params, *, key, head_ids=None):
@@ -73,7 +73,7 @@ def build_draft(choice: DraftChoice, target: Llama, target_params, *, key, head_
         model = Llama(cfg)
     elif choice.kind == "fresh":
         tc = target.config
-        cfg = tc.replace(num_layers=choice.num_layers, ffn_size=choice.ffn_size, scan_layers=True, packed_projections=False,
+        cfg = tc.replace(num_layers=choice.num_layers, ffn_size=choice.ffn_size, scan_layers=True, linear_op="xla",
                          tie_embeddings=True)
         model = Llama(cfg)
         params = dict(model.init_params(key))

@@ -1,7 +1,9 @@
 """CPU kernels through XLA's FFI: the panel matrix product of the target's projections, and
-attention of a few new tokens over a KV cache (`decode_attention`); and a Pallas kernel of
+attention of a few new tokens over a KV cache (`decode_attention`); a Pallas kernel of
 attention over the written cache for the accelerators (`cache_attention`, in
-`_pallas_attention`).
+`_pallas_attention`); and the linear-op seam (`LinearOp`, `LINEAR_OPS`, in `_linear`): how a
+model's projections are stored and multiplied, the op a config names (``ModelConfig.linear_op``).
+The panel functions below (`pack`, `unpack`, `matmul`, ...) are the ``panels`` op's internals.
 
 ``matmul(x, panels, n)`` computes ``x @ W`` for ``W = unpack(panels, n)`` of shape [D, n],
 stored as 32-column panels ``[ceil(n / 32), D, 32]`` (`pack`). On the CPU backend, with the
@@ -223,14 +225,6 @@ def unpack_tree(tree: dict, widths: dict) -> dict:
     return out
 
 
-def dense(x, w, width: int):
-    """``x [..., in] @ w`` in float32 for ``w`` a matrix [in, width] or its `pack` panels (the
-    one product every packed-or-plain weight in specjax goes through)."""
-    if is_packed(w):
-        return matmul(x, w, width)
-    return jnp.einsum("...d,df->...f", x, w, preferred_element_type=jnp.float32)
-
-
 def unpack(panels, n: int):
     """Panels [P, D, 32] -> the [D, n] matrix they hold (exact inverse of `pack`)."""
     p = jnp.asarray(panels)
@@ -298,3 +292,9 @@ def decode_attention(q_BTQH, k_new_BTKH, v_new_BTKH, k_BKSH, v_BKHS, lengths_B, 
         return reference()
     lengths_B = jnp.asarray(lengths_B, jnp.int32)
     return jax.lax.platform_dependent(*args, lengths_B, cpu=_attention_call, default=lambda *_: reference())
+
+
+# ----------------------------------------------------------------------------- the linear-op seam
+# (imported last: the ops are built from the functions above)
+from specjax.kernels._linear import (LINEAR_OPS, LinearOp, dense, get_linear_op,  # noqa: E402,F401
+                                     register_linear_op, stored_op)

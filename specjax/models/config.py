@@ -174,9 +174,10 @@ class ModelConfig:
     dtype: str = "float32"                # params and KV cache
     scan_layers: bool = True              # lax.scan over stacked layers, else unrolled loop
     fuse_projections: bool = False        # prepared params hold wqkv = [wq|wk|wv], w_gate_up = [w_gate|w_up]
-    # projections (and a copy of the head) stored as 32-column panels for specjax.kernels'
-    # CPU matmul; needs scan_layers=False (see specjax.models.llama, "Layout")
-    packed_projections: bool = False
+    # how the projections are stored and multiplied (`specjax.kernels.LINEAR_OPS`): "xla" (plain
+    # matrices, XLA's dot) | "panels" (the CPU kernel's layout; needs scan_layers=False) | a
+    # registered one (see specjax.models.llama, "Layout")
+    linear_op: str = "xla"
     # decode steps and verification blocks (<= kernels.ATTENTION_MAX_TOKENS new tokens, no tree)
     # attend through specjax.kernels.decode_attention: reads each cached key and value once per
     # key/value head and only the committed slots; off: the reference einsum over the capacity
@@ -229,16 +230,17 @@ class ModelConfig:
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {self.arch!r}")
         check_settings({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        if self.packed_projections and self.scan_layers:
-            raise ValueError("packed_projections=True needs scan_layers=False (per-layer params): a scan "
-                             "would slice every layer's panels out of stacked arrays inside the step")
+        linear = self.linear                  # an unknown name: ValueError naming the registered ops
+        if linear.per_layer_only and self.scan_layers:
+            raise ValueError(f"linear_op={self.linear_op!r} needs scan_layers=False (per-layer params): a scan "
+                             f"would slice every layer's stored matrices out of stacked arrays inside the step")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
         if self.window_layers is not None and len(self.window_layers) != self.num_layers:
             raise ValueError(f"window_layers has {len(self.window_layers)} entries for {self.num_layers} layers")
-        if self.num_experts and self.packed_projections:
-            raise ValueError("packed_projections (the CPU panel layout) does not hold expert weights; "
-                             "a mixture-of-experts model needs packed_projections=False")
+        if self.num_experts and self.linear_op != "xla":
+            raise ValueError(f"linear_op={self.linear_op!r} does not hold expert weights; "
+                             f"a mixture-of-experts model needs linear_op='xla'")
 
     # ---- derived -------------------------------------------------------------------------
     def replace(self, **changes) -> "ModelConfig":
@@ -303,6 +305,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def linear(self):
+        """The linear op (`specjax.kernels.LinearOp`) named by ``linear_op``."""
+        from specjax.kernels import get_linear_op
+        return get_linear_op(self.linear_op)
 
     @property
     def jnp_dtype(self):

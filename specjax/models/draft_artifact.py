@@ -146,13 +146,17 @@ def load_draft(directory, target, target_params, *, dtype: str | None = None, sc
         raise CheckpointError(f"{d} holds no draft.json (not a draft directory)")
     desc = read_description(d / "draft.json", FORMAT, ("config", "sha256", "shared", "head_size"))
     cfg_d = dict(desc["config"])
+    # Drafts written before `ModelConfig.linear_op` name the old layout flag, always False in a
+    # saved draft (the weights are stored plain): read as the "xla" op.
+    if cfg_d.pop("packed_projections", False):
+        raise CheckpointError(f"{d / 'draft.json'}: its config stores packed weights; a saved draft holds plain ones")
     try:
         cfg = ModelConfig(**cfg_d)
     except TypeError as e:      # an unknown or a missing key
         raise CorruptCheckpointError(f"{d}/draft.json: its 'config' is not a model config ({e})") from None
     compute_dtype = dtype or target.config.dtype
     cfg = cfg.replace(dtype=compute_dtype, scan_layers=scan_layers, fuse_projections=not scan_layers,
-                      packed_projections=False)
+                      linear_op="xla")
     if cfg.vocab_size != target.vocab_size or cfg.hidden_size != target.config.hidden_size:
         raise ValueError(f"draft {d} was made for vocab {cfg.vocab_size} / width {cfg.hidden_size}, the target has "
                          f"{target.vocab_size} / {target.config.hidden_size}")

@@ -26,12 +26,14 @@ layout it reads:
 * ``fuse_projections=True``: every layer holds ``wqkv = [wq | wk | wv]`` (and ``bqkv``) and
   ``w_gate_up = [w_gate | w_up]``, concatenated along the output axis: two matmuls per layer
   instead of five read the same bytes in longer streams.
-* ``packed_projections=True`` (with ``scan_layers=False``): every projection [in, out] is held
-  as 32-column panels [ceil(out / 32), in, 32] (`specjax.kernels.pack`) and multiplied by
-  `specjax.kernels.matmul`, a CPU custom call that streams each weight once for up to 8 rows,
-  so a k-token verification block reads the weights once, as a one-token step does; the params gain
-  ``head_panels``, the panels of the LM head (the embedding or ``lm_head`` stays for lookups,
-  drafters and export). Off the CPU backend the same panels go through an einsum.
+* ``linear_op``: the `specjax.kernels.LinearOp` that stores every projection [in, out] and
+  multiplies by it (``config.linear``; the model names no layout). "xla" (the default, the
+  canonical form): plain matrices and XLA's dot. "panels" (with ``scan_layers=False``): the CPU
+  kernel's layout, whose matmul streams each weight once for up to 8 rows, so a k-token
+  verification block reads the weights once, as a one-token step does; off the CPU backend the
+  same stored form goes through an einsum. An op with ``head_copy`` adds ``head_linear`` to the
+  params, the LM head in the op's stored form (the embedding or ``lm_head`` stays for lookups,
+  drafters and export). A new op is one `specjax.kernels.register_linear_op` call.
 
 The layout is decided once, outside the jitted step: `Llama.prepare_params` turns params of any
 layout into the config's (`specjax.models.load`, `Llama.init_params`, `truncate_layers` and the
@@ -78,7 +80,7 @@ __all__ = ["Llama", "attention", "tree_attention_mask"]    # attention lives in 
 INIT_STD = 0.02
 # fused projection -> its parts, concatenated in this order along the output axis
 _FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
-# the projections (2-D per layer, [in, out]); packed_projections stores these as panels
+# the projections (2-D per layer, [in, out]); the config's linear op stores these
 _PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up")
 
 
@@ -154,16 +156,19 @@ def _layout_specs(config: ModelConfig) -> dict:
                 shape, axes, init = layer[parts[0]]
                 width = sum(layer.pop(name)[0][-1] for name in parts)
                 layer[fused] = (shape[:-1] + (width,), axes, init)
+    op = config.linear
+    for name in _PROJECTIONS:        # each projection in the linear op's stored form
+        if name in layer:
+            shape, axes, init = layer[name]
+            layer[name] = (shape[:-2] + op.stored_shape(*shape[-2:]), axes[:-2] + op.stored_axes(*axes[-2:]), init)
+    if op.head_copy:
+        specs["head_linear"] = (op.stored_shape(config.hidden_size, config.vocab_size),
+                                op.stored_axes("embed", "vocab"), "normal")
     if not config.scan_layers:
         layer = {k: (shape[1:], axes[1:], init) for k, (shape, axes, init) in layer.items()}
-        if config.packed_projections:
-            for name in _PROJECTIONS:
-                if name in layer:
-                    (d_in, d_out), (a_in, a_out), init = layer[name]
-                    layer[name] = (kernels.panel_shape(d_in, d_out), (a_out, a_in, None), init)
-            specs["head_panels"] = (kernels.panel_shape(config.hidden_size, config.vocab_size),
-                                    ("vocab", "embed", None), "normal")
         specs["layers"] = tuple(dict(layer) for _ in range(config.num_layers))
+    else:
+        specs["layers"] = layer
     return specs
 
 
@@ -231,27 +236,45 @@ def _unfuse(lp: dict, config: ModelConfig) -> dict:
 
 
 def _proj_width(name: str, config: ModelConfig) -> int:
-    """The output width of projection `name` (what a panel array holds)."""
+    """The output width of projection `name` (what its stored form holds: `LinearOp.restore`,
+    `LinearOp.apply`)."""
     c = config
     return {"wq": c.q_size, "wk": c.kv_size, "wv": c.kv_size, "wo": c.hidden_size, "w_gate": c.ffn_size,
             "w_up": c.ffn_size, "w_down": c.hidden_size, "wqkv": c.q_size + 2 * c.kv_size,
             "w_gate_up": 2 * c.ffn_size}[name]
 
 
-def _unpack(lp: dict, config: ModelConfig) -> dict:
-    """One layer's dict with every panel array back as an [in, out] matrix (no-op if unpacked)."""
-    return kernels.unpack_tree(lp, {n: _proj_width(n, config) for n in _PROJECTIONS if n in lp})
+def _restore(lp: dict, config: ModelConfig, stacked: bool = False) -> dict:
+    """One layer's dict (``stacked``: the layers' stacked dict) with every projection held in a
+    linear op's stored form back as an [in, out] matrix (plain ones: left as they are)."""
+    lp = dict(lp)
+    for name in _PROJECTIONS:
+        if name not in lp:
+            continue
+        w = lp[name]
+        op = kernels.stored_op(jax.ShapeDtypeStruct(jnp.shape(w)[1:], w.dtype) if stacked else w)
+        if op is not None:
+            restore = lambda x, op=op, n=_proj_width(name, config): op.restore(x, n)    # noqa: E731
+            lp[name] = jax.vmap(restore)(w) if stacked else restore(w)
+    return lp
 
 
-def _pack(lp: dict) -> dict:
-    """One layer's projections in `specjax.kernels`' packed layout (`kernels.pack_tree`)."""
-    return kernels.pack_tree(lp, _PROJECTIONS)
+def _store(lp: dict, config: ModelConfig, stacked: bool = False) -> dict:
+    """One layer's dict (``stacked``: the layers' stacked dict) with its [in, out] projections
+    in the config's linear op's stored form (`LinearOp.store`)."""
+    op = config.linear
+    lp = dict(lp)
+    for name in _PROJECTIONS:
+        if name in lp:
+            lp[name] = jax.vmap(op.store)(lp[name]) if stacked else op.store(lp[name])
+    return lp
 
 
-def _head_panels(params: dict, config: ModelConfig):
+def _head_linear(params: dict, config: ModelConfig):
+    """The LM head [D, V] in the linear op's stored form (``params['head_linear']``)."""
     if config.tie_embeddings:
-        return kernels.pack_rows(params["embed"])
-    return kernels.pack(params["lm_head"])
+        return config.linear.store_rows(params["embed"])
+    return config.linear.store(params["lm_head"])
 
 
 def stack_layers(layers):
@@ -263,7 +286,7 @@ def stack_layers(layers):
 
 def _relayout(params: dict, config: ModelConfig, with_head: bool = True) -> dict:
     """Params of any layout in the layout `config` prescribes; **consumes** ``params``.
-    ``with_head=False``: no ``head_panels`` (the layers of a draft head that has its own head).
+    ``with_head=False``: no ``head_linear`` (the layers of a draft head that has its own head).
 
     The given dicts (``params``, its ``layers`` and their per-layer dicts) are emptied or
     rewritten as the result is built, so a caller that holds no other reference to the arrays (a
@@ -273,14 +296,17 @@ def _relayout(params: dict, config: ModelConfig, with_head: bool = True) -> dict
     layers = params.pop("layers")
     out = dict(params)
     params.clear()
-    out.pop("head_panels", None)
+    out.pop("head_linear", None)
     fuse = _fuse if config.fuse_projections else (lambda lp: _unfuse(lp, config))
-    pack = _pack if config.packed_projections else (lambda lp: lp)
-    convert = lambda lp: pack(fuse(_unpack(lp, config)))       # noqa: E731  (one per-layer dict)
-    if config.scan_layers:      # panels exist only in per-layer dicts: unpack those before stacking
+    convert = lambda lp: _store(fuse(_restore(lp, config)), config)       # noqa: E731  (one per-layer dict)
+    if config.scan_layers:      # plain matrices before stacking, the op's stored form after fusing
         if isinstance(layers, (list, tuple)):
-            layers = stack_layers([_unpack(lp, config) for lp in layers])
-        out["layers"] = fuse(layers)
+            layers = stack_layers([_restore(lp, config) for lp in layers])
+        else:
+            layers = _restore(layers, config, stacked=True)
+        out["layers"] = _store(fuse(layers), config, stacked=True)
+        if config.linear.head_copy and with_head:
+            out["head_linear"] = _head_linear(out, config)
         return out
     if isinstance(layers, (list, tuple)):
         per_layer = list(layers)
@@ -294,14 +320,14 @@ def _relayout(params: dict, config: ModelConfig, with_head: bool = True) -> dict
     for i in range(len(per_layer)):
         per_layer[i] = convert(per_layer[i])
     out["layers"] = tuple(per_layer)
-    if config.packed_projections and with_head:
-        out["head_panels"] = _head_panels(out, config)
+    if config.linear.head_copy and with_head:
+        out["head_linear"] = _head_linear(out, config)
     return out
 
 
 def prepare_layers(layers, config: ModelConfig):
     """Decoder layers of any layout in the layout `config` prescribes (`Llama.prepare_params`
-    for the layers alone: no embedding, no head panels; the input is left intact)."""
+    for the layers alone: no embedding, no ``head_linear``; the input is left intact)."""
     return _relayout(_copy_dicts({"layers": layers}), config, with_head=False)["layers"]
 
 
@@ -314,8 +340,9 @@ def _copy_dicts(params: dict) -> dict:
 
 
 def canonical_params(params, config: ModelConfig) -> dict:
-    """Stacked layers, unfused and unpacked projections: the form of `param_specs` (export, storage)."""
-    canonical = config.replace(scan_layers=True, fuse_projections=False, packed_projections=False)
+    """Stacked layers, unfused plain projections (``linear_op="xla"``): the form of `param_specs`
+    (export, storage)."""
+    canonical = config.replace(scan_layers=True, fuse_projections=False, linear_op="xla")
     return _relayout(_copy_dicts(params), canonical)
 
 
@@ -381,9 +408,9 @@ def apply_rope(x_BTQH, cos_BTH, sin_BTH):
     return out.astype(x_BTQH.dtype)
 
 
-def _linear(x, w, b=None, width: int | None = None):
-    """x @ w (+ b); ``w`` a matrix [in, out], or `specjax.kernels` panels of ``width`` columns."""
-    y = kernels.dense(x, w, width)
+def _linear(config: ModelConfig, x, w, b=None, width: int | None = None):
+    """x @ w (+ b); ``w`` a matrix [in, width] in the stored form of the config's linear op."""
+    y = config.linear.apply(x, w, width)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -435,12 +462,12 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     B, T, _ = h_BTD.shape
     kv_dtype = c.jnp_dtype
     x = norm(c, h_BTD, p["attn_norm"])
-    width = lambda name: _proj_width(name, c)     # noqa: E731  (the panels' column count)
+    width = lambda name: _proj_width(name, c)     # noqa: E731  (the width the stored form holds)
     if c.fuse_projections:
-        qkv = _linear(x, p["wqkv"], p["bqkv"] if c.attention_bias else None, width("wqkv"))
+        qkv = _linear(c, x, p["wqkv"], p["bqkv"] if c.attention_bias else None, width("wqkv"))
         q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
     else:
-        q, k, v = (_linear(x, p["w" + n], p["b" + n] if c.attention_bias else None, width("w" + n)) for n in "qkv")
+        q, k, v = (_linear(c, x, p["w" + n], p["b" + n] if c.attention_bias else None, width("w" + n)) for n in "qkv")
     q = q.reshape(B, T, c.num_heads, c.head_dim)
     k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
     v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -463,7 +490,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     else:
         attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention and c.plain_attention, spec=spec,
                          op=c.attention_op)
-    out = _linear(attn, p["wo"], width=width("wo"))
+    out = _linear(c, attn, p["wo"], width=width("wo"))
     h_BTD = h_BTD + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
     x = norm(c, h_BTD, p["mlp_norm"])
     if c.num_experts:
@@ -471,11 +498,11 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
         h_BTD = h_BTD + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
         return h_BTD, (k, v)
     if c.fuse_projections:
-        gate_up = _linear(x, p["w_gate_up"], width=width("w_gate_up"))
+        gate_up = _linear(c, x, p["w_gate_up"], width=width("w_gate_up"))
         gate, up = gate_up[..., :c.ffn_size], gate_up[..., c.ffn_size:]
     else:
-        gate, up = _linear(x, p["w_gate"], width=width("w_gate")), _linear(x, p["w_up"], width=width("w_up"))
-    out = _linear(_activation(c, gate) * up, p["w_down"], width=width("w_down"))
+        gate, up = _linear(c, x, p["w_gate"], width=width("w_gate")), _linear(c, x, p["w_up"], width=width("w_up"))
+    out = _linear(c, _activation(c, gate) * up, p["w_down"], width=width("w_down"))
     h_BTD = h_BTD + (norm(c, out, p["post_mlp_norm"]) if c.sandwich_norms else out)
     return h_BTD, (k, v)
 
@@ -490,8 +517,9 @@ def _describe(layers) -> str:
         kind = f"a dict of arrays stacked over {n} layers"
     else:
         return f"a {type(layers).__name__}"
-    packed = any(kernels.is_packed(first.get(n)) for n in _PROJECTIONS if n in first) if isinstance(layers, (list, tuple)) else False
-    return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}{', packed' if packed else ''}"
+    ops = {op.name for op in (kernels.stored_op(first[n]) for n in _PROJECTIONS if n in first) if op is not None}
+    stored = f", stored by linear op {', '.join(sorted(ops))}" if ops and isinstance(layers, (list, tuple)) else ""
+    return f"{kind}, projections {'fused' if 'wqkv' in first else 'unfused'}{stored}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -781,19 +809,22 @@ class Llama:
                 (c.scan_layers and jnp.shape(layers["attn_norm"])[:1] != (c.num_layers,)):
             raise ValueError(self._layout_error(layers, want["layers"]))
         got = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": layers}
-        if c.packed_projections:
-            if "head_panels" not in params:
-                raise ValueError("params lack 'head_panels' (the LM head's panels of the packed layout); "
+        if c.linear.head_copy:
+            if "head_linear" not in params:
+                raise ValueError(f"params lack 'head_linear' (the LM head in linear op {c.linear_op!r}'s stored form); "
                                  "convert the params once: params = model.prepare_params(params)")
-            got["head_panels"] = params["head_panels"]
+            got["head_linear"] = params["head_linear"]
         for (path, x), (_, shape) in zip(jax.tree_util.tree_leaves_with_path(got),
                                          jax.tree_util.tree_leaves_with_path(
                                              {k: want[k] for k in got}, is_leaf=_is_shape)):
             if tuple(jnp.shape(x)) != shape:
-                # a matrix where panels are expected, or panels where a matrix is: another layout
-                layout = (" (another layout: packed_projections differs; convert the params once, "
+                # a plain matrix where the op's stored form is expected, or another op's form: another layout
+                held = kernels.stored_op(x)
+                expected = c.linear if c.linear.is_stored(jax.ShapeDtypeStruct(shape, jnp.result_type(x))) else None
+                form = "a plain matrix" if held is None else f"stored by linear op {held.name!r}"
+                layout = (f" (another layout: {form}, this model's linear_op={c.linear_op!r}; convert the params once, "
                           "outside the jitted step: params = model.prepare_params(params))"
-                          if {len(shape), jnp.ndim(x)} == {2, 3} and not c.scan_layers else "")
+                          if held is not expected and not c.scan_layers else "")
                 raise ValueError(
                     f"params{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}; this "
                     f"model's config expects {shape}{layout}")
@@ -809,15 +840,15 @@ class Llama:
             first = next((lp for lp in dicts if set(lp) != set(first_want)), dicts[0] if dicts else None)
         want += ", projections fused (wqkv, w_gate_up)" if c.fuse_projections else \
             ", projections unfused (wq, wk, wv, w_gate, w_up)"
-        want += ", packed as panels [P, in, 32]" if c.packed_projections else ""
+        want += f", stored by linear op {c.linear_op!r}" if c.linear_op != "xla" else ""
         keys = ""   # the right kind of container with the wrong tensors in it: name them
         if isinstance(first, dict) and ("wqkv" in first) == c.fuse_projections:
             missing, extra = sorted(set(first_want) - set(first)), sorted(set(first) - set(first_want))
             if missing or extra:
                 keys = f" (tensors missing: {missing}, unexpected: {extra})"
         return (f"params['layers'] is {_describe(layers)}{keys}; this model (scan_layers="
-                f"{c.scan_layers}, fuse_projections={c.fuse_projections}, packed_projections="
-                f"{c.packed_projections}) reads {want}. Convert the "
+                f"{c.scan_layers}, fuse_projections={c.fuse_projections}, linear_op="
+                f"{c.linear_op!r}) reads {want}. Convert the "
                 f"params once, outside the jitted step: params = model.prepare_params(params)")
 
     def param_logical_axes(self) -> dict:
@@ -867,10 +898,12 @@ class Llama:
         return softcap(self._head(params, h_BTD), self.config.final_softcap)
 
     def _head(self, params, h_BTD):
-        if self.config.packed_projections:
-            if "head_panels" not in params:
-                raise ValueError("a packed model's head needs params['head_panels'] (model.prepare_params)")
-            return kernels.matmul(h_BTD, params["head_panels"], self.config.vocab_size)
+        op = self.config.linear
+        if op.head_copy:
+            if "head_linear" not in params:
+                raise ValueError(f"the head of a model with linear_op={self.config.linear_op!r} needs "
+                                 f"params['head_linear'] (model.prepare_params)")
+            return op.apply(h_BTD, params["head_linear"], self.config.vocab_size)
         if self.config.tie_embeddings:
             return jnp.einsum("btd,vd->btv", h_BTD, params["embed"].astype(h_BTD.dtype),
                               preferred_element_type=jnp.float32)

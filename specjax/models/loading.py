@@ -32,36 +32,37 @@ def _checkpoint(name_or_path) -> tuple[str, pathlib.Path]:
 
 
 def _model(config: ModelConfig, params: dict, scan_layers: bool, fuse_projections: bool,
-           packed_projections: bool = False):
-    """The model in the asked layout. The packed (CPU kernel) layout holds no expert weights: a
-    mixture-of-experts model asked for it keeps XLA's matmuls (``packed_projections=False``)."""
+           linear_op: str = "xla"):
+    """The model in the asked layout. Only the plain linear op holds expert weights: a
+    mixture-of-experts model asked for another keeps XLA's matmuls (``linear_op="xla"``)."""
     config = config.replace(scan_layers=scan_layers, fuse_projections=fuse_projections,
-                            packed_projections=packed_projections and not config.num_experts)
+                            linear_op="xla" if config.num_experts else linear_op)
     return Llama(config), _relayout(params, config)
 
 
 def load(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32",
          scan_layers: bool = True, fuse_projections: bool = False,
-         packed_projections: bool = False) -> tuple[Llama, dict]:
+         linear_op: str = "xla") -> tuple[Llama, dict]:
     """(model, params) from a known name, a GGUF file, or a Hugging Face checkpoint dir.
 
     Known names go through `specjax.models.registry.resolve` (fetched and sha256-checked).
     Params come in the layout of the model's config (`specjax.models.llama`): layers stacked
     along a leading axis for ``scan_layers=True``, a tuple of per-layer dicts for
     ``scan_layers=False``; with ``fuse_projections`` the projections fused; with
-    ``packed_projections`` (needs ``scan_layers=False``) as panels for `specjax.kernels`.
+    ``linear_op`` (`specjax.kernels.LINEAR_OPS`; "panels" needs ``scan_layers=False``) in that
+    op's stored form.
     """
     kind, path = _checkpoint(name_or_path)
     if kind == "hf":
         config, params = read_hf(path, dtype=dtype)
     else:
         config, params = read_gguf(open_gguf(path), dtype=dtype, path=path)
-    return _model(config, params, scan_layers, fuse_projections, packed_projections)
+    return _model(config, params, scan_layers, fuse_projections, linear_op)
 
 
 def load_with_tokenizer(name_or_path: str = registry.DEFAULT_MODEL, dtype: str = "float32",
                         scan_layers: bool = True, fuse_projections: bool = False,
-                        packed_projections: bool = False) -> tuple[Llama, dict, Tokenizer]:
+                        linear_op: str = "xla") -> tuple[Llama, dict, Tokenizer]:
     """(model, params, tokenizer) as `load` gives, plus the checkpoint's tokenizer.
 
     A GGUF file is opened once for both; a Hugging Face directory's tokenizer is its
@@ -76,5 +77,5 @@ def load_with_tokenizer(name_or_path: str = registry.DEFAULT_MODEL, dtype: str =
         tokenizer = Tokenizer.from_gguf_metadata(gguf_tokenizer_metadata(reader), name_or_path=str(path))
         config, params = read_gguf(reader, dtype=dtype, path=path)
         del reader
-    model, params = _model(config, params, scan_layers, fuse_projections, packed_projections)
+    model, params = _model(config, params, scan_layers, fuse_projections, linear_op)
     return model, params, tokenizer

@@ -83,7 +83,7 @@ def load_head(directory, target, target_params, *, dtype: str | None = None):
                              feature_layers=tuple(h["feature_layers"]), input_norm=h.get("input_norm", False),
                              layer=layer, own_embedding=bool(h.get("own_embedding", False)))
         # The target's layout at inference (a published EAGLE-3 head runs the plain one).
-        run = dataclasses.replace(hc, packed=bool(tc.packed_projections) and hc.spec.can_pack)
+        run = dataclasses.replace(hc, linear_op=tc.linear_op if hc.spec.can_store else "xla")
     except (KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{d}/head.json: incomplete head description ({e!r})") from None
     own = read_tensors(blob_path, desc["sha256"], jnp.dtype(dtype or tc.dtype))

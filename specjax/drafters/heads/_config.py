@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels
 from specjax.drafters.heads import _eagle3_layer
 from specjax.drafters.heads._target_head import check_head_ids, target_head_params, target_head_scores
 from specjax.models import ModelConfig
@@ -41,7 +42,7 @@ class HeadKind:
     default_ttt_steps: int = 1
     default_feature_weight: float = 0.0
     has_input_norm: bool = False
-    can_pack: bool = True
+    can_store: bool = True                # its matrices may be held in a linear op's form (`HeadConfig.linear_op`)
     configurable_layer: bool = False      # `HeadConfig.layer` and `own_embedding` apply
     state_keys: tuple[str, ...] = ("head.feature_layers",)
 
@@ -80,10 +81,10 @@ class HeadKind:
 
     def run_params(self, hc: "HeadConfig", p: dict, target_params: dict) -> dict:
         """The parameters the head runs with, from its own (``p``) and the target's."""
-        return target_head_params(hc, p, target_params, self.pack)
+        return target_head_params(hc, p, target_params, self.store)
 
-    def pack(self, hc: "HeadConfig", p: dict) -> dict:
-        """The kind's own matrices as `specjax.kernels` panels (a packed head)."""
+    def store(self, hc: "HeadConfig", p: dict) -> dict:
+        """The kind's own matrices in the stored form of ``hc.linear`` (`specjax.kernels.LinearOp`)."""
         return p
 
     # -- forwards
@@ -99,7 +100,7 @@ class HeadKind:
         return llama_lib.softcap(s, hc.target.final_softcap)
 
     def drafter(self, hc: "HeadConfig"):
-        """The drafter that runs this head (its config as it runs: packed or not)."""
+        """The drafter that runs this head (its config as it runs: any linear op)."""
         raise NotImplementedError
 
     def train_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int) -> list:
@@ -160,10 +161,10 @@ class HeadConfig:
     feature_layers: tuple[int, ...]
     num_heads: int = 4                  # Medusa: heads (the longest chain it drafts)
     head_size: int | None = None        # reduced-vocabulary head (None: the target's full head)
-    # Inference layout: the head's matrices as `specjax.kernels` panels and its layer in the
-    # target's packed layout (unrolled, fused), as the target runs on the CPU kernel. Set by
-    # `load_head` for a packed target; training and export use the plain layout.
-    packed: bool = False
+    # Inference layout: the linear op (`specjax.kernels.LINEAR_OPS`) that stores the head's matrices,
+    # "xla" (plain) or the target's, with its layer in the target's layout (unrolled, fused). Set
+    # by `load_head` to the target's op; training and export use the plain layout ("xla").
+    linear_op: str = "xla"
     # EAGLE kinds: RMS-normalize the embedding and the feature before ``fc``.
     input_norm: bool = False
     # Published EAGLE-3 only: the head layer's own dimensions (heads, head_dim, MLP width, RoPE,
@@ -185,28 +186,41 @@ class HeadConfig:
             raise ValueError(f"head_size must be in [1, {self.target.vocab_size}], got {self.head_size}")
         if self.input_norm and not spec.has_input_norm:
             raise ValueError(f"input_norm applies to EAGLE heads (their fc input); a {self.kind} head has none")
-        if self.packed and not spec.can_pack:
-            raise ValueError(f"a {self.kind} head runs in the plain layout (no kernel panels for it)")
-        if self.packed and not self.target.packed_projections:
-            raise ValueError("a packed head runs beside a packed target (packed_projections=True): "
-                             "its full-vocabulary head and its layer use the target's panel layout")
+        linear = self.linear                  # an unknown name: ValueError naming the registered ops
+        if self.stored and not spec.can_store:
+            raise ValueError(f"a {self.kind} head runs in the plain layout (linear_op='xla'): it cannot store "
+                             f"its matrices in linear op {linear.name!r}'s form")
+        if self.stored and self.linear_op != self.target.linear_op:
+            raise ValueError(f"a head with linear_op={self.linear_op!r} runs beside a target of the same linear op "
+                             f"(the target's linear op is {self.target.linear_op!r}): its full-vocabulary head and "
+                             f"its layer use the target's layout")
         spec.check(self)
 
     @classmethod
     def make(cls, kind: str, target: ModelConfig, *, num_heads: int = 4, head_size: int | None = None,
-             feature_layers: tuple[int, ...] | None = None, packed: bool = False,
+             feature_layers: tuple[int, ...] | None = None, linear_op: str = "xla",
              input_norm: bool = False, layer: ModelConfig | None = None,
              own_embedding: bool = False) -> "HeadConfig":
         layers = (head_kind_of(kind).default_feature_layers(target.num_layers) if feature_layers is None
                   else feature_layers)
         return cls(kind=kind, target=target, feature_layers=tuple(int(i) for i in layers), num_heads=num_heads,
-                   head_size=head_size, packed=packed, input_norm=bool(input_norm), layer=layer,
+                   head_size=head_size, linear_op=linear_op, input_norm=bool(input_norm), layer=layer,
                    own_embedding=bool(own_embedding))
 
     @property
     def spec(self) -> HeadKind:
         """The kind's implementation."""
         return head_kind_of(self.kind)
+
+    @property
+    def linear(self):
+        """The linear op (`specjax.kernels.LinearOp`) that stores the head's matrices."""
+        return kernels.get_linear_op(self.linear_op)
+
+    @property
+    def stored(self) -> bool:
+        """Whether the head's matrices are held in a linear op's stored form (any op but the plain "xla")."""
+        return self.linear_op != "xla"
 
     @property
     def hidden_size(self) -> int:
@@ -223,7 +237,7 @@ class HeadConfig:
 
     @property
     def run_layer_config(self) -> ModelConfig | None:
-        """The layer's layout at inference: `layer_config`, or packed like the target's."""
+        """The layer's layout at inference: `layer_config`, or the target's linear op and layout."""
         return self.spec.run_layer_config(self)
 
     @property
@@ -253,8 +267,8 @@ def init_head_params(hc: HeadConfig, key, head_ids=None) -> dict:
 
 def head_params(hc: HeadConfig, own: dict, target_params: dict) -> dict:
     """The parameters a head runs with: its own plus what it shares with the target (shared
-    arrays, not copies; a reduced head gathers its rows once, here). A packed head
-    (`HeadConfig.packed`) gets its matrices as `specjax.kernels` panels, converted once here."""
+    arrays, not copies; a reduced head gathers its rows once, here). A head with a linear op
+    (`HeadConfig.linear_op`) gets its matrices in that op's stored form, converted once here."""
     missing = [n for n in hc.own_param_names if n not in own]
     if missing:
         raise ValueError(f"{hc.kind} head parameters lack {missing}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax import kernels
 from specjax.drafters.heads._config import INIT_STD, HeadConfig, register_head_kind
 from specjax.drafters.heads._family import EagleFamily
 from specjax.drafters.heads._target_head import matmul
@@ -43,8 +42,8 @@ def eagle_input(hc: HeadConfig, params: dict, tokens_BT, g_BTD) -> jax.Array:
 
 def _layer_params(hc: HeadConfig, params: dict) -> dict:
     p = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": params["layers"]}
-    if hc.packed:                 # a packed layer's model checks for its head's panels (never used)
-        p["head_panels"] = params["head_panels"]
+    if hc.run_layer_config.linear.head_copy:   # the layer's model checks for its stored head (never used)
+        p["head_linear"] = params["head_linear"]
     return p
 
 
@@ -55,7 +54,7 @@ def _smooth_l1(x):
 
 class Eagle(EagleFamily):
     """The EAGLE kind: `eagle_input` into one Llama layer of the target's dimensions (stacked
-    layout when trained, the target's packed layout beside a packed target)."""
+    layout when trained, the target's linear op and layout beside a target with one)."""
     name = "eagle"
     default_feature_weight = 1.0
     has_input_norm = True
@@ -63,11 +62,11 @@ class Eagle(EagleFamily):
 
     # -- the layer
     def layer_config(self, hc):
-        return hc.target.replace(num_layers=1, scan_layers=True, fuse_projections=False, packed_projections=False)
+        return hc.target.replace(num_layers=1, scan_layers=True, fuse_projections=False, linear_op="xla")
 
     def run_layer_config(self, hc):
-        if hc.packed:
-            return hc.target.replace(num_layers=1, scan_layers=False, fuse_projections=True, packed_projections=True)
+        if hc.stored:
+            return hc.target.replace(num_layers=1, scan_layers=False, fuse_projections=True, linear_op=hc.linear_op)
         return self.layer_config(hc)
 
     def init_layer_cache(self, hc, batch_size: int, capacity: int) -> KVCache:
@@ -97,9 +96,9 @@ class Eagle(EagleFamily):
             own["input_norm"] = jnp.ones((2, D), dtype)
         return own
 
-    def pack(self, hc, p):
+    def store(self, hc, p):
         dtype = hc.target.jnp_dtype
-        p = {**p, "fc": kernels.pack(p["fc"].astype(dtype))}
+        p = {**p, "fc": hc.linear.store(p["fc"].astype(dtype))}
         p["layers"] = llama_lib.prepare_layers({k: v.astype(dtype) for k, v in p["layers"].items()},
                                                hc.run_layer_config)
         return p

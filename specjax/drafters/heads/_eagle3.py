@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax import kernels
 from specjax.drafters.heads._config import INIT_STD, register_head_kind
 from specjax.drafters.heads._eagle import Eagle
 from specjax.drafters.heads._target_head import matmul
@@ -41,9 +40,9 @@ class Eagle3(Eagle):
                        ).astype(hc.target.jnp_dtype)
         return own
 
-    def pack(self, hc, p):
-        p = super().pack(hc, p)
-        return {**p, "fuse": kernels.pack(p["fuse"].astype(hc.target.jnp_dtype))}
+    def store(self, hc, p):
+        p = super().store(hc, p)
+        return {**p, "fuse": hc.linear.store(p["fuse"].astype(hc.target.jnp_dtype))}
 
     def fuse(self, hc, params, f_BTF):
         return matmul(f_BTF, params["fuse"], hc.hidden_size).astype(f_BTF.dtype)

@@ -26,7 +26,7 @@ EAGLE3_PUBLISHED = "eagle3_published"
 class Eagle3Published(EagleFamily):
     name = EAGLE3_PUBLISHED
     default_ttt_steps = 3
-    can_pack = False
+    can_store = False
     configurable_layer = True
     position_offset = -1
     hides_first = True
@@ -60,7 +60,7 @@ class Eagle3Published(EagleFamily):
         t = hc.target
         base = hc.layer if hc.layer is not None else _eagle3_layer.default_layer(t)
         return base.replace(vocab_size=t.vocab_size, dtype=t.dtype, attention_op=t.attention_op, num_layers=1,
-                            scan_layers=False, fuse_projections=False, packed_projections=False,
+                            scan_layers=False, fuse_projections=False, linear_op="xla",
                             cpu_attention=False)
 
     def run_layer_config(self, hc):

@@ -15,7 +15,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import kernels
 from specjax.drafters._model import draw_support
 from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.drafters.heads._config import HeadConfig, HeadKind, head_logits, head_scores, register_head_kind
@@ -24,9 +23,9 @@ from specjax.drafters.heads._config import HeadConfig, HeadKind, head_logits, he
 def medusa_features(hc: HeadConfig, params: dict, f_BTD) -> jax.Array:
     """[B, T, K, D]: head k's residual block on each feature."""
     w, b = params["medusa_w"], params["medusa_b"].astype(f_BTD.dtype)
-    if hc.packed:
-        K, D = b.shape                                                      # packed: panels of [D, K D]
-        z = kernels.matmul(f_BTD, w, K * D).reshape(*f_BTD.shape[:-1], K, D) + b
+    if hc.stored:
+        K, D = b.shape                                                      # the stored form of [D, K D]
+        z = hc.linear.apply(f_BTD, w, K * D).reshape(*f_BTD.shape[:-1], K, D) + b
     else:
         z = jnp.einsum("btd,kde->btke", f_BTD, w.astype(f_BTD.dtype), preferred_element_type=jnp.float32) + b
     return (f_BTD[:, :, None, :].astype(jnp.float32) + jax.nn.silu(z)).astype(f_BTD.dtype)
@@ -60,10 +59,10 @@ class Medusa(HeadKind):
         D, dtype = hc.hidden_size, hc.target.jnp_dtype
         return {"medusa_w": jnp.zeros((hc.num_heads, D, D), dtype), "medusa_b": jnp.zeros((hc.num_heads, D), dtype)}
 
-    def pack(self, hc, p):
-        K, D, E = p["medusa_w"].shape                                     # [K, D, E] -> panels of [D, K E]
+    def store(self, hc, p):
+        K, D, E = p["medusa_w"].shape                                     # [K, D, E] -> the stored [D, K E]
         w = jnp.transpose(p["medusa_w"], (1, 0, 2)).reshape(D, K * E).astype(hc.target.jnp_dtype)
-        return {**p, "medusa_w": kernels.pack(w)}
+        return {**p, "medusa_w": hc.linear.store(w)}
 
     def drafter(self, hc):
         return MedusaDrafter(hc)
