@@ -53,6 +53,9 @@ from flax import struct
 
 __all__ = [
     "MIN_TEMPERATURE",
+    "MAX_BIAS",
+    "MAX_LOGIT_BIAS",
+    "check_logit_bias",
     "check_settings",
     "SamplingConfig",
     "probabilities",
@@ -61,6 +64,8 @@ __all__ = [
 ]
 
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+MAX_LOGIT_BIAS = 64      # (token id, value) pairs of a row's logit bias (a fixed shape: one program)
+MAX_BIAS = 100.0         # the largest |value| of a logit bias entry (as the OpenAI API)
 """Smallest accepted positive temperature: the smallest normal float32 (~1.18e-38).
 
 Smaller positive values are subnormal (or 0) in float32; XLA flushes subnormals to zero on
@@ -80,6 +85,11 @@ class SamplingConfig:
     use_top_k: bool = struct.field(pytree_node=False, default=False)
     use_top_p: bool = struct.field(pytree_node=False, default=False)
     per_row: bool = struct.field(pytree_node=False, default=False)
+    # per-row configs only (`rows`): min-p [B] (0 = off) and a logit bias, MAX_LOGIT_BIAS
+    # (token id, value) pairs per row [B, M] (unused pairs: id 0, value 0)
+    min_p: jax.Array | None = None
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingConfig":
@@ -104,28 +114,33 @@ class SamplingConfig:
         )
 
     @classmethod
-    def rows(cls, temperature, top_k=None, top_p=None) -> "SamplingConfig":
-        """Per-row settings: one temperature (0 = greedy), top-k (0 = off) and top-p (1 = off)
-        per row of the batch, as sequences of equal length B (top_k, top_p None: off for every
-        row). The static flags do not depend on the values (module docstring), so any mix of
-        the same B runs one compiled program. ``ValueError`` naming the row for a value
-        `make` refuses."""
+    def rows(cls, temperature, top_k=None, top_p=None, min_p=None, logit_bias=None) -> "SamplingConfig":
+        """Per-row settings: one temperature (0 = greedy), top-k (0 = off), top-p (1 = off),
+        min-p (0 = off) and logit bias (a dict token id -> value, at most `MAX_LOGIT_BIAS`
+        entries; None or {} = none) per row of the batch, as sequences of equal length B (None:
+        off for every row). The static flags do not depend on the values (module docstring),
+        so any mix of the same B runs one compiled program. ``ValueError`` naming the row for a
+        value `check_settings` or `check_logit_bias` refuses."""
         temperature = list(np.ravel(np.asarray(temperature, dtype=object)))
         B = len(temperature)
-        top_k = [0] * B if top_k is None else list(np.ravel(np.asarray(top_k, dtype=object)))
-        top_p = [1.0] * B if top_p is None else list(np.ravel(np.asarray(top_p, dtype=object)))
-        if B == 0 or len(top_k) != B or len(top_p) != B:
-            raise ValueError(f"rows: one temperature, top_k and top_p per row, got {B}, {len(top_k)} and "
-                             f"{len(top_p)} values")
-        checked = []
-        for i, row in enumerate(zip(temperature, top_k, top_p)):
+        column = lambda x, off: [off] * B if x is None else list(np.ravel(np.asarray(x, dtype=object)))  # noqa: E731
+        top_k, top_p, min_p = column(top_k, 0), column(top_p, 1.0), column(min_p, 0.0)
+        logit_bias = [None] * B if logit_bias is None else list(logit_bias)
+        if B == 0 or not len(top_k) == len(top_p) == len(min_p) == len(logit_bias) == B:
+            raise ValueError(f"rows: one temperature, top_k, top_p, min_p and logit_bias per row, got {B}, "
+                             f"{len(top_k)}, {len(top_p)}, {len(min_p)} and {len(logit_bias)} values")
+        checked, ids, values = [], np.zeros((B, MAX_LOGIT_BIAS), np.int32), np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        for i, row in enumerate(zip(temperature, top_k, top_p, min_p)):
             try:
                 checked.append(check_settings(*row))
+                bias = check_logit_bias(logit_bias[i])
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}") from None
-        t, k, p = zip(*checked)
+            ids[i, :len(bias)], values[i, :len(bias)] = list(bias), list(bias.values())
+        t, k, p, m = zip(*checked)
         return cls(temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
-                   top_p=jnp.asarray(p, jnp.float32), greedy=False, use_top_k=True, use_top_p=True, per_row=True)
+                   top_p=jnp.asarray(p, jnp.float32), greedy=False, use_top_k=True, use_top_p=True, per_row=True,
+                   min_p=jnp.asarray(m, jnp.float32), bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
 
     @classmethod
     def greedy_config(cls) -> "SamplingConfig":
@@ -133,9 +148,9 @@ class SamplingConfig:
         return cls.make(temperature=0.0)
 
 
-def check_settings(temperature, top_k, top_p) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) as Python numbers, or ``ValueError`` naming the bad one (the
-    rules of `SamplingConfig.make`)."""
+def check_settings(temperature, top_k, top_p, min_p=None):
+    """(temperature, top_k, top_p) as Python numbers (with ``min_p``: and min_p, in [0, 1]), or
+    ``ValueError`` naming the bad one (the rules of `SamplingConfig.make`)."""
     try:
         temperature = float(temperature)
     except (TypeError, ValueError):
@@ -156,7 +171,54 @@ def check_settings(temperature, top_k, top_p) -> tuple[float, int, float]:
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}") from None
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-    return temperature, top_k, top_p
+    if min_p is None:
+        return temperature, top_k, top_p
+    try:
+        min_p = float(min_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"min_p must be a number in [0, 1], got {min_p!r}") from None
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    return temperature, top_k, top_p, min_p
+
+
+def check_logit_bias(bias) -> dict[int, float]:
+    """A logit bias as {token id: value}: at most `MAX_LOGIT_BIAS` entries, ids integers >= 0,
+    values finite in [-`MAX_BIAS`, `MAX_BIAS`]; ``ValueError`` naming the bad entry."""
+    if not bias:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> value, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: {len(bias)} entries, at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: {token!r} is not a token id") from None
+        if token_id < 0 or token_id > np.iinfo(np.int32).max or str(token_id) != str(token).strip():
+            raise ValueError(f"logit_bias: {token!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                or not -MAX_BIAS <= float(value) <= MAX_BIAS:
+            raise ValueError(f"logit_bias[{token!r}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}")
+        out[token_id] = out.get(token_id, 0.0) + float(value)
+    return out
+
+
+def _biased(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
+    """``x`` (float32 [B, ..., V]; over a support: [B, ..., U] with its token ids ``ids`` [U])
+    plus each row's logit bias (none in a config without one)."""
+    if cfg.bias_ids is None:
+        return x
+    B, V = cfg.bias_ids.shape[0], x.shape[-1] if ids is None else None
+    if ids is None:
+        dense = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], cfg.bias_ids].add(cfg.bias_values,
+                                                                                          mode="drop")
+    else:       # the bias of the support's tokens: a bias id outside the support changes nothing here
+        hit_BMU = cfg.bias_ids[:, :, None] == jnp.asarray(ids)[None, None, :]
+        dense = jnp.sum(jnp.where(hit_BMU, cfg.bias_values[:, :, None], 0.0), axis=1)
+    return x + dense.reshape((B,) + (1,) * (x.ndim - 2) + dense.shape[-1:])
 
 
 def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -179,7 +241,7 @@ def _midpoint(a: jax.Array, b: jax.Array) -> jax.Array:
 _SEARCH_STEPS = 32          # halvings of the int32 key range: the search ends on an exact key
 
 
-def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
     """Temperature-scaled logits with top-k / top-p exclusions set to -inf (non-greedy only).
 
     ``temperature`` must be a normal positive float32 here (guaranteed by
@@ -201,7 +263,7 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
       is summed in vocabulary order rather than sorted order, so only a mass within float
       rounding of ``top_p`` can decide differently (identically on both sides).
     """
-    x = logits_V.astype(jnp.float32)
+    x = _biased(logits_V.astype(jnp.float32), cfg, ids)
     # The shift is a constant for softmax/log_softmax (no gradient needed through it).
     top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     temperature = _per_row(cfg.temperature, x)
@@ -217,7 +279,8 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     keep = jnp.ones(scaled.shape, bool)
     top_k, top_p = _per_row(cfg.top_k, x), _per_row(cfg.top_p, x)
     # Per row, a filter's search runs only in calls where some row uses it.
-    searched = (lambda used, search, skip: jax.lax.cond(used, search, skip)) if cfg.per_row else         (lambda used, search, skip: search())
+    searched = (lambda used, search, skip: jax.lax.cond(used, search, skip)) if cfg.per_row else \
+        (lambda used, search, skip: search())
     if cfg.use_top_k:
         # top_k <= 0 at run time means "off": keep everything.
         k = jnp.where(top_k <= 0, vocab, jnp.clip(top_k, 1, vocab))
@@ -245,34 +308,42 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
                        lambda: lowest)
         # top_p >= 1 at run time means "off" (guards float32 rounding of the total mass).
         keep &= key >= jnp.where(top_p >= 1.0, lowest, v_p)
+    if cfg.min_p is not None:
+        # p(x) >= min_p * max p  <=>  scaled(x) >= log(min_p) (the largest scaled value is 0)
+        min_p = _per_row(cfg.min_p, x)
+        keep &= (min_p <= 0) | (scaled >= jnp.log(jnp.where(min_p > 0, min_p, 1.0)))
     out = jnp.where(keep, scaled, -jnp.inf)
     return jnp.where(jnp.isnan(scaled).any(axis=-1, keepdims=True), jnp.nan, out)
 
 
-def probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
     """Sampling distribution (float32, same shape) of ``logits_...V`` under ``cfg``.
 
     Greedy: one-hot of the argmax (ties resolved to the lowest index, as ``jnp.argmax``).
-    Otherwise: ``softmax(filter(logits / temperature))`` with top-k/top-p filters as described
-    in the module docstring. Any leading batch shape.
+    Otherwise: ``softmax(filter((logits + bias) / temperature))`` with the top-k, top-p and
+    min-p filters as described in the module docstring. Any leading batch shape (a per-row
+    config: the batch first). ``ids``: the logits are over a support of these token ids (a
+    reduced-vocabulary draft), which places a per-row logit bias.
     """
     if cfg.greedy:
         vocab = logits_V.shape[-1]
         return jax.nn.one_hot(argmax(logits_V), vocab, dtype=jnp.float32)
-    probs = jax.nn.softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    probs = jax.nn.softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jax.nn.one_hot(argmax(logits_V), logits_V.shape[-1], dtype=jnp.float32)
+        greedy = jax.nn.one_hot(argmax(_biased(logits_V.astype(jnp.float32), cfg, ids)), logits_V.shape[-1],
+                                dtype=jnp.float32)
         probs = jnp.where(_per_row(cfg.temperature, probs) == 0, greedy, probs)
     return probs
 
 
-def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """``log(probabilities(logits, cfg))`` computed stably (-inf on excluded tokens)."""
+def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
+    """``log(probabilities(logits, cfg, ids))`` computed stably (-inf on excluded tokens)."""
     if cfg.greedy:
         return jnp.log(probabilities(logits_V, cfg))
-    logp = jax.nn.log_softmax(_filtered_logits(logits_V, cfg), axis=-1)
+    logp = jax.nn.log_softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jnp.log(jax.nn.one_hot(argmax(logits_V), logits_V.shape[-1], dtype=jnp.float32))
+        greedy = jnp.log(jax.nn.one_hot(argmax(_biased(logits_V.astype(jnp.float32), cfg, ids)), logits_V.shape[-1],
+                                        dtype=jnp.float32))
         logp = jnp.where(_per_row(cfg.temperature, logp) == 0, greedy, logp)
     return logp
 

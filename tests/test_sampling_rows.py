@@ -1,14 +1,15 @@
 """Per-row sampling settings in one batch (`SamplingConfig.rows`): each row decodes with its own
-temperature, top-k and top-p, in one compiled program for every mix.
+temperature, top-k, top-p, min-p and logit bias, in one compiled program for every mix.
 
 * `probabilities` of a per-row config equals, bit for bit, the scalar config of each row's own
   settings (greedy rows included), at any leading shape;
 * one trace serves every mix of the same batch size;
 * end to end on the tabular toy pair (`_toy.TabularModel`, V = 3, gamma = 3, token verifier):
-  B = 40 000 rows in four groups of 10 000 with different settings, N = 6 new tokens each; each
-  group's empirical law of the 6-token continuation (729 cells, pooled below 5 expected) against
-  the exact target law under its own settings, by chi-square. Family: the 4 groups, family-wise
-  false-alarm rate 1e-4, so 2.5e-5 per test (Bonferroni); fixed seeds, a deterministic outcome.
+  B = 70 000 rows in seven groups of 10 000 with different settings (min-p, a logit bias and a
+  mix of every control among them), N = 6 new tokens each; each group's empirical law of the
+  6-token continuation (729 cells, pooled below 5 expected) against the exact target law under
+  its own settings, by chi-square. Family: the 7 groups, family-wise false-alarm rate 1e-4, so
+  1.4e-5 per test (Bonferroni); fixed seeds, a deterministic outcome.
   Power: the top-k group against the temperature-1 group's law must be rejected. Greedy rows
   (a fifth group) equal the target's greedy continuation on every token;
 * a row of a mixed batch commits the tokens it commits decoded alone with its own settings and
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,13 +35,20 @@ N_NEW = 6
 GROUP = 10_000
 PROMPT = (2, 1)
 GROUPS = (dict(temperature=1.0), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.8),
-          dict(temperature=1.3))
+          dict(temperature=1.3), dict(temperature=1.0, min_p=0.3), dict(temperature=1.0, logit_bias={1: 1.5}),
+          dict(temperature=0.8, top_p=0.9, min_p=0.1, logit_bias={0: -1.0, 2: 0.5}))
 FAMILY_WISE_ALPHA = 1e-4
 PER_TEST_ALPHA = FAMILY_WISE_ALPHA / len(GROUPS)
 
 
-def _row(kw: dict) -> tuple[float, int, float]:
-    return kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0)
+def _row(kw: dict) -> tuple:
+    return kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0), kw.get("logit_bias")
+
+
+def _rows(settings) -> sampling.SamplingConfig:
+    """`SamplingConfig.rows` of (T, k, p[, min_p, logit bias]) per row."""
+    settings = [tuple(r) + (0.0, None)[len(r) - 3:] for r in settings]
+    return sampling.SamplingConfig.rows(*zip(*settings))
 
 
 @pytest.mark.parametrize("shape", [(5, 17), (5, 3, 17)])
@@ -70,6 +79,33 @@ def test_one_trace_serves_every_mix():
     assert len(traces) == 1
 
 
+def test_min_p_and_logit_bias_against_numpy():
+    """min-p keeps p(x) >= min_p max p of the temperature-scaled law; the bias adds to the logits
+    first; over a support (a reduced-vocabulary draft) the bias lands on the support's token ids."""
+    logits = np.asarray(jax.random.normal(jax.random.key(2), (3, 4, 12)) * 2.0, np.float64)
+    rows = [(0.7, 0, 1.0, 0.25, {3: 4.0, 11: -1.0}), (1.2, 0, 1.0, 0.0, {5: 100.0}), (0.0, 0, 1.0, 0.0, {2: 50.0})]
+    cfg = _rows(rows)
+    got = np.asarray(jax.jit(sampling.probabilities)(jnp.asarray(logits, jnp.float32), cfg))
+    for i, (t, _, _, min_p, bias) in enumerate(rows):
+        x = logits[i].copy()
+        for tok, v in bias.items():
+            x[..., tok] += v
+        if t == 0:
+            want = np.eye(12)[np.argmax(x, axis=-1)]
+        else:
+            p = np.exp((x - x.max(-1, keepdims=True)) / t)
+            p /= p.sum(-1, keepdims=True)
+            p = np.where(p >= min_p * p.max(-1, keepdims=True), p, 0.0)
+            want = p / p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=1e-6)
+    ids = jnp.asarray([1, 3, 4, 8, 11])
+    on_support = np.asarray(sampling.probabilities(jnp.asarray(logits[:, :, np.asarray(ids)], jnp.float32), cfg, ids))
+    full = np.full(logits.shape, -np.inf)
+    full[:, :, np.asarray(ids)] = logits[:, :, np.asarray(ids)]
+    want = np.asarray(sampling.probabilities(jnp.asarray(full, jnp.float32), cfg))[:, :, np.asarray(ids)]
+    np.testing.assert_allclose(on_support, want, rtol=1e-6, atol=1e-7)
+
+
 def test_rows_refuse_bad_values_naming_the_row():
     with pytest.raises(ValueError, match="row 1: temperature"):
         sampling.SamplingConfig.rows([1.0, -0.5])
@@ -77,8 +113,16 @@ def test_rows_refuse_bad_values_naming_the_row():
         sampling.SamplingConfig.rows([1.0], [1.5], [1.0])
     with pytest.raises(ValueError, match="row 2: top_p"):
         sampling.SamplingConfig.rows([1.0] * 3, [0] * 3, [1.0, 0.5, 0.0])
-    with pytest.raises(ValueError, match="one temperature, top_k and top_p per row"):
+    with pytest.raises(ValueError, match="one temperature, top_k, top_p, min_p and logit_bias per row"):
         sampling.SamplingConfig.rows([1.0, 1.0], [0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="row 1: min_p must be in"):
+        sampling.SamplingConfig.rows([1.0, 1.0], None, None, [0.0, 1.5])
+    with pytest.raises(ValueError, match=r"row 0: logit_bias\[5\] must be a number in \[-100, 100\]"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[{5: 101}])
+    with pytest.raises(ValueError, match="row 0: logit_bias: 'x' is not a token id"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[{"x": 1}])
+    with pytest.raises(ValueError, match="row 0: logit_bias: 65 entries, at most 64"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[{i: 1.0 for i in range(65)}])
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +141,8 @@ def _generate(tables, settings, gamma=3, request_ids=None):
     engine, config = _engine(gamma)
     ids = list(range(len(settings))) if request_ids is None else request_ids
     batch = decoding.make_batch([list(PROMPT)] * len(settings), config, jax.random.key(2024), request_ids=ids)
-    out = engine.run(decoding.EngineParams(target=tables[0], draft=tables[1] if gamma else None),
-                     sampling.SamplingConfig.rows(*zip(*settings)), batch)
+    out = engine.run(decoding.EngineParams(target=tables[0], draft=tables[1] if gamma else None), _rows(settings),
+                     batch)
     assert (np.asarray(out.status_B) == decoding.MAX_TOKENS).all()
     return np.asarray(out.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
 
@@ -106,13 +150,15 @@ def _generate(tables, settings, gamma=3, request_ids=None):
 @pytest.fixture(scope="module")
 def mixed(tables):
     """Four groups of GROUP rows, interleaved (row i in group i % 4), and GROUP // 10 greedy rows."""
-    settings = [_row(GROUPS[i % len(GROUPS)]) for i in range(len(GROUPS) * GROUP)] + [(0.0, 0, 1.0)] * (GROUP // 10)
+    settings = [_row(GROUPS[i % len(GROUPS)]) for i in range(len(GROUPS) * GROUP)] + \
+        [(0.0, 0, 1.0, 0.0, None)] * (GROUP // 10)
     return _generate(tables, settings)
 
 
 def _pvalue(tables, gen_BN, kw):
-    cfg = sampling.SamplingConfig.make(**kw)
-    exact = sequence_probs(tables[0], PROMPT, N_NEW, lambda t: sampling.probabilities(t, cfg))
+    cfg = _rows([_row(kw)])           # one row: the table's [V, V, V] as [1, V * V, V]
+    exact = sequence_probs(tables[0], PROMPT, N_NEW,
+                           lambda t: sampling.probabilities(t.reshape(1, -1, V), cfg).reshape(t.shape))
     cells = list(itertools.product(range(V), repeat=N_NEW))
     probs = np.array([exact[c] for c in cells], np.float64)
     index = gen_BN @ (V ** np.arange(N_NEW - 1, -1, -1))
@@ -142,7 +188,8 @@ def test_greedy_rows_are_the_greedy_continuation(tables, mixed):
 
 def test_a_row_commits_what_it_commits_alone(tables):
     settings = [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 2, 1.0), (0.9, 0, 0.7)]
-    together = _generate(tables, settings, request_ids=[7, 8, 9, 10])
+    settings += [(0.9, 0, 1.0, 0.2, {2: -2.0})]
+    together = _generate(tables, settings, request_ids=[7, 8, 9, 10, 11])
     for i, row in enumerate(settings):
         alone = _generate(tables, [row], request_ids=[7 + i])
         np.testing.assert_array_equal(together[i], alone[0])

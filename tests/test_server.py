@@ -141,6 +141,23 @@ def test_per_request_sampling_in_one_batch(server):
     assert len(others | {alone}) > 1
 
 
+def test_logit_bias_and_min_p_apply_to_their_request(server):
+    """A +100 bias on one token makes a greedy answer that token, max_tokens times; -100 on the
+    greedy answer's first token bans it; min-p at 1 keeps only the most probable token, so a
+    sampled answer is the greedy one; a greedy request beside them stays the reference."""
+    tokens, text = _reference(server, PROMPTS[1])
+    tok = server["gen"].tokenizer
+    the = tok.encode(" the")[-1]
+    forced = _chat(server, PROMPTS[0], max_tokens=6, logit_bias={str(the): 100})
+    assert forced.choices[0].message.content == tok.decode([the] * 6, skip_special_tokens=True)
+    banned = _chat(server, PROMPTS[1], logit_bias={str(tokens[0]): -100}).choices[0].message.content
+    assert banned and not banned.startswith(tok.decode(tokens[:1], skip_special_tokens=True))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        top = pool.submit(lambda: _chat(server, PROMPTS[1], temperature=1.0, seed=5, extra_body={"min_p": 1.0}))
+        plain = pool.submit(lambda: _chat(server, PROMPTS[1]))
+    assert top.result().choices[0].message.content == text and plain.result().choices[0].message.content == text
+
+
 def test_stop_sequences_end_the_text_before_them(server):
     tokens, text = _reference(server, PROMPTS[0])
     words = text.split()
@@ -168,12 +185,16 @@ def test_stop_sequences_end_the_text_before_them(server):
     ({"stop": 7, "messages": [{"role": "user", "content": "hi"}]}, 400, "stop"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"max_tokens": MAX_NEW + 1, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ({"logit_bias": {"5": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
+    ({"frequency_penalty": 0.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "frequency_penalty"),
+    ({"logit_bias": {"99999999": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
+    ({"logit_bias": {"5": 300}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
+    ({"min_p": 1.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "min_p"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
 ], ids=["unknown_model", "negative_temperature", "top_p_zero", "top_k_not_integer", "negative_seed",
-        "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field",
+        "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field", "bias_outside_vocab",
+        "bias_too_large", "min_p_above_one",
         "no_messages", "bad_role", "prompt_too_long"])
 def test_bad_requests_get_one_json_error_each(server, body, status, param):
     body = {"model": server["name"], **body}

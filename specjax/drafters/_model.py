@@ -63,7 +63,7 @@ def draw_support(key_B, scores_BU, ids, cfg: sampling_lib.SamplingConfig, vocab:
     The logits processing runs on the support: -inf elsewhere changes neither top-k (a k past
     the support keeps all of it either way) nor top-p (zero mass) nor the greedy argmax (ids
     are sorted, so ties still go to the lowest token id); q outside the support is 0."""
-    q_BU = sampling_lib.probabilities(scores_BU, cfg)
+    q_BU = sampling_lib.probabilities(scores_BU, cfg, ids)
     idx_B = draw(key_B, q_BU, cfg)
     tok_B = idx_B if ids is None else jnp.take(ids, idx_B).astype(jnp.int32)
     return tok_B, to_vocab(q_BU, ids, vocab, 0.0)

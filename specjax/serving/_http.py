@@ -12,8 +12,9 @@ a bad field (the field named in ``param``), 404 for an unknown model, 429 when t
 full, 503 while shutting down. A client that disconnects has its request cancelled: its slot
 is free at the next round.
 
-Sampling per request: ``temperature``, ``top_p``, ``top_k`` (an extension of the OpenAI API)
-and ``seed`` apply to that request alone (`LiveScheduler`: one batch, each row its own
+Sampling per request: ``temperature``, ``top_p``, ``top_k`` and ``min_p`` (extensions of the
+OpenAI API), ``logit_bias`` (token id -> value in [-100, 100], at most 64) and ``seed`` apply to
+that request alone (`LiveScheduler`: one batch, each row its own
 settings; omitted: the server's ``--config.temperature`` etc.); a value the sampler refuses is a
 400 naming the field. ``stop``: a string or up to `MAX_STOPS` strings of at most
 `MAX_STOP_CHARS` characters; the text ends before the first one found (finish reason "stop"),
@@ -33,7 +34,7 @@ from specjax.serving._live import MAX_SEED, LiveScheduler, QueueFull, Stopped
 # The request fields each route reads; any other field is refused by name (a 400), so a client
 # never believes a setting took effect that did not.
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature", "top_p",
-           "top_k", "n", "user", "seed", "stop"}
+           "top_k", "min_p", "logit_bias", "n", "user", "seed", "stop"}
 MAX_STOPS = 4               # stop sequences per request (as the OpenAI API)
 MAX_STOP_CHARS = 256        # characters per stop sequence
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -119,13 +120,24 @@ class Api:
         """The request's own sampling: ``settings`` (temperature, top_k, top_p; the server's where
         absent), ``seed`` and ``stop`` (strings); a 400 naming the bad field."""
         values = {name: _number(body, name, kind) for name, kind in
-                  (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int))}
-        default = self.sampling_settings
-        settings = tuple(default[n] if values[n] is None else values[n] for n in ("temperature", "top_k", "top_p"))
+                  (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int))}
+        default = dict(self.sampling_settings, min_p=0.0)
+        settings = tuple(default[n] if values[n] is None else values[n]
+                         for n in ("temperature", "top_k", "top_p", "min_p"))
         try:
             sampling_lib.check_settings(*settings)
         except ValueError as e:            # its message begins with the setting's name
             raise ApiError(400, str(e), str(e).split(" ")[0]) from None
+        try:
+            bias = sampling_lib.check_logit_bias(body.get("logit_bias"))
+        except ValueError as e:
+            raise ApiError(400, str(e), "logit_bias") from None
+        vocab = self.live.engine.target.vocab_size
+        outside = [i for i in bias if i >= vocab]
+        if outside:
+            raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                           "logit_bias")
+        settings += (bias,)
         seed = values["seed"]
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")

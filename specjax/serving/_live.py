@@ -9,9 +9,9 @@ the next round (its row is marked done; a later request refills it). A request's
 ``max_tokens`` (at most the engine's ``max_new_tokens``) and its ``stop`` test (stop sequences,
 checked after each round on its tokens) end it host-side, the same way.
 
-Sampling per request: a request may bring its own temperature, top-k and top-p (``settings``;
-default the scheduler's) and ``seed``. A round where every busy row is greedy runs the greedy
-program (`SamplingConfig.greedy_config`); any other round runs the per-row program
+Sampling per request: a request may bring its own temperature, top-k, top-p, min-p and logit
+bias (``settings``; default the scheduler's) and ``seed``. A round where every busy row is
+greedy without a logit bias runs the greedy program (`SamplingConfig.greedy_config`); any other round runs the per-row program
 (`SamplingConfig.rows`, each slot its occupant's settings): two compiled programs for every mix
 (`warmup` compiles both). A greedy row gets the same tokens from either.
 
@@ -67,7 +67,7 @@ class Ticket:
     slot: int | None = None
     admitted: float | None = None
     first: float | None = None
-    settings: tuple[float, int, float] = (0.0, 0, 1.0)    # temperature, top_k, top_p
+    settings: tuple = (0.0, 0, 1.0, 0.0, ())    # temperature, top_k, top_p, min_p, logit bias (id, value) pairs
     seed: int | None = None
     stop: Callable[[list], bool] | None = None             # True once the tokens hold a stop sequence
     stopped: bool = False
@@ -76,11 +76,22 @@ class Ticket:
 _FINISH = {"eos": "stop", "max_new_tokens": "length", "nan_logits": "error"}
 
 
-def _settings_of(sampling) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) of a scalar `SamplingConfig` as Python numbers."""
+def _settings_of(sampling) -> tuple:
+    """A scalar `SamplingConfig` as a request's settings (no min-p, no logit bias)."""
     if sampling.per_row:
         raise ValueError("the scheduler's default sampling must be one setting (SamplingConfig.make)")
-    return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)
+    return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), 0.0, ()
+
+
+def check_request_settings(settings) -> tuple:
+    """(temperature, top_k, top_p[, min_p[, logit_bias]]) checked (`sampling.check_settings`,
+    `sampling.check_logit_bias`) as a hashable 5-tuple; ValueError naming the bad one."""
+    settings = tuple(settings)
+    if not 3 <= len(settings) <= 5:
+        raise ValueError(f"settings are (temperature, top_k, top_p[, min_p[, logit_bias]]), got {settings!r}")
+    t, k, p, m = sampling_lib.check_settings(*settings[:3], settings[3] if len(settings) > 3 else 0.0)
+    bias = sampling_lib.check_logit_bias(dict(settings[4]) if len(settings) > 4 and settings[4] else None)
+    return t, k, p, m, tuple(sorted(bias.items()))
 
 
 class LiveScheduler:
@@ -133,8 +144,9 @@ class LiveScheduler:
                stop: Callable[[list], bool] | None = None) -> Ticket:
         """Queue a request; `QueueFull` when ``max_queue`` wait already, `Stopped` while draining.
         ValueError when the prompt and ``max_tokens`` do not fit (`room`), or naming a bad
-        sampling setting (``settings``: (temperature, top_k, top_p); None: the scheduler's) or
-        seed (an integer in [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop")."""
+        sampling setting (``settings``: (temperature, top_k, top_p[, min_p[, logit_bias]]), the
+        bias a dict token id -> value; None: the scheduler's) or seed (an integer in
+        [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop")."""
         prompt = tuple(decoding.token_ids(prompt, "prompt"))
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -142,7 +154,11 @@ class LiveScheduler:
         if max_tokens < 1 or max_tokens > room:
             raise ValueError(f"max_tokens={max_tokens}: a prompt of {len(prompt)} tokens leaves room for 1 to {room} "
                              f"new tokens here (cache {self.capacity} slots, at most {self.max_new_tokens} new tokens)")
-        settings = self.default_settings if settings is None else sampling_lib.check_settings(*settings)
+        settings = self.default_settings if settings is None else check_request_settings(settings)
+        vocab = self.engine.target.vocab_size
+        outside = [i for i, _ in settings[4] if i >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or not 0 <= seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
@@ -192,11 +208,12 @@ class LiveScheduler:
         """The round's sampling: greedy when every busy row is, else each slot's settings per row
         (free slots the default's; rebuilt only when the slots' settings change)."""
         occupants = [self._occupant[s] for s in busy]
-        if all(t.settings[0] == 0.0 for t in occupants):
+        if all(t.settings[0] == 0.0 and not t.settings[4] for t in occupants):
             return self._greedy
         settings = tuple(o.settings if o is not None else self.default_settings for o in self._occupant)
         if self._rows_cache is None or self._rows_cache[0] != settings:
-            self._rows_cache = (settings, sampling_lib.SamplingConfig.rows(*zip(*settings)))
+            t, k, p, m, bias = zip(*settings)
+            self._rows_cache = (settings, sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias]))
         return self._rows_cache[1]
 
     def start(self) -> None:
