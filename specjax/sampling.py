@@ -64,14 +64,15 @@ __all__ = [
 ]
 
 MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
-MAX_LOGIT_BIAS = 64      # (token id, value) pairs of a row's logit bias (a fixed shape: one program)
-MAX_BIAS = 100.0         # the largest |value| of a logit bias entry (as the OpenAI API)
 """Smallest accepted positive temperature: the smallest normal float32 (~1.18e-38).
 
 Smaller positive values are subnormal (or 0) in float32; XLA flushes subnormals to zero on
 CPU/GPU, so ``x / T`` would divide by zero and give NaN. Every temperature from here up (and
 finite) is safe because the scaling subtracts the max logit first (see the module docstring).
 Use ``temperature = 0`` for greedy decoding."""
+
+MAX_LOGIT_BIAS = 64      # (token id, value) pairs of a row's logit bias (a fixed shape: one program)
+MAX_BIAS = 100.0         # the largest |value| of a logit bias entry (as the OpenAI API)
 
 
 @struct.dataclass
@@ -153,30 +154,34 @@ def check_settings(temperature, top_k, top_p, min_p=None):
     ``ValueError`` naming the bad one (the rules of `SamplingConfig.make`)."""
     try:
         temperature = float(temperature)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a number, got {temperature!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"temperature must be a number, got {str(temperature)[:40]}") from None
     if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= float(np.finfo(np.float32).max)):
         raise ValueError(
             f"temperature must be 0 (greedy) or a finite float32 >= {MIN_TEMPERATURE:.6g} (the smallest "
             f"normal float32: smaller values are flushed to 0 and the scaling would divide by zero), "
             f"got {temperature!r}")
-    if isinstance(top_k, bool) or not float(top_k) == int(top_k):
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    try:
+        integral = not isinstance(top_k, bool) and float(top_k) == int(top_k)
+    except (TypeError, ValueError, OverflowError):
+        integral = False
+    if not integral:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {str(top_k)[:40]}")
     top_k = int(top_k)
     if top_k < 0 or top_k > np.iinfo(np.int32).max:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        raise ValueError(f"top_k must be an integer from 0 (off) to {np.iinfo(np.int32).max}, got {str(top_k)[:40]}")
     try:
         top_p = float(top_p)
-    except (TypeError, ValueError):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"top_p must be a number in (0, 1], got {str(top_p)[:40]}") from None
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     if min_p is None:
         return temperature, top_k, top_p
     try:
         min_p = float(min_p)
-    except (TypeError, ValueError):
-        raise ValueError(f"min_p must be a number in [0, 1], got {min_p!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"min_p must be a number in [0, 1], got {str(min_p)[:40]}") from None
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     return temperature, top_k, top_p, min_p
@@ -185,7 +190,7 @@ def check_settings(temperature, top_k, top_p, min_p=None):
 def check_logit_bias(bias) -> dict[int, float]:
     """A logit bias as {token id: value}: at most `MAX_LOGIT_BIAS` entries, ids integers >= 0,
     values finite in [-`MAX_BIAS`, `MAX_BIAS`]; ``ValueError`` naming the bad entry."""
-    if not bias:
+    if bias is None:
         return {}
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> value, got {type(bias).__name__}")
@@ -197,12 +202,19 @@ def check_logit_bias(bias) -> dict[int, float]:
             token_id = int(token)
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias: {token!r} is not a token id") from None
-        if token_id < 0 or token_id > np.iinfo(np.int32).max or str(token_id) != str(token).strip():
+        if token_id < 0 or token_id > np.iinfo(np.int32).max or str(token_id) != str(token):
             raise ValueError(f"logit_bias: {token!r} is not a token id")
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-                or not -MAX_BIAS <= float(value) <= MAX_BIAS:
-            raise ValueError(f"logit_bias[{token!r}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}")
-        out[token_id] = out.get(token_id, 0.0) + float(value)
+        if token_id in out:
+            raise ValueError(f"logit_bias: token id {token_id} is given twice")
+        try:
+            ok = not isinstance(value, bool) and isinstance(value, (int, float, np.floating, np.integer)) \
+                and -MAX_BIAS <= float(value) <= MAX_BIAS
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ValueError(f"logit_bias[{token!r}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                             f"got {str(value)[:40]}")
+        out[token_id] = float(value)
     return out
 
 
@@ -211,6 +223,7 @@ def _biased(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Arr
     plus each row's logit bias (none in a config without one)."""
     if cfg.bias_ids is None:
         return x
+    _per_row(cfg.bias_values[:, 0], x)            # the batch first (raises otherwise)
     B, V = cfg.bias_ids.shape[0], x.shape[-1] if ids is None else None
     if ids is None:
         dense = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], cfg.bias_ids].add(cfg.bias_values,
@@ -222,8 +235,15 @@ def _biased(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Arr
 
 
 def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
-    """A setting against ``like`` [..., V]: a scalar as it is, a per-row [B] as [B, 1, ..., 1]."""
-    return x if jnp.ndim(x) == 0 else x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
+    """A setting against ``like`` [..., V]: a scalar as it is, a per-row [B] as [B, 1, ..., 1]
+    (``like`` must have the batch first: not under a `jax.vmap` over rows with the config
+    closed over)."""
+    if jnp.ndim(x) == 0:
+        return x
+    if like.ndim < 2 or like.shape[0] != x.shape[0]:
+        raise ValueError(f"a per-row sampling config of {x.shape[0]} rows against logits of shape {like.shape}: "
+                         f"the batch must be the logits' leading axis")
+    return x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:

@@ -64,6 +64,13 @@ def test_rows_equal_each_rows_own_config(shape):
         np.testing.assert_array_equal(np.asarray(got_log[i]), np.asarray(sampling.log_probabilities(logits[i], own)))
 
 
+def test_a_per_row_config_needs_the_batch_first():
+    cfg = sampling.SamplingConfig.rows([1.0, 0.5, 0.0])
+    logits = jax.random.normal(jax.random.key(3), (3, 6))
+    with pytest.raises(ValueError, match="the batch must be the logits' leading axis"):
+        jax.vmap(lambda x: sampling.probabilities(x, cfg))(logits)
+
+
 def test_one_trace_serves_every_mix():
     traces = []
 
@@ -121,6 +128,14 @@ def test_rows_refuse_bad_values_naming_the_row():
         sampling.SamplingConfig.rows([1.0], logit_bias=[{5: 101}])
     with pytest.raises(ValueError, match="row 0: logit_bias: 'x' is not a token id"):
         sampling.SamplingConfig.rows([1.0], logit_bias=[{"x": 1}])
+    with pytest.raises(ValueError, match="row 0: logit_bias: ' 1' is not a token id"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[{"1": 100, " 1": 100}])
+    with pytest.raises(ValueError, match="row 0: logit_bias must be a dict"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[[]])
+    with pytest.raises(ValueError, match=r"row 0: logit_bias\['1'\] must be a number"):
+        sampling.SamplingConfig.rows([1.0], logit_bias=[{"1": 10 ** 400}])
+    with pytest.raises(ValueError, match="row 0: top_k must be an integer"):
+        sampling.SamplingConfig.rows([1.0], [float("nan")])
     with pytest.raises(ValueError, match="row 0: logit_bias: 65 entries, at most 64"):
         sampling.SamplingConfig.rows([1.0], logit_bias=[{i: 1.0 for i in range(65)}])
 
@@ -149,7 +164,8 @@ def _generate(tables, settings, gamma=3, request_ids=None):
 
 @pytest.fixture(scope="module")
 def mixed(tables):
-    """Four groups of GROUP rows, interleaved (row i in group i % 4), and GROUP // 10 greedy rows."""
+    """The groups' GROUP rows each, interleaved (row i in group i % len(GROUPS)), then GROUP // 10
+    greedy rows."""
     settings = [_row(GROUPS[i % len(GROUPS)]) for i in range(len(GROUPS) * GROUP)] + \
         [(0.0, 0, 1.0, 0.0, None)] * (GROUP // 10)
     return _generate(tables, settings)
@@ -182,7 +198,11 @@ def test_a_group_is_not_the_other_groups_law(tables, mixed):
 
 
 def test_greedy_rows_are_the_greedy_continuation(tables, mixed):
-    greedy = _generate(tables, [(0.0, 0, 1.0)], gamma=0)
+    """Greedy rows of the mixed batch against target-only decoding with the greedy program."""
+    engine, config = _engine(0)
+    batch = decoding.make_batch([list(PROMPT)], config, jax.random.key(2024))
+    out = engine.run(decoding.EngineParams(target=tables[0], draft=None), sampling.SamplingConfig.greedy_config(), batch)
+    greedy = np.asarray(out.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
     assert (mixed[len(GROUPS) * GROUP:] == greedy).all()
 
 

@@ -189,12 +189,14 @@ def test_stop_sequences_end_the_text_before_them(server):
     ({"logit_bias": {"99999999": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"logit_bias": {"5": 300}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"min_p": 1.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "min_p"),
+    ({"seed": 10 ** 400, "messages": [{"role": "user", "content": "hi"}]}, 400, "seed"),
+    ({"logit_bias": {"1": 100, " 1": 100}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
 ], ids=["unknown_model", "negative_temperature", "top_p_zero", "top_k_not_integer", "negative_seed",
         "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field", "bias_outside_vocab",
-        "bias_too_large", "min_p_above_one",
+        "bias_too_large", "min_p_above_one", "huge_seed", "bias_twice",
         "no_messages", "bad_role", "prompt_too_long"])
 def test_bad_requests_get_one_json_error_each(server, body, status, param):
     body = {"model": server["name"], **body}

@@ -245,6 +245,6 @@ def _on_mesh(local, q_BKGTH, keys, v_BKHS, vis_BTS, live_B, partial: bool = Fals
     heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 and K % sizes[HEAD_AXIS] == 0 else None
     P = jax.sharding.PartitionSpec
     qkv = P(rows, heads)
-    out_specs = (qkv, qkv, qkv) if partial else qkv      # m, l: [B, K*G, ...], K-major
+    out_specs = (qkv, qkv, qkv) if partial else qkv      # acc [B, K, G, T, H]; m, l [B, K, G, T]
     return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, P(rows), P(rows)), out_specs=out_specs,
                          check_vma=False)(q_BKGTH, keys, v_BKHS, vis_BTS, live_B)

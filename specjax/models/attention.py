@@ -83,10 +83,14 @@ class AttentionSpec:
 
     ``ordered_tail`` (write-then-attend calls only; 0: off): each query's last ``ordered_tail``
     visible keys are summed apart from the rest, gathered in slot order (see "Token trees in
-    low precision" in the module docstring)."""
+    low precision" in the module docstring). ``tail_span`` (0: unknown): every tail slot of a
+    row lies within this many slots from the row's first one (a block of T tokens written after
+    ``offset`` tentative entries: 2 T - 1 + offset), so the tails are read from one contiguous
+    window of the cache instead of gathered from all of it."""
     scale: float
     softcap: float | None = None
     ordered_tail: int = 0
+    tail_span: int = 0
 
 
 # The widest block whose write-then-attend calls sum their last keys in position order
@@ -312,9 +316,17 @@ def _with_tail(q_BTQH, past, slots_BTW, spec: AttentionSpec, acc_BTNH, m_BTN, l_
     ``slots_BTW`` (`ordered_tail`), summed in their order: [B, T, N*H]."""
     B, T, N, H = q_BTQH.shape
     k_BKSH, v_BKHS, _ = past
-    K = k_BKSH.shape[1]
+    K, S = k_BKSH.shape[1], k_BKSH.shape[2]
     G = N // K
     at = jnp.maximum(slots_BTW, 0)
+    span = spec.tail_span
+    if 0 < span < S:
+        # one contiguous window per row holds every tail (a slice, not a gather over the cache:
+        # the TPU compiler copies a cache buffer it gathers from after writing it)
+        start_B = jnp.clip(jnp.min(jnp.where(slots_BTW >= 0, slots_BTW, S), axis=(1, 2)), 0, S - span)
+        k_BKSH = jax.vmap(lambda k, s0: jax.lax.dynamic_slice_in_dim(k, s0, span, axis=1))(k_BKSH, start_B)
+        v_BKHS = jax.vmap(lambda v, s0: jax.lax.dynamic_slice_in_dim(v, s0, span, axis=2))(v_BKHS, start_B)
+        at = jnp.clip(at - start_B[:, None, None], 0, span - 1)
     k_BKTWH = jax.vmap(lambda k_KSH, i_TW: k_KSH[:, i_TW])(k_BKSH, at)
     v_BKHTW = jax.vmap(lambda v_KHS, i_TW: v_KHS[:, :, i_TW])(v_BKHS, at)
     q = q_BTQH.reshape(B, T, K, G, H)
@@ -345,7 +357,9 @@ def ordered_tail(visible_BTS, width: int):
 
 
 def dot_product_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: AttentionSpec):
-    """The same rule through `jax.nn.dot_product_attention` (keys: the cache's slots, then the block)."""
+    """The same rule through `jax.nn.dot_product_attention` (keys: the cache's slots, then the block).
+    It sums every key in one softmax (`AttentionSpec.ordered_tail` does not apply): its tree rows
+    are not bitwise the steps' (chains are)."""
     if spec.softcap is not None:
         raise ValueError("attention_op='dot_product' cannot soft-cap attention scores "
                          "(jax.nn.dot_product_attention has no soft-capping); use attention_op='reference'")

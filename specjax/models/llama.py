@@ -449,7 +449,7 @@ def _experts(config: ModelConfig, p: dict, x_BTD):
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype)
 
 
-def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, write_at=None):
+def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, write_at=None, offset: int = 0):
     """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
     ``tree_mask``: the queries' `specjax.models.attention` visibility (None: plain causal).
 
@@ -478,8 +478,10 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     v = v.astype(kv_dtype)
     spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
     if write_at is not None:
-        # a verification block's or tree's last keys in position order (`AttentionSpec.ordered_tail`)
-        spec = dataclasses.replace(spec, ordered_tail=T if T <= ORDERED_TAIL_MAX else 0)
+        # a verification block's or tree's last keys in position order (`AttentionSpec.ordered_tail`),
+        # within 2 T - 1 slots after ``offset`` tentative entries of earlier calls
+        if T <= ORDERED_TAIL_MAX:
+            spec = dataclasses.replace(spec, ordered_tail=T, tail_span=2 * T - 1 + offset)
         # The barrier asks XLA to keep the written buffers one value that attention and the
         # returned cache share. XLA:CPU expands barriers early and still copies the buffers at
         # batch 1 (tests/test_llama_cache.py checks the CPU profile, which keeps this off); the
@@ -539,6 +541,7 @@ class _Block:
     limit: int | None
     past_capacity: int | None
     write_first: bool                  # write-then-attend (`ModelConfig.write_then_attend`)
+    offset: int                        # tentative tree entries of earlier calls before the block
     masks: tuple
     ropes: tuple
     variant_L: tuple[int, ...]
@@ -650,8 +653,8 @@ def _block(config: ModelConfig, cache, tree, B: int, T: int) -> _Block:
     if write_first:
         masks = [written_visibility(m, lengths, write_at, T, cache.capacity) for m in masks]
     return _Block(lengths_B=lengths, write_at_B=write_at, limit=limit, past_capacity=past_capacity,
-                  write_first=write_first, masks=tuple(masks), ropes=tuple(ropes),
-                  variant_L=tuple(variants.index(v) for v in variant_of))
+                  write_first=write_first, offset=0 if tree is None else int(tree.offset), masks=tuple(masks),
+                  ropes=tuple(ropes), variant_L=tuple(variants.index(v) for v in variant_of))
 
 
 def _run_layer(config: ModelConfig, block: _Block, lp, h_BTD, k_BKSH, v_BKHS, mask, cos_sin):
@@ -662,7 +665,8 @@ def _run_layer(config: ModelConfig, block: _Block, lp, h_BTD, k_BKSH, v_BKHS, ma
         past = (k_BKSH[:, :, :block.limit], v_BKHS[..., :block.limit], block.lengths_B)
     else:
         past = (k_BKSH, v_BKHS, block.lengths_B)
-    return _layer(config, lp, h_BTD, *cos_sin, past, mask, block.write_at_B if block.write_first else None)
+    return _layer(config, lp, h_BTD, *cos_sin, past, mask, block.write_at_B if block.write_first else None,
+                  block.offset)
 
 
 def _scan_variant_picker(block: _Block, B: int, T: int):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 
@@ -56,11 +57,13 @@ def _number(body: dict, name: str, kind: type):
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value) == int(value)
+    try:                # JSON brings NaN, Infinity and integers of any size
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+        ok = ok and (kind is not int or float(value) == int(value))
+    except (OverflowError, ValueError):
+        ok = False
     if not ok:
-        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {str(value)[:40]}", name)
     return kind(value)
 
 
@@ -117,8 +120,9 @@ class Api:
         return body
 
     def sampling(self, body: dict) -> dict:
-        """The request's own sampling: ``settings`` (temperature, top_k, top_p; the server's where
-        absent), ``seed`` and ``stop`` (strings); a 400 naming the bad field."""
+        """The request's own sampling: ``settings`` (temperature, top_k, top_p, min_p, logit bias;
+        the server's where absent, none for the last two), ``seed`` and ``stop`` (strings); a 400
+        naming the bad field."""
         values = {name: _number(body, name, kind) for name, kind in
                   (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int))}
         default = dict(self.sampling_settings, min_p=0.0)

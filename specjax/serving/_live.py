@@ -13,7 +13,8 @@ Sampling per request: a request may bring its own temperature, top-k, top-p, min
 bias (``settings``; default the scheduler's) and ``seed``. A round where every busy row is
 greedy without a logit bias runs the greedy program (`SamplingConfig.greedy_config`); any other round runs the per-row program
 (`SamplingConfig.rows`, each slot its occupant's settings): two compiled programs for every mix
-(`warmup` compiles both). A greedy row gets the same tokens from either.
+(`warmup` compiles both). A greedy row gets the same tokens from either; with token trees it
+drafts less well in a per-row round (its one-hot q gives each node one child worth verifying).
 
 What a request gets is what it would get decoded alone, as with `Scheduler`: its key is
 ``fold_in(key, id)`` (with a seed, ``fold_in(jax.random.key(seed), 0)``, so the same seed and
@@ -71,6 +72,7 @@ class Ticket:
     seed: int | None = None
     stop: Callable[[list], bool] | None = None             # True once the tokens hold a stop sequence
     stopped: bool = False
+    stop_error: str | None = None
 
 
 _FINISH = {"eos": "stop", "max_new_tokens": "length", "nan_logits": "error"}
@@ -246,8 +248,14 @@ class LiveScheduler:
                     self._lock.notify_all()
             self._thread.join(0.1)
 
+    def _seeded_key(self, seed: int):
+        """A request's key from its seed, of the scheduler key's kind (typed or a legacy uint32 key)."""
+        if jax.dtypes.issubdtype(self.key.dtype, jax.dtypes.prng_key):
+            return jax.random.key(seed, impl=jax.random.key_impl(self.key))
+        return jax.random.PRNGKey(seed)
+
     def _batch(self, t: Ticket) -> decoding.Batch:
-        key, rid = (self.key, t.id) if t.seed is None else (jax.random.key(t.seed), 0)
+        key, rid = (self.key, t.id) if t.seed is None else (self._seeded_key(t.seed), 0)
         return decoding.make_batch([t.prompt], self.engine.config, key, request_ids=[rid],
                                    pad_multiple=self.pad_multiple, capacity=self.capacity)
 
@@ -316,7 +324,7 @@ class LiveScheduler:
                 # one transfer a round: the commit and the batch's rounds per gamma
                 c, gamma_rounds = jax.device_get((commit, state.metrics.gamma_rounds_Z))
                 now = time.perf_counter()
-                ended = []
+                ended, fresh = [], []
                 with self._lock:
                     self.stats["rounds_total"] += 1
                     for s in busy:
@@ -328,10 +336,19 @@ class LiveScheduler:
                             t.first = t.first if t.first is not None else now
                             self.stats["tokens_total"] += len(new)
                             self._emit(t, {"type": "tokens", "ids": new})
+                            fresh.append(s)
                         if bool(c.done_B[s]) or len(t.tokens) >= t.max_tokens:
                             ended.append(s)
-                        elif new and t.stop is not None and t.stop(t.tokens):
-                            t.stopped = True
+                # Stop tests (they decode the text) outside the lock: only this thread changes
+                # the occupants' tokens. A test that raises ends its own request, not the thread.
+                for s in fresh:
+                    t = self._occupant[s]
+                    if t.stop is not None:
+                        try:
+                            t.stopped = bool(t.stop(t.tokens))
+                        except Exception as e:  # noqa: BLE001
+                            t.stopped, t.stop_error = True, f"{type(e).__name__}: {e}"
+                        if t.stopped and s not in ended:
                             ended.append(s)
                 if ended:
                     status_B, m = jax.device_get((state.status_B, state.metrics))
@@ -341,7 +358,11 @@ class LiveScheduler:
                         reason = _FINISH.get(status, "length")
                         if status == "running":          # its own max_tokens or stop: the row stops here
                             state = state.replace(done_B=state.done_B.at[s].set(True))
-                            status, reason = ("stop_sequence", "stop") if t.stopped else ("max_tokens", "length")
+                            status, reason = "max_tokens", "length"
+                        if t.stop_error is not None:
+                            status, reason = f"stop test failed: {t.stop_error}", "error"
+                        elif t.stopped:                  # a stop sequence, whatever else ended the row
+                            status, reason = "stop_sequence", "stop"
                         counters = self._counters(m, s)
                         with self._lock:
                             self._finish(t, reason, status, counters)
