@@ -38,6 +38,7 @@ def get_config():
     c.verify_ks = (1, 2, 3, 4, 5, 6, 7, 8)
     c.gamma = 3
     c.tree = (5, 4, 20)                     # dynamic tree: depth, top-k per node, node budget
+    c.ordered_tail = False                  # the target as a tree run sets it up (ModelConfig.ordered_tail)
     c.train_batch = 4                       # training steps: rows x tokens
     c.train_seq = 1024
     c.draft_layers = 2                      # train_draft: a draft with the target's shapes and this many layers

@@ -47,7 +47,7 @@ from _hf_tiny import FAMILY_KINDS, family_config
 KINDS = ("llama", "qwen2") + FAMILY_KINDS
 CAPACITY = 256
 PROFILE = dict(dtype="bfloat16", scan_layers=False, fuse_projections=True, linear_op="xla",
-               cpu_attention=False, attention_op="reference", write_then_attend=True)
+               cpu_attention=False, attention_op="reference", write_then_attend=True, ordered_tail=True)
 
 
 def _config(kind: str, **layout):

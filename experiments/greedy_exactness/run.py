@@ -43,13 +43,18 @@ def main(c):
     c.early_exit_layers = c.early_exit_layers or g.early_exit_layers
     wc = ml_collections.ConfigDict({**c.to_dict(), "workload": c.workload or g.target, "dtype": g.dtype,
                                     "write_then_attend": bool(g.get("write_then_attend", False)),
+                                    # token trees in the run: their rows in position order, the
+                                    # references too (`ModelConfig.ordered_tail`)
+                                    "ordered_tail": bool(g.get("write_then_attend", False))
+                                    and any(not isinstance(spec, int) for _, spec in specs),
                                     "attention_op": str(g.get("attention_op", "reference")),
                                     "layers": layers, "draft_model": g.draft_model, "max_ngram": g.max_ngram})
     w = workload.load(wc, out.parent / "_work")
     prompts = [list(p.ids) for p in w.prompts]
     jl = toolkit.Jsonl(out, {**prov, "model": w.name, "model_file": w.model_file, "model_sha256": w.model_sha256,
                              "model_notes": w.notes, "eps": decoding.NEAR_TIE_EPS, "layers": layers,
-                             "attention_op": w.target.config.attention_op})
+                             "attention_op": w.target.config.attention_op,
+                             "ordered_tail": w.target.config.ordered_tail})
     failures = 0
     block_tokens = int(g.get("block_tokens", 0))
     eps = decoding.NEAR_TIE_EPS if c.near_tie_eps < 0 else float(c.near_tie_eps)

@@ -154,7 +154,8 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
     if c.workload.startswith("preset:"):
         size = c.workload.split(":", 1)[1]
         target = models.Llama(preset_config(size, c.dtype, **fields).replace(
-            write_then_attend=bool(c.get("write_then_attend", False)), attention_op=c.get("attention_op", "reference")))
+            write_then_attend=bool(c.get("write_then_attend", False)), attention_op=c.get("attention_op", "reference"),
+            ordered_tail=bool(c.get("ordered_tail", False))))
         canonical = random_params(target.config, jax.random.key(c.seed), c.init_std)
         params = jax.block_until_ready(target.prepare_params(canonical))
         w = Workload(c.workload, target, params, _random_prompts(questions, c.prompt_len, target.vocab_size, c.seed),
@@ -169,7 +170,8 @@ def load(c, workdir, with_transformers: bool = False) -> Workload:
     target, params, tok = models.load_with_tokenizer(c.workload, dtype=c.dtype, **fields)
     if c.get("write_then_attend", False) or c.get("attention_op", "reference") != "reference":
         target = models.Llama(target.config.replace(write_then_attend=bool(c.get("write_then_attend", False)),
-                                                    attention_op=c.get("attention_op", "reference")))
+                                                    attention_op=c.get("attention_op", "reference"),
+                                                    ordered_tail=bool(c.get("ordered_tail", False))))
     prompts = [Prompt(q.question_id, q.category, tuple(decoding.encode_prompt(tok, q.prompt))) for q in questions]
     path = models.resolve(c.workload)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]

@@ -160,6 +160,8 @@ class Soak:
             if len(words) < 4:
                 return
             stop = " " + words[len(words) // 2]
+            if stop not in text:            # the word follows a newline, not a space
+                return
             got = self.post(self.body(i, temperature=0, stop=[stop]))["choices"][0]
             if got["message"]["content"] != text[:text.find(stop)] or got["finish_reason"] != "stop":
                 raise RuntimeError(f"stop {stop!r}: got {got['message']['content'][-40:]!r}")

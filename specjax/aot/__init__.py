@@ -43,6 +43,7 @@ class AotSettings:
     fuse_projections: bool
     attention_op: str
     write_then_attend: bool
+    ordered_tail: bool             # token-tree rows in position order (`ModelConfig.ordered_tail`: a tree run's)
     block_tokens: int              # the profile's: tokens every target pass scores (0: its own, -1: the largest block)
     mesh: tuple[tuple[str, int], ...]
     programs: tuple[str, ...]
@@ -63,7 +64,7 @@ class AotSettings:
     def layout(self) -> str:
         return ("scan" if self.scan_layers else "unrolled") + ("+fused" if self.fuse_projections else "") + \
             f"+{self.attention_op}" + ("+write-first" if self.write_then_attend else "") + \
-            ("+one-block" if self.block_tokens else "")
+            ("+ordered-tail" if self.ordered_tail else "") + ("+one-block" if self.block_tokens else "")
 
 
 def aot_settings(c, profile) -> AotSettings:
@@ -94,7 +95,9 @@ def aot_settings(c, profile) -> AotSettings:
         topology=str(c.topology), target=str(c.target), profile=str(c.profile_name or c.profile),
         dtype=str(profile.dtype), scan_layers=bool(profile.scan_layers),
         fuse_projections=bool(profile.get("fuse_projections", False)), attention_op=str(profile.attention_op),
-        write_then_attend=bool(profile.get("write_then_attend", False)) and not bool(profile.scan_layers), block_tokens=int(profile.get("block_tokens", 0)),
+        write_then_attend=bool(profile.get("write_then_attend", False)) and not bool(profile.scan_layers),
+        ordered_tail=bool(c.get("ordered_tail", False)) and bool(profile.get("write_then_attend", False))
+        and not bool(profile.scan_layers), block_tokens=int(profile.get("block_tokens", 0)),
         mesh=tuple(mesh.items()), programs=programs, batch_sizes=ints("batch_sizes", c.batch_sizes),
         context=ints("context", (c.context,))[0], capacity=ints("capacity", (c.capacity,))[0],
         prompt=ints("prompt", (c.prompt,))[0], verify_ks=ints("verify_ks", c.verify_ks),
@@ -117,7 +120,7 @@ def _model(s: AotSettings):
         raise AotError(str(e)) from None
     config = config.replace(scan_layers=s.scan_layers, fuse_projections=s.fuse_projections,
                             attention_op=s.attention_op, write_then_attend=s.write_then_attend,
-                            linear_op="xla", cpu_attention=False)
+                            ordered_tail=s.ordered_tail, linear_op="xla", cpu_attention=False)
     return models.Llama(config)
 
 

@@ -79,6 +79,9 @@ def load_target_with_tokenizer(c: GenerateSettings):
         target = type(target)(target.config.replace(attention_op=op))
     if c.write_then_attend != target.config.write_then_attend:
         target = type(target)(target.config.replace(write_then_attend=c.write_then_attend))
+    ordered = c.write_then_attend and bool(c.tree or c.adaptive_trees)     # token trees, exact in low precision
+    if ordered != target.config.ordered_tail:
+        target = type(target)(target.config.replace(ordered_tail=ordered))
     return target, params, tokenizer
 
 

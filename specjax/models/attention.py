@@ -296,19 +296,22 @@ def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):
 
 def _cache_parts(q_BTQH, past, visible_BTS, spec: AttentionSpec):
     """The softmax's parts over the visible cache slots (what `kernels.cache_attention` returns
-    with ``partial``): acc [B, T, N, H], m and l [B, T, N], float32; m = NEG, l = 0 where none."""
+    with ``partial``): acc [B, T, N, H], m and l [B, T, N], float32; m = NEG, l = 0 where none.
+    (The einsums keep the reference op's operand orders, which the TPU compiler reads the cache
+    in without a copy.)"""
     B, T, N, H = q_BTQH.shape
     k_BKSH, v_BKHS, _ = past
     K = k_BKSH.shape[1]
     q = q_BTQH.reshape(B, T, K, N // K, H)
-    s = _scores(jnp.einsum("btkgh,bksh->btkgs", q.astype(k_BKSH.dtype), k_BKSH, preferred_element_type=jnp.float32),
+    s = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k_BKSH, preferred_element_type=jnp.float32),
                 spec)
-    visible = visible_BTS[:, :, None, None]
+    visible = visible_BTS[:, None, None]
     s = jnp.where(visible, s, NEG)
     m = jnp.max(s, axis=-1)
     p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
-    acc = jnp.einsum("btkgs,bkhs->btkgh", p.astype(v_BKHS.dtype), v_BKHS, preferred_element_type=jnp.float32)
-    return acc.reshape(B, T, N, H), m.reshape(B, T, N), jnp.sum(p, axis=-1).reshape(B, T, N)
+    acc = jnp.einsum("bkgts,bkhs->btkgh", p.astype(v_BKHS.dtype), v_BKHS, preferred_element_type=jnp.float32)
+    to_BTN = lambda x: jnp.transpose(x, (0, 3, 1, 2)).reshape(B, T, N)      # noqa: E731
+    return acc.reshape(B, T, N, H), to_BTN(m), to_BTN(jnp.sum(p, axis=-1))
 
 
 def _with_tail(q_BTQH, past, slots_BTW, spec: AttentionSpec, acc_BTNH, m_BTN, l_BTN):
@@ -321,11 +324,14 @@ def _with_tail(q_BTQH, past, slots_BTW, spec: AttentionSpec, acc_BTNH, m_BTN, l_
     at = jnp.maximum(slots_BTW, 0)
     span = spec.tail_span
     if 0 < span < S:
-        # one contiguous window per row holds every tail (a slice, not a gather over the cache:
+        # one contiguous window per row holds every tail (slices, not a gather over the cache:
         # the TPU compiler copies a cache buffer it gathers from after writing it)
+        # One slice per row (a batched slice is a gather, which the TPU compiler also copies for).
         start_B = jnp.clip(jnp.min(jnp.where(slots_BTW >= 0, slots_BTW, S), axis=(1, 2)), 0, S - span)
-        k_BKSH = jax.vmap(lambda k, s0: jax.lax.dynamic_slice_in_dim(k, s0, span, axis=1))(k_BKSH, start_B)
-        v_BKHS = jax.vmap(lambda v, s0: jax.lax.dynamic_slice_in_dim(v, s0, span, axis=2))(v_BKHS, start_B)
+        k_BKSH = jnp.concatenate([jax.lax.dynamic_slice(k_BKSH, (b, 0, start_B[b], 0), (1, K, span, H))
+                                  for b in range(B)])
+        v_BKHS = jnp.concatenate([jax.lax.dynamic_slice(v_BKHS, (b, 0, 0, start_B[b]), (1, K, H, span))
+                                  for b in range(B)])
         at = jnp.clip(at - start_B[:, None, None], 0, span - 1)
     k_BKTWH = jax.vmap(lambda k_KSH, i_TW: k_KSH[:, i_TW])(k_BKSH, at)
     v_BKHTW = jax.vmap(lambda v_KHS, i_TW: v_KHS[:, :, i_TW])(v_BKHS, at)

@@ -191,6 +191,12 @@ class ModelConfig:
     # only (the scanned layers write once, after the scan; the setting is ignored there, as it is
     # by the CPU decode kernel, cpu_attention, which attends first).
     write_then_attend: bool = False
+    # with write-then-attend, blocks of up to 64 tokens sum each query's last T keys apart, in
+    # position order (`specjax.models.attention`, "Token trees in low precision"): a token tree's
+    # rows then compute what the steps compute, bit for bit. Set for runs that verify trees
+    # (`specjax.build` does); it reads a window of the cache per row, which the TPU compiler
+    # currently pays for with a copy of every cache buffer (experiments/aot/README.md).
+    ordered_tail: bool = False
     max_position: int = 8192
     arch: str = "llama"                   # the family (`specjax.models.families`): what the exporter writes
     # ---- family features (the defaults are Llama's; `specjax.models.families` sets them) ----

@@ -480,7 +480,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     if write_at is not None:
         # a verification block's or tree's last keys in position order (`AttentionSpec.ordered_tail`),
         # within 2 T - 1 slots after ``offset`` tentative entries of earlier calls
-        if T <= ORDERED_TAIL_MAX:
+        if c.ordered_tail and T <= ORDERED_TAIL_MAX:
             spec = dataclasses.replace(spec, ordered_tail=T, tail_span=2 * T - 1 + offset)
         # The barrier asks XLA to keep the written buffers one value that attention and the
         # returned cache share. XLA:CPU expands barriers early and still copies the buffers at
