@@ -49,7 +49,8 @@ BAD = [  # (body changes, the field the error must name)
     ({"seed": -3}, "seed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"logit_bias": {"1": 300}}, "logit_bias"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),       # not built: refused by name
     ({"model": "no-such-model"}, "model"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
 ]
