@@ -35,7 +35,10 @@ block, in depth order) gathered into a [W] axis in slot order, and all others, r
 them at). The maximum is taken over both, each part is summed on its own and the two sums are
 added. A tree node and the step at the same position then see the same keys in the same
 order in each part, so they compute the same bits; the step's own tail is its last W keys
-too. The tail's gather reads W keys and values per query, not the cache.
+too. The tails are read from one window of ``AttentionSpec.tail_span`` slots per row, not the
+whole cache; the TPU compiler still copies each cache buffer for that slice
+(experiments/aot/README.md, "Ordered tails"), so models turn it on only for runs that verify
+trees (`ModelConfig.ordered_tail`).
 
 Positions are slots (rows are right-padded; see `specjax.models._protocol`), so cache slot s
 holds position s. A sliding window of W keeps key positions j with ``i - W < j <= i`` for the
@@ -296,9 +299,7 @@ def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):
 
 def _cache_parts(q_BTQH, past, visible_BTS, spec: AttentionSpec):
     """The softmax's parts over the visible cache slots (what `kernels.cache_attention` returns
-    with ``partial``): acc [B, T, N, H], m and l [B, T, N], float32; m = NEG, l = 0 where none.
-    (The einsums keep the reference op's operand orders, which the TPU compiler reads the cache
-    in without a copy.)"""
+    with ``partial``): acc [B, T, N, H], m and l [B, T, N], float32; m = NEG, l = 0 where none."""
     B, T, N, H = q_BTQH.shape
     k_BKSH, v_BKHS, _ = past
     K = k_BKSH.shape[1]
@@ -324,9 +325,8 @@ def _with_tail(q_BTQH, past, slots_BTW, spec: AttentionSpec, acc_BTNH, m_BTN, l_
     at = jnp.maximum(slots_BTW, 0)
     span = spec.tail_span
     if 0 < span < S:
-        # one contiguous window per row holds every tail (slices, not a gather over the cache:
-        # the TPU compiler copies a cache buffer it gathers from after writing it)
-        # One slice per row (a batched slice is a gather, which the TPU compiler also copies for).
+        # one contiguous window per row holds every tail: a slice per row (a batched slice
+        # would be a gather over the whole cache)
         start_B = jnp.clip(jnp.min(jnp.where(slots_BTW >= 0, slots_BTW, S), axis=(1, 2)), 0, S - span)
         k_BKSH = jnp.concatenate([jax.lax.dynamic_slice(k_BKSH, (b, 0, start_B[b], 0), (1, K, span, H))
                                   for b in range(B)])
