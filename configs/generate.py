@@ -62,6 +62,11 @@ def get_config():
     c.temperature = 0.0
     c.top_k = 0
     c.top_p = 1.0
+    # Penalties (specjax.sampling, "Penalties"): repetition (1 = off; prompt and generated tokens),
+    # presence and frequency (0 = off; generated tokens), applied to the target and the draft.
+    c.repetition_penalty = 1.0
+    c.presence_penalty = 0.0
+    c.frequency_penalty = 0.0
     # max_new_tokens: checked before the model loads (at most build.MAX_NEW_TOKENS_LIMIT, and
     # below a local target's context length read from its header), then per prompt by the
     # engine: prompt tokens + max_new_tokens <= the target's context length (max_position).

@@ -29,7 +29,27 @@ calls where some row uses it (``lax.cond``). Shapes are static as usual. The fil
 come from a binary search (see `_filtered_logits`).
 
 Order of operations (same as the common HF convention): temperature, then top-k, then top-p,
-then softmax.
+then softmax. A per-row config adds, before the temperature, each row's logit bias and then
+its penalties, and min-p after top-p.
+
+Penalties
+---------
+A per-row config made with penalties (`SamplingConfig.rows`) changes a position's logits by the
+tokens before it. With ``seen`` the prompt's tokens and ``c(x)`` the count of ``x`` among the
+tokens generated before the position:
+
+* repetition ``r`` (CTRL, Keskar et al. 2019, arXiv:1909.05858; the Hugging Face convention): a
+  token in the prompt or generated gets ``l / r`` if its logit ``l > 0``, else ``l * r``;
+* frequency ``f`` and presence ``a`` (the OpenAI API's definition): ``l - f c(x) - a [c(x) > 0]``,
+  generated tokens only (the vLLM convention: the prompt does not count).
+
+So a position's distribution depends on the drafted tokens before it too. The history is
+counted from the committed tokens once per round (`SamplingConfig.with_history`) and moved along
+drafted tokens: one token at a time in a draft rollout (`SamplingConfig.advance`), along each
+tree path and each row of the verification block (`SamplingConfig.along`, `at_block`). Every
+position of the target's block is thus scored under the history a target-only decode would have
+at that position, which is what the verifiers' exactness needs; the draft uses the same rule on
+its own path, so q stays the distribution it sampled from.
 
 Temperature scaling is computed as ``(logits - max(logits)) / temperature``, which is the same
 distribution as ``logits / temperature`` (softmax is shift-invariant) but cannot overflow: the
@@ -56,6 +76,10 @@ __all__ = [
     "MAX_BIAS",
     "MAX_LOGIT_BIAS",
     "check_logit_bias",
+    "check_penalties",
+    "adjusted_logits",
+    "MAX_REPETITION",
+    "MAX_PRESENCE",
     "check_settings",
     "SamplingConfig",
     "probabilities",
@@ -73,6 +97,8 @@ Use ``temperature = 0`` for greedy decoding."""
 
 MAX_LOGIT_BIAS = 64      # (token id, value) pairs of a row's logit bias (a fixed shape: one program)
 MAX_BIAS = 100.0         # the largest |value| of a logit bias entry (as the OpenAI API)
+MAX_REPETITION = 100.0   # a repetition penalty is in [1 / MAX_REPETITION, MAX_REPETITION]
+MAX_PRESENCE = 2.0       # |presence| and |frequency| penalties at most this (as the OpenAI API)
 
 
 @struct.dataclass
@@ -91,9 +117,20 @@ class SamplingConfig:
     min_p: jax.Array | None = None
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    # configs with penalties only: repetition (1 = off), presence and frequency (0 = off), [B]
+    # (`rows`) or scalars (`make`); and the token history a position's penalties read, set per round
+    # by `with_history` and moved along drafted tokens by `advance` / `along`: ``counts``
+    # (int32 [B, ..., V], each token's count among the generated tokens before the position)
+    # and ``seen`` (bool [B, V], the prompt's tokens)
+    repetition: jax.Array | None = None
+    presence: jax.Array | None = None
+    frequency: jax.Array | None = None
+    counts: jax.Array | None = None
+    seen: jax.Array | None = None
 
     @classmethod
-    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingConfig":
+    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> "SamplingConfig":
         """Build a config from Python numbers; the static flags follow from the values.
 
         ``greedy`` iff ``temperature == 0``; ``use_top_k`` iff ``top_k > 0`` (and not greedy);
@@ -102,10 +139,16 @@ class SamplingConfig:
 
         ``ValueError`` unless ``temperature`` is 0 or a finite value ``>= MIN_TEMPERATURE`` (the
         smallest normal float32; see there), ``top_k >= 0`` and ``0 < top_p <= 1``.
+        Penalties other than off (`check_penalties`; greedy too: the argmax of the penalized
+        logits) make the config carry them as scalars (module docstring, "Penalties").
         """
         temperature, top_k, top_p = check_settings(temperature, top_k, top_p)
+        rep, pres, freq = check_penalties(repetition_penalty, presence_penalty, frequency_penalty)
+        extra = {} if (rep, pres, freq) == (1.0, 0.0, 0.0) else dict(
+            repetition=jnp.asarray(rep, jnp.float32), presence=jnp.asarray(pres, jnp.float32),
+            frequency=jnp.asarray(freq, jnp.float32))
         greedy = temperature == 0.0
-        return cls(
+        return cls(**extra,
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
             top_p=jnp.asarray(top_p, jnp.float32),
@@ -115,33 +158,108 @@ class SamplingConfig:
         )
 
     @classmethod
-    def rows(cls, temperature, top_k=None, top_p=None, min_p=None, logit_bias=None) -> "SamplingConfig":
+    def rows(cls, temperature, top_k=None, top_p=None, min_p=None, logit_bias=None, repetition_penalty=None,
+             presence_penalty=None, frequency_penalty=None) -> "SamplingConfig":
         """Per-row settings: one temperature (0 = greedy), top-k (0 = off), top-p (1 = off),
         min-p (0 = off) and logit bias (a dict token id -> value, at most `MAX_LOGIT_BIAS`
         entries; None or {} = none) per row of the batch, as sequences of equal length B (None:
         off for every row). The static flags do not depend on the values (module docstring),
         so any mix of the same B runs one compiled program. ``ValueError`` naming the row for a
-        value `check_settings` or `check_logit_bias` refuses."""
+        value `check_settings` or `check_logit_bias` refuses.
+
+        Penalties (module docstring, "Penalties"): repetition (1 = off), presence and frequency
+        (0 = off) per row. Given (any of the three not None), the config carries them for every
+        row, a second program (the token history is counted every round); None for all three:
+        the config has none (`check_penalties` says what is refused)."""
         temperature = list(np.ravel(np.asarray(temperature, dtype=object)))
         B = len(temperature)
         column = lambda x, off: [off] * B if x is None else list(np.ravel(np.asarray(x, dtype=object)))  # noqa: E731
         top_k, top_p, min_p = column(top_k, 0), column(top_p, 1.0), column(min_p, 0.0)
+        penalized = not (repetition_penalty is None and presence_penalty is None and frequency_penalty is None)
+        rep, pres, freq = column(repetition_penalty, 1.0), column(presence_penalty, 0.0), column(frequency_penalty, 0.0)
         logit_bias = [None] * B if logit_bias is None else list(logit_bias)
-        if B == 0 or not len(top_k) == len(top_p) == len(min_p) == len(logit_bias) == B:
-            raise ValueError(f"rows: one temperature, top_k, top_p, min_p and logit_bias per row, got {B}, "
-                             f"{len(top_k)}, {len(top_p)}, {len(min_p)} and {len(logit_bias)} values")
+        if B == 0 or not len(top_k) == len(top_p) == len(min_p) == len(logit_bias) == len(rep) == len(pres) \
+                == len(freq) == B:
+            raise ValueError(f"rows: one temperature, top_k, top_p, min_p, logit_bias and penalty per row, got {B}, "
+                             f"{len(top_k)}, {len(top_p)}, {len(min_p)}, {len(logit_bias)} and "
+                             f"{len(rep)}/{len(pres)}/{len(freq)} values")
         checked, ids, values = [], np.zeros((B, MAX_LOGIT_BIAS), np.int32), np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        penalties = []
         for i, row in enumerate(zip(temperature, top_k, top_p, min_p)):
             try:
                 checked.append(check_settings(*row))
                 bias = check_logit_bias(logit_bias[i])
+                penalties.append(check_penalties(rep[i], pres[i], freq[i]))
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}") from None
             ids[i, :len(bias)], values[i, :len(bias)] = list(bias), list(bias.values())
         t, k, p, m = zip(*checked)
+        extra = {}
+        if penalized:
+            r, pr, fr = (jnp.asarray(x, jnp.float32) for x in zip(*penalties))
+            extra = dict(repetition=r, presence=pr, frequency=fr)
         return cls(temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
                    top_p=jnp.asarray(p, jnp.float32), greedy=False, use_top_k=True, use_top_p=True, per_row=True,
-                   min_p=jnp.asarray(m, jnp.float32), bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values))
+                   min_p=jnp.asarray(m, jnp.float32), bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values),
+                   **extra)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the config has penalties (static: part of the pytree's structure)."""
+        return self.repetition is not None
+
+    def with_history(self, tokens_BS: jax.Array, prompt_lengths_B: jax.Array, lengths_B: jax.Array, vocab: int):
+        """The config at the position after each row's committed tokens (a vocabulary of
+        ``vocab``): ``seen`` the prompt's tokens (slots < prompt length), ``counts`` each token's
+        count among the generated ones (slots in [prompt length, length)). No-op without
+        penalties."""
+        if not self.penalized:
+            return self
+        B, S = tokens_BS.shape
+        V = vocab
+        slot_S = jnp.arange(S)[None]
+        generated_BS = (slot_S >= prompt_lengths_B[:, None]) & (slot_S < lengths_B[:, None])
+        prompt_BS = slot_S < prompt_lengths_B[:, None]
+        rows_BS = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
+        tok_BS = jnp.clip(tokens_BS, 0, V - 1)
+        counts = jnp.zeros((B, V), jnp.int32).at[rows_BS, tok_BS].add(generated_BS.astype(jnp.int32))
+        seen = jnp.zeros((B, V), jnp.int32).at[rows_BS, tok_BS].add(prompt_BS.astype(jnp.int32)) > 0
+        return self.replace(counts=counts, seen=seen)
+
+    def advance(self, tokens_B: jax.Array, valid_B: jax.Array | None = None):
+        """The config one generated token further (``counts`` [B, V] plus each row's token; a row
+        with ``valid_B`` False unchanged). No-op without a history."""
+        if self.counts is None:
+            return self
+        B = tokens_B.shape[0]
+        add_B = jnp.ones((B,), jnp.int32) if valid_B is None else valid_B.astype(jnp.int32)
+        return self.replace(counts=self.counts.at[jnp.arange(B), tokens_B].add(add_B, mode="drop"))
+
+    def along(self, tokens_BX: jax.Array, visible_BYX: jax.Array):
+        """The config at Y positions at once: position y after the drafted tokens ``tokens_BX``
+        that ``visible_BYX`` marks (its path: earlier chain tokens, or a tree node's ancestors and
+        itself) -> ``counts`` [B, Y, V]. No-op without a history."""
+        if self.counts is None:
+            return self
+        B, X = tokens_BX.shape
+        Y = visible_BYX.shape[-2]
+        visible_BYX = jnp.broadcast_to(visible_BYX, (B, Y, X))
+        b = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, Y, X))
+        y = jnp.broadcast_to(jnp.arange(Y)[None, :, None], (B, Y, X))
+        tok = jnp.broadcast_to(tokens_BX[:, None, :], (B, Y, X))
+        base = jnp.broadcast_to(self.counts[:, None, :], (B, Y, self.counts.shape[-1]))
+        return self.replace(counts=base.at[b, y, tok].add(visible_BYX.astype(jnp.int32), mode="drop"))
+
+    def at_block(self, tokens_BX: jax.Array, visible_BTT: jax.Array | None = None):
+        """The config at each row of a verification block ``[root, tokens_BX]`` (T = X + 1):
+        row t after the drafted tokens on its path, a chain's first t (``visible_BTT`` None) or
+        a tree's (`trees.ancestor_mask`: row t's ancestors and itself; column 0 the root)."""
+        if self.counts is None:
+            return self
+        X = tokens_BX.shape[1]
+        if visible_BTT is None:
+            visible_BTT = jnp.tril(jnp.ones((X + 1, X + 1), bool))[None]
+        return self.along(tokens_BX, visible_BTT[..., 1:])
 
     @classmethod
     def greedy_config(cls) -> "SamplingConfig":
@@ -218,6 +336,52 @@ def check_logit_bias(bias) -> dict[int, float]:
     return out
 
 
+def check_penalties(repetition=1.0, presence=0.0, frequency=0.0) -> tuple[float, float, float]:
+    """(repetition, presence, frequency) penalties as Python floats, or ``ValueError`` naming the
+    bad one: repetition in [1 / `MAX_REPETITION`, `MAX_REPETITION`] (1 = off; 0 or a negative
+    value is refused), presence and frequency in [-`MAX_PRESENCE`, `MAX_PRESENCE`] (0 = off)."""
+    out = []
+    for name, value, lo, hi in (("repetition_penalty", repetition, 1.0 / MAX_REPETITION, MAX_REPETITION),
+                                ("presence_penalty", presence, -MAX_PRESENCE, MAX_PRESENCE),
+                                ("frequency_penalty", frequency, -MAX_PRESENCE, MAX_PRESENCE)):
+        try:
+            ok = not isinstance(value, bool) and lo <= float(value) <= hi
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {str(value)[:40]}")
+        out.append(float(value))
+    return tuple(out)
+
+
+def _penalized(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
+    """``x`` (float32 [B, ..., V], or over a support's ids [U]) with each row's penalties at its
+    position's history (module docstring, "Penalties"); unchanged without a history."""
+    if cfg.counts is None:
+        return x
+    counts, seen = cfg.counts, cfg.seen
+    if counts.ndim < x.ndim:        # one history for every position: [B, V] -> [B, 1, .., V]
+        counts = counts.reshape(counts.shape[:1] + (1,) * (x.ndim - counts.ndim) + counts.shape[1:])
+    seen = seen.reshape(seen.shape[:1] + (1,) * (x.ndim - 2) + seen.shape[-1:])
+    if ids is not None:
+        counts, seen = jnp.take(counts, ids, axis=-1), jnp.take(seen, ids, axis=-1)
+    rep, pres, freq = (_per_row(v, x) for v in (cfg.repetition, cfg.presence, cfg.frequency))
+    out_in = counts > 0
+    x = jnp.where(seen | out_in, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - freq * counts.astype(jnp.float32) - jnp.where(out_in, pres, 0.0)
+
+
+def _adjusted(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
+    """float32 logits with the logit bias, then the penalties."""
+    return _penalized(_biased(x.astype(jnp.float32), cfg, ids), cfg, ids)
+
+
+def adjusted_logits(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
+    """The logits (float32) with each row's logit bias and penalties, before the temperature
+    and the filters (what a greedy row's argmax reads; a tree's ranking under greedy decoding)."""
+    return _adjusted(logits_V, cfg, ids)
+
+
 def _biased(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
     """``x`` (float32 [B, ..., V]; over a support: [B, ..., U] with its token ids ``ids`` [U])
     plus each row's logit bias (none in a config without one)."""
@@ -283,7 +447,7 @@ def _filtered_logits(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.
       is summed in vocabulary order rather than sorted order, so only a mass within float
       rounding of ``top_p`` can decide differently (identically on both sides).
     """
-    x = _biased(logits_V.astype(jnp.float32), cfg, ids)
+    x = _adjusted(logits_V, cfg, ids)
     # The shift is a constant for softmax/log_softmax (no gradient needed through it).
     top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     temperature = _per_row(cfg.temperature, x)
@@ -340,18 +504,19 @@ def probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Arr
     """Sampling distribution (float32, same shape) of ``logits_...V`` under ``cfg``.
 
     Greedy: one-hot of the argmax (ties resolved to the lowest index, as ``jnp.argmax``).
-    Otherwise: ``softmax(filter((logits + bias) / temperature))`` with the top-k, top-p and
-    min-p filters as described in the module docstring. Any leading batch shape (a per-row
+    Otherwise: ``softmax(filter(penalize(logits + bias) / temperature))`` with the penalties,
+    top-k, top-p and min-p filters as described in the module docstring (a per-row greedy row:
+    one-hot of the argmax of ``penalize(logits + bias)``). Any leading batch shape (a per-row
     config: the batch first). ``ids``: the logits are over a support of these token ids (a
     reduced-vocabulary draft), which places a per-row logit bias.
     """
     if cfg.greedy:
         vocab = logits_V.shape[-1]
-        return jax.nn.one_hot(argmax(logits_V), vocab, dtype=jnp.float32)
+        return jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids) if cfg.penalized else logits_V), vocab,
+                              dtype=jnp.float32)
     probs = jax.nn.softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jax.nn.one_hot(argmax(_biased(logits_V.astype(jnp.float32), cfg, ids)), logits_V.shape[-1],
-                                dtype=jnp.float32)
+        greedy = jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids)), logits_V.shape[-1], dtype=jnp.float32)
         probs = jnp.where(_per_row(cfg.temperature, probs) == 0, greedy, probs)
     return probs
 
@@ -362,7 +527,7 @@ def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax
         return jnp.log(probabilities(logits_V, cfg))
     logp = jax.nn.log_softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jnp.log(jax.nn.one_hot(argmax(_biased(logits_V.astype(jnp.float32), cfg, ids)), logits_V.shape[-1],
+        greedy = jnp.log(jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids)), logits_V.shape[-1],
                                         dtype=jnp.float32))
         logp = jnp.where(_per_row(cfg.temperature, logp) == 0, greedy, logp)
     return logp

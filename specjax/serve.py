@@ -65,7 +65,9 @@ def build_server(job: ServeJob):
     live.warmup()
     live.start()
     name = job.model_name or s.target
-    sampling_settings = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    sampling_settings = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                         "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+                         "frequency_penalty": s.frequency_penalty}
     return live, serving.make_app(live, gen.tokenizer, name, sampling_settings), name
 
 

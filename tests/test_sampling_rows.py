@@ -120,7 +120,7 @@ def test_rows_refuse_bad_values_naming_the_row():
         sampling.SamplingConfig.rows([1.0], [1.5], [1.0])
     with pytest.raises(ValueError, match="row 2: top_p"):
         sampling.SamplingConfig.rows([1.0] * 3, [0] * 3, [1.0, 0.5, 0.0])
-    with pytest.raises(ValueError, match="one temperature, top_k, top_p, min_p and logit_bias per row"):
+    with pytest.raises(ValueError, match="one temperature, top_k, top_p, min_p, logit_bias and penalty per row"):
         sampling.SamplingConfig.rows([1.0, 1.0], [0], [1.0, 1.0])
     with pytest.raises(ValueError, match="row 1: min_p must be in"):
         sampling.SamplingConfig.rows([1.0, 1.0], None, None, [0.0, 1.5])

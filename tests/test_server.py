@@ -5,7 +5,8 @@ One server for the module (configs/serve.py: the default hybrid drafter, greedy;
 max_new_tokens 24), run by uvicorn in a thread. Greedy answers equal `specjax generate`'s path
 for the same chat prompt (`generate.stream_tokens` on the same engine and cache capacity),
 streamed and not; concurrent requests each get their own answer; sampled requests with their
-own settings and seeds run beside greedy ones (issue 56, part 2); stop sequences end the text
+own settings and seeds run beside greedy ones (issue 56, part 2), and so do penalized ones (part
+3); stop sequences end the text
 before them; a client that disconnects mid-stream frees its slot; bad requests get one JSON
 error each (the field named) and the server goes on serving; a full queue answers 429.
 """
@@ -61,14 +62,14 @@ def server():
     live.stop(5)
 
 
-def _reference(server, prompt: str) -> tuple[list[int], str]:
+def _reference(server, prompt: str, sampling=None) -> tuple[list[int], str]:
     """`specjax generate`'s tokens for this chat prompt (its own streaming path), on the server's
-    engine and cache capacity, decoded as the server decodes them."""
+    engine and cache capacity, decoded as the server decodes them (``sampling``: the run's)."""
     gen, live = server["gen"], server["live"]
     ids = gen.encode(prompt)
     batch = decoding.make_batch([ids], gen.config, jax.random.key(0), pad_multiple=gen.pad_multiple,
                                 capacity=live.capacity)
-    tokens, _, _ = generate.stream_tokens(gen, batch, build.sampling_config(server["job"].run))
+    tokens, _, _ = generate.stream_tokens(gen, batch, sampling or build.sampling_config(server["job"].run))
     return tokens, gen.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
@@ -158,6 +159,21 @@ def test_logit_bias_and_min_p_apply_to_their_request(server):
     assert top.result().choices[0].message.content == text and plain.result().choices[0].message.content == text
 
 
+def test_penalties_apply_to_their_request(server):
+    """Greedy requests with penalties, beside a plain greedy one: each answer is `specjax
+    generate`'s for its own settings (the penalized reference decodes with the same penalties
+    through `SamplingConfig.make`), and the penalties change the text."""
+    from specjax import sampling
+    kw = dict(frequency_penalty=0.8, presence_penalty=0.4)
+    want = _reference(server, PROMPTS[2], sampling.SamplingConfig.make(0.0, repetition_penalty=1.3, **kw))[1]
+    plain = _reference(server, PROMPTS[2])[1]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = pool.submit(lambda: _chat(server, PROMPTS[2], extra_body={"repetition_penalty": 1.3}, **kw))
+        other = pool.submit(lambda: _chat(server, PROMPTS[2]))
+    assert got.result().choices[0].message.content == want and want != plain
+    assert other.result().choices[0].message.content == plain
+
+
 def test_stop_sequences_end_the_text_before_them(server):
     tokens, text = _reference(server, PROMPTS[0])
     words = text.split()
@@ -185,7 +201,10 @@ def test_stop_sequences_end_the_text_before_them(server):
     ({"stop": 7, "messages": [{"role": "user", "content": "hi"}]}, 400, "stop"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ({"max_tokens": MAX_NEW + 1, "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ({"frequency_penalty": 0.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "frequency_penalty"),
+    ({"logprobs": True, "messages": [{"role": "user", "content": "hi"}]}, 400, "logprobs"),
+    ({"repetition_penalty": -1.2, "messages": [{"role": "user", "content": "hi"}]}, 400, "repetition_penalty"),
+    ({"presence_penalty": 2.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "presence_penalty"),
+    ({"frequency_penalty": "high", "messages": [{"role": "user", "content": "hi"}]}, 400, "frequency_penalty"),
     ({"logit_bias": {"99999999": 1}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"logit_bias": {"5": 300}, "messages": [{"role": "user", "content": "hi"}]}, 400, "logit_bias"),
     ({"min_p": 1.5, "messages": [{"role": "user", "content": "hi"}]}, 400, "min_p"),
@@ -195,7 +214,8 @@ def test_stop_sequences_end_the_text_before_them(server):
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
 ], ids=["unknown_model", "negative_temperature", "top_p_zero", "top_k_not_integer", "negative_seed",
-        "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field", "bias_outside_vocab",
+        "five_stops", "stop_too_long", "stop_not_text", "zero_tokens", "too_many_tokens", "unsupported_field",
+        "negative_repetition_penalty", "presence_penalty_above_two", "frequency_penalty_not_number", "bias_outside_vocab",
         "bias_too_large", "min_p_above_one", "huge_seed", "bias_twice",
         "no_messages", "bad_role", "prompt_too_long"])
 def test_bad_requests_get_one_json_error_each(server, body, status, param):

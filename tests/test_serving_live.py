@@ -149,3 +149,27 @@ def test_sampled_and_greedy_requests_share_a_batch(setup):
     assert plain.tokens == _alone(setup, [9, 9, 2])
     assert stopped.done["finish_reason"] == "stop" and stopped.done["status"] == "stop_sequence"
     assert 3 <= len(stopped.tokens) < MAX_NEW and stopped.tokens == plain.tokens[:len(stopped.tokens)]
+
+
+def test_a_penalized_request_beside_a_plain_one(setup):
+    """A seeded sampled request with penalties beside a greedy one (the round runs the per-row
+    program with penalties): each gets what it gets decoded alone."""
+    engine, params, greedy, capacity = setup
+    live = serving.LiveScheduler(engine, params, greedy, slots=2, capacity=capacity, key=jax.random.key(0))
+    live.start()
+    prompt, settings, seed = [5, 17, 3, 40], (0.9, 0, 1.0, 0.0, None, 1.4, 0.5, 0.7), 78
+    penalized, plain = Collector(), Collector()
+    live.submit(prompt, MAX_NEW, penalized, settings=settings, seed=seed)
+    live.submit([9, 9, 2], MAX_NEW, plain)
+    for c in (penalized, plain):
+        assert c.event.wait(120)
+    live.stop(5)
+    batch = decoding.make_batch([prompt], engine.config, jax.random.key(seed), request_ids=[0], pad_multiple=64,
+                                capacity=capacity)
+    t, k, p, m, bias, rep, pres, freq = ([x] for x in settings)
+    out = engine.run(params, sampling.SamplingConfig.rows(t, k, p, m, bias, rep, pres, freq), batch)
+    n = int(np.asarray(out.lengths_B)[0]) - len(prompt)
+    assert penalized.tokens == [int(x) for x in np.asarray(out.tokens_BS)[0, len(prompt):len(prompt) + n]]
+    assert plain.tokens == _alone(setup, [9, 9, 2])
+    with pytest.raises(ValueError, match="repetition_penalty must be a number in"):
+        live.submit(prompt, 2, Collector(), settings=(1.0, 0, 1.0, 0.0, None, -1.0, 0.0, 0.0))

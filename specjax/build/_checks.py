@@ -41,7 +41,7 @@ def check_generation_settings(c: GenerateSettings) -> None:
     (a bad ``gamma`` is an error with ``adaptive_gamma`` on, a bad ``adaptive_gammas`` with it
     off, a bad ``tree`` with ``drafter='none'``...): ``max_new_tokens``, ``gamma``,
     ``adaptive_gammas``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
-    ``tree_children``, ``temperature``, ``top_k``, ``top_p``. Raises one ``ValueError`` that
+    ``tree_children``, ``temperature``, ``top_k``, ``top_p`` and the three penalties. Raises one ``ValueError`` that
     starts with ``setting=value``."""
     if not isinstance(c, GenerateSettings):
         raise not_settings("check_generation_settings", c)
@@ -91,15 +91,17 @@ def check_generation_settings(c: GenerateSettings) -> None:
     if not isinstance(c.block_tokens, int) or isinstance(c.block_tokens, bool) or c.block_tokens < -1:
         raise ValueError(f"block_tokens={c.block_tokens!r}: expected 0 (each target pass its own size), -1 (the "
                          f"largest block the drafter drafts) or a number of tokens >= that block")
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"{name}={value!r}: expected a number")
     _int_setting("top_k", c.top_k, 0)
     try:
-        sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+        sampling.SamplingConfig.make(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                                     repetition_penalty=c.repetition_penalty, presence_penalty=c.presence_penalty,
+                                     frequency_penalty=c.frequency_penalty)
     except ValueError as e:
-        name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
+        name = str(e).split(" ")[0]          # the messages begin with the setting's name
         raise ValueError(f"{name}={getattr(c, name)!r}: {e}") from None
 
 

@@ -45,6 +45,9 @@ class GenerateSettings(Settings):
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_new_tokens: int = 128
     block_tokens: int = 0                   # tokens every target pass scores (`decoding.GenerationConfig`)
     strict_precision: bool = False          # XLA rounds every bf16 result as written (`build.strict_precision`)
@@ -134,9 +137,11 @@ def sampling_config(s: GenerateSettings) -> sampling.SamplingConfig:
     if not isinstance(s, GenerateSettings):
         raise not_settings("sampling_config", s)
     try:
-        return sampling.SamplingConfig.make(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        return sampling.SamplingConfig.make(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                            repetition_penalty=s.repetition_penalty,
+                                            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
     except ValueError as e:
-        name = "temperature" if "temperature" in str(e) else "top_p" if "top_p" in str(e) else "top_k"
+        name = str(e).split(" ")[0]          # the messages begin with the setting's name
         raise ValueError(f"{name}={getattr(s, name)!r}: {e}") from None
 
 

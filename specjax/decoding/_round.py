@@ -91,6 +91,9 @@ class RoundPipeline:
         Commit, tested_sum_B, tested_n_B): per row, the sum and count of the tested acceptances
         (`_finish`)."""
         strategy = round_strategy(proposal)
+        # Penalties read each position's token history (`specjax.sampling`, "Penalties").
+        sampling = sampling.with_history(state.tokens_BS, state.prompt_lengths_B, state.lengths_B,
+                                         self.target.vocab_size)
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
         draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
         prop = strategy.propose(self, params, sampling, state, draft_key_B)
@@ -98,7 +101,8 @@ class RoundPipeline:
         last_B = jnp.take_along_axis(state.tokens_BS, (L_B - 1)[:, None], axis=1)[:, 0]
         block_BT = jnp.concatenate([last_B[:, None], prop.tokens_BX], axis=1)
         logits_BTV, f_BTF, target_cache = self.score(params, block_BT, state.target_cache, prop.layout)
-        p_BTV = sampling_lib.probabilities(logits_BTV, sampling)
+        at_block = sampling.at_block(prop.tokens_BX, None if prop.layout is None else prop.layout.visible_BTW)
+        p_BTV = sampling_lib.probabilities(logits_BTV, at_block)
         p_BTV, q_BXV, bad_p_BT, bad_q_B = self._sanitize(logits_BTV, p_BTV, prop, strategy.spreads_bad_p)
         verdict = self._verify(strategy, prop, sampling, verify_key_B, q_BXV, p_BTV, bad_q_B)
 

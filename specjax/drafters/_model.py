@@ -82,12 +82,14 @@ def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
     tok_B, q_BV = draw_support(step_keys_BG[:, 0], logits_BV, ids, cfg, vocab)
 
     def step(carry, key_B):
-        cache, tok_B = carry
+        cache, tok_B, cfg = carry
+        cfg = cfg.advance(tok_B)          # penalties: the drafted tokens join the history
         scores_B1U, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
         nxt_B, q_BV = draw_support(key_B, scores_B1U[:, 0], step_ids, cfg, vocab)
-        return (cache, nxt_B), (nxt_B, q_BV)
+        return (cache, nxt_B, cfg), (nxt_B, q_BV)
 
-    (cache, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B), jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
+    (cache, _, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B, cfg),
+                                                    jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
     tokens_BG = jnp.concatenate([tok_B[:, None], jnp.swapaxes(toks_GB, 0, 1)], axis=1)
     q_BGV = jnp.concatenate([q_BV[:, None], jnp.swapaxes(qs_GBV, 0, 1)], axis=1)
     return tokens_BG, q_BGV, cache

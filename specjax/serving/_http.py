@@ -13,7 +13,9 @@ full, 503 while shutting down. A client that disconnects has its request cancell
 is free at the next round.
 
 Sampling per request: ``temperature``, ``top_p``, ``top_k`` and ``min_p`` (extensions of the
-OpenAI API), ``logit_bias`` (token id -> value in [-100, 100], at most 64) and ``seed`` apply to
+OpenAI API), ``logit_bias`` (token id -> value in [-100, 100], at most 64), ``presence_penalty``
+and ``frequency_penalty`` (in [-2, 2], generated tokens), ``repetition_penalty`` (an extension,
+in [0.01, 100], prompt and generated tokens; `specjax.sampling`, "Penalties") and ``seed`` apply to
 that request alone (`LiveScheduler`: one batch, each row its own
 settings; omitted: the server's ``--config.temperature`` etc.); a value the sampler refuses is a
 400 naming the field. ``stop``: a string or up to `MAX_STOPS` strings of at most
@@ -35,7 +37,8 @@ from specjax.serving._live import MAX_SEED, LiveScheduler, QueueFull, Stopped
 # The request fields each route reads; any other field is refused by name (a 400), so a client
 # never believes a setting took effect that did not.
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature", "top_p",
-           "top_k", "min_p", "logit_bias", "n", "user", "seed", "stop"}
+           "top_k", "min_p", "logit_bias", "n", "user", "seed", "stop", "repetition_penalty", "presence_penalty",
+           "frequency_penalty"}
 MAX_STOPS = 4               # stop sequences per request (as the OpenAI API)
 MAX_STOP_CHARS = 256        # characters per stop sequence
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -120,11 +123,12 @@ class Api:
         return body
 
     def sampling(self, body: dict) -> dict:
-        """The request's own sampling: ``settings`` (temperature, top_k, top_p, min_p, logit bias;
-        the server's where absent, none for the last two), ``seed`` and ``stop`` (strings); a 400
-        naming the bad field."""
+        """The request's own sampling: ``settings`` (temperature, top_k, top_p, min_p, logit bias,
+        repetition, presence and frequency penalties; the server's where absent, none for the
+        rest), ``seed`` and ``stop`` (strings); a 400 naming the bad field."""
         values = {name: _number(body, name, kind) for name, kind in
-                  (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int))}
+                  (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float), ("seed", int),
+                   ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float))}
         default = dict(self.sampling_settings, min_p=0.0)
         settings = tuple(default[n] if values[n] is None else values[n]
                          for n in ("temperature", "top_k", "top_p", "min_p"))
@@ -142,6 +146,12 @@ class Api:
             raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
                            "logit_bias")
         settings += (bias,)
+        penalties = tuple(self.sampling_settings.get(n, off) if values[n] is None else values[n] for n, off in
+                          (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)))
+        try:
+            settings += sampling_lib.check_penalties(*penalties)
+        except ValueError as e:            # its message begins with the field's name
+            raise ApiError(400, str(e), str(e).split(" ")[0]) from None
         seed = values["seed"]
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")

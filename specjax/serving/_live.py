@@ -9,11 +9,13 @@ the next round (its row is marked done; a later request refills it). A request's
 ``max_tokens`` (at most the engine's ``max_new_tokens``) and its ``stop`` test (stop sequences,
 checked after each round on its tokens) end it host-side, the same way.
 
-Sampling per request: a request may bring its own temperature, top-k, top-p, min-p and logit
-bias (``settings``; default the scheduler's) and ``seed``. A round where every busy row is
-greedy without a logit bias runs the greedy program (`SamplingConfig.greedy_config`); any other round runs the per-row program
-(`SamplingConfig.rows`, each slot its occupant's settings): two compiled programs for every mix
-(`warmup` compiles both). A greedy row gets the same tokens from either; with token trees it
+Sampling per request: a request may bring its own temperature, top-k, top-p, min-p, logit
+bias and repetition / presence / frequency penalties (``settings``; default the scheduler's) and
+``seed``. A round where every busy row is greedy without a logit bias or a penalty runs the
+greedy program (`SamplingConfig.greedy_config`); a round where some busy row has a penalty runs
+the per-row program with penalties (it counts each row's token history every round); any other
+round runs the per-row program (`SamplingConfig.rows`, each slot its occupant's settings): three
+compiled programs for every mix (`warmup` compiles them). A greedy row gets the same tokens from either; with token trees it
 drafts less well in a per-row round (its one-hot q gives each node one child worth verifying).
 
 What a request gets is what it would get decoded alone, as with `Scheduler`: its key is
@@ -68,7 +70,8 @@ class Ticket:
     slot: int | None = None
     admitted: float | None = None
     first: float | None = None
-    settings: tuple = (0.0, 0, 1.0, 0.0, ())    # temperature, top_k, top_p, min_p, logit bias (id, value) pairs
+    # temperature, top_k, top_p, min_p, logit bias (id, value) pairs, repetition, presence, frequency
+    settings: tuple = (0.0, 0, 1.0, 0.0, (), 1.0, 0.0, 0.0)
     seed: int | None = None
     stop: Callable[[list], bool] | None = None             # True once the tokens hold a stop sequence
     stopped: bool = False
@@ -82,18 +85,27 @@ def _settings_of(sampling) -> tuple:
     """A scalar `SamplingConfig` as a request's settings (no min-p, no logit bias)."""
     if sampling.per_row:
         raise ValueError("the scheduler's default sampling must be one setting (SamplingConfig.make)")
-    return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), 0.0, ()
+    penalties = (1.0, 0.0, 0.0) if not sampling.penalized else tuple(
+        float(x) for x in (sampling.repetition, sampling.presence, sampling.frequency))
+    return (float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), 0.0, ()) + penalties
+
+
+def _penalized(settings: tuple) -> bool:
+    return settings[5:] != (1.0, 0.0, 0.0)
 
 
 def check_request_settings(settings) -> tuple:
-    """(temperature, top_k, top_p[, min_p[, logit_bias]]) checked (`sampling.check_settings`,
-    `sampling.check_logit_bias`) as a hashable 5-tuple; ValueError naming the bad one."""
+    """(temperature, top_k, top_p[, min_p[, logit_bias[, repetition, presence, frequency]]])
+    checked (`sampling.check_settings`, `sampling.check_logit_bias`, `sampling.check_penalties`)
+    as a hashable 8-tuple; ValueError naming the bad one."""
     settings = tuple(settings)
-    if not 3 <= len(settings) <= 5:
-        raise ValueError(f"settings are (temperature, top_k, top_p[, min_p[, logit_bias]]), got {settings!r}")
+    if not (3 <= len(settings) <= 5 or len(settings) == 8):
+        raise ValueError("settings are (temperature, top_k, top_p[, min_p[, logit_bias[, repetition, presence, "
+                         f"frequency]]]), got {settings!r}")
     t, k, p, m = sampling_lib.check_settings(*settings[:3], settings[3] if len(settings) > 3 else 0.0)
     bias = sampling_lib.check_logit_bias(dict(settings[4]) if len(settings) > 4 and settings[4] else None)
-    return t, k, p, m, tuple(sorted(bias.items()))
+    penalties = sampling_lib.check_penalties(*settings[5:8])
+    return (t, k, p, m, tuple(sorted(bias.items()))) + penalties
 
 
 class LiveScheduler:
@@ -146,8 +158,9 @@ class LiveScheduler:
                stop: Callable[[list], bool] | None = None) -> Ticket:
         """Queue a request; `QueueFull` when ``max_queue`` wait already, `Stopped` while draining.
         ValueError when the prompt and ``max_tokens`` do not fit (`room`), or naming a bad
-        sampling setting (``settings``: (temperature, top_k, top_p[, min_p[, logit_bias]]), the
-        bias a dict token id -> value; None: the scheduler's) or seed (an integer in
+        sampling setting (``settings``: (temperature, top_k, top_p[, min_p[, logit_bias[,
+        repetition, presence, frequency]]]), the bias a dict token id -> value; None: the
+        scheduler's) or seed (an integer in
         [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop")."""
         prompt = tuple(decoding.token_ids(prompt, "prompt"))
         if not prompt:
@@ -196,26 +209,33 @@ class LiveScheduler:
     # ------------------------------------------------------------------ the engine thread
 
     def warmup(self, widths: Sequence[int] = (1,)) -> None:
-        """Compile the refill for prompts of these lengths' padded widths and a round of both
-        programs (greedy and per-row), on a throw-away state (so no request waits for compilation)."""
+        """Compile the refill for prompts of these lengths' padded widths and a round of the three
+        programs (greedy, per-row, per-row with penalties), on a throw-away state (so no request
+        waits for compilation)."""
         state = self.engine.empty_state(self.params, self.slots, self.capacity, key=self.key)
         for n in widths:
             state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
         state = jax.block_until_ready(self.engine.step(self.params, self._greedy, state)[0])
         state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * widths[0], 1, None, 0.0)))
         rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots)
+        state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])       # the state is donated
+        rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots, repetition_penalty=[1.0] * self.slots)
         jax.block_until_ready(self.engine.step(self.params, rows, state)[0])
 
     def _sampling_for(self, busy: Sequence[int]):
-        """The round's sampling: greedy when every busy row is, else each slot's settings per row
-        (free slots the default's; rebuilt only when the slots' settings change)."""
+        """The round's sampling: greedy when every busy row is (no bias, no penalty), else each
+        slot's settings per row (free slots the default's), with penalties when a busy row has one
+        (rebuilt only when the slots' settings change)."""
         occupants = [self._occupant[s] for s in busy]
-        if all(t.settings[0] == 0.0 and not t.settings[4] for t in occupants):
+        if all(t.settings[0] == 0.0 and not t.settings[4] and not _penalized(t.settings) for t in occupants):
             return self._greedy
         settings = tuple(o.settings if o is not None else self.default_settings for o in self._occupant)
-        if self._rows_cache is None or self._rows_cache[0] != settings:
-            t, k, p, m, bias = zip(*settings)
-            self._rows_cache = (settings, sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias]))
+        penalized = any(_penalized(t.settings) for t in occupants)
+        if self._rows_cache is None or self._rows_cache[0] != (settings, penalized):
+            t, k, p, m, bias, rep, pres, freq = zip(*settings)
+            extra = dict(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq) if penalized else {}
+            self._rows_cache = ((settings, penalized),
+                                sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias], **extra))
         return self._rows_cache[1]
 
     def start(self) -> None:
