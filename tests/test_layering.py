@@ -26,7 +26,7 @@ PACKAGE = ROOT / "specjax"
 FLOORS = {
     "sampling": 0, "analysis": 0, "calibration": 0, "checkpoint": 0, "files": 0, "kernels": 0, "specbench": 0, "trees": 0,
     "reporting": 0, "settings": 0,
-    "distributed": 0,
+    "distributed": 0, "constraints": 0,
     "models": 1,
     "verify": 2, "drafters": 2, "sharding": 2,
     "decoding": 3,

@@ -3,8 +3,8 @@
 
 * `probabilities` with penalties against a NumPy transcription of the definitions (per-row and
   scalar configs, a support of token ids, greedy rows);
-* the token history: `with_history`, `advance`, `along` and `at_block` against counting by hand,
-  for a chain and a tree (`trees.ancestor_mask`);
+* the token history: `with_history`, `advance` and `at_block` (`at_paths`) against counting by
+  hand, for a chain and a tree;
 * end to end on the tabular toy pair (`_toy.TabularModel`, V = 3, prompt (2, 1), N = 6 new
   tokens): the exact law of the 6-token continuation under penalized target-only sampling is
   enumerated (729 sequences, each position's distribution from the NumPy penalties at its own
@@ -147,8 +147,7 @@ def test_history_along_a_chain_and_a_tree():
     # a tree: node 0 and 1 children of the root, node 2 child of node 0, node 3 child of node 2
     parents = jnp.asarray([[-1, -1, 0, 2]] * B, jnp.int32)
     nodes = jnp.asarray([[1, 3, 3, 5], [0, 2, 2, 2]], jnp.int32)
-    visible = trees.ancestor_mask(parents, jnp.ones((B, 4), bool), 3)
-    tree = np.asarray(cfg.at_block(nodes, visible).counts)
+    tree = np.asarray(cfg.at_block(nodes, parents).counts)
     paths = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [0, 2, 3]}          # block row -> nodes on its path
     for b in range(B):
         for t, path in paths.items():
@@ -246,7 +245,7 @@ def test_the_test_tells_a_penalty_apart(tables, generated):
 def test_a_block_scored_without_its_path_is_detected(tables, monkeypatch):
     """Negative control: a round that scores every block position at the committed history
     (the drafted tokens before a position left out of its penalties) fails the same test."""
-    monkeypatch.setattr(sampling.SamplingConfig, "at_block", lambda self, tokens_BX, visible_BTT=None: self)
+    monkeypatch.setattr(sampling.SamplingConfig, "at_block", lambda self, tokens_BX, parents_BX=None: self)
     rows = GROUP + 1            # a shape of its own: the broken round is traced, not a cached program
     params = decoding.EngineParams(target=tables[0], draft=tables[1])
     res = _generate(_engine(3), params, _rows([_settings(GROUPS[0])] * rows), [list(PROMPT)] * rows)

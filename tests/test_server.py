@@ -174,6 +174,41 @@ def test_penalties_apply_to_their_request(server):
     assert other.result().choices[0].message.content == plain
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_structured_output_with_speculation(server):
+    """A JSON-schema request (greedy, and sampled beside it) and a regex request, with the
+    server's default speculation on: the answers parse as JSON with the schema's fields and
+    types, or match the pattern; a schema or pattern the compiler refuses and json_object get
+    a 400 naming the field."""
+    import re
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    prompt = "Describe a fictional person as JSON with a name and an age."
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        greedy = pool.submit(lambda: _chat(server, prompt, response_format=fmt, max_tokens=MAX_NEW))
+        sampled = pool.submit(lambda: _chat(server, prompt, response_format=fmt, temperature=1.0, seed=3,
+                                            max_tokens=MAX_NEW))
+    for r in (greedy.result(), sampled.result()):
+        text = r.choices[0].message.content
+        assert r.usage.target_passes < r.usage.completion_tokens       # speculation committed > 1 token a pass
+        assert r.choices[0].finish_reason == "stop", (text, r.usage)
+        obj = json.loads(text)
+        assert list(obj) == ["name", "age"] and isinstance(obj["name"], str) and len(obj["name"]) <= 12, text
+        assert isinstance(obj["age"], int), text
+    r = _chat(server, "What is 7 times 8? Answer with digits.", extra_body={"regex": "[0-9]{1,3}( is the answer)?"})
+    assert re.fullmatch("[0-9]{1,3}( is the answer)?", r.choices[0].message.content), r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+                         "response_format"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"regex": "(unclosed"}, "regex")):
+        r = httpx.post(server["url"] + "/v1/chat/completions", timeout=60,
+                       json={"model": server["name"], "messages": [{"role": "user", "content": "hi"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_stop_sequences_end_the_text_before_them(server):
     tokens, text = _reference(server, PROMPTS[0])
     words = text.split()

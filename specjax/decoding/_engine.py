@@ -266,7 +266,8 @@ class Engine:
                          done_B=jnp.zeros((B,), bool), status_B=jnp.zeros((B,), jnp.int32), target_cache=cache,
                          draft_state=draft_state, key_B=key_B,
                          metrics=Metrics.zeros(B, self.config.max_gamma, len(self.config.gammas)),
-                         policy=policy, round=jnp.int32(0), features_BSF=features_BSF))
+                         policy=policy, round=jnp.int32(0), features_BSF=features_BSF,
+                         constraint_B=jnp.full((B,), -1, jnp.int32)))
 
     def _constrain(self, state):
         """The loop state pinned to the mesh (identity without one; `_state.constrain_state`)."""

@@ -91,9 +91,9 @@ class RoundPipeline:
         Commit, tested_sum_B, tested_n_B): per row, the sum and count of the tested acceptances
         (`_finish`)."""
         strategy = round_strategy(proposal)
-        # Penalties read each position's token history (`specjax.sampling`, "Penalties").
+        # Penalties and automata read each position's token history (`specjax.sampling`).
         sampling = sampling.with_history(state.tokens_BS, state.prompt_lengths_B, state.lengths_B,
-                                         self.target.vocab_size)
+                                         self.target.vocab_size, state.constraint_B)
         keys_B3 = jax.vmap(lambda k: jax.random.split(k, 3))(state.key_B)
         draft_key_B, verify_key_B, next_key_B = keys_B3[:, 0], keys_B3[:, 1], keys_B3[:, 2]
         prop = strategy.propose(self, params, sampling, state, draft_key_B)
@@ -101,7 +101,7 @@ class RoundPipeline:
         last_B = jnp.take_along_axis(state.tokens_BS, (L_B - 1)[:, None], axis=1)[:, 0]
         block_BT = jnp.concatenate([last_B[:, None], prop.tokens_BX], axis=1)
         logits_BTV, f_BTF, target_cache = self.score(params, block_BT, state.target_cache, prop.layout)
-        at_block = sampling.at_block(prop.tokens_BX, None if prop.layout is None else prop.layout.visible_BTW)
+        at_block = sampling.at_block(prop.tokens_BX, None if prop.layout is None else prop.draft.parents_BN)
         p_BTV = sampling_lib.probabilities(logits_BTV, at_block)
         p_BTV, q_BXV, bad_p_BT, bad_q_B = self._sanitize(logits_BTV, p_BTV, prop, strategy.spreads_bad_p)
         verdict = self._verify(strategy, prop, sampling, verify_key_B, q_BXV, p_BTV, bad_q_B)
@@ -117,9 +117,16 @@ class RoundPipeline:
         def commit_caches(n_commit_B, new_L_B):
             return strategy.commit_caches(self, prop, verdict, pos_BA1, target_cache, n_commit_B, new_L_B)
 
-        return self._finish(state, proposal, verdict, prop, bad_path_BA1=bad_path_BA1, bad_q_B=bad_q_B,
-                            scored=block_BT.shape[1], next_key_B=next_key_B, commit_caches=commit_caches,
-                            f_path_BA1F=_along(pos_BA1, f_BTF))
+        new_state, commit, tested_sum_B, tested_n_B = self._finish(
+            state, proposal, verdict, prop, bad_path_BA1=bad_path_BA1, bad_q_B=bad_q_B, scored=block_BT.shape[1],
+            next_key_B=next_key_B, commit_caches=commit_caches, f_path_BA1F=_along(pos_BA1, f_BTF))
+        if sampling.fsm_state is not None:
+            # each row's automaton state after what it committed (`specjax.sampling`, "Constraints")
+            def step(i, s_B):
+                return jnp.where(i < commit.n_B, sampling.fsm_step(s_B, commit.tokens_BC[:, i]), s_B)
+            s_B = jax.lax.fori_loop(0, commit.tokens_BC.shape[1], step, sampling.fsm_state)
+            new_state = new_state.replace(constraint_B=s_B)
+        return new_state, commit, tested_sum_B, tested_n_B
 
     def score(self, params, block_BT, cache, tree=None):
         """(logits, features or None, cache) of one target pass over a block; with a padded

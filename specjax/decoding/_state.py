@@ -103,6 +103,10 @@ class LoopState:
     # draft head (None otherwise): positions < lengths_B - 1 are valid, later ones garbage
     # (rolled back with the caches by the lengths alone).
     features_BSF: Any = None
+    # Each row's token-automaton state after its committed tokens (structured output,
+    # `specjax.sampling`, "Constraints"; -1: none yet). A row that has generated nothing reads
+    # its automaton's start instead, so a refilled row needs no reset.
+    constraint_B: Any = None
 
 
 @struct.dataclass

@@ -96,8 +96,9 @@ def expand_static(model, params, cache, root_logits_BV, key_B, shape: trees_lib.
         block = models.TreeBlock(rel_positions_BT=jnp.full((B, stop - start), d - 1, jnp.int32),
                           visible_BTW=jnp.broadcast_to(jnp.asarray(vis_TW), (B, stop - start, stop)))
         logits_BWV, cache = model.apply(params, tok_BW, cache, tree=block)
-        # Penalties: a node's children see the tokens on its path (its ancestors and itself).
-        q_BWV = ranking_probs(logits_BWV, sampling.along(jnp.stack(tokens, axis=1), jnp.asarray(vis_TW)[None]))
+        # Penalties, automata: a node's children see the tokens on its path (ancestors, itself).
+        q_BWV = ranking_probs(logits_BWV, sampling.at_paths(jnp.stack(tokens, axis=1), parents[:stop],
+                                                            np.arange(start, stop)))
         q_rows.extend(q_BWV[:, i] for i in range(stop - start))
     # Leaves have no children: their q rows are never read (zeros keep the shapes static).
     V = root_logits_BV.shape[-1]
@@ -138,7 +139,6 @@ def expand_dynamic(model, params, cache, root_logits_BV, spec: trees_lib.Dynamic
     front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], (B, k))
     front_tok, front_score = tok_Bk.astype(jnp.int32), score_Bk
     anc_BkW = jnp.zeros((B, k, 0), bool)                      # which forwarded slots each frontier node sees
-    path_BkD = tok_Bk.astype(jnp.int32)[:, :, None]          # each frontier node's path (penalties)
     P = k + (D - 1) * k * k
     slot_BO = jnp.full((B, P), -1, jnp.int32)
     q_BOV = jnp.zeros((B, P, V), jnp.float32)
@@ -147,8 +147,10 @@ def expand_dynamic(model, params, cache, root_logits_BV, spec: trees_lib.Dynamic
         vis_BkW = jnp.concatenate([anc_BkW, jnp.broadcast_to(jnp.eye(k, dtype=bool)[None], (B, k, k))], axis=2)
         block = models.TreeBlock(rel_positions_BT=jnp.full((B, k), d - 1, jnp.int32), visible_BTW=vis_BkW)
         logits_BkV, cache = model.apply(params, front_tok, cache, tree=block)
-        on_path_kX = jnp.repeat(jnp.eye(k, dtype=bool), d, axis=1)[None]      # node i's d path tokens
-        q_BkV = ranking_probs(logits_BkV, sampling.along(path_BkD.reshape(B, k * d), on_path_kX))
+        # penalties, automata: each frontier node's path in the pool so far
+        at_front = sampling.at_paths(jnp.concatenate(pool_tok, axis=1), jnp.concatenate(pool_parent, axis=1),
+                                     front_idx)
+        q_BkV = ranking_probs(logits_BkV, at_front)
         slot_BO = slot_BO.at[rows, front_idx].set((d - 1) * k + jnp.arange(k, dtype=jnp.int32)[None])
         q_BOV = q_BOV.at[rows, front_idx].set(q_BkV)
         cv_Bkk, ct_Bkk = jax.lax.top_k(jnp.log(q_BkV), k)
@@ -162,8 +164,6 @@ def expand_dynamic(model, params, cache, root_logits_BV, spec: trees_lib.Dynamic
         front_tok = jnp.take_along_axis(pool_tok[-1], best, axis=1)
         front_idx = (base + best).astype(jnp.int32)
         anc_BkW = jnp.take_along_axis(vis_BkW, (best // k)[..., None], axis=1)   # parent's view incl. itself
-        path_BkD = jnp.concatenate([jnp.take_along_axis(path_BkD, (best // k)[..., None], axis=1),
-                                    front_tok[..., None]], axis=2)
     tok_BP = jnp.concatenate(pool_tok, axis=1)
     score_BO = jnp.concatenate(pool_score, axis=1)
     parent_BO = jnp.concatenate(pool_parent, axis=1)

@@ -464,6 +464,18 @@ class Tokenizer:
     def id_to_token(self, index: int) -> str | None:
         return self.backend.id_to_token(int(index))
 
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each id stands for in decoded text (byte-level BPE spelling undone), None
+        for special tokens (they are not text). Token automata (`specjax.constraints`) read it."""
+        table, out = _char_to_byte(), []
+        for i in range(self.vocab_size):
+            token = self.id_to_token(i)
+            if token is None or i in self._special_ids or not all(c in table for c in token):
+                out.append(None)
+            else:
+                out.append(bytes(table[c] for c in token))
+        return out
+
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

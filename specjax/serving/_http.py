@@ -21,16 +21,25 @@ settings; omitted: the server's ``--config.temperature`` etc.); a value the samp
 400 naming the field. ``stop``: a string or up to `MAX_STOPS` strings of at most
 `MAX_STOP_CHARS` characters; the text ends before the first one found (finish reason "stop"),
 and a stream holds back the last characters that could begin one until they cannot.
+
+Structured output: ``response_format`` ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
+(the OpenAI API's) or ``regex`` (a pattern, an extension) makes the answer follow it, exactly
+under speculation (`specjax.constraints`: compiled once per distinct text, in a worker thread);
+``{"type": "text"}`` is no constraint; ``json_object`` (any JSON) is refused, as it is not a
+regular language: give a schema. A schema or pattern that cannot be compiled is a 400 naming
+``response_format`` or ``regex``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
 import uuid
 
+from specjax import constraints
 from specjax import sampling as sampling_lib
 from specjax.serving._live import MAX_SEED, LiveScheduler, QueueFull, Stopped
 
@@ -38,7 +47,8 @@ from specjax.serving._live import MAX_SEED, LiveScheduler, QueueFull, Stopped
 # never believes a setting took effect that did not.
 _COMMON = {"model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "temperature", "top_p",
            "top_k", "min_p", "logit_bias", "n", "user", "seed", "stop", "repetition_penalty", "presence_penalty",
-           "frequency_penalty"}
+           "frequency_penalty", "response_format", "regex"}
+MAX_CONSTRAINT_CHARS = 65_536     # the text of a schema or a pattern
 MAX_STOPS = 4               # stop sequences per request (as the OpenAI API)
 MAX_STOP_CHARS = 256        # characters per stop sequence
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -156,6 +166,58 @@ class Api:
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise ApiError(400, f"seed must be an integer from 0 to {MAX_SEED}, got {seed}", "seed")
         return {"settings": settings, "seed": seed, "stop": _stops(body)}
+
+    def constraint_source(self, body: dict) -> tuple[str, str] | None:
+        """("json_schema" | "regex", its text) the request asks its answer to follow, or None; a
+        400 naming the field for a malformed one."""
+        fmt, regex = body.get("response_format"), body.get("regex")
+        if fmt is not None and regex is not None:
+            raise ApiError(400, "give response_format or regex, not both", "regex")
+        if regex is not None:
+            if not isinstance(regex, str) or not regex or len(regex) > MAX_CONSTRAINT_CHARS:
+                raise ApiError(400, f"regex must be a non-empty string of at most {MAX_CONSTRAINT_CHARS} characters",
+                               "regex")
+            return "regex", regex
+        if fmt is None:
+            return None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            raise ApiError(400, "response_format json_object (any JSON) is not supported: any JSON is not a regular "
+                                "language; give a json_schema", "response_format")
+        schema = fmt.get("json_schema", {}).get("schema") if kind == "json_schema" and \
+            isinstance(fmt.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, 'response_format must be {"type": "text"} or {"type": "json_schema", "json_schema": '
+                                '{"schema": {...}}}', "response_format")
+        text = json.dumps(schema)          # the properties in the schema's order
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise ApiError(400, f"response_format: the schema has more than {MAX_CONSTRAINT_CHARS} characters",
+                           "response_format")
+        return "json_schema", text
+
+    def constraint(self, source: tuple[str, str] | None):
+        """The compiled automaton of a `constraint_source` (cached per text), or None; a 400 naming
+        the field when it cannot be compiled. Slow for a new text (seconds): run it off the loop."""
+        if source is None:
+            return None
+        try:
+            return self._compile(*source)
+        except constraints.ConstraintError as e:
+            raise ApiError(400, f"{'regex' if source[0] == 'regex' else 'response_format'}: {e}",
+                           "regex" if source[0] == "regex" else "response_format") from None
+
+    @functools.lru_cache(maxsize=64)
+    def _compile(self, kind: str, text: str):
+        token_bytes, stops = self._vocabulary
+        if kind == "regex":
+            return constraints.compile_regex(text, token_bytes, stops, self.live.max_constraint_states)
+        return constraints.compile_json_schema(text, token_bytes, stops, self.live.max_constraint_states)
+
+    @functools.cached_property
+    def _vocabulary(self):
+        return self.tokenizer.token_bytes(), self.tokenizer.stop_token_ids
 
     def max_tokens(self, body: dict, prompt_tokens: int) -> int:
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -299,6 +361,7 @@ def make_app(live: LiveScheduler, tokenizer, model_name: str, sampling_settings:
             ids = api.chat_prompt(body) if chat else api.completion_prompt(body)
             max_tokens = api.max_tokens(body, len(ids))
             samp = api.sampling(body)
+            automaton = await asyncio.to_thread(api.constraint, api.constraint_source(body))
         except ApiError as e:
             return error(e)
         stops = samp["stop"]
@@ -306,14 +369,14 @@ def make_app(live: LiveScheduler, tokenizer, model_name: str, sampling_settings:
         events: asyncio.Queue = asyncio.Queue()
         try:
             ticket = live.submit(ids, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                 settings=samp["settings"], seed=samp["seed"],
+                                 settings=samp["settings"], seed=samp["seed"], constraint=automaton,
                                  stop=(lambda toks: cut_at_stop(api.text(toks), stops)[1]) if stops else None)
         except QueueFull as e:
             return error(ApiError(429, f"the server is busy: {e}; retry later", kind="rate_limit_error"))
         except Stopped as e:
             return error(ApiError(503, str(e), kind="server_error"))
         except ValueError as e:
-            return error(ApiError(400, str(e), "max_tokens"))
+            return error(ApiError(400, str(e), "response_format" if str(e).startswith("constraint") else "max_tokens"))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
         if not body.get("stream"):

@@ -15,7 +15,9 @@ bias and repetition / presence / frequency penalties (``settings``; default the 
 greedy program (`SamplingConfig.greedy_config`); a round where some busy row has a penalty runs
 the per-row program with penalties (it counts each row's token history every round); any other
 round runs the per-row program (`SamplingConfig.rows`, each slot its occupant's settings): three
-compiled programs for every mix (`warmup` compiles them). A greedy row gets the same tokens from either; with token trees it
+compiled programs for every mix, and a fourth when some busy row has an automaton (structured
+output, ``constraint``: the per-row program with penalties and a stacked automata table of a fixed
+size, `specjax.constraints.stack`); `warmup` compiles the four. A greedy row gets the same tokens from either; with token trees it
 drafts less well in a per-row round (its one-hot q gives each node one child worth verifying).
 
 What a request gets is what it would get decoded alone, as with `Scheduler`: its key is
@@ -36,12 +38,12 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from specjax import decoding
+from specjax import constraints, decoding
 from specjax import sampling as sampling_lib
 from specjax.serving._scheduler import row_counters
 
@@ -74,6 +76,7 @@ class Ticket:
     settings: tuple = (0.0, 0, 1.0, 0.0, (), 1.0, 0.0, 0.0)
     seed: int | None = None
     stop: Callable[[list], bool] | None = None             # True once the tokens hold a stop sequence
+    constraint: Any = None                                  # a `specjax.constraints.TokenAutomaton`, or None
     stopped: bool = False
     stop_error: str | None = None
 
@@ -116,9 +119,12 @@ class LiveScheduler:
     per padded width)."""
 
     def __init__(self, engine: decoding.Engine, params: decoding.EngineParams, sampling, *, slots: int,
-                 capacity: int, key, max_queue: int = 64, pad_multiple: int = 64):
+                 capacity: int, key, max_queue: int = 64, pad_multiple: int = 64, max_constraint_states: int = 4096,
+                 max_constraint_classes: int = 1024):
         if slots < 1 or max_queue < 1:
             raise ValueError(f"slots and max_queue must be >= 1, got {slots} and {max_queue}")
+        # the stacked automata table of a constrained round (`constraints.stack`): a fixed shape
+        self.max_constraint_states, self.max_constraint_classes = max_constraint_states, max_constraint_classes
         self.engine, self.params, self.sampling = engine, params, sampling
         self.default_settings = _settings_of(sampling)
         self._greedy = sampling_lib.SamplingConfig.greedy_config()
@@ -155,13 +161,15 @@ class LiveScheduler:
 
     def submit(self, prompt: Sequence[int], max_tokens: int, on_event: Callable[[dict], None], *,
                settings: tuple | None = None, seed: int | None = None,
-               stop: Callable[[list], bool] | None = None) -> Ticket:
+               stop: Callable[[list], bool] | None = None, constraint=None) -> Ticket:
         """Queue a request; `QueueFull` when ``max_queue`` wait already, `Stopped` while draining.
         ValueError when the prompt and ``max_tokens`` do not fit (`room`), or naming a bad
         sampling setting (``settings``: (temperature, top_k, top_p[, min_p[, logit_bias[,
         repetition, presence, frequency]]]), the bias a dict token id -> value; None: the
         scheduler's) or seed (an integer in
-        [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop")."""
+        [0, `MAX_SEED`]). ``stop(tokens)``: True ends the request ("stop"). ``constraint``: a
+        `specjax.constraints.TokenAutomaton` its tokens must follow (structured output); ValueError
+        if it is over another vocabulary or larger than the scheduler's table."""
         prompt = tuple(decoding.token_ids(prompt, "prompt"))
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -177,6 +185,14 @@ class LiveScheduler:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or not 0 <= seed <= MAX_SEED):
             raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+        if constraint is not None:
+            if constraint.class_V.shape[0] != vocab:
+                raise ValueError(f"constraint: compiled for {constraint.class_V.shape[0]} tokens, the target has {vocab}")
+            if constraint.num_states > self.max_constraint_states or \
+                    constraint.num_classes > self.max_constraint_classes:
+                raise ValueError(f"constraint: {constraint.num_states} states and {constraint.num_classes} token "
+                                 f"classes, this server takes at most {self.max_constraint_states} and "
+                                 f"{self.max_constraint_classes}")
         with self._lock:
             if not self._accepting:
                 raise Stopped("the server is shutting down")
@@ -184,7 +200,7 @@ class LiveScheduler:
                 raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue={self.max_queue})")
             t = Ticket(id=self._next_id, prompt=prompt, max_tokens=int(max_tokens), on_event=on_event,
                        arrival=time.perf_counter(), settings=settings, seed=None if seed is None else int(seed),
-                       stop=stop)
+                       stop=stop, constraint=constraint)
             self._next_id = (self._next_id + 1) % (2 ** 32)
             self._queue.append(t)
             self.stats["requests_total"] += 1
@@ -220,16 +236,34 @@ class LiveScheduler:
         rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots)
         state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])       # the state is donated
         rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots, repetition_penalty=[1.0] * self.slots)
-        jax.block_until_ready(self.engine.step(self.params, rows, state)[0])
+        state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])
+        free = [self.default_settings] * self.slots
+        jax.block_until_ready(self.engine.step(self.params, self._constrained_rows(free, [None] * self.slots), state)[0])
+
+    def _constrained_rows(self, settings, automata) -> sampling_lib.SamplingConfig:
+        """The per-row program with penalties and automata (each slot's settings and automaton or
+        None): every constrained round runs it, whatever the penalties."""
+        t, k, p, m, bias, rep, pres, freq = zip(*settings)
+        stacked = constraints.stack(automata, self.engine.target.vocab_size, self.max_constraint_states,
+                                    self.max_constraint_classes)
+        return sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias], repetition_penalty=rep,
+                                                presence_penalty=pres, frequency_penalty=freq, constraint=stacked)
 
     def _sampling_for(self, busy: Sequence[int]):
         """The round's sampling: greedy when every busy row is (no bias, no penalty), else each
         slot's settings per row (free slots the default's), with penalties when a busy row has one
         (rebuilt only when the slots' settings change)."""
         occupants = [self._occupant[s] for s in busy]
-        if all(t.settings[0] == 0.0 and not t.settings[4] and not _penalized(t.settings) for t in occupants):
+        if all(t.settings[0] == 0.0 and not t.settings[4] and not _penalized(t.settings) and t.constraint is None
+               for t in occupants):
             return self._greedy
         settings = tuple(o.settings if o is not None else self.default_settings for o in self._occupant)
+        if any(t.constraint is not None for t in occupants):
+            automata = tuple(o.constraint if o is not None else None for o in self._occupant)
+            key = (settings, automata)       # automata compare by identity (and stay referenced)
+            if self._rows_cache is None or self._rows_cache[0] != key:
+                self._rows_cache = (key, self._constrained_rows(settings, automata))
+            return self._rows_cache[1]
         penalized = any(_penalized(t.settings) for t in occupants)
         if self._rows_cache is None or self._rows_cache[0] != (settings, penalized):
             t, k, p, m, bias, rep, pres, freq = zip(*settings)

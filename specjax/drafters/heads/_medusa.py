@@ -118,11 +118,11 @@ class MedusaDrafter:
         h_BGD = medusa_features(self.config, params, f_BD[:, None])[:, 0, :gamma]
         scores_BGU, ids = head_scores(self.config, params, h_BGD)      # over the head's tokens (see draw_support)
         keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-        if cfg.counts is None:
+        if not (cfg.counts is not None or cfg.fsm_state is not None):
             tokens_BG, q_BGV = jax.vmap(lambda k, s: draw_support(k, s, ids, cfg, self.vocab_size), in_axes=1,
                                         out_axes=1)(keys_BG, scores_BGU)
             return tokens_BG, q_BGV, state
-        tokens, qs = [], []         # penalties: head g's draw sees the tokens of heads < g
+        tokens, qs = [], []         # penalties, automata: head g's draw sees the tokens of heads < g
         for g in range(gamma):
             tok_B, q_BV = draw_support(keys_BG[:, g], scores_BGU[:, g], ids, cfg, self.vocab_size)
             cfg = cfg.advance(tok_B)
