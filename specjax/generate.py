@@ -212,11 +212,13 @@ def run(job: GenerateJob) -> dict:
                        gen.engine.mesh)
     why = _why(config, stats, m, gen.round_time_s, out.policy, _regime_names(gen.engine))
     kind = s.drafter_kind
+    record = drafters.RunRecord(tuple(prompt_ids), tuple(tokens), tuple(round_sizes))
     if kind.describe is not None:
-        record = drafters.RunRecord(tuple(prompt_ids), tuple(tokens), tuple(round_sizes))
         text, extra = kind.describe(s.draft, gen.engine.drafter, record)
         stats.update(extra)
         why += f"; {text}"
+    if kind.after_run is not None:
+        kind.after_run(s.draft, record)
     draft_model = getattr(s.draft, "draft_model", "")
     print(f"[specjax] drafter {s.drafter}" + (f" ({draft_model})" if draft_model else "")
           + ": " + why, file=sys.stderr, flush=True)

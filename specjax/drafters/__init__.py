@@ -16,6 +16,7 @@ from specjax.drafters._model import (DraftModelSettings, EarlyExitDrafter, Early
 from specjax.drafters import _head  # noqa: F401  (registers the 'head' kind)
 from specjax.drafters._hybrid import HYBRID_MODELS, HybridDrafter, HybridSettings
 from specjax.drafters._ngram import NGramDrafter, NGramSettings
+from specjax.drafters._suffix import SuffixCache, SuffixCorpus, SuffixDrafter, SuffixSettings, remember
 from specjax.drafters._protocol import CHAIN_ONLY, Capabilities, DraftContext, Drafter
 
 __all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout", "eagle3_tensors", "load_eagle3",
@@ -29,4 +30,5 @@ __all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout
            "SHIPPED_DRAFTS", "SHIPPED_HEADS", "shipped_draft", "shipped_head",
            "DraftModelSettings", "EarlyExitSettings", "HybridSettings", "NGramSettings", "HYBRID_MODELS",
            "DraftContext", "Drafter", "EarlyExitDrafter", "HybridDrafter", "ModelDrafter", "ModelDraftState",
-           "NGramDrafter", "draw", "draw_support", "rollout", "support_scores"]
+           "NGramDrafter", "SuffixCache", "SuffixCorpus", "SuffixDrafter", "SuffixSettings", "remember", "draw",
+           "draw_support", "rollout", "support_scores"]

@@ -58,6 +58,8 @@ class DrafterKind:
       kind to its line on the drafter, and to its stats record; optional.
     teacher_forced: the kind `specjax eval` builds to score this kind's draft teacher-forced (a
       `specjax.drafters.ModelDrafter`), or "" when it has no draft distribution to score.
+    after_run(settings, record): what the kind keeps of a finished `specjax generate` run (the
+      suffix drafter's corpus saved to its cache directory); optional.
     """
     name: str
     settings: type
@@ -66,6 +68,7 @@ class DrafterKind:
     describe: Callable[[Any, Any, RunRecord], tuple[str, dict]] | None = None
     description: str = ""
     teacher_forced: str = ""
+    after_run: Callable[[Any, RunRecord], None] | None = None
 
     def settings_from(self, values: Any):
         """This kind's settings from a mapping of config values (or an object with the
@@ -88,13 +91,13 @@ _KINDS: dict[str, DrafterKind] = {}
 
 
 def register_drafter(name: str, settings: type, build, *, check=None, describe=None, description: str = "",
-                     teacher_forced: str = "") -> DrafterKind:
+                     teacher_forced: str = "", after_run=None) -> DrafterKind:
     """Register drafter kind ``name`` (see `DrafterKind`). Refused: a name already taken by
     another kind, settings that are not a frozen dataclass, and a settings key another kind
     already reads with another default."""
     if not dataclasses.is_dataclass(settings) or not settings.__dataclass_params__.frozen:
         raise TypeError(f"drafter {name!r}: settings must be a frozen dataclass type, got {settings!r}")
-    kind = DrafterKind(name, settings, build, check, describe, description, teacher_forced)
+    kind = DrafterKind(name, settings, build, check, describe, description, teacher_forced, after_run)
     old = _KINDS.get(name)
     if old is not None and (old.settings, old.build) != (settings, build):
         raise ValueError(f"drafter kind {name!r} is already registered")

@@ -251,22 +251,26 @@ class Scheduler:
             widths.setdefault(-(-len(r.prompt) // self.pad_multiple), r)
         for r in widths.values():
             state = self.engine.refill(self.params, state, 0, self._batch([r], key, capacity))
-        jax.block_until_ready(self._advance(sampling, state)[0])
+        jax.block_until_ready(self._advance(sampling, state, self.params)[0])
 
-    def _advance(self, sampling, state):
+    def _advance(self, sampling, state, params):
         """`rounds_per_sync` rounds: (state, commits with a leading round axis, on the host)."""
         if self.rounds_per_sync == 1:
-            state, commit = self.engine.step(self.params, sampling, state)
+            state, commit = self.engine.step(params, sampling, state)
             return state, jax.tree.map(lambda x: np.asarray(x)[None], jax.device_get(commit))
-        state, commits = self.engine.steps(self.params, sampling, state, self.rounds_per_sync)
+        state, commits = self.engine.steps(params, sampling, state, self.rounds_per_sync)
         return state, jax.device_get(commits)
 
     def run(self, requests: Sequence[Request], sampling: sampling_lib.SamplingConfig, key, *,
             clock: str = "virtual", warmup: bool = True,
-            on_finish: Callable[[RequestResult], None] | None = None) -> ServeOutput:
+            on_finish: Callable[[RequestResult], None] | None = None,
+            draft_update: Callable[[Request, RequestResult], object] | None = None) -> ServeOutput:
         """Serve every request (FIFO by arrival, ties in the order given) and return their results in id order
         and the workload's summary (`summarize`); ``on_finish`` is called with each result as its
-        request finishes (progress logs)."""
+        request finishes (progress logs). ``draft_update(request, result)``, called as each request
+        finishes, returns new draft params for the rounds after it (None: keep them): a drafter that
+        learns from earlier requests (`specjax.drafters.SuffixCache`: the finished request joins its
+        corpus). The params are arguments of every round, so nothing recompiles."""
         if not requests:
             raise ValueError("no requests given")
         ids = [r.id for r in requests]
@@ -297,7 +301,7 @@ class Scheduler:
             if not active:
                 clk.wait_until(queue[0].arrival_s)      # nothing to do until the next arrival
                 continue
-            state, c = self._advance(sampling, state)
+            state, c = self._advance(sampling, state, params)
             t = clk.now()
             finished, live = [], active
             for i in range(c.n_B.shape[0]):         # the rounds of this call, in order
@@ -331,6 +335,10 @@ class Scheduler:
                     occupant[s] = None
                     if on_finish is not None:
                         on_finish(results[r.id])
+                    if draft_update is not None:
+                        new = draft_update(r, results[r.id])
+                        if new is not None:
+                            params = params.replace(draft=new)
         gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_Z))
         ordered = [results[i] for i in sorted(results)]
         return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),
