@@ -485,8 +485,9 @@ def _adjusted(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.A
 
 
 def adjusted_logits(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
-    """The logits (float32) with each row's logit bias and penalties, before the temperature
-    and the filters (what a greedy row's argmax reads; a tree's ranking under greedy decoding)."""
+    """The logits (float32) with each row's logit bias, penalties and automaton mask, before the
+    temperature and the filters (what a greedy row's argmax reads; a tree's ranking under greedy
+    decoding)."""
     return _adjusted(logits_V, cfg, ids)
 
 
@@ -612,9 +613,11 @@ def probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Arr
     """Sampling distribution (float32, same shape) of ``logits_...V`` under ``cfg``.
 
     Greedy: one-hot of the argmax (ties resolved to the lowest index, as ``jnp.argmax``).
-    Otherwise: ``softmax(filter(penalize(logits + bias) / temperature))`` with the penalties,
-    top-k, top-p and min-p filters as described in the module docstring (a per-row greedy row:
-    one-hot of the argmax of ``penalize(logits + bias)``). Any leading batch shape (a per-row
+    Otherwise: ``softmax(filter(mask(penalize(logits + bias)) / temperature))`` with the
+    penalties, the automaton's mask and the top-k, top-p and min-p filters as described in the
+    module docstring (a per-row greedy row: one-hot of the argmax of
+    ``mask(penalize(logits + bias))``). Penalties and masks read the config's history
+    (`SamplingConfig.with_history`, set by the engine each round); without one they are off. Any leading batch shape (a per-row
     config: the batch first). ``ids``: the logits are over a support of these token ids (a
     reduced-vocabulary draft), which places a per-row logit bias.
     """

@@ -1,7 +1,8 @@
 """Settings of the suffix study (`python -m experiments.suffix_study.run --config=<this file>[:tiny]`).
 
 The repetitive workload (`workload.py`: requests from six task templates with different inputs)
-served by `specjax.serving.Scheduler` (all requests queued at once, FIFO), once per mode, greedy:
+served by `specjax.serving.Scheduler` (all requests queued at once, FIFO), once per mode and slot
+count, greedy:
 target-only, prompt lookup, suffix decoding over the request alone, suffix decoding that adds
 every finished request to its corpus (`draft_update`), and the main command's default drafter
 (the hybrid of prompt lookup and the shipped EAGLE head). Fixed gamma for every drafter.
@@ -26,14 +27,14 @@ def get_config(variant: str = ""):
     c.target = ""                   # "" = the generate config's target; "tiny": random (CI)
     c.modes = tuple(MODES)
     c.gamma = 3
-    c.slots = 4
-    c.num_requests = 96
+    c.slots = (1, 4)                # one run of every mode per slot count
+    c.num_requests = 48
     c.max_new_tokens = 48
     c.suffix_tokens = 65536         # the corpus ring's slots
     c.seed = 0
     c.out = "experiments/suffix_study/results/results.jsonl"
     if variant == "tiny":
-        c.update(target="tiny", modes=("target-only", "suffix, across requests"), slots=2, num_requests=6,
+        c.update(target="tiny", modes=("target-only", "suffix, across requests"), slots=(2,), num_requests=6,
                  max_new_tokens=8, suffix_tokens=1024, out="/tmp/suffix_study/results.jsonl")
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: expected '' or 'tiny'")

@@ -4,8 +4,8 @@ target-only decoding, through the slot scheduler.
     python -m experiments.suffix_study.run --config=experiments/suffix_study/config.py
     python -m experiments.suffix_study.run --config=experiments/suffix_study/config.py:tiny   # CI size
 
-Every mode serves the same requests (`workload.make`, chat template, greedy) with `slots` rows,
-all queued at once and admitted FIFO; compilation is done before the timed run
+Every mode serves the same requests (`workload.make`, chat template, greedy) with each of the
+config's slot counts, all queued at once and admitted FIFO; compilation is done before the timed run
 (`Scheduler.warmup`). The learning mode starts from an empty corpus and adds each finished
 request's prompt and answer to it (`SuffixCache`, `Scheduler.run(draft_update=)`), so the
 first requests of each template are drafted from their own text only. Records (JSONL): "setup",
@@ -79,11 +79,11 @@ def main(c):
     pad = 64
     templates = [t for t, _ in reqs]
     out = toolkit.Jsonl(c.out, prov)
-    out.write("setup", slots=c.slots, requests=len(reqs), gamma=c.gamma, max_new_tokens=c.max_new_tokens,
+    out.write("setup", slots=list(c.slots), requests=len(reqs), gamma=c.gamma, max_new_tokens=c.max_new_tokens,
               suffix_tokens=c.suffix_tokens, templates=templates, prompt_tokens=[len(p) for _, p in reqs],
               modes=list(c.modes), seed=c.seed)
     reference = {}
-    for mode in c.modes:
+    for slots, mode in [(s, m) for s in c.slots for m in c.modes]:
         kind, learns = config_lib.MODES[mode]
         engine, eparams = _engine(gc, target, params, eos_ids, kind)
         update = None
@@ -96,13 +96,13 @@ def main(c):
                 return cache.corpus()
         longest = max(len(p) for _, p in reqs)
         capacity = -(-engine.config.slots_needed(longest) // pad) * pad
-        sched = serving.Scheduler(engine, eparams, slots=c.slots, pad_multiple=pad, capacity=capacity)
+        sched = serving.Scheduler(engine, eparams, slots=slots, pad_multiple=pad, capacity=capacity)
         requests = [serving.Request(i, p) for i, (_, p) in enumerate(reqs)]
         sched.warmup(samp, requests, key)
         t0 = time.perf_counter()
         res = sched.run(requests, samp, key, warmup=False, draft_update=update)
         wall = time.perf_counter() - t0
-        if mode == "target-only":
+        if mode == "target-only" and not reference:
             reference = {r.id: r.tokens for r in res.results}
         same = sum(r.tokens == reference.get(r.id) for r in res.results) if reference else None
         by_template = {}
@@ -114,7 +114,7 @@ def main(c):
         out.write("mode", mode=mode, drafter=kind, learns=learns, wall_s=wall, **s, same_tokens_as_target_only=same,
                   tokens_per_pass_by_template={k: v[0] / max(v[1], 1) for k, v in by_template.items()},
                   per_request=[r.record() for r in res.results])
-        _log(f"{mode}: {s['throughput_tok_s']:.1f} tok/s, tokens/pass {s['mean_accepted_tokens_per_pass']:.2f}, "
+        _log(f"{slots} slots, {mode}: {s['throughput_tok_s']:.1f} tok/s, tokens/pass {s['mean_accepted_tokens_per_pass']:.2f}, "
              f"same as target-only {same}/{len(reqs)}")
     out.close()
     for p in report.write(c.out):
