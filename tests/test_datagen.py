@@ -18,6 +18,16 @@ def tiny_generator(tmp_path_factory):
     return data_config_and_generator(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def batched_run(tiny_generator, tmp_path_factory):
+    """(workdir, report) of one uninterrupted run of every stage through length-sorted batches
+    (refill_rounds 0): the tests below read it and compare with it, none writes to it."""
+    c, gen = tiny_generator
+    workdir = tmp_path_factory.mktemp("batched")
+    report = distill.generate_data(_config(c, refill_rounds=0), gen, workdir, progress=False, log=lambda s: None)
+    return workdir, report
+
+
 def _config(c, **kw):
     c = c.copy_and_resolve_references()
     c.spec_bench_per_category = 1
@@ -35,17 +45,16 @@ def _manifests(d):
             for s in distill.DATA_STAGES if (d / s / "manifest.json").is_file()}
 
 
-def test_stages_shards_and_report(tiny_generator, tmp_path):
-    c, gen = tiny_generator
-    report = distill.generate_data(_config(c), gen, tmp_path, progress=False, log=lambda s: None)
-    corpus = [json.loads(line) for line in (tmp_path / "corpus.jsonl").read_text().splitlines()]
+def test_stages_shards_and_report(batched_run):
+    workdir, report = batched_run
+    corpus = [json.loads(line) for line in (workdir / "corpus.jsonl").read_text().splitlines()]
     total = report["corpus"]["total"]
     assert total["offered"] == 13 + 6 and total["kept"] == len(corpus) >= 13 - total["leaks"]
     assert {r["source"] for r in report["corpus"]["rows"]} >= {"spec_bench_train", "magpie"}
     assert total["offered"] == sum(total[k] for k in ("rejected", "exact_duplicates", "near_duplicates", "leaks",
                                                         "kept"))
     for stage in ("instructions", "responses_greedy", "responses_sampled", "followups"):
-        seqs = [s for s in distill.shards.read_dir(tmp_path / stage)]
+        seqs = [s for s in distill.shards.read_dir(workdir / stage)]
         n = sum(len(s) for s in seqs)
         assert n == report["stages"][stage]["sequences"] > 0
         for s in seqs:
@@ -54,10 +63,10 @@ def test_stages_shards_and_report(tiny_generator, tmp_path):
                 k = int(mask.argmax())
                 assert not mask[:k].any() and mask[k:].all() and 1 <= mask.sum() <= 6
     assert report["stages"]["responses_greedy"]["sequences"] == len(corpus)
-    assert (tmp_path / "REPORT.md").read_text().startswith("# Data engine report")
-    _assert_generation_recorded(tmp_path, report, rows=4)
+    assert (workdir / "REPORT.md").read_text().startswith("# Data engine report")
+    _assert_generation_recorded(workdir, report, rows=4)
     # shards from before entries recorded their generation are counted apart
-    m = json.loads((tmp_path / "instructions" / "manifest.json").read_text())
+    m = json.loads((workdir / "instructions" / "manifest.json").read_text())
     first = sorted(m["shards"])[0]
     del m["shards"][first]["generation"]
     second = sorted(m["shards"])[1]
@@ -81,14 +90,15 @@ def _assert_generation_recorded(workdir, report, rows):
 
 
 @pytest.mark.parametrize("refill_rounds", [0, 3])
-def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch, refill_rounds):
+def test_resume_gives_the_same_shards(tiny_generator, batched_run, tmp_path, monkeypatch, refill_rounds):
     """Length-sorted batches (refill_rounds 0) and slot refilling (3 rounds per host trip):
-    a run killed mid-stage and resumed writes the shards of an uninterrupted run, and both
-    generation paths write the same shards (each request keyed by its id)."""
+    a run killed mid-stage and resumed writes the shards of an uninterrupted run, the shared
+    length-sorted one (`batched_run`): for slot refilling, every shard of the resumed run is
+    also one of the other path, so both generation paths write the same shards (each request
+    keyed by its id)."""
     c, gen = tiny_generator
     cfg = _config(c, refill_rounds=refill_rounds)
-    whole = tmp_path / "whole"
-    distill.generate_data(cfg, gen, whole, progress=False, log=lambda s: None)
+    whole = batched_run[0]
     # A run that dies in its third call of generation ...
     resumed = tmp_path / "resumed"
     module, name = (serving, "generate_offline") if refill_rounds else (decoding, "generate_batched")
@@ -124,11 +134,6 @@ def test_resume_gives_the_same_shards(tiny_generator, tmp_path, monkeypatch, ref
     a, b = _manifests(whole), _manifests(resumed)
     assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()} == \
         {s: {k: v["sha256"] for k, v in e.items()} for s, e in b.items()}
-    if refill_rounds:           # the other path, uninterrupted: the same shards
-        other = tmp_path / "batched"
-        distill.generate_data(_config(c, refill_rounds=0), gen, other, progress=False, log=lambda s: None)
-        assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in _manifests(other).items()} == \
-            {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()}
     # a damaged shard is named, not trusted
     shard = resumed / "responses_greedy" / "shard-00000.npz"
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
