@@ -17,7 +17,7 @@
   constrained row's tokens match its pattern's prefix language. Power: a pattern's rows against
   the unconstrained law are rejected;
 * one verification round by exact enumeration (no sampling): p and q at every position of every
-  3-token block from `probabilities` under a pattern, penalties and a bias moved along the block
+  2-token block from `probabilities` under a pattern, penalties and a bias moved along the block
   (`at_block`); the law of the committed tokens equals the NumPy constrained target's within 1e-6;
 * a row's automaton state survives the stacked table's layout changing between rounds;
 * greedy rows under constraints equal a NumPy greedy decode with the same masks, token for
@@ -370,9 +370,9 @@ def test_a_rows_state_survives_a_new_table_layout(tables):
 @pytest.mark.parametrize("verifier", ["token"])
 def test_one_round_is_exact_by_enumeration(tables, verifier):
     """Exact enumeration (no sampling): the target's and the draft's distributions at every
-    position of every 3-token draft block come from `probabilities` under one config mixing a
+    position of every 2-token draft block come from `probabilities` under one config mixing a
     pattern, penalties and a logit bias, moved along the block by `at_block`; the law of the
-    4 tokens one verification round and then target-only sampling commit equals the constrained
+    3 tokens one verification round and then target-only sampling commit equals the constrained
     target's law from the NumPy transcription, within 1e-6. (The token verifier; every verifier's
     exactness for arbitrary prefix-dependent p and q: tests/test_verify_exhaustive.py.)"""
     import _tabular as tab
@@ -396,7 +396,7 @@ def test_one_round_is_exact_by_enumeration(tables, verifier):
             return np.nan_to_num(np.asarray(p)[0, -1]).astype(np.float32)
         return dist
 
-    gamma = 3
+    gamma = 2
     ver = verify.get_verifier("chain", verifier, greedy=False)
     law, target, _ = tab.exact_round_then_target(ver, verifier, tree(tables_np[0]), tree(tables_np[1]), V, gamma)
     seqs = list(itertools.product(range(V), repeat=gamma + 1))

@@ -81,14 +81,18 @@ def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
     step_keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
     tok_B, q_BV = draw_support(step_keys_BG[:, 0], logits_BV, ids, cfg, vocab)
 
-    def step(carry, key_B):
-        cache, tok_B, cfg = carry
-        cfg = cfg.advance(tok_B)          # penalties: the drafted tokens join the history
-        scores_B1U, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
-        nxt_B, q_BV = draw_support(key_B, scores_B1U[:, 0], step_ids, cfg, vocab)
-        return (cache, nxt_B, cfg), (nxt_B, q_BV)
+    # Penalties and automata: the drafted tokens join the history, carried through the scan (a
+    # config without a history stays out of the carry: the loop is then the plain one).
+    moving = cfg.counts is not None or cfg.fsm_state is not None
 
-    (cache, _, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B, cfg),
+    def step(carry, key_B):
+        cache, tok_B, here = carry
+        here = here.advance(tok_B) if moving else cfg
+        scores_B1U, step_ids, cache = support_scores(model, params, tok_B[:, None], cache)
+        nxt_B, q_BV = draw_support(key_B, scores_B1U[:, 0], step_ids, here, vocab)
+        return (cache, nxt_B, here if moving else None), (nxt_B, q_BV)
+
+    (cache, _, _), (toks_GB, qs_GBV) = jax.lax.scan(step, (cache, tok_B, cfg if moving else None),
                                                     jnp.swapaxes(step_keys_BG[:, 1:], 0, 1))
     tokens_BG = jnp.concatenate([tok_B[:, None], jnp.swapaxes(toks_GB, 0, 1)], axis=1)
     q_BGV = jnp.concatenate([q_BV[:, None], jnp.swapaxes(qs_GBV, 0, 1)], axis=1)
