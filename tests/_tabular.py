@@ -265,3 +265,11 @@ def exact_round_then_target(verifier, kind: str, tree_p, tree_q, vocab: int, gam
         round_law[si] = total
     expected_accepted = float(np.sum(block_prob[:, None] * tau * np.arange(gamma + 1)))
     return round_law, target_law, expected_accepted
+
+
+def continuation_pvalue(law: np.ndarray, gen_BN: np.ndarray, vocab: int, min_expected: float = 5.0):
+    """`support_chisquare` of generated continuations ``gen_BN`` (rows of N token ids) against
+    ``law`` over all vocab^N continuations (base-vocab index, first token most significant)."""
+    n = gen_BN.shape[1]
+    index = gen_BN @ (vocab ** np.arange(n - 1, -1, -1))
+    return support_chisquare(np.bincount(index, minlength=len(law)), law / law.sum(), min_expected)

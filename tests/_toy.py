@@ -104,3 +104,24 @@ def sequence_probs(table_VVV, prompt, n_tokens, probs_fn):
             pr *= probs[prev, full[i - 1], full[i]]
         out[seq] = pr
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StrippedConfigDrafter:
+    """A control drafter: ``inner`` proposing under the round's sampling config with ``fields``
+    set to None (e.g. the penalties or the automata dropped). Its q is still what it sampled
+    from, so the output stays exact; only acceptance changes."""
+    inner: object
+    fields: tuple
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _plain(self, cfg):
+        return cfg.replace(**{f: None for f in self.fields})
+
+    def propose(self, params, state, context, key_B, gamma, cfg):
+        return self.inner.propose(params, state, context, key_B, gamma, self._plain(cfg))
+
+    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
+        return self.inner.propose_tree(params, state, context, key_B, tree, self._plain(cfg), children)

@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import re
@@ -41,8 +40,8 @@ import pytest
 
 from specjax import constraints, decoding, drafters, sampling, trees
 
-from _tabular import support_chisquare
-from _toy import TabularModel, random_table
+from _tabular import continuation_pvalue
+from _toy import StrippedConfigDrafter, TabularModel, random_table
 
 # ----------------------------------------------------------------------------- compilation
 
@@ -252,8 +251,7 @@ def generated(tables):
 
 
 def _pvalue(law, gen_BN):
-    index = gen_BN @ (V ** np.arange(N_NEW - 1, -1, -1))
-    return support_chisquare(np.bincount(index, minlength=len(law)), law / law.sum())
+    return continuation_pvalue(law, gen_BN, V)
 
 
 @pytest.mark.parametrize("kind", list(SPECULATION))
@@ -304,26 +302,6 @@ def test_greedy_rows_under_constraints_equal_the_masked_greedy_decode(tables, ga
     assert got[0] != got[3] and got[1] != got[3], "the constraints changed nothing: the test would not see them"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Unconstrained:
-    """Control: a model drafter that samples without the automata (q is still what it sampled
-    from: the output stays exact, acceptance drops)."""
-    inner: drafters.ModelDrafter
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @staticmethod
-    def _plain(cfg):
-        return cfg.replace(fsm_next=None, fsm_class=None, fsm_offset=None, fsm_start=None, fsm_state=None)
-
-    def propose(self, params, state, context, key_B, gamma, cfg):
-        return self.inner.propose(params, state, context, key_B, gamma, self._plain(cfg))
-
-    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
-        return self.inner.propose_tree(params, state, context, key_B, tree, self._plain(cfg), children)
-
-
 @pytest.mark.parametrize("gamma", [3, trees.TreeShape.from_branching((2, 2))], ids=["chain", "tree"])
 def test_the_draft_is_masked_on_its_path(tables, gamma):
     rows, n = 64, 12
@@ -334,7 +312,7 @@ def test_the_draft_is_masked_on_its_path(tables, gamma):
     same = _generate(_engine(gamma, max_new=n), params, cfg, rows).metrics.summary()
     assert same["accepted"] == depth * same["target_passes"], same
     inner = drafters.ModelDrafter(TabularModel(V))
-    control = _generate(_engine(gamma, drafter=_Unconstrained(inner), max_new=n), params, cfg, rows).metrics.summary()
+    control = _generate(_engine(gamma, drafter=StrippedConfigDrafter(inner, ("fsm_next", "fsm_class", "fsm_offset", "fsm_start", "fsm_state")), max_new=n), params, cfg, rows).metrics.summary()
     assert control["accepted"] < 0.9 * depth * control["target_passes"], control
 
 

@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -34,8 +33,8 @@ import pytest
 
 from specjax import decoding, drafters, sampling, trees
 
-from _tabular import support_chisquare
-from _toy import TabularModel, random_table
+from _tabular import continuation_pvalue
+from _toy import StrippedConfigDrafter, TabularModel, random_table
 
 V = 3
 N_NEW = 6
@@ -222,8 +221,7 @@ def generated(tables):
 
 
 def _pvalue(law, gen_BN):
-    index = gen_BN @ (V ** np.arange(N_NEW - 1, -1, -1))
-    return support_chisquare(np.bincount(index, minlength=len(law)), law / law.sum())
+    return continuation_pvalue(law, gen_BN, V)
 
 
 @pytest.mark.parametrize("kind", list(SPECULATION))
@@ -285,26 +283,6 @@ def test_greedy_rows_with_penalties_equal_the_penalized_greedy_decode(tables, ga
     assert got != plain, "the penalties changed no greedy continuation: the test would not see them ignored"
 
 
-@dataclasses.dataclass(frozen=True)
-class _NoPenaltyDrafter:
-    """Control: a model drafter that samples without the penalties (q is still what it sampled
-    from, so the output stays exact; only acceptance drops)."""
-    inner: drafters.ModelDrafter
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    @staticmethod
-    def _plain(cfg):
-        return cfg.replace(repetition=None, presence=None, frequency=None, counts=None, seen=None)
-
-    def propose(self, params, state, context, key_B, gamma, cfg):
-        return self.inner.propose(params, state, context, key_B, gamma, self._plain(cfg))
-
-    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
-        return self.inner.propose_tree(params, state, context, key_B, tree, self._plain(cfg), children)
-
-
 @pytest.mark.parametrize("gamma", [3, trees.TreeShape.from_branching((2, 2))], ids=["chain", "tree"])
 def test_the_draft_applies_the_same_penalties_on_its_path(tables, gamma):
     rows, n = 64, 12
@@ -314,7 +292,7 @@ def test_the_draft_applies_the_same_penalties_on_its_path(tables, gamma):
     same = _generate(_engine(gamma, max_new=n), params, _rows(settings), [list(PROMPT)] * rows).metrics.summary()
     assert same["accepted"] == depth * same["target_passes"], same
     inner = drafters.ModelDrafter(TabularModel(V))
-    control = _generate(_engine(gamma, drafter=_NoPenaltyDrafter(inner), max_new=n), params, _rows(settings),
+    control = _generate(_engine(gamma, drafter=StrippedConfigDrafter(inner, ("repetition", "presence", "frequency", "counts", "seen")), max_new=n), params, _rows(settings),
                         [list(PROMPT)] * rows).metrics.summary()
     assert control["accepted"] < 0.9 * depth * control["target_passes"], control
 
