@@ -46,6 +46,9 @@ import numpy as np
 __all__ = ["TokenAutomaton", "ConstraintError", "compile_regex", "compile_json_schema", "stack", "Stacked"]
 
 
+STATE_CHUNK = 256       # states walked through the vocabulary at once (`compile_regex`)
+
+
 class ConstraintError(ValueError):
     """A constraint that cannot be compiled (a bad schema or regex, or one past the budget)."""
 
@@ -135,7 +138,7 @@ def _coreachable(next_sV: np.ndarray, final_s: np.ndarray) -> np.ndarray:
 
 
 def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: Sequence[int],
-                  max_states: int = 4096) -> TokenAutomaton:
+                  max_states: int = 1024) -> TokenAutomaton:
     """The automaton of the texts that fully match ``pattern`` (Python regex syntax, as
     interegular parses it), over a vocabulary whose token i spells ``token_bytes[i]`` (None: a
     special token, never allowed), ending with any of ``stop_ids`` in a final state (ids past
@@ -145,7 +148,8 @@ def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: S
     from which a final state can still be reached by whole tokens, so the text never runs into
     a dead end. A token whose bytes are not whole UTF-8 characters is never allowed (such text
     needs a neighbour's bytes to be read). `ConstraintError` for a pattern that does not parse,
-    one with no match, or more than ``max_states`` states."""
+    one with no match, or more than ``max_states`` states (counted on the character automaton
+    first: it bounds the compile's memory, states x vocabulary x 2 bytes)."""
     interegular = _require("interegular")
     if not stop_ids:
         raise ConstraintError("a constraint needs at least one stop token (end of sequence)")
@@ -158,6 +162,8 @@ def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: S
     states = sorted(fsm.states, key=repr)
     number = {s: i for i, s in enumerate(states)}
     n = len(states)
+    if n > max_states:      # before the token walk, whose tables are states x vocabulary
+        raise ConstraintError(f"the pattern's character automaton has {n} states, more than max_states={max_states}")
     K = 1 + max([sym for row in fsm.map.values() for sym in row] + [int(v) for v in fsm.alphabet.values()])
     char_nk = np.full((n + 1, K), n, np.int32)          # row n: the dead state
     for s, row in fsm.map.items():
@@ -166,16 +172,22 @@ def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: S
     final_n = np.zeros(n + 1, bool)
     final_n[[number[s] for s in fsm.finals]] = True
     symbols_VL, len_V = _token_symbols(fsm, token_bytes, set(stops))
-    # every state walks every token's text at once, the tokens sorted longest first
+    # every state walks every token's text, the tokens sorted longest first, STATE_CHUNK states at
+    # a time (int16 tables: at most 32,767 states; memory: states x vocabulary x 2 bytes)
+    if n >= np.iinfo(np.int16).max:
+        raise ConstraintError(f"the pattern's character automaton has {n} states, more than 32,766")
     order = np.argsort(-len_V, kind="stable")
-    cur_nV = np.broadcast_to(np.arange(n, dtype=np.int32)[:, None], (n, V)).copy()
-    for j in range(symbols_VL.shape[1]):
-        active = int((len_V > j).sum())
-        if active == 0:
-            break
-        idx = order[:active]
-        cur_nV[:, idx] = char_nk[cur_nV[:, idx], symbols_VL[idx, j][None, :]]
-    next_nV = np.where((len_V > 0)[None, :] & (cur_nV < n), cur_nV, -1).astype(np.int32)
+    next_nV = np.empty((n, V), np.int16)
+    for lo in range(0, n, STATE_CHUNK):
+        cur_cV = np.broadcast_to(np.arange(lo, min(n, lo + STATE_CHUNK), dtype=np.int16)[:, None],
+                                 (min(n, lo + STATE_CHUNK) - lo, V)).copy()
+        for j in range(symbols_VL.shape[1]):
+            active = int((len_V > j).sum())
+            if active == 0:
+                break
+            idx = order[:active]
+            cur_cV[:, idx] = char_nk[cur_cV[:, idx], symbols_VL[idx, j][None, :]]
+        next_nV[lo:lo + STATE_CHUNK] = np.where((len_V > 0)[None, :] & (cur_cV < n), cur_cV, -1)
     next_nV[:, stops] = np.where(final_n[:n, None], np.arange(n, dtype=np.int32)[:, None], -1)
     good = _coreachable(next_nV, final_n[:n])
     start = number[fsm.initial]
@@ -194,7 +206,7 @@ def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: S
     keep = np.asarray(sorted(seen, key=seen.get))
     renumber = np.full(n + 1, -1, np.int32)
     renumber[keep] = np.arange(len(keep), dtype=np.int32)
-    dense_sV = np.where(next_nV[keep] >= 0, renumber[np.maximum(next_nV[keep], 0)], -1).astype(np.int32)
+    dense_sV = np.where(next_nV[keep] >= 0, renumber[np.maximum(next_nV[keep], 0)], -1).astype(np.int16)
     # token classes: equal columns, found by sorting each column's bytes as one opaque value
     cols_Vs = np.ascontiguousarray(dense_sV.T)
     keys_V = cols_Vs.view(np.dtype((np.void, cols_Vs.shape[1] * cols_Vs.itemsize))).ravel()
@@ -205,7 +217,7 @@ def compile_regex(pattern: str, token_bytes: Sequence[bytes | None], stop_ids: S
 
 
 def compile_json_schema(schema: Any, token_bytes: Sequence[bytes | None], stop_ids: Sequence[int],
-                        max_states: int = 4096, whitespace: str | None = r"[ ]?") -> TokenAutomaton:
+                        max_states: int = 1024, whitespace: str | None = r"[ ]?") -> TokenAutomaton:
     """`compile_regex` of the JSON texts ``schema`` (a dict or a JSON string) accepts, as
     outlines-core writes them (``whitespace``: the pattern between tokens). `ConstraintError`
     naming what is wrong for a schema it does not take (a recursive one, an unsupported key)."""

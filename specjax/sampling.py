@@ -254,6 +254,12 @@ class SamplingConfig:
         """Whether a position's transform reads the tokens before it (penalties, automata)."""
         return self.penalized or self.constrained
 
+    @property
+    def moves(self) -> bool:
+        """Whether the config holds a position's history (set by `with_history`): a drafter then
+        moves it along its drafted tokens (`advance`, `at_paths`)."""
+        return self.counts is not None or self.fsm_state is not None
+
     def with_history(self, tokens_BS: jax.Array, prompt_lengths_B: jax.Array, lengths_B: jax.Array, vocab: int,
                      fsm_state_B: jax.Array | None = None):
         """The config at the position after each row's committed tokens (a vocabulary of
@@ -311,7 +317,7 @@ class SamplingConfig:
         history adds the tokens on its path (its ancestors and itself, in order). A chain is the
         tree whose node x has parent x - 1. -> ``counts`` [B, Y, V], ``fsm_state`` [B, Y]. No-op
         without a history."""
-        if not (self.counts is not None or self.fsm_state is not None):
+        if not self.moves:
             return self
         B, X = tokens_BX.shape
         parents_BX = jnp.broadcast_to(jnp.asarray(parents_X, jnp.int32), (B, X))
@@ -474,9 +480,10 @@ def _masked(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Arr
     cls_BV = cfg.fsm_class if ids is None else jnp.take(cfg.fsm_class, ids, axis=1)
     cls = cls_BV.reshape(cls_BV.shape[:1] + (1,) * (x.ndim - 2) + cls_BV.shape[-1:])
     row = cfg.fsm_offset.reshape((state.shape[0],) + (1,) * (state.ndim - 1)) + jnp.maximum(state, 0)
-    allowed = cfg.fsm_next[row[..., None], cls] >= 0
-    allowed = jnp.where(state[..., None] == -1, True, jnp.where(state[..., None] == DEAD_STATE, False, allowed))
-    return jnp.where(allowed, x, -jnp.inf)
+    allowed = (state[..., None] == -1) | (cfg.fsm_next[row[..., None], cls] >= 0)
+    # After a token the automaton refuses nothing is a distribution: NaN, which the engine's guard
+    # sees (a drafted token's later positions are never committed; a committed prefix never gets here)
+    return jnp.where(state[..., None] == DEAD_STATE, jnp.nan, jnp.where(allowed, x, -jnp.inf))
 
 
 def _adjusted(x: jax.Array, cfg: SamplingConfig, ids: jax.Array | None) -> jax.Array:
@@ -623,13 +630,21 @@ def probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Arr
     """
     if cfg.greedy:
         vocab = logits_V.shape[-1]
-        return jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids) if cfg.has_history else logits_V), vocab,
-                              dtype=jnp.float32)
+        if not cfg.has_history:
+            return jax.nn.one_hot(argmax(logits_V), vocab, dtype=jnp.float32)
+        return _one_hot_argmax(_adjusted(logits_V, cfg, ids))
     probs = jax.nn.softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids)), logits_V.shape[-1], dtype=jnp.float32)
+        greedy = _one_hot_argmax(_adjusted(logits_V, cfg, ids))
         probs = jnp.where(_per_row(cfg.temperature, probs) == 0, greedy, probs)
     return probs
+
+
+def _one_hot_argmax(x: jax.Array) -> jax.Array:
+    """The greedy distribution of ``x`` [..., V]: one-hot of its `argmax`; NaN where the row
+    holds a NaN (so a broken row is seen by the engine's guard, not decoded as token 0)."""
+    one = jax.nn.one_hot(argmax(x), x.shape[-1], dtype=jnp.float32)
+    return jnp.where(jnp.isnan(x).any(axis=-1, keepdims=True), jnp.nan, one)
 
 
 def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax.Array:
@@ -638,8 +653,7 @@ def log_probabilities(logits_V: jax.Array, cfg: SamplingConfig, ids=None) -> jax
         return jnp.log(probabilities(logits_V, cfg))
     logp = jax.nn.log_softmax(_filtered_logits(logits_V, cfg, ids), axis=-1)
     if cfg.per_row:
-        greedy = jnp.log(jax.nn.one_hot(argmax(_adjusted(logits_V, cfg, ids)), logits_V.shape[-1],
-                                        dtype=jnp.float32))
+        greedy = jnp.log(_one_hot_argmax(_adjusted(logits_V, cfg, ids)))
         logp = jnp.where(_per_row(cfg.temperature, logp) == 0, greedy, logp)
     return logp
 

@@ -130,6 +130,9 @@ def test_a_json_schema_on_the_smollm2_vocabulary(smollm2_tokens):
         constraints.compile_regex("(unclosed", token_bytes, tok.stop_token_ids)
     with pytest.raises(constraints.ConstraintError, match="max_states=10"):
         constraints.compile_json_schema(SCHEMA, token_bytes, tok.stop_token_ids, max_states=10)
+    # a pattern whose automaton would need states x vocabulary tables of gigabytes: refused first
+    with pytest.raises(constraints.ConstraintError, match="character automaton has .* more than max_states=1024"):
+        constraints.compile_regex("[a-z]{0,5000}", token_bytes, tok.stop_token_ids)
 
 
 def test_stack_places_each_rows_automaton():
@@ -390,3 +393,18 @@ def test_one_round_is_exact_by_enumeration(tables, verifier):
     np.testing.assert_allclose(target, want, atol=1e-6)
     np.testing.assert_allclose(law, want, atol=1e-6)
     assert np.count_nonzero(np.asarray(want) > 0) < len(want)        # the pattern rules sequences out
+
+
+def test_a_refused_token_leaves_no_distribution():
+    """After a token the automaton refuses (`DEAD_STATE`) a position has no distribution: NaN
+    for a sampled and for a greedy row, which the engine's guard sees, never a silent token 0;
+    a row without an automaton (-1) is untouched; a live state masks."""
+    auto = constraints.compile_regex("(ab|c)+", TOY_TOKENS, [V])
+    st = constraints.stack([auto, auto, None, auto], V, 8, 4)
+    cfg = sampling.SamplingConfig.rows([1.0, 0.0, 1.0, 0.0], constraint=st)
+    cfg = cfg.replace(fsm_state=jnp.asarray([sampling.DEAD_STATE, sampling.DEAD_STATE, -1, 0], jnp.int32))
+    logits = jnp.asarray([[0.1, 0.5, 0.2]] * 4, jnp.float32)
+    p = np.asarray(sampling.probabilities(logits, cfg))
+    assert np.isnan(p[0]).all() and np.isnan(p[1]).all()
+    np.testing.assert_allclose(p[2], np.asarray(jax.nn.softmax(logits[2])), rtol=1e-6)
+    assert p[3].tolist() == [0.0, 0.0, 1.0]           # start: "a" or "c"; greedy picks c (0.2 > 0.1)

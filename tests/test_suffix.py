@@ -108,6 +108,15 @@ def test_the_cache_is_a_ring_saved_and_loaded(tmp_path):
     assert SuffixCache.load(tmp_path / "none", 8).tokens_M.tolist() == [-1] * 8
     (tmp_path / "suffix_cache.tmp.npz").write_bytes(b"cut off")     # a save cut off midway
     assert SuffixCache.load(tmp_path, 16).tokens_M.tolist() == cache.tokens_M.tolist()
+    typed = SuffixCache(16, vocab_size=50)
+    typed.add([1, 49])
+    with pytest.raises(ValueError, match=r"token ids in \[0, 49\]"):
+        typed.add([50])
+    typed.save(tmp_path / "typed")
+    assert SuffixCache.load(tmp_path / "typed", 16, vocab_size=50).tokens_M.tolist()[:3] == [1, 49, -1]
+    with pytest.raises(ValueError, match="a suffix cache of a 50-token vocabulary; this target has 64"):
+        SuffixCache.load(tmp_path / "typed", 16, vocab_size=64)
+    assert SuffixCache.load(tmp_path / "typed", 16).vocab_size == 50        # kept when not given
     (tmp_path / "suffix_cache.npz").write_bytes(b"not a cache")
     with pytest.raises(ValueError, match="suffix_cache.npz: not a suffix cache"):
         SuffixCache.load(tmp_path, 16)

@@ -83,7 +83,7 @@ def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
 
     # Penalties and automata: the drafted tokens join the history, carried through the scan (a
     # config without a history stays out of the carry: the loop is then the plain one).
-    moving = cfg.counts is not None or cfg.fsm_state is not None
+    moving = cfg.moves
 
     def step(carry, key_B):
         cache, tok_B, here = carry

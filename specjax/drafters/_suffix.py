@@ -49,11 +49,14 @@ class SuffixCache:
     """A ring of ``capacity`` token slots on the host holding earlier documents (a prompt and its
     output each), newest last; `corpus` gives the drafter's params. A document longer than the
     ring keeps its last tokens; a document that does not fit before the ring's end starts again
-    at slot 0, overwriting the oldest ones (the slots it skips become `SEP`)."""
+    at slot 0, overwriting the oldest ones (the slots it skips become `SEP`). ``vocab_size``:
+    the tokenizer's, when known: saved with the ring, so a cache of another vocabulary is refused
+    when loaded, and token ids past it are refused when added."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, vocab_size: int | None = None):
         if capacity < 2:
             raise ValueError(f"a suffix cache needs at least 2 slots, got {capacity}")
+        self.vocab_size = vocab_size
         self.tokens_M = np.full(capacity, SEP, np.int32)
         self.write = 0
         self.documents = 0
@@ -67,8 +70,9 @@ class SuffixCache:
         doc = np.asarray(list(tokens), np.int64)
         if doc.size == 0:
             return
-        if (doc < 0).any() or (doc > np.iinfo(np.int32).max).any():
-            raise ValueError("a suffix cache document holds token ids >= 0")
+        top = np.iinfo(np.int32).max if self.vocab_size is None else self.vocab_size - 1
+        if (doc < 0).any() or (doc > top).any():
+            raise ValueError(f"a suffix cache document holds token ids in [0, {top}]")
         doc = np.append(doc[-(self.capacity - 1):], SEP).astype(np.int32)
         if self.write + doc.size > self.capacity:
             self.tokens_M[self.write:] = SEP
@@ -86,26 +90,31 @@ class SuffixCache:
         path = pathlib.Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / "suffix_cache.tmp.npz"
-        np.savez(tmp, tokens_M=self.tokens_M, write=self.write, documents=self.documents)
+        np.savez(tmp, tokens_M=self.tokens_M, write=self.write, documents=self.documents,
+                 vocab_size=-1 if self.vocab_size is None else self.vocab_size)
         os.replace(tmp, path / "suffix_cache.npz")
         return path / "suffix_cache.npz"
 
     @classmethod
-    def load(cls, directory, capacity: int) -> "SuffixCache":
+    def load(cls, directory, capacity: int, vocab_size: int | None = None) -> "SuffixCache":
         """The cache saved in ``directory`` (a new empty one if there is none), in a ring of
         ``capacity`` slots (a saved ring of another size keeps its newest documents that fit).
-        ValueError naming the file if it is not a suffix cache."""
-        cache = cls(capacity)
+        ValueError naming the file if it is not a suffix cache, or was saved for a vocabulary
+        other than ``vocab_size`` (None: any)."""
         path = pathlib.Path(directory) / "suffix_cache.npz"
         if not path.exists():
-            return cache
+            return cls(capacity, vocab_size)
         try:
             with np.load(path) as f:
                 ring, write = np.asarray(f["tokens_M"], np.int64), int(f["write"])
+                saved_vocab = int(f["vocab_size"]) if "vocab_size" in f.files else -1
         except Exception as e:
             raise ValueError(f"{path}: not a suffix cache ({type(e).__name__}: {str(e)[:200]})") from None
         if ring.ndim != 1 or not 0 <= write < max(ring.size, 1) or (ring < SEP).any():
             raise ValueError(f"{path}: not a suffix cache (bad ring)")
+        if vocab_size is not None and saved_vocab >= 0 and saved_vocab != vocab_size:
+            raise ValueError(f"{path}: a suffix cache of a {saved_vocab}-token vocabulary; this target has {vocab_size}")
+        cache = cls(capacity, vocab_size if vocab_size is not None else (saved_vocab if saved_vocab >= 0 else None))
         ordered = np.concatenate([ring[write:], ring[:write]])            # oldest first
         for piece in np.split(ordered, np.flatnonzero(ordered == SEP)):
             cache.add(piece[piece != SEP])
@@ -153,8 +162,9 @@ class SuffixDrafter:
         return state
 
     def candidates(self, params, tokens_BS, lengths_B):
-        """(seq_BK, start_BK, n_B): the row's tokens followed by the corpus, the positions where
-        the longest matching suffix (length n_B, 0: none) ends (continuations start after them)."""
+        """(seq_BK, valid_BK, ends_BK, n_B): the row's tokens followed by the corpus, which of
+        them are tokens (not padding or `SEP`), the positions where the longest matching suffix
+        (length n_B, 0: none) ends (continuations start after them), and n_B."""
         B, S = tokens_BS.shape
         pos_S = jnp.arange(S)[None]
         own_valid = pos_S < lengths_B[:, None]
@@ -211,8 +221,9 @@ class SuffixSettings:
 
 
 def _build(s: SuffixSettings, ctx):
-    cache = SuffixCache.load(s.suffix_cache_dir, s.suffix_tokens) if s.suffix_cache_dir else SuffixCache(
-        s.suffix_tokens)
+    vocab = ctx.target.vocab_size
+    cache = SuffixCache.load(s.suffix_cache_dir, s.suffix_tokens, vocab) if s.suffix_cache_dir else SuffixCache(
+        s.suffix_tokens, vocab)
     drafter = SuffixDrafter(ctx.target.vocab_size, max_match=s.suffix_max_match, min_match=s.suffix_min_match)
     return drafter, cache.corpus()
 

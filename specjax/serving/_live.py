@@ -119,7 +119,7 @@ class LiveScheduler:
     per padded width)."""
 
     def __init__(self, engine: decoding.Engine, params: decoding.EngineParams, sampling, *, slots: int,
-                 capacity: int, key, max_queue: int = 64, pad_multiple: int = 64, max_constraint_states: int = 4096,
+                 capacity: int, key, max_queue: int = 64, pad_multiple: int = 64, max_constraint_states: int = 1024,
                  max_constraint_classes: int = 1024):
         if slots < 1 or max_queue < 1:
             raise ValueError(f"slots and max_queue must be >= 1, got {slots} and {max_queue}")
@@ -225,29 +225,29 @@ class LiveScheduler:
     # ------------------------------------------------------------------ the engine thread
 
     def warmup(self, widths: Sequence[int] = (1,)) -> None:
-        """Compile the refill for prompts of these lengths' padded widths and a round of the three
-        programs (greedy, per-row, per-row with penalties), on a throw-away state (so no request
-        waits for compilation)."""
+        """Compile the refill for prompts of these lengths' padded widths and a round of the four
+        programs (greedy, per-row, with penalties, with penalties and automata), on a throw-away
+        state (so no request waits for compilation)."""
         state = self.engine.empty_state(self.params, self.slots, self.capacity, key=self.key)
         for n in widths:
             state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
         state = jax.block_until_ready(self.engine.step(self.params, self._greedy, state)[0])
         state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * widths[0], 1, None, 0.0)))
-        rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots)
-        state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])       # the state is donated
-        rows = sampling_lib.SamplingConfig.rows([1.0] * self.slots, repetition_penalty=[1.0] * self.slots)
-        state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])
-        free = [self.default_settings] * self.slots
-        jax.block_until_ready(self.engine.step(self.params, self._constrained_rows(free, [None] * self.slots), state)[0])
+        free = (self.default_settings,) * self.slots
+        for penalized, automata in ((False, None), (True, None), (True, (None,) * self.slots)):
+            rows = self._rows(free, penalized, automata)
+            state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])    # the state is donated
 
-    def _constrained_rows(self, settings, automata) -> sampling_lib.SamplingConfig:
-        """The per-row program with penalties and automata (each slot's settings and automaton or
-        None): every constrained round runs it, whatever the penalties."""
+    def _rows(self, settings, penalized: bool, automata=None) -> sampling_lib.SamplingConfig:
+        """The per-row config of each slot's settings: with penalties (``penalized``), and with
+        the slots' automata stacked in the fixed table (``automata``, one or None per slot; a
+        constrained round always carries the penalties too: one program fewer)."""
         t, k, p, m, bias, rep, pres, freq = zip(*settings)
-        stacked = constraints.stack(automata, self.engine.target.vocab_size, self.max_constraint_states,
-                                    self.max_constraint_classes)
-        return sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias], repetition_penalty=rep,
-                                                presence_penalty=pres, frequency_penalty=freq, constraint=stacked)
+        extra = dict(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq) if penalized else {}
+        if automata is not None:
+            extra["constraint"] = constraints.stack(automata, self.engine.target.vocab_size,
+                                                    self.max_constraint_states, self.max_constraint_classes)
+        return sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias], **extra)
 
     def _sampling_for(self, busy: Sequence[int]):
         """The round's sampling: greedy when every busy row is (no bias, no penalty), else each
@@ -258,18 +258,13 @@ class LiveScheduler:
                for t in occupants):
             return self._greedy
         settings = tuple(o.settings if o is not None else self.default_settings for o in self._occupant)
+        automata = None
         if any(t.constraint is not None for t in occupants):
             automata = tuple(o.constraint if o is not None else None for o in self._occupant)
-            key = (settings, automata)       # automata compare by identity (and stay referenced)
-            if self._rows_cache is None or self._rows_cache[0] != key:
-                self._rows_cache = (key, self._constrained_rows(settings, automata))
-            return self._rows_cache[1]
-        penalized = any(_penalized(t.settings) for t in occupants)
-        if self._rows_cache is None or self._rows_cache[0] != (settings, penalized):
-            t, k, p, m, bias, rep, pres, freq = zip(*settings)
-            extra = dict(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq) if penalized else {}
-            self._rows_cache = ((settings, penalized),
-                                sampling_lib.SamplingConfig.rows(t, k, p, m, [dict(b) for b in bias], **extra))
+        penalized = automata is not None or any(_penalized(t.settings) for t in occupants)
+        key = (settings, penalized, automata)       # automata compare by identity (and stay referenced)
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, self._rows(settings, penalized, automata))
         return self._rows_cache[1]
 
     def start(self) -> None:

@@ -118,7 +118,7 @@ class MedusaDrafter:
         h_BGD = medusa_features(self.config, params, f_BD[:, None])[:, 0, :gamma]
         scores_BGU, ids = head_scores(self.config, params, h_BGD)      # over the head's tokens (see draw_support)
         keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-        if not (cfg.counts is not None or cfg.fsm_state is not None):
+        if not cfg.moves:
             tokens_BG, q_BGV = jax.vmap(lambda k, s: draw_support(k, s, ids, cfg, self.vocab_size), in_axes=1,
                                         out_axes=1)(keys_BG, scores_BGU)
             return tokens_BG, q_BGV, state
