@@ -17,6 +17,9 @@ def get_config():
     c.host = "127.0.0.1"
     c.port = 8000                           # 0: a free port (printed at start)
     c.slots = 4                             # rows decoded together (continuous batching)
+    # Batch sizes rounds run at (the smallest holding the busy rows): 'powers' (1, 2, 4, .. slots),
+    # '' (every round at slots rows), or sizes such as '1,4'; each size compiles its own programs.
+    c.buckets = "powers"
     c.max_queue = 64                        # waiting requests beyond which a request gets 429
     c.max_prompt_tokens = 1024              # the longest prompt a request may send (sizes every row's cache)
     c.model_name = ""                       # what clients send as "model" ("" = the target's name)

@@ -25,6 +25,7 @@ class ServeJob(Settings):
     host: str = "127.0.0.1"
     port: int = 8000
     slots: int = 4                       # rows decoded together (continuous batching)
+    buckets: str = "powers"              # batch sizes rounds run at: 'powers' (1, 2, 4, .. slots), '' (slots), '1,4'
     max_queue: int = 64                  # waiting requests beyond which a request gets 429
     max_prompt_tokens: int = 1024        # the longest prompt a request may send (sizes the caches)
     model_name: str = ""                 # the name clients send as "model" ("" = the target's name)
@@ -44,9 +45,41 @@ def serve_job(c: Any) -> ServeJob:
     for name in ("slots", "max_queue", "max_prompt_tokens"):
         if getattr(job, name) < 1:
             raise ValueError(f"config.{name}: must be >= 1, got {getattr(job, name)}")
+    _buckets(job)
     if not 0 <= job.port < 65536:
         raise ValueError(f"config.port: {job.port} is not a TCP port (0 picks a free one)")
     return job
+
+
+def _buckets(job: ServeJob):
+    """The ``buckets`` setting as `specjax.serving.Buckets.make` takes it; ValueError naming it."""
+    text = job.buckets.strip()
+    if text in ("", "powers"):
+        return text or ()
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"config.buckets: 'powers', '' or comma-separated batch sizes, got {job.buckets!r}") from None
+    from specjax import serving
+    try:
+        serving.Buckets.make(job.slots, sizes)
+    except ValueError as e:
+        raise ValueError(f"config.buckets: {e}") from None
+    return sizes
+
+
+def round_times_per_size(gen, samp, sizes, capacity: int, repeats: int = 3) -> dict:
+    """Adaptive gamma's round times measured at each batch size (`Engine.round_times` on rows of a
+    placeholder prompt): what `specjax.serving.Buckets` prices each size's rounds with."""
+    import jax
+
+    from specjax import decoding
+    out = {}
+    for size in sizes:
+        batch = decoding.make_batch([[1] * 16] * size, gen.config, jax.random.key(0), pad_multiple=gen.pad_multiple,
+                                    capacity=capacity)
+        out[size] = gen.engine.round_times(gen.params, samp, batch, repeats=repeats)
+    return out
 
 
 def build_server(job: ServeJob):
@@ -60,8 +93,15 @@ def build_server(job: ServeJob):
         raise ValueError("specjax serve runs on one device for now (mesh settings name several)")
     samp = build.sampling_config(s)
     capacity = gen.config.slots_needed(-(-job.max_prompt_tokens // gen.pad_multiple) * gen.pad_multiple)
+    buckets = serving.Buckets.make(job.slots, _buckets(job))
+    round_time_s = None
+    if gen.config.adaptive:
+        round_time_s = round_times_per_size(gen, samp, buckets.sizes, capacity)
+        print("[specjax] round times (ms) per batch size and gamma: " + "; ".join(
+            f"{b}: " + ", ".join(f"{1e3 * t:.1f}" for t in ts) for b, ts in round_time_s.items()), file=sys.stderr)
     live = serving.LiveScheduler(gen.engine, gen.params, samp, slots=job.slots, capacity=capacity,
-                                 key=jax.random.key(job.seed), max_queue=job.max_queue, pad_multiple=gen.pad_multiple)
+                                 key=jax.random.key(job.seed), max_queue=job.max_queue, pad_multiple=gen.pad_multiple,
+                                 buckets=buckets.sizes, round_time_s=round_time_s)
     live.warmup()
     live.start()
     name = job.model_name or s.target

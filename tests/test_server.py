@@ -41,8 +41,10 @@ def _free_port() -> int:
 def server():
     import uvicorn
     c = config_files.with_drafter_keys(serve_config.get_config())
+    # buckets "": every round at 2 rows (one set of programs to compile; the batch sizes are
+    # tested on a tiny model in tests/test_serving_live.py and tests/test_buckets.py)
     c.update(port=_free_port(), slots=2, max_queue=8, max_prompt_tokens=256, max_new_tokens=MAX_NEW,
-             compilation_cache_dir="")
+             compilation_cache_dir="", buckets="")
     job = serve.serve_job(c)
     live, app, name = serve.build_server(job)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=job.port, log_level="warning"))
@@ -271,7 +273,8 @@ def test_malformed_bodies_health_and_metrics(server):
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
     text = httpx.get(server["url"] + "/metrics").text
     for name in ("specjax_tokens_total", "specjax_queue_depth", "specjax_active_slots",
-                 'specjax_acceptance_at_position{position="1"}', "specjax_rounds_per_gamma"):
+                 'specjax_acceptance_at_position{position="1"}', "specjax_rounds_per_gamma", "specjax_batch_rows 2",
+                 "specjax_batch_resizes_total 0"):
         assert name in text, name
     tokens = [line for line in text.splitlines() if line.startswith("specjax_tokens_total")]
     assert float(tokens[0].split()[1]) > 0
@@ -292,3 +295,15 @@ def test_a_full_queue_answers_429(server):
                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
     assert json.loads(r.text)["error"]["message"].startswith("the server is busy")
+
+
+def test_serve_config_errors_name_the_key():
+    """Bad server settings are refused by key before anything loads."""
+    c = config_files.with_drafter_keys(serve_config.get_config())
+    assert serve._buckets(serve.serve_job(c)) == "powers"
+    for key, value, match in (("buckets", "1,x", "config.buckets: 'powers'"), ("buckets", "3,1", "config.buckets: .*sorted"),
+                              ("port", 70000, "config.port"), ("slots", 0, "config.slots")):
+        bad = config_files.with_drafter_keys(serve_config.get_config())
+        bad[key] = value
+        with pytest.raises(ValueError, match=match):
+            serve.serve_job(bad)

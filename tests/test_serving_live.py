@@ -51,10 +51,13 @@ class Collector:
             self.event.set()
 
 
-def test_requests_from_threads_get_their_own_tokens_and_cancel_frees_slots(setup):
+@pytest.mark.parametrize("buckets", [(), "powers"])
+def test_requests_from_threads_get_their_own_tokens_and_cancel_frees_slots(setup, buckets):
+    """With ``buckets`` 'powers' the rows move between batches of 1 and 2 as requests come, end
+    and are cancelled; what each request gets is unchanged."""
     engine, params, greedy, capacity = setup
     live = serving.LiveScheduler(engine, params, greedy, slots=2, capacity=capacity, key=jax.random.key(0),
-                                 max_queue=16)
+                                 max_queue=16, buckets=buckets)
     live.start()
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, 96, n))) for n in (3, 9, 5, 12, 7, 4)]
@@ -95,6 +98,7 @@ def test_requests_from_threads_get_their_own_tokens_and_cancel_frees_slots(setup
         time.sleep(0.05)
     s = live.snapshot()
     assert s["error"] is None and s["running"] and s["active_slots"] == 0 and s["queue_depth"] == 0, s
+    assert (s["resizes_total"] >= 2) if buckets else (s["resizes_total"] == 0), s
     live.stop(5)
     with pytest.raises(serving.Stopped):
         live.submit(prompts[0], 2, Collector())

@@ -10,6 +10,17 @@ acceptance estimate a, the expected committed tokens of a gamma-round are
 (1 - a^(gamma+1)) / (1 - a), and its time is the calibrated round time of that gamma (per
 draft source, see below), measured on the host once per model pair and carried in the policy
 state. The policy picks the gamma with the least predicted time per token.
+
+Load: the round is priced for the rows it decodes. Each active row has its own estimate (its
+tested draft positions since it entered its slot, shrunk toward the regime's a by
+`prior_positions`, `row_alphas`), and a candidate's committed tokens are the sum over the active
+rows; the round times are those measured at the batch size the round runs at (a scheduler that
+runs rounds at the size its busy rows need, `specjax.serving.Buckets`, gives the policy that
+size's times). So a few busy rows in a round bound by memory traffic draft long, and a full
+batch bound by compute, where a gamma-round costs close to (gamma + 1) plain rounds, runs at
+gamma = 0. One gamma per round for the whole batch: in a dense batch a round costs what its
+widest row costs, and a row's expected committed tokens only grow with its own gamma, so a
+shorter gamma for some rows would save nothing and commit less.
 Hysteresis: it moves away from the current gamma only when the best one is predicted at
 least `hysteresis` (relative) cheaper. The estimate a is an exponential moving average of the
 mean acceptance probability min(1, p/q) at the draft positions actually tested this round,
@@ -51,6 +62,8 @@ class AdaptiveGamma:
     hysteresis: float = 0.05
     probe_every: int = 16
     initial_alpha: float = 0.5
+    # A row's own tested positions weigh against this many at its regime's estimate (`row_alphas`).
+    prior_positions: float = 8.0
 
     def __post_init__(self):
         lengths = [g for g in self.gammas if isinstance(g, int)]
@@ -110,11 +123,30 @@ def batch_regime(regime_B, active_B):
     return jnp.where(low == R_big, 0, low).astype(jnp.int32)
 
 
-def choose(policy: AdaptiveGamma, state: PolicyState, regime=0):
+def row_alphas(policy: AdaptiveGamma, state: PolicyState, accepted_B, tested_B, regime_B):
+    """Each row's acceptance estimate: its own tested draft positions (``accepted_B`` of
+    ``tested_B``, counted since it entered its slot) shrunk toward its regime's estimate with
+    the weight of `prior_positions` positions, so a fresh row starts at the regime's figure."""
+    k = jnp.float32(policy.prior_positions)
+    prior_B = state.alpha_R[regime_B]
+    return (accepted_B.astype(jnp.float32) + k * prior_B) / (tested_B.astype(jnp.float32) + k)
+
+
+def choose(policy: AdaptiveGamma, state: PolicyState, regime=0, alpha_B=None, active_B=None):
     """(index of the gamma to run this round, whether it is a probe out of gamma = 0), for a
-    round in ``regime`` (traced int32 scalar)."""
+    round in ``regime`` (traced int32 scalar).
+
+    With ``alpha_B`` (each row's estimate, `row_alphas`) and ``active_B`` (the rows decoding this
+    round), a candidate's committed tokens are summed over the active rows, each at its own
+    estimate: the round is priced by what this batch, at this occupancy, would commit. Without
+    them (or with no active row) the regime's single estimate prices it."""
     alpha, current = state.alpha_R[regime], state.index_R[regime]
-    per_token_Z = state.round_time_RZ[regime] / expected_per_candidate(alpha, policy.gammas)
+    expected_Z = expected_per_candidate(alpha, policy.gammas)
+    if alpha_B is not None:
+        rows_ZB = jnp.where(active_B[None], expected_per_candidate(alpha_B, policy.gammas), 0.0)
+        any_active = jnp.any(active_B)
+        expected_Z = jnp.where(any_active, jnp.sum(rows_ZB, axis=1), expected_Z)
+    per_token_Z = state.round_time_RZ[regime] / expected_Z
     best = jnp.argmin(per_token_Z).astype(jnp.int32)
     keep = per_token_Z[best] > (1.0 - policy.hysteresis) * per_token_Z[current]
     chosen = jnp.where(keep, current, best)

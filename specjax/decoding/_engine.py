@@ -336,7 +336,10 @@ class Engine:
     def _choose(self, state):
         """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
         regime, regime_B = self._regime(state)
-        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime)
+        m = state.metrics
+        alpha_B = _adaptive.row_alphas(self.config.gamma, state.policy, jnp.sum(m.accepted_at_BG, axis=1),
+                                       jnp.sum(m.tested_at_BG, axis=1), regime_B)
+        chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime, alpha_B, ~state.done_B)
         return chosen, probe, regime, regime_B
 
     def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
@@ -459,8 +462,26 @@ class Engine:
                               pre=self._pre(batch, prefill))
 
     def step(self, params: EngineParams, sampling, state: LoopState) -> tuple[LoopState, Commit]:
-        """One round; ``state`` is donated (its buffers are updated in place, do not reuse it)."""
+        """One round; ``state`` is donated (its buffers are updated in place, do not reuse it).
+
+        Under adaptive gamma the policy's choice is read first (a small program) and the chosen
+        round runs compiled on its own (`_chosen_round`, as `stream` runs it): the same round as
+        the traced `lax.switch` over every candidate, without the switch's copies of the caches."""
+        if self.config.adaptive:
+            index = int(jax.device_get(self._first_choice_jit(state)))
+            return self._chosen_round_jit(params, sampling, index, state)
         return self._step_jit(params, sampling, state)
+
+    def precompile(self, params: EngineParams, sampling, state: LoopState) -> None:
+        """Compile `step`'s programs for this state's shapes, so no round waits for compilation:
+        under adaptive gamma every candidate's round (each run once on a copy of the state, so
+        its memory is briefly held twice) and the policy's choice; else the one round (on a copy)."""
+        if not self.config.adaptive:
+            jax.block_until_ready(self._step_jit(params, sampling, jax.tree.map(jnp.copy, state)))
+            return
+        for i in range(len(self.config.gammas)):
+            jax.block_until_ready(self._chosen_round_jit(params, sampling, i, jax.tree.map(jnp.copy, state)))
+        jax.block_until_ready(self._first_choice_jit(state))
 
     def steps(self, params: EngineParams, sampling, state: LoopState, n: int) -> tuple[LoopState, Commit]:
         """`n` rounds in one jitted call (one host round trip instead of `n`): the same rounds as
@@ -503,8 +524,7 @@ class Engine:
         state = self.init(params, batch, round_time_s, prefill=prefill)
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
         if self.config.adaptive and precompile:
-            for i in range(len(self.config.gammas)):
-                jax.block_until_ready(self._chosen_round_jit(params, sampling, i, jax.tree.map(jnp.copy, state)))
+            self.precompile(params, sampling, state)
         index = int(jax.device_get(self._first_choice_jit(state))) if self.config.adaptive else None
         for r in range(1, max_rounds + 1):
             if index is None:
@@ -528,6 +548,11 @@ class Engine:
                     key: jax.Array | None = None) -> LoopState:
         """A state of ``slots`` empty rows for `refill` (`_slots.empty_state`)."""
         return _slots.empty_state(self, params, slots, capacity, round_time_s, key)
+
+    def resize(self, state: LoopState, rows, round_time_s=None) -> LoopState:
+        """The state with ``len(rows)`` rows, new row i old row ``rows[i]`` (None or -1: an empty
+        done row) (`_slots.resize`)."""
+        return _slots.resize(self, state, rows, round_time_s)
 
     def refill(self, params: EngineParams, state: LoopState, slot: int, prompt: Batch) -> LoopState:
         """Row ``slot`` of ``state`` replaced by the one-row request ``prompt`` (`_slots.refill`)."""

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import calibration
 from specjax.decoding._prefill import prefill_caches
-from specjax.decoding._state import (PAD_ID, RUNNING, Batch, EngineParams, LoopState, _set_rows, constrain_state,
-                                     under_engine_mesh)
+from specjax.decoding._state import (PAD_ID, RUNNING, Batch, EngineParams, LoopState, _map_rows, _set_rows,
+                                     constrain_state, under_engine_mesh)
 
 
 def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
@@ -79,3 +80,54 @@ def refill(engine, params: EngineParams, state: LoopState, slot: int, prompt: Ba
     engine.check(prompt)
     return _refill_jit(engine, params, state, jnp.int32(slot), prompt.prompt_BP, prompt.prompt_lengths_B,
                             prompt.key_B)
+
+
+def resize_rows(engine, state: LoopState, rows_N, round_time_RZ):
+    """A loop state of N = len(rows_N) rows: new row i is old row ``rows_N[i]`` (its caches,
+    tokens, key, counters and automaton state, as they are), or an empty done row where
+    ``rows_N[i]`` < 0. The batch-wide entries (round, rounds per gamma, the adaptive policy's
+    estimates and choices) carry over; the policy's round times become ``round_time_RZ``, the
+    times measured at N rows (ignored without a policy)."""
+    valid_N = rows_N >= 0
+    idx_N = jnp.maximum(rows_N, 0)
+
+    def take(axis, x):
+        return x[idx_N] if axis == 0 else jnp.take(x, idx_N, axis=axis)
+
+    def rows(tree):
+        return None if tree is None else _map_rows(take, tree)
+
+    m = state.metrics
+    metrics = m.replace(**{f.name: take(0, getattr(m, f.name)) for f in dataclasses.fields(m)
+                           if f.name != "gamma_rounds_Z"})
+    policy = state.policy if state.policy is None else state.policy.replace(
+        round_time_RZ=jnp.asarray(round_time_RZ, state.policy.round_time_RZ.dtype))
+    return constrain_state(state.replace(
+        tokens_BS=take(0, state.tokens_BS), lengths_B=take(0, state.lengths_B),
+        prompt_lengths_B=take(0, state.prompt_lengths_B), done_B=take(0, state.done_B) | ~valid_N,
+        status_B=take(0, state.status_B), target_cache=rows(state.target_cache),
+        draft_state=rows(state.draft_state), key_B=take(0, state.key_B), metrics=metrics, policy=policy,
+        features_BSF=None if state.features_BSF is None else take(0, state.features_BSF),
+        constraint_B=None if state.constraint_B is None else take(0, state.constraint_B)),
+        engine.mesh, engine.rules)
+
+
+_resize_jit = functools.partial(jax.jit, static_argnums=0)(under_engine_mesh(resize_rows))
+
+
+def resize(engine, state: LoopState, rows, round_time_s=None) -> LoopState:
+    """``state`` with ``len(rows)`` rows: new row i holds old row ``rows[i]``, or is an empty
+    done row where ``rows[i]`` is None or -1 (to be refilled), so a scheduler can run its rounds
+    at the batch size its busy rows need (a round's cost grows with its rows, done or not).
+    ``round_time_s``: adaptive gamma's round times measured at the new size (as `empty_state`'s;
+    None: the uncalibrated default). Each (old size, new size) pair compiles once."""
+    B = int(state.lengths_B.shape[0])
+    rows_N = np.asarray([-1 if r is None else int(r) for r in rows], np.int32)
+    if rows_N.size < 1:
+        raise ValueError("resize needs at least one row")
+    picked = rows_N[rows_N >= 0]
+    if np.any(picked >= B) or np.any(rows_N < -1) or len(set(picked.tolist())) != picked.size:
+        raise ValueError(f"resize: rows must be distinct rows of the state's {B} (or -1 / None for an empty row), "
+                         f"got {rows_N.tolist()}")
+    rt_RZ = calibration.round_time_table(round_time_s, engine.config.gammas, engine.regimes)
+    return _resize_jit(engine, state, jnp.asarray(rows_N), jnp.asarray(rt_RZ))

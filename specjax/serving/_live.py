@@ -9,6 +9,11 @@ the next round (its row is marked done; a later request refills it). A request's
 ``max_tokens`` (at most the engine's ``max_new_tokens``) and its ``stop`` test (stop sequences,
 checked after each round on its tokens) end it host-side, the same way.
 
+Batch sizes: with ``buckets`` the engine's rounds run at the smallest of several batch sizes
+that holds the busy rows and the queue (`Buckets`; rows move whole between sizes, a moved
+ticket's ``slot`` is rewritten), and adaptive gamma prices each round with the round times
+measured at its size (``round_time_s``: size -> times).
+
 Sampling per request: a request may bring its own temperature, top-k, top-p, min-p, logit
 bias and repetition / presence / frequency penalties (``settings``; default the scheduler's) and
 ``seed``. A round where every busy row is greedy without a logit bias or a penalty runs the
@@ -45,6 +50,7 @@ import numpy as np
 
 from specjax import constraints, decoding
 from specjax import sampling as sampling_lib
+from specjax.serving._buckets import Buckets
 from specjax.serving._scheduler import row_counters
 
 # The largest seed a request may bring (a uint32: `jax.random.key` takes it as it is).
@@ -120,9 +126,11 @@ class LiveScheduler:
 
     def __init__(self, engine: decoding.Engine, params: decoding.EngineParams, sampling, *, slots: int,
                  capacity: int, key, max_queue: int = 64, pad_multiple: int = 64, max_constraint_states: int = 1024,
-                 max_constraint_classes: int = 1024):
+                 max_constraint_classes: int = 1024, buckets: Sequence[int] | str = (), round_time_s=None):
         if slots < 1 or max_queue < 1:
             raise ValueError(f"slots and max_queue must be >= 1, got {slots} and {max_queue}")
+        # the batch sizes rounds run at and adaptive gamma's round times at each (`Buckets`)
+        self.buckets = Buckets.make(slots, buckets, round_time_s)
         # the stacked automata table of a constrained round (`constraints.stack`): a fixed shape
         self.max_constraint_states, self.max_constraint_classes = max_constraint_states, max_constraint_classes
         self.engine, self.params, self.sampling = engine, params, sampling
@@ -134,7 +142,7 @@ class LiveScheduler:
         self.max_new_tokens = engine.config.max_new_tokens
         self._lock = threading.Condition()
         self._queue: collections.deque[Ticket] = collections.deque()
-        self._occupant: list[Ticket | None] = [None] * slots
+        self._occupant: list[Ticket | None] = [None] * self.buckets.sizes[0]     # one per row of the state
         self._next_id = 0
         self._accepting = True
         self._running = False
@@ -144,7 +152,7 @@ class LiveScheduler:
         # host-side figures for /metrics (written by the engine thread, read under the lock)
         self.stats = {"requests_total": 0, "finished_total": 0, "cancelled_total": 0, "tokens_total": 0,
                       "rounds_total": 0, "proposed_total": 0, "accepted_total": 0,
-                      "gamma_rounds": [0] * len(engine.config.gammas)}
+                      "gamma_rounds": [0] * len(engine.config.gammas), "resizes_total": 0}
         # finished rows' drafts, per draft position: accepted, and reached verification
         self.accepted_at = np.zeros(engine.config.max_gamma, np.int64)
         self.tested_at = np.zeros(engine.config.max_gamma, np.int64)
@@ -218,25 +226,35 @@ class LiveScheduler:
         with self._lock:
             return {**self.stats, "gamma_rounds": list(self.stats["gamma_rounds"]), "queue_depth": len(self._queue),
                     "active_slots": sum(o is not None for o in self._occupant), "slots": self.slots,
+                    "batch_rows": len(self._occupant),
                     "uptime_s": time.perf_counter() - self.started, "running": self._running,
                     "accepted_at": self.accepted_at.tolist(), "tested_at": self.tested_at.tolist(),
                     "error": None if self._error is None else f"{type(self._error).__name__}: {self._error}"}
 
     # ------------------------------------------------------------------ the engine thread
 
-    def warmup(self, widths: Sequence[int] = (1,)) -> None:
-        """Compile the refill for prompts of these lengths' padded widths and a round of the four
-        programs (greedy, per-row, with penalties, with penalties and automata), on a throw-away
-        state (so no request waits for compilation)."""
-        state = self.engine.empty_state(self.params, self.slots, self.capacity, key=self.key)
-        for n in widths:
-            state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
-        state = jax.block_until_ready(self.engine.step(self.params, self._greedy, state)[0])
-        state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * widths[0], 1, None, 0.0)))
-        free = (self.default_settings,) * self.slots
-        for penalized, automata in ((False, None), (True, None), (True, (None,) * self.slots)):
-            rows = self._rows(free, penalized, automata)
-            state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])    # the state is donated
+    def warmup(self, widths: Sequence[int] = (1,), greedy_only: bool = False) -> None:
+        """Compile, at every batch size (`Buckets`), the refill for prompts of these lengths'
+        padded widths and the round of the four programs (greedy, per-row, with penalties, with
+        penalties and automata; under adaptive gamma, each draft length's; ``greedy_only``: the
+        greedy one alone, for a workload of greedy requests), and the moves between sizes, on
+        throw-away states (so no request waits for compilation)."""
+        for size in self.buckets.sizes:
+            state = self.engine.empty_state(self.params, size, self.capacity, self.buckets.times(size), key=self.key)
+            for n in widths:
+                state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * n, 1, None, 0.0)))
+            self.engine.precompile(self.params, self._greedy, state)
+            state = jax.block_until_ready(self.engine.step(self.params, self._greedy, state)[0])
+            state = self.engine.refill(self.params, state, 0, self._batch(Ticket(0, (1,) * widths[0], 1, None, 0.0)))
+            free = (self.default_settings,) * size
+            for penalized, automata in () if greedy_only else ((False, None), (True, None), (True, (None,) * size)):
+                rows = self._rows(free, penalized, automata)
+                self.engine.precompile(self.params, rows, state)
+                state = jax.block_until_ready(self.engine.step(self.params, rows, state)[0])    # the state is donated
+            for other in self.buckets.sizes:
+                if other != size:
+                    jax.block_until_ready(self.engine.resize(state, [0] + [None] * (other - 1),
+                                                             self.buckets.times(other)))
 
     def _rows(self, settings, penalized: bool, automata=None) -> sampling_lib.SamplingConfig:
         """The per-row config of each slot's settings: with penalties (``penalized``), and with
@@ -335,8 +353,11 @@ class LiveScheduler:
     def _loop(self) -> None:
         engine, params = self.engine, self.params
         try:
-            state = engine.empty_state(params, self.slots, self.capacity, key=self.key)
+            size = self.buckets.sizes[0]
+            state = engine.empty_state(params, size, self.capacity, self.buckets.times(size), key=self.key)
             while True:
+                if len(self.buckets.sizes) > 1:
+                    state = self._fit(state)
                 with self._lock:
                     # cancelled requests leave the queue and their slots (the row is marked done)
                     for t in [t for t in self._queue if t.cancelled]:
@@ -344,7 +365,7 @@ class LiveScheduler:
                         self._finish(t, "cancelled", "cancelled", None)
                     freed = [s for s, o in enumerate(self._occupant) if o is not None and o.cancelled]
                     admit = []
-                    for s in range(self.slots):
+                    for s in range(len(self._occupant)):
                         if (self._occupant[s] is None or s in freed) and self._queue and s not in freed:
                             admit.append((s, self._queue.popleft()))
                     busy = [s for s, o in enumerate(self._occupant) if o is not None and not o.cancelled] + \
@@ -431,6 +452,22 @@ class LiveScheduler:
                 self._occupant = [None] * self.slots
                 self._lock.notify_all()
             raise
+
+    def _fit(self, state):
+        """The state at the batch size the busy rows and the queue need (`Buckets.fit`); only
+        this thread changes which rows hold which request, so the moved tickets' slots are
+        rewritten under the lock with the new row list."""
+        with self._lock:
+            occupant, waiting = list(self._occupant), sum(1 for t in self._queue if not t.cancelled)
+        state, moved = self.buckets.fit(self.engine, state, occupant, waiting)
+        if len(moved) != len(occupant) or any(a is not b for a, b in zip(moved, occupant)):
+            with self._lock:
+                self._occupant = moved
+                for i, t in enumerate(moved):
+                    if t is not None:
+                        t.slot = i
+                self.stats["resizes_total"] += 1
+        return state
 
     def _counters(self, m, slot: int) -> dict:
         """A finished row's counters from the host metrics ``m``, added to the totals."""

@@ -6,7 +6,9 @@ jitted call, the other rows keep their caches and progress and resume at the nex
 from then on the row takes part in every engine round (`Engine.step`). When a row finishes
 (EOS, max_new_tokens, NaN logits) its result is read and the slot is refilled with the next
 waiting request. Empty slots are done rows: masked, but a round costs the same with them
-(the batch shape is static, one compiled program).
+(the batch shape is static, one compiled program per shape); with ``buckets`` the rounds run at
+the smallest of several batch sizes that holds the busy rows and the arrived requests waiting
+(`Buckets`: rows are moved whole between sizes, so what a request gets does not change).
 
 Admission is FIFO by arrival time, ties in the order the requests are given.
 
@@ -34,6 +36,7 @@ import numpy as np
 
 from specjax import decoding
 from specjax import sampling as sampling_lib
+from specjax.serving._buckets import Buckets
 
 ROW_COUNTERS = ("rounds_B", "draft_passes_B", "proposed_B", "accepted_B", "committed_B", "degenerate_residual_B",
                 "invalid_draft_rounds_B", "scored_B")
@@ -129,6 +132,18 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int) -> np.ndarray:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate_per_s, size=n))
 
 
+def gamma_arrivals(n: int, rate_per_s: float, burstiness: float, seed: int) -> np.ndarray:
+    """Arrival times (s) of a renewal process with gamma-distributed gaps of mean 1/rate and
+    shape ``burstiness`` (the coefficient of variation of the gaps is 1/sqrt(burstiness)): 1 is
+    Poisson, below 1 the requests come in bursts with longer idle gaps between them, above 1 more
+    evenly (the convention of vLLM's serving benchmark)."""
+    if n < 0 or not rate_per_s > 0 or not burstiness > 0:
+        raise ValueError(f"gamma_arrivals needs n >= 0, rate > 0 and burstiness > 0, got n={n}, rate={rate_per_s}, "
+                         f"burstiness={burstiness}")
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate_per_s * burstiness), size=n)
+    return np.cumsum(gaps)
+
+
 def _pct(xs, q):
     xs = [x for x in xs if np.isfinite(x)]
     return float(np.percentile(xs, q)) if xs else float("nan")
@@ -184,7 +199,12 @@ class Scheduler:
     capacity: cache slots per row (every request's padded prompt, and its prompt +
     max_new_tokens + the verification block, must fit; default: what the longest prompt of a
     `run` needs, rounded up to ``pad_multiple``, as `make_batch`); prompts are padded to a multiple of ``pad_multiple`` (one compiled
-    refill per padded width). ``round_time_s`` feeds adaptive gamma (as `Generator`'s)."""
+    refill per padded width). ``round_time_s`` feeds adaptive gamma (as `Generator`'s): one
+    sequence of round times, or with ``buckets`` a mapping batch size -> times measured there.
+
+    buckets: batch sizes below ``slots`` the rounds may run at (`Buckets`; 'powers' = 1, 2, 4,
+    ...; () = every round at ``slots`` rows): each round runs at the smallest size that holds
+    the busy rows and the arrived requests waiting for one."""
     engine: decoding.Engine
     params: decoding.EngineParams
     slots: int
@@ -195,12 +215,14 @@ class Scheduler:
     # finished row's slot idles until then and is refilled after; 1 = every round (serving
     # latency), more for throughput (offline generation).
     rounds_per_sync: int = 1
+    buckets: Sequence[int] | str = ()
 
     def __post_init__(self):
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.rounds_per_sync < 1:
             raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
+        self._buckets = Buckets.make(self.slots, self.buckets, self.round_time_s)
 
     def _batch(self, requests: Sequence[Request], key, capacity: int | None) -> decoding.Batch:
         """`decoding.make_batch` of these requests (padding, per-request keys, and by default the
@@ -242,16 +264,24 @@ class Scheduler:
         return batch.capacity
 
     def warmup(self, sampling: sampling_lib.SamplingConfig, requests: Sequence[Request], key) -> None:
-        """Compile the refill of every padded prompt width the requests need and one round, on a
-        throw-away state (so `run`'s times hold no compilation)."""
+        """Compile the refill of every padded prompt width the requests need and one round at
+        every batch size (with adaptive gamma, one round of every draft length), and the moves
+        between sizes, on throw-away states (so `run`'s times hold no compilation)."""
         capacity = self._check(requests, key)
-        state = self.engine.empty_state(self.params, self.slots, capacity, self.round_time_s, key=key)
         widths = {}
         for r in requests:
             widths.setdefault(-(-len(r.prompt) // self.pad_multiple), r)
-        for r in widths.values():
-            state = self.engine.refill(self.params, state, 0, self._batch([r], key, capacity))
-        jax.block_until_ready(self._advance(sampling, state, self.params)[0])
+        buckets = self._buckets
+        for size in buckets.sizes:
+            state = self.engine.empty_state(self.params, size, capacity, buckets.times(size), key=key)
+            for r in widths.values():
+                state = self.engine.refill(self.params, state, 0, self._batch([r], key, capacity))
+            if self.rounds_per_sync == 1:
+                self.engine.precompile(self.params, sampling, state)
+            state = jax.block_until_ready(self._advance(sampling, state, self.params)[0])
+            for other in buckets.sizes:
+                if other != size:
+                    jax.block_until_ready(self.engine.resize(state, [0] + [None] * (other - 1), buckets.times(other)))
 
     def _advance(self, sampling, state, params):
         """`rounds_per_sync` rounds: (state, commits with a leading round axis, on the host)."""
@@ -283,25 +313,38 @@ class Scheduler:
             self.warmup(sampling, requests, key)
 
         queue = collections.deque(sorted(requests, key=lambda r: r.arrival_s))     # stable: ties as given
-        state = engine.empty_state(params, self.slots, capacity, self.round_time_s, key=key)
+        buckets = self._buckets
+        state = engine.empty_state(params, buckets.sizes[0], capacity, buckets.times(buckets.sizes[0]), key=key)
         jax.block_until_ready(state)
-        occupant: list[dict | None] = [None] * self.slots
-        results, steps, prefill_s = {}, [], 0.0
+        occupant: list[dict | None] = [None] * buckets.sizes[0]
+        results, steps, prefill_s, size_rounds = {}, [], 0.0, collections.Counter()
+        resizes, resize_s = 0, 0.0
         clk = _Clock(clock)
         while queue or any(o is not None for o in occupant):
+            # The batch size the busy rows and the arrived requests need (`Buckets`).
+            if len(buckets.sizes) > 1:
+                t = clk.now()
+                waiting = sum(1 for r in queue if r.arrival_s <= t)
+                before = len(occupant)
+                state, occupant = buckets.fit(engine, state, occupant, waiting)
+                if len(occupant) != before:
+                    jax.block_until_ready(state)
+                    resizes += 1
+                    resize_s += clk.now() - t
             # Admit every arrived request into a free slot (FIFO).
-            for slot in range(self.slots):
+            for slot in range(len(occupant)):
                 if occupant[slot] is None and queue and queue[0].arrival_s <= clk.now():
                     r = queue.popleft()
                     t = clk.now()
                     state = jax.block_until_ready(engine.refill(params, state, slot, self._batch([r], key, capacity)))
                     prefill_s += clk.now() - t
                     occupant[slot] = {"request": r, "admitted": t, "tokens": [], "first": None, "rounds": 0}
-            active = [s for s in range(self.slots) if occupant[s] is not None]
+            active = [s for s in range(len(occupant)) if occupant[s] is not None]
             if not active:
                 clk.wait_until(queue[0].arrival_s)      # nothing to do until the next arrival
                 continue
             state, c = self._advance(sampling, state, params)
+            size_rounds[len(occupant)] += c.n_B.shape[0]
             t = clk.now()
             finished, live = [], active
             for i in range(c.n_B.shape[0]):         # the rounds of this call, in order
@@ -341,8 +384,10 @@ class Scheduler:
                             params = params.replace(draft=new)
         gamma_rounds = np.asarray(jax.device_get(state.metrics.gamma_rounds_Z))
         ordered = [results[i] for i in sorted(results)]
-        return ServeOutput(results=ordered, summary=summarize(ordered, steps, self.slots, gamma_rounds, prefill_s),
-                           steps=steps)
+        summary = summarize(ordered, steps, self.slots, gamma_rounds, prefill_s)
+        summary.update(rounds_per_size={int(b): int(n) for b, n in sorted(size_rounds.items())}, resizes=resizes,
+                       resize_s=resize_s)
+        return ServeOutput(results=ordered, summary=summary, steps=steps)
 
 
 def generate_offline(engine: decoding.Engine, params: decoding.EngineParams, prompts: Sequence[Sequence[int]],
