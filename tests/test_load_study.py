@@ -1,8 +1,11 @@
-"""CI smoke test of experiments/load_study: the tiny variant serves random requests at a Poisson
-rate and all at once, for target-only, fixed-gamma prompt lookup and adaptive prompt lookup,
-through the slot-refilling scheduler; one record per (mode, rate) with every request, greedy
-tokens equal to target-only's for every request, the table and the plot made from the JSONL."""
+"""CI smoke test of experiments/load_study: the tiny variant at 2 slots, target-only,
+fixed-gamma prompt lookup and load-aware prompt lookup, all at once and at half the saturated
+rate with Poisson and bursty arrivals, through the resizing scheduler, and the load-aware mode
+on the live scheduler; one record per run with every request, greedy tokens equal to
+target-only's for every request, nothing lost live, the table and the plot from the JSONL."""
 import os
+
+import numpy as np
 
 from experiments.lib import toolkit
 from experiments.load_study import report
@@ -19,18 +22,30 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     load_run.main(c)
     recs = toolkit.read_jsonl(out)
     loads = [x for x in recs if x["kind"] == "load"]
-    assert [(x["mode"], x["rate"]) for x in loads] == [
-        (m, rate) for m in ("target-only", "prompt lookup, gamma 3", "adaptive prompt lookup") for rate in (20.0, 0.0)]
+    modes = ("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup")
+    assert [(x["slots"], x["mode"], x["arrivals"]) for x in loads] == [
+        (s, m, k) for s in (2,) for m in modes for k in ("all at once", "poisson", "bursty")]
     for x in loads:
-        assert x["requests"] == 6 and len(x["per_request"]) == 6
-        assert sorted(q["id"] for q in x["per_request"]) == list(range(6))
-        assert x["same_tokens_as_target_only"] == 6
+        n = 6
+        assert x["requests"] == n and sorted(q["id"] for q in x["per_request"]) == list(range(n))
+        assert x["same_tokens_as_target_only"] == n
         assert x["tokens"] == sum(q["tokens"] for q in x["per_request"])
-        assert 0 < x["mean_active_slots"] <= 2
-    burst = [x for x in loads if x["rate"] == 0.0]
-    assert all(x["queue_delay_s_p90"] > 0 for x in burst)          # 6 requests, 2 slots: some wait
+        assert {int(k) for k in x["rounds_per_size"]} <= {1, 2}
+    # below saturation the batch shrinks to one row between requests in some run
+    assert any("1" in x["rounds_per_size"] for x in loads if x["arrivals"] != "all at once")
+    caps = {x["slots"]: x["requests_per_s"] for x in recs if x["kind"] == "capacity"}
+    assert set(caps) == {2} and all(v > 0 for v in caps.values())
+    for x in loads:
+        if x["arrivals"] != "all at once":
+            assert np.isclose(x["rate"], 0.5 * caps[x["slots"]])
     spec = next(x for x in loads if x["mode"] == "prompt lookup, gamma 3")
-    assert spec["proposed"] > 0 and spec["engine_rounds"] < loads[0]["engine_rounds"]
-    assert [x for x in recs if x["kind"] == "calibration"][0]["gammas"] == [0, 1, 3]
-    assert (tmp_path / "results.md").read_text() == report.render(recs)
+    assert spec["proposed"] > 0
+    cal = [x for x in recs if x["kind"] == "calibration"]
+    assert [(x["slots"], sorted(x["round_time_s"])) for x in cal] == [(2, ["1", "2"])]
+    live = [x for x in recs if x["kind"] == "live"]
+    assert [(x["slots"], x["mode"]) for x in live] == [(2, "load-aware prompt lookup")]
+    for x in live:
+        assert x["lost"] == 0 and x["requests"] == 6 and x["same_tokens_as_target_only"] == 6
+    md = (tmp_path / "results.md").read_text()
+    assert md == report.render(recs) and "## Aims" in md and "within 5% of offline" in md
     assert (tmp_path / "load_study.png").stat().st_size > 10_000

@@ -270,12 +270,17 @@ class Jsonl:
     while it runs) and `close` moves it over `path`, saying on stderr when that replaces an
     earlier run. A run that dies leaves the earlier results in place and its own in ``.partial``."""
 
-    def __init__(self, path, provenance: dict):
+    def __init__(self, path, provenance: dict, keep: list[dict] = ()):
+        """``keep``: records of an earlier, unfinished run of the same command to carry over as
+        they are (each with its own provenance), written first (a run that resumes)."""
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.provenance = _clean(provenance)
         self._f = open(self.partial, "w", encoding="utf-8")
+        for rec in keep:
+            self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
 
     def write(self, kind: str, **fields) -> dict:
         rec = {"kind": kind, **_clean(fields), "provenance": self.provenance}

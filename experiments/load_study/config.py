@@ -1,23 +1,26 @@
 """Settings of the load study (`python -m experiments.load_study.run --config=<this file>[:tiny]`).
 
-A fixed batch of `slots` rows kept full by `specjax.serving.Scheduler`, fed by Poisson arrivals
-of held-out Spec-Bench requests at each rate in `rates` (requests/s; 0 = every request arrives
-at once, the saturated server), once per mode: target-only decoding, prompt lookup at fixed
-gamma, and adaptive drafting (gamma per round from the measured acceptance and round times
-calibrated at batch = slots). The same requests and arrival times for every mode (paired).
+For each slot count in `slots`, one `specjax.serving.Scheduler` per mode serves held-out
+Spec-Bench requests. The offered loads are fractions (`loads`) of the target-only server's
+saturated rate at that slot count (requests/s, measured first, with every request at t = 0),
+with Poisson and bursty arrivals (`arrivals`), plus every request at once; the same requests and
+arrival times for every mode (paired). Rounds run at the smallest batch size holding the busy
+rows (`buckets`, `specjax.serving.Buckets`) in every mode, target-only included. The live
+scheduler (the engine thread of `specjax serve`, on the real clock) serves the same workload
+at `live_loads` for `live_modes` at `live_slots`, to compare with the offline scheduler.
 Variant "tiny": a random small target and random prompts, seconds per mode (CI).
 """
 
 import ml_collections
 
-# mode name -> (drafter, gamma, adaptive)
+# mode name -> (drafter, gamma, adaptive): adaptive modes pick gamma per round from the rows'
+# acceptance and the round times measured at the batch size the round runs at.
 MODES = {
     "target-only": ("none", 0, False),
-    "prompt lookup, gamma 1": ("ngram", 1, False),
+    "hybrid, gamma 3": ("hybrid", 3, False),
+    "load-aware hybrid": ("hybrid", 4, True),
     "prompt lookup, gamma 3": ("ngram", 3, False),
-    "adaptive prompt lookup": ("ngram", 4, True),
-    "distilled draft, gamma 1": ("distilled", 1, False),
-    "adaptive distilled draft": ("distilled", 4, True),
+    "load-aware prompt lookup": ("ngram", 4, True),
 }
 
 
@@ -25,19 +28,29 @@ def get_config(variant: str = ""):
     c = ml_collections.ConfigDict()
     c.generate_config = "configs/generate.py"
     c.target = ""                           # "" = the generate config's target; "tiny": random (CI)
-    c.modes = tuple(MODES)
+    c.modes = ("target-only", "hybrid, gamma 3", "load-aware hybrid")
     c.adaptive_gammas = (0, 1, 2, 3, 4)
-    c.slots = 4
-    c.num_requests = 24                     # held-out questions (seeded sample of those <= max_prompt_tokens)
+    c.slots = (1, 4, 16)                    # one server per slot count
+    c.num_requests = (12, 24, 48)           # requests per slot count (seeded sample of held-out questions)
+    c.buckets = "powers"                    # batch sizes rounds run at (specjax.serving.Buckets)
+    c.loads = (0.1, 0.5, 0.9)               # offered load: fractions of target-only's saturated requests/s
+    c.arrivals = ("poisson", "bursty")
+    c.burstiness = 0.25                     # gamma shape of the bursty gaps (1 = Poisson)
     c.max_prompt_tokens = 320               # chat-templated; longer questions are left out (prefill time)
     c.max_new_tokens = 64
-    c.rates = (0.25, 0.5, 1.0, 2.0, 0.0)    # requests/s; 0 = all at once
     c.temperature = 0.0
     c.seed = 0
+    c.live_slots = 4                        # the live scheduler's runs: this slot count only
+    c.live_loads = (0.5, 0.9)
+    c.live_modes = ("target-only", "load-aware hybrid")
     c.out = "experiments/load_study/results/results.jsonl"
+    # Go on from an unfinished run of the same config (<out>.partial): finished (slot count, mode)
+    # groups are kept, the rest run again.
+    c.resume = False
     if variant == "tiny":
-        c.update(target="tiny", modes=("target-only", "prompt lookup, gamma 3", "adaptive prompt lookup"),
-                 adaptive_gammas=(0, 1, 3), slots=2, num_requests=6, max_new_tokens=8, rates=(20.0, 0.0),
+        c.update(target="tiny", modes=("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup"),
+                 adaptive_gammas=(0, 1, 3), slots=(2,), num_requests=(6,), max_new_tokens=8, loads=(0.5,),
+                 live_slots=2, live_loads=(0.5,), live_modes=("load-aware prompt lookup",),
                  out="/tmp/load_study/results.jsonl")
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: expected '' or 'tiny'")

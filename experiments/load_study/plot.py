@@ -2,10 +2,10 @@
 
     python -m experiments.load_study.plot [experiments/load_study/results/results.jsonl]
 
-Writes ``load_study.png`` beside the JSONL: against the arrival rate (requests/s; 'all at
-once' = saturated), per mode: throughput (generated tokens/s), time to first token (median,
-with the 90th percentile dashed), median inter-token latency, and throughput relative to
-target-only at the same rate (for adaptive modes also the share of gamma = 0 rounds).
+Writes ``load_study.png`` beside the JSONL: one row per slot count; against the offered load
+(fraction of target-only's saturated rate; the last point every request at once), per mode:
+throughput relative to target-only at the same workload, median inter-token latency and median
+time to first token. Poisson arrivals solid, bursty dashed; live-scheduler runs as stars.
 """
 
 from __future__ import annotations
@@ -14,55 +14,60 @@ import pathlib
 import sys
 
 from experiments.lib import toolkit
-from experiments.load_study.report import rate_label
 
 
 def plot(path) -> list[pathlib.Path]:
     plt = toolkit.pyplot()
-
     path = pathlib.Path(path)
     records = toolkit.read_jsonl(path)
     setup = next(r for r in records if r["kind"] == "setup")
     loads = [r for r in records if r["kind"] == "load"]
-    cal = {r["mode"]: r for r in records if r["kind"] == "calibration"}
+    live = [r for r in records if r["kind"] == "live"]
     prov = setup["provenance"]
-    rates = list(dict.fromkeys(r["rate"] for r in loads))
-    order = sorted(rates, key=lambda x: float("inf") if x == 0 else x)
-    xs = {rate: i for i, rate in enumerate(order)}
-    modes = list(dict.fromkeys(r["mode"] for r in loads))
-    base = {r["rate"]: r for r in loads if r["mode"] == "target-only"}
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    (ax_tp, ax_ttft), (ax_itl, ax_rel) = axes
-    for i, mode in enumerate(modes):
-        rs = sorted((r for r in loads if r["mode"] == mode), key=lambda r: xs[r["rate"]])
-        x = [xs[r["rate"]] for r in rs]
-        color = f"C{i}"
-        ax_tp.plot(x, [r["throughput_tok_s"] for r in rs], "o-", color=color, label=mode)
-        ax_ttft.plot(x, [r["ttft_s_p50"] for r in rs], "o-", color=color, label=f"{mode} (p50)")
-        ax_ttft.plot(x, [r["ttft_s_p90"] for r in rs], "--", color=color, alpha=0.6)
-        ax_itl.plot(x, [1e3 * (r["inter_token_s_p50"] or float("nan")) for r in rs], "o-", color=color, label=mode)
-        if base:
-            ax_rel.plot(x, [r["throughput_tok_s"] / base[r["rate"]]["throughput_tok_s"] for r in rs], "o-",
-                        color=color, label=mode)
-        if mode in cal:
-            g0 = cal[mode]["gammas"].index(0) if 0 in cal[mode]["gammas"] else None
-            if g0 is not None:
-                share = [r["rounds_per_gamma"][g0] / max(sum(r["rounds_per_gamma"]), 1) for r in rs]
-                ax_rel.plot(x, share, "x:", color=color, label=f"{mode}: share of gamma=0 rounds")
-    ax_rel.axhline(1.0, color="gray", lw=0.8)
-    labels = [("Throughput", "generated tokens / s"), ("Time to first token", "seconds (solid p50, dashed p90)"),
-              ("Inter-token latency (median request)", "ms per token"),
-              ("Throughput vs target-only at the same rate", "ratio (x: share of gamma=0 rounds)")]
-    for ax, (t, yl) in zip(axes.flat, labels):
-        ax.set_xticks(range(len(order)), [rate_label(r) for r in order])
-        ax.set_xlabel("arrival rate (requests / s)")
-        ax.set_ylabel(yl)
-        ax.set_title(t, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+    modes = list(setup["modes"])
+    xs = sorted(setup["loads"])
+    x_all = (xs[-1] if xs else 0) + 0.2            # where 'all at once' is drawn
+    base = {(r["slots"], r["arrivals"], r["load"]): r for r in loads if r["mode"] == "target-only"}
+    slots_list = setup["slots"]
+    fig, axes = plt.subplots(len(slots_list), 3, figsize=(13, 3.4 * len(slots_list)), squeeze=False)
+    for row, slots in enumerate(slots_list):
+        ax_rel, ax_itl, ax_ttft = axes[row]
+        for i, mode in enumerate(modes):
+            color = f"C{i}"
+            for kind, style in (("poisson", "o-"), ("bursty", "s--")):
+                rs = sorted((r for r in loads if r["slots"] == slots and r["mode"] == mode and r["arrivals"] == kind),
+                            key=lambda r: r["load"])
+                sat = [r for r in loads if r["slots"] == slots and r["mode"] == mode and r["arrivals"] == "all at once"]
+                rs = rs + sat
+                x = [r["load"] if r["arrivals"] != "all at once" else x_all for r in rs]
+                label = f"{mode} ({kind})"
+                ax_rel.plot(x, [r["throughput_tok_s"] / base[(slots, r["arrivals"], r["load"])]["throughput_tok_s"]
+                                for r in rs], style, color=color, label=label, ms=4)
+                ax_itl.plot(x, [1e3 * (r["inter_token_s_p50"] or float("nan")) for r in rs], style, color=color,
+                            label=label, ms=4)
+                ax_ttft.plot(x, [r["ttft_s_p50"] for r in rs], style, color=color, label=label, ms=4)
+            for r in (r for r in live if r["slots"] == slots and r["mode"] == mode):
+                ax_itl.plot([r["load"]], [1e3 * r["inter_token_s_p50"]], "*", color=color, ms=11,
+                            label=f"{mode} (live)")
+                b = base[(slots, r["arrivals"], r["load"])]
+                ax_rel.plot([r["load"]], [r["throughput_tok_s"] / b["throughput_tok_s"]], "*", color=color, ms=11)
+        ax_rel.axhline(1.0, color="gray", lw=0.8)
+        ax_rel.axhline(0.98, color="gray", lw=0.6, ls=":")
+        titles = [("throughput / target-only's", "ratio"), ("inter-token latency p50", "ms"),
+                  ("time to first token p50", "s")]
+        for ax, (t, yl) in zip((ax_rel, ax_itl, ax_ttft), titles):
+            ax.set_xticks(xs + [x_all], [f"{x:g}" for x in xs] + ["all"])
+            ax.set_xlabel("offered load (fraction of target-only's saturated rate)")
+            ax.set_ylabel(yl)
+            ax.set_title(f"{slots} slots: {t}", fontsize=9)
+            ax.grid(alpha=0.3)
+        ax_ttft.set_yscale("log")
+        if row == 0:
+            ax_itl.legend(fontsize=6)
     model = toolkit.model_label(prov.get("model"))
-    fig.suptitle(f"Load study: {setup['slots']} slots, {setup['requests']} requests, {model} target\n"
+    fig.suptitle(f"Load study, {model} target: Poisson solid, bursty dashed, live scheduler stars\n"
                  f"{toolkit.run_caption(prov)}", fontsize=10)
+    fig.tight_layout()
     return [toolkit.save_figure(fig, path.with_name("load_study.png"))]
 
 

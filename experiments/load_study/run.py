@@ -1,28 +1,34 @@
-"""Load study: a slot-refilling server under Poisson arrivals, with and without speculation.
+"""Load study: slot-refilling servers at 1, 4 and 16 slots, idle to saturation, with and
+without speculation, offline and on the live scheduler.
 
     python -m experiments.load_study.run --config=experiments/load_study/config.py
     python -m experiments.load_study.run --config=experiments/load_study/config.py:tiny   # CI size
 
-For every mode of the config (target-only, fixed-gamma drafters, adaptive drafting) one
-`specjax.serving.Scheduler` with `slots` rows serves the same held-out Spec-Bench requests
-(chat template, greedy by default) at every arrival rate: per rate, Poisson arrival times
-(seed = config seed + rate index, the same for every mode), each request admitted FIFO into
-the first free slot (its prompt prefilled into that row while the others wait one call), the
-rows advanced one engine round at a time, a finished row's slot refilled with the next waiting
-request. Compilation is done before the timed runs (`Scheduler.warmup`); time in which nothing
-is queued or running is skipped (the virtual clock, see `specjax.serving`), so low rates cost
-no idle wall time. Adaptive modes calibrate their round times once, at batch = slots.
+Per slot count (`config.slots`): held-out Spec-Bench requests (chat template, greedy by default).
+First the target-only server with every request at t = 0 gives the saturated rate (requests /
+makespan); the offered loads are fractions of it (`config.loads`), each with Poisson and bursty
+(gamma-renewal) arrival times (seeded, the same for every mode), plus every request at once.
+Every mode serves every workload through `specjax.serving.Scheduler` with batch buckets (rounds
+at the smallest batch holding the busy rows); adaptive ("load-aware") modes calibrate their round
+times at each batch size first and pick gamma per round from the active rows' acceptance and
+those times. Compilation happens before the timed runs (`Scheduler.warmup`); time in which
+nothing is queued or running is skipped (the virtual clock), so low loads cost no idle wall time.
+Then, at `config.live_slots`, the live scheduler (`specjax.serving.LiveScheduler`, the engine
+thread of `specjax serve`, on the real clock; requests submitted by a driver thread at their
+arrival times) serves the Poisson workloads at `config.live_loads`, to compare with the offline
+scheduler at the same load (the HTTP layer is not in these runs).
 
-Records (JSONL, one run per file): "setup", "calibration" per adaptive mode, "load" per
-(mode, rate): the scheduler's summary (throughput, time to first token, inter-token latency,
-queue delay, engine rounds = target passes, accepted / wasted tokens, rounds per gamma),
-how many requests got exactly target-only's tokens (greedy; batch-shape rounding can flip a
-float near-tie, so this is recorded, not asserted), and per-request rows. Then `results.md`
-(`report`) and the plots (`plot`) from the JSONL alone.
+Records (JSONL, one run per file): "setup"; "capacity" per slot count; "calibration" per
+(slot count, adaptive mode); "load" per (slot count, mode, arrivals, load): the scheduler's
+summary (throughput, TTFT, ITL, queue delay, rounds, tokens per pass, rounds per gamma and per
+batch size), how many requests got exactly target-only's tokens, and per-request rows; "live"
+likewise. Then `results.md` (`report`) and the plots (`plot`) from the JSONL alone.
 """
 
 from __future__ import annotations
 
+import collections
+import pathlib
 import sys
 import time
 
@@ -38,8 +44,9 @@ def _log(msg: str):
     print(f"[load_study {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _setup(c):
-    """(generation config, target, params, eos ids, prompts as token-id lists, extra provenance)."""
+def _setup(c, num_requests: int):
+    """(generation config, target, params, eos ids, ``num_requests`` prompts as token-id lists,
+    extra provenance)."""
     from specjax import build, models, specbench
     gc = toolkit.load_config(c.generate_config)
     gc.update(max_new_tokens=int(c.max_new_tokens), temperature=float(c.temperature), calibration_cache="",
@@ -51,7 +58,7 @@ def _setup(c):
         model = models.Llama(cfg)
         params = model.prepare_params(model.init_params(jax.random.key(c.seed)))
         # Repetitive prompts so that prompt lookup finds matches.
-        prompts = [list(np.tile(rng.integers(0, 512, 4), 6)[: int(n)]) for n in rng.integers(6, 24, c.num_requests)]
+        prompts = [list(np.tile(rng.integers(0, 512, 4), 6)[: int(n)]) for n in rng.integers(6, 24, num_requests)]
         return gc, model, params, (), prompts, {"model": "tiny random Llama"}
     if c.target:
         gc.target = c.target
@@ -60,14 +67,14 @@ def _setup(c):
     from specjax import decoding
     encoded = [decoding.encode_prompt(tok, q.turns[0]) for q in specbench.load(split="held_out")]
     fits = [p for p in encoded if len(p) <= c.max_prompt_tokens]
-    pick = rng.choice(len(fits), size=min(c.num_requests, len(fits)), replace=False)
+    pick = rng.choice(len(fits), size=min(num_requests, len(fits)), replace=False)
     extra = {"model": gc.target}
     try:                                   # a registry name: its verified file and sha256
         path = models.registry.resolve(gc.target)
         extra.update(model_file=str(path), model_sha256=toolkit.sha256(path), model_notes="registry GGUF")
     except (ValueError, KeyError, FileNotFoundError):
         pass
-    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in sorted(pick)], extra
+    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in pick], extra   # a random order
 
 
 def _engine(c, gc, target, params, eos_ids, mode: str):
@@ -82,57 +89,221 @@ def _engine(c, gc, target, params, eos_ids, mode: str):
             decoding.EngineParams(target=params, draft=dparams))
 
 
-def arrivals(c, i: int) -> np.ndarray:
-    """The arrival times at rate index i (0 = all at once), shared by every mode."""
+def workload(c, n: int, kind: str, rate: float, seed: int) -> np.ndarray:
+    """Arrival times of ``n`` requests: all at once (rate 0), Poisson, or bursty (gamma gaps)."""
     from specjax import serving
-    rate = float(c.rates[i])
-    return np.zeros(c.num_requests) if rate == 0 else serving.poisson_arrivals(c.num_requests, rate, c.seed + i)
+    if rate == 0:
+        return np.zeros(n)
+    if kind == "poisson":
+        return serving.poisson_arrivals(n, rate, seed)
+    if kind == "bursty":
+        return serving.gamma_arrivals(n, rate, float(c.burstiness), seed)
+    raise ValueError(f"config.arrivals: unknown arrival kind {kind!r} (poisson, bursty)")
+
+
+def round_times_per_size(engine, eparams, samp, prompts, sizes, capacity, key, pad) -> dict:
+    """Adaptive gamma's round times at each batch size, on that many of the study's prompts."""
+    from specjax import decoding
+    out = {}
+    for size in sizes:
+        rows = [prompts[i % len(prompts)] for i in range(size)]
+        batch = decoding.make_batch(rows, engine.config, key, capacity=capacity, pad_multiple=pad)
+        out[size] = tuple(engine.round_times(eparams, samp, batch, repeats=3))
+    return out
+
+
+class _Events:
+    """One live request's receiver: token times (s since the run's start) and its end."""
+
+    def __init__(self, t0: float):
+        import threading
+        self.t0, self.times, self.tokens, self.done = t0, [], [], None
+        self.finished = threading.Event()
+
+    def __call__(self, ev):
+        now = time.perf_counter() - self.t0
+        if ev["type"] == "tokens":
+            self.tokens.extend(ev["ids"])
+            self.times.append(now)
+        else:
+            self.done, self.end = ev, now
+            self.finished.set()
+
+
+def live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival_s, buckets, round_time_s, max_new, pad):
+    """Serve ``prompts`` arriving at ``arrival_s`` through a `LiveScheduler` on the real clock:
+    (summary, per-request rows, tokens by request index). A driver thread submits each request at
+    its arrival time; times are taken by the receivers as events arrive."""
+    from specjax import serving
+    live = serving.LiveScheduler(engine, eparams, samp, slots=slots, capacity=capacity, key=key,
+                                 max_queue=len(prompts), pad_multiple=pad, buckets=buckets, round_time_s=round_time_s)
+    live.warmup(widths=sorted({-(-len(p) // pad): len(p) for p in prompts}.values()),     # one prompt per padded width
+                greedy_only=samp.greedy)
+    live.start()
+    order = np.argsort(arrival_s, kind="stable")
+    t0 = time.perf_counter()
+    got = {}
+    for i in order:
+        delay = t0 + float(arrival_s[i]) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        got[int(i)] = ev = _Events(t0)
+        live.submit(prompts[int(i)], max_new, ev)
+    for ev in got.values():
+        if not ev.finished.wait(600):
+            raise RuntimeError("a live request did not finish in 10 minutes")
+    stats = live.snapshot()
+    live.stop(5)
+    rows = []
+    for i in sorted(got):
+        ev, a = got[i], float(arrival_s[i])
+        n = len(ev.tokens)
+        first = ev.times[0] if ev.times else float("nan")
+        rows.append({"id": i, "tokens": n, "status": ev.done["status"], "arrival_s": a, "ttft_s": first - a,
+                     "inter_token_s": (ev.times[-1] - first) / (n - 1) if n > 1 else float("nan"),
+                     "latency_s": ev.end - a, "finished_s": ev.end, "target_passes": ev.done["usage"].get("target_passes")})
+    tokens = sum(r["tokens"] for r in rows)
+    makespan = max(r["finished_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    pct = lambda name, q: float(np.nanpercentile([r[name] for r in rows], q))      # noqa: E731
+    summary = {"requests": len(rows), "tokens": tokens, "makespan_s": makespan, "throughput_tok_s": tokens / makespan,
+               "ttft_s_p50": pct("ttft_s", 50), "ttft_s_p90": pct("ttft_s", 90),
+               "inter_token_s_p50": pct("inter_token_s", 50), "inter_token_s_p90": pct("inter_token_s", 90),
+               "engine_rounds": stats["rounds_total"], "rounds_per_gamma": stats["gamma_rounds"],
+               "resizes": stats["resizes_total"], "lost": len(prompts) - len(rows),
+               "statuses": dict(collections.Counter(r["status"] for r in rows))}
+    return summary, rows, {i: got[i].tokens for i in got}
+
+
+def _workloads(c, saturated: float) -> list:
+    """(arrival kind, load, requests/s) of every workload at a slot count, all at once first."""
+    return [("all at once", 0.0, 0.0)] + [(kind, load, load * saturated) for kind in c.arrivals for load in c.loads]
+
+
+def _resumable(c) -> list[dict]:
+    """The records of an unfinished run of this config (``<out>.partial``), or [] (none, or
+    another config's: its setup record differs)."""
+    partial = pathlib.Path(c.out + ".partial")
+    if not partial.is_file():
+        return []
+    recs = toolkit.read_jsonl(partial)
+    setup = next((r for r in recs if r["kind"] == "setup"), None)
+    same = setup is not None and all(
+        setup[k] == v for k, v in (("slots", list(c.slots)), ("num_requests", list(c.num_requests)),
+                                   ("loads", list(c.loads)), ("arrivals", list(c.arrivals)), ("modes", list(c.modes)),
+                                   ("burstiness", c.burstiness), ("buckets", c.buckets), ("seed", c.seed),
+                                   ("max_new_tokens", c.max_new_tokens), ("temperature", c.temperature)))
+    if not same:
+        _log(f"{partial} is another config's run: starting afresh")
+        return []
+    return recs
+
+
+def _done_groups(c, keep: list[dict], slots_list) -> set:
+    """(slots, mode) whose every record is in ``keep``; ``keep`` is cut to those (and the setup,
+    capacity and calibration records of finished groups), so a half-done group runs again."""
+    n_workloads = 1 + len(c.arrivals) * len(c.loads)
+    done = set()
+    for slots in slots_list:
+        for mode in c.modes:
+            loads = [r for r in keep if r["kind"] == "load" and r["slots"] == slots and r["mode"] == mode]
+            live = [r for r in keep if r["kind"] == "live" and r["slots"] == slots and r["mode"] == mode]
+            want_live = len(c.live_loads) if slots == int(c.live_slots) and mode in c.live_modes else 0
+            if len(loads) == n_workloads and len(live) == want_live:
+                done.add((slots, mode))
+    kept = [r for r in keep if r["kind"] in ("setup", "capacity")
+            or (r["kind"] in ("load", "live", "calibration") and (r["slots"], r["mode"]) in done)]
+    keep[:] = kept
+    return done
 
 
 def main(c):
-    from specjax import decoding, sampling, serving
+    from specjax import sampling, serving
     prov = toolkit.provenance("experiments.load_study.run")
-    gc, target, params, eos_ids, prompts, extra = _setup(c)
+    slots_list, counts = tuple(int(s) for s in c.slots), tuple(int(n) for n in c.num_requests)
+    if len(slots_list) != len(counts):
+        raise ValueError(f"config.num_requests needs one count per slot count {slots_list}, got {counts}")
+    if "target-only" not in c.modes or c.modes[0] != "target-only":
+        raise ValueError("config.modes must start with 'target-only' (it sets each slot count's loads)")
+    gc, target, params, eos_ids, prompts_all, extra = _setup(c, max(counts))
     prov.update(extra)
-    c.num_requests = len(prompts)
     samp = sampling.SamplingConfig.make(temperature=float(c.temperature))
     key = jax.random.key(c.seed)
     pad = 64
-    longest = max(len(p) for p in prompts)
-    needs = []
-    for mode in c.modes:
-        engine, _ = _engine(c, gc, target, params, eos_ids, mode)
-        needs.append(engine.config.slots_needed(longest))
-    capacity = -(-max(needs) // pad) * pad
-    out = toolkit.Jsonl(c.out, prov)
-    out.write("setup", slots=c.slots, capacity=capacity, requests=len(prompts), prompt_tokens=[len(p) for p in prompts],
-              max_new_tokens=c.max_new_tokens, temperature=c.temperature, rates=list(c.rates), modes=list(c.modes),
-              cpu_kernel=target.config.linear_op == "panels", seed=c.seed)
-    reference = {}                                  # request id -> target-only tokens (first rate)
-    for mode in c.modes:
-        engine, eparams = _engine(c, gc, target, params, eos_ids, mode)
-        round_time_s = None
-        if engine.config.adaptive:
-            batch = decoding.make_batch(prompts[: c.slots], engine.config, key, capacity=capacity, pad_multiple=pad)
-            round_time_s = tuple(engine.round_times(eparams, samp, batch, repeats=3))
-            out.write("calibration", mode=mode, gammas=list(engine.config.gammas), round_time_s=list(round_time_s))
-            _log(f"{mode}: round times at batch {c.slots}: {[round(1e3 * t, 1) for t in round_time_s]} ms")
-        sched = serving.Scheduler(engine, eparams, slots=c.slots, pad_multiple=pad, capacity=capacity,
-                                  round_time_s=round_time_s)
-        requests0 = [serving.Request(i, p) for i, p in enumerate(prompts)]
-        sched.warmup(samp, requests0, key)
-        for i, rate in enumerate(c.rates):
-            requests = [serving.Request(r, prompts[r], float(a)) for r, a in enumerate(arrivals(c, i))]
-            res = sched.run(requests, samp, key, warmup=False)
-            if mode == "target-only" and not reference:
-                reference = {r.id: r.tokens for r in res.results}
-            same = sum(r.tokens == reference.get(r.id) for r in res.results) if reference else None
-            s = res.summary
-            out.write("load", mode=mode, rate=float(rate), **s, same_tokens_as_target_only=same,
-                      per_request=[r.record() for r in res.results])
-            _log(f"{mode} @ {rate:g}/s: {s['throughput_tok_s']:.1f} tok/s, ttft p50 {s['ttft_s_p50']:.2f}s, "
-                 f"itl p50 {1e3 * s['inter_token_s_p50']:.1f} ms, rounds {s['engine_rounds']}, "
-                 f"tokens/pass {s['mean_accepted_tokens_per_pass']:.2f}, same {same}")
+    engines = {mode: _engine(c, gc, target, params, eos_ids, mode) for mode in c.modes}
+    longest = max(len(p) for p in prompts_all)
+    capacity = -(-max(e.config.slots_needed(longest) for e, _ in engines.values()) // pad) * pad
+    keep = _resumable(c) if c.resume else []
+    done = _done_groups(c, keep, slots_list)
+    if keep:
+        _log(f"resuming {c.out}.partial: {len(keep)} records kept, done (slots, mode): {sorted(done)}")
+    out = toolkit.Jsonl(c.out, prov, keep=keep)
+    if not keep:
+        out.write("setup", slots=list(slots_list), num_requests=list(counts), capacity=capacity,
+              prompt_tokens=[len(p) for p in prompts_all], max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                  loads=list(c.loads), arrivals=list(c.arrivals), burstiness=c.burstiness, buckets=c.buckets,
+                  modes=list(c.modes), live_slots=c.live_slots, live_loads=list(c.live_loads),
+                  live_modes=list(c.live_modes), cpu_kernel=target.config.linear_op == "panels", seed=c.seed)
+    for slots, n in zip(slots_list, counts):
+        prompts = prompts_all[:n]
+        buckets = serving.Buckets.make(slots, c.buckets)
+        reference, workloads = {}, None
+        cap = next((r for r in keep if r["kind"] == "capacity" and r["slots"] == slots), None)
+        if cap is not None:
+            workloads = _workloads(c, cap["requests_per_s"])
+        for mode in c.modes:
+            if (slots, mode) in done:
+                continue
+            jax.clear_caches()              # one process compiling every size of every mode runs out of mappings
+            engine, eparams = engines[mode]
+            if workloads is not None and not reference and mode != "target-only":
+                # resumed after target-only: its tokens again, for 'same'
+                ref = serving.Scheduler(*engines["target-only"], slots=slots, pad_multiple=pad, capacity=capacity,
+                                        buckets=buckets.sizes).run(
+                    [serving.Request(i, p) for i, p in enumerate(prompts)], samp, key)
+                reference = {r.id: r.tokens for r in ref.results}
+            round_time_s = None
+            if engine.config.adaptive:
+                round_time_s = round_times_per_size(engine, eparams, samp, prompts, buckets.sizes, capacity, key, pad)
+                out.write("calibration", slots=slots, mode=mode, gammas=list(engine.config.gammas),
+                          round_time_s={str(b): list(t) for b, t in round_time_s.items()})
+                _log(f"{slots} slots, {mode}: round times (ms) per size: " + "; ".join(
+                    f"{b}: {[round(1e3 * t, 1) for t in ts]}" for b, ts in round_time_s.items()))
+                jax.clear_caches()          # the timing programs are not the served ones
+            sched = serving.Scheduler(engine, eparams, slots=slots, pad_multiple=pad, capacity=capacity,
+                                      round_time_s=round_time_s, buckets=buckets.sizes)
+            sched.warmup(samp, [serving.Request(i, p) for i, p in enumerate(prompts)], key)
+            if workloads is None:           # target-only, all at once: the saturated rate sets the loads
+                res = sched.run([serving.Request(i, p) for i, p in enumerate(prompts)], samp, key, warmup=False)
+                saturated = len(prompts) / res.summary["makespan_s"]
+                out.write("capacity", slots=slots, requests_per_s=saturated, tokens_per_s=res.summary["throughput_tok_s"])
+                _log(f"{slots} slots: target-only saturates at {saturated:.3f} requests/s")
+                workloads = _workloads(c, saturated)
+            for w, (kind, load, rate) in enumerate(workloads):
+                arrival = workload(c, len(prompts), kind, rate, c.seed + 1000 * slots + w)
+                requests = [serving.Request(i, prompts[i], float(a)) for i, a in enumerate(arrival)]
+                res = sched.run(requests, samp, key, warmup=False)
+                if mode == "target-only" and kind == "all at once":
+                    reference = {r.id: r.tokens for r in res.results}
+                same = sum(r.tokens == reference.get(r.id) for r in res.results)
+                s = res.summary
+                out.write("load", mode=mode, arrivals=kind, load=load, rate=rate, **s,
+                          same_tokens_as_target_only=same, per_request=[r.record() for r in res.results])
+                _log(f"{slots} slots, {mode}, {kind} @ {load:g} ({rate:.3f}/s): {s['throughput_tok_s']:.1f} tok/s, "
+                     f"ttft p50 {s['ttft_s_p50']:.2f}s, itl p50 {1e3 * s['inter_token_s_p50']:.1f} ms, "
+                     f"tokens/pass {s['mean_accepted_tokens_per_pass']:.2f}, sizes {s['rounds_per_size']}, "
+                     f"gammas {s['rounds_per_gamma']}, same {same}/{len(prompts)}")
+            if slots == int(c.live_slots) and mode in c.live_modes:
+                for load in c.live_loads:
+                    w = next(i for i, x in enumerate(workloads) if x[0] == "poisson" and x[1] == load)
+                    arrival = workload(c, len(prompts), "poisson", workloads[w][2], c.seed + 1000 * slots + w)
+                    summary, rows, toks = live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival,
+                                                   buckets.sizes, round_time_s, int(c.max_new_tokens), pad)
+                    same = sum(toks[i] == reference.get(i) for i in toks)
+                    out.write("live", slots=slots, mode=mode, arrivals="poisson", load=load, rate=workloads[w][2],
+                              **summary, same_tokens_as_target_only=same, per_request=rows)
+                    _log(f"live {slots} slots, {mode}, poisson @ {load:g}: {summary['throughput_tok_s']:.1f} tok/s, "
+                         f"ttft p50 {summary['ttft_s_p50']:.2f}s, itl p50 {1e3 * summary['inter_token_s_p50']:.1f} ms, "
+                         f"same {same}/{len(prompts)}")
     out.close()
     md = c.out.rsplit("/", 1)[0] + "/results.md"
     with open(md, "w") as f:
