@@ -8,7 +8,7 @@ For every family preset (tiny random models of each family's own pieces: q/k nor
 sliding windows, soft-caps, sandwich norms, local RoPE, routed experts), at batch 1 and at
 batch 2 with rows at different lengths:
 
-* chains: a k-token block over a prefilled cache against k one-token steps, logits compared
+* chains: a k-token block over a filled cache against k one-token steps, logits compared
   with ``==`` (no tolerance), and the caches' committed entries after both paths;
 * trees: a tree block (root + nodes, ancestor mask) against one-token steps along a
   root-to-leaf path, the path's rows compared with ``==``. A node's ancestors sit at other slots
@@ -73,18 +73,36 @@ def _model(kind: str, **layout):
 
 
 def _prefilled(model, params, B: int):
-    # contexts long enough for the order of the attention sums to matter (with a block's keys
-    # appended after the cache instead of written into it, these differ in the last bit)
+    """A cache holding 181 and 122 committed entries: contexts long enough for the order of the
+    attention sums to matter (with a block's keys appended after the cache instead of written
+    into it, these differ in the last bit).
+
+    Its committed K and V are random (standard normal, numpy seed 7, in the cache's dtype; zeros
+    past each row's length, as a fresh cache), not a prefill's: the block and the steps read the
+    same cache, so what they must agree on does not depend on where its entries came from, and
+    no prefill program is compiled (it was a third of each case's compilation; a prefill's
+    write-then-attend is compared in `test_write_then_attend_computes_the_same_attention`)."""
+    del params
+    rng = np.random.default_rng(7)
     lengths = np.array([181, 122][:B], np.int32)
-    tokens = jax.random.randint(jax.random.key(7), (B, 181), 0, model.vocab_size)
-    _, cache = jax.jit(model.apply)(params, tokens, model.init_cache(B, CAPACITY), jnp.asarray(lengths))
-    return cache
+    cache = model.init_cache(B, CAPACITY)
+
+    def fill(bufs, slot_axis):
+        out = []
+        for buf in bufs:
+            x = rng.standard_normal(buf.shape, np.float32)
+            slots = np.arange(CAPACITY).reshape([-1 if a == slot_axis else 1 for a in range(x.ndim)])
+            x = np.where(slots < lengths.reshape([-1] + [1] * (x.ndim - 1)), x, 0.0)
+            out.append(jnp.asarray(x.astype(buf.dtype)))
+        return tuple(out)
+
+    # k [B, K, S, H], v [B, K, H, S] per layer (the unrolled layout of PROFILE)
+    return cache.replace(k=fill(cache.k, 2), v=fill(cache.v, 3), lengths_B=jnp.asarray(lengths))
 
 
-def _steps(model, params, tokens_BT, cache, width: int):
+def _steps(apply, params, tokens_BT, cache, width: int):
     """One-token steps as the engine runs them with a padded block: each a pass of ``width``
     tokens (the token repeated), row 0 kept, the cache cut back to one new entry."""
-    apply = jax.jit(model.apply)
     out = []
     for t in range(tokens_BT.shape[1]):
         block = jnp.repeat(tokens_BT[:, t:t + 1], width, axis=1)
@@ -109,12 +127,21 @@ def _committed(cache, lengths):
 CASES = [(kind, 1) for kind in KINDS] + [(kind, 2) for kind in ("llama", "gemma2", "mixtral")]
 
 
+# 5 nodes under the root: nodes 0 and 1 its children, 1 -> 2 -> 3 -> 4; the path root, 1, 2, 3, 4
+PARENTS = (-1, -1, 1, 2, 3)      # parent index of node i among the nodes (-1: the root)
+# The engine's one block shape: the chain block and the tree block are both this wide, so every
+# step (a pass of this width), the chain block and the tree's steps are one compiled program and
+# a case compiles two (that one and the tree block's).
+WIDTH = len(PARENTS) + 1
+
+
 @pytest.mark.parametrize("kind,B", CASES)
 def test_block_equals_steps(kind, B):
     model, params = _model(kind)
     cache = _prefilled(model, params, B)
-    _chain(model, params, cache, kind)
-    _tree(model, params, cache, kind)
+    apply = jax.jit(model.apply)
+    _chain(model, params, cache, kind, apply)
+    _tree(model, params, cache, kind, apply)
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -122,26 +149,24 @@ def test_block_equals_steps_with_separate_projections(B):
     """The TPU profile's layout: q, k, v, gate and up as separate matmuls."""
     model, params = _model("llama", fuse_projections=False)
     cache = _prefilled(model, params, B)
-    _chain(model, params, cache, "llama")
-    _tree(model, params, cache, "llama")
+    apply = jax.jit(model.apply)
+    _chain(model, params, cache, "llama", apply)
+    _tree(model, params, cache, "llama", apply)
 
 
-def _chain(model, params, cache, kind):
+def _chain(model, params, cache, kind, apply):
     B = cache.batch_size
-    block = jax.random.randint(jax.random.key(3), (B, 4), 0, model.vocab_size)
-    logits_block, cache_block = jax.jit(model.apply)(params, block, cache)
-    logits_steps, cache_steps = _steps(model, params, block, cache, width=block.shape[1])
+    block = jax.random.randint(jax.random.key(3), (B, WIDTH), 0, model.vocab_size)
+    logits_block, cache_block = apply(params, block, cache)
+    logits_steps, cache_steps = _steps(apply, params, block, cache, width=block.shape[1])
     assert np.array_equal(np.asarray(logits_block), np.asarray(logits_steps)), \
         f"{kind}: {int(jnp.sum(logits_block != logits_steps))} of {logits_steps.size} logits differ"
     for a, b in zip(_committed(cache_block, cache_block.lengths_B), _committed(cache_steps, cache_block.lengths_B)):
         assert np.array_equal(a, b)
 
 
-# 5 nodes under the root: nodes 0 and 1 its children, 1 -> 2 -> 3 -> 4; the path root, 1, 2, 3, 4
-PARENTS = (-1, -1, 1, 2, 3)      # parent index of node i among the nodes (-1: the root)
-
-
-def _tree(model, params, cache, kind):
+def _tree(model, params, cache, kind, apply=None):
+    apply = apply or jax.jit(model.apply)
     B = cache.batch_size
     N = len(PARENTS)
     nodes = jax.random.randint(jax.random.key(5), (B, N), 0, model.vocab_size)
@@ -152,12 +177,11 @@ def _tree(model, params, cache, kind):
         depth[i] = 1 if p < 0 else depth[p] + 1
     visible = trees.ancestor_mask(parents, jnp.ones((B, N), bool), max(depth))
     rel = jnp.broadcast_to(jnp.asarray([0] + depth, jnp.int32), (B, N + 1))
-    apply = jax.jit(model.apply)
     logits_tree, _ = apply(params, jnp.concatenate([root, nodes], axis=1), cache,
                            tree=TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
     path = [0, 2, 3, 4, 5]           # block rows of the root and nodes 1-4 (node 0 is a sibling branch)
     tokens = jnp.concatenate([root, nodes[:, 1:2], nodes[:, 2:3], nodes[:, 3:4], nodes[:, 4:5]], axis=1)
-    logits_steps, _ = _steps(model, params, tokens, cache, width=N + 1)
+    logits_steps, _ = _steps(apply, params, tokens, cache, width=WIDTH)
     got = logits_tree[:, jnp.asarray(path)]
     assert np.array_equal(np.asarray(got), np.asarray(logits_steps)), \
         f"{kind}: {int(jnp.sum(got != logits_steps))} of {logits_steps.size} logits differ"
@@ -222,11 +246,23 @@ def test_appended_block_keys_round_differently():
     assert differ > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# The families whose attention differs where write-then-attend changes it (`llama._layer`: the
+# block's q/k/v projection, q/k norms and RoPE before the write; the visibility, window and
+# soft-cap of the attention after it; the MLP or experts after attention do not see the order):
+# llama (plain), gemma2 (windowed and full layers, attention soft-cap, query scalar), gemma3 (q/k
+# norms, a local RoPE on its windowed layers), qwen2_window (attention biases, a window above
+# layer 0). The others add nothing here: qwen2's biases are qwen2_window's, qwen3's and
+# qwen3_moe's q/k norms gemma3's, mistral's and mixtral's windowed layers gemma2's windowed
+# layer; their experts sit after attention. (Every family's block = steps bitwise above.)
+WRITE_THEN_ATTEND_KINDS = ("llama", "gemma2", "gemma3", "qwen2_window")
+
+
+@pytest.mark.parametrize("kind", WRITE_THEN_ATTEND_KINDS)
 def test_write_then_attend_computes_the_same_attention(kind):
-    """Write-then-attend is the same function as attend-then-write: float32, every family (windows,
-    soft-caps, ...), a prefill, a chain block and a tree block at batch 2 (rows at different lengths),
-    logits within float32 rounding and the same committed cache entries."""
+    """Write-then-attend is the same function as attend-then-write: float32, every kind of
+    attention the families have (WRITE_THEN_ATTEND_KINDS: windows, soft-caps, q/k norms, local
+    RoPE, biases), a prefill, a chain block and a tree block at batch 2 (rows at different
+    lengths), logits within float32 rounding and the same committed cache entries."""
     first = models.Llama(_config(kind, dtype="float32"))
     params = first.init_params(jax.random.key(len(kind)))
     after = models.Llama(first.config.replace(write_then_attend=False))

@@ -39,6 +39,11 @@ failing_restores = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableEx
 CLI_BUDGET = 15_000
 CLI_EVERY = 5
 KILL_AT = 10          # SIGKILL once a checkpoint of at least this step is on disk
+# The toy config keeps configs/distill.py's on-policy share (draft_weight 0.3): its one refresh
+# (the draft's continuations, cached in the workdir: the resumed run must read the killed run's
+# set back) is made small, 8 prompts x 16 new tokens in one batch, instead of 48 x 128 in two
+# batches (two generation programs and ~2.5 s per run).
+ONPOLICY = {"data.draft_prompts": 8, "data.draft_max_new_tokens": 16, "data.gen_batch_size": 8}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,8 @@ def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, tmp_path):
                 f"--workdir={workdir}",
                 *toy.cli_flags(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
                                data_root=toy_run["data_root"], budget=CLI_BUDGET, checkpoint_every=CLI_EVERY,
-                               export_dir=export_dir)]
+                               export_dir=export_dir),
+                *(f"--config.{k}={v}" for k, v in ONPOLICY.items())]
 
     def start(workdir, export_dir, log_name):
         log = open(tmp_path / log_name, "w")
@@ -185,6 +191,7 @@ def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run
         c = toy.config(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
                        data_root=toy_run["data_root"], budget=budget, checkpoint_every=every, export_dir=export_dir)
         c.keep_checkpoints = 3
+        distill.with_overrides(c, ONPOLICY)
         return c
 
     work = tmp_path / "run"

@@ -176,7 +176,9 @@ def test_scheduler_refills_head_rows():
     only its own request (a row left with the previous request's features drafts otherwise)."""
     from specjax import serving
     eng, ep, batch = _eagle_setup("good")
-    whole = jax.device_get(eng.run(ep, GREEDY, batch).metrics)
+    # The whole-batch run of this engine round by round (memoised: test_prefill_reuse_with_eagle_head
+    # shows `run` gives its tokens and metrics; no run program compiled for this test alone).
+    whole = jax.device_get(decoding.GenerateOutput.from_state(_eagle_stepped("good")[1]).metrics)
     requests = [serving.Request(id=i, prompt=p) for i, p in enumerate(PROMPTS)]
     out = serving.Scheduler(eng, ep, slots=2, pad_multiple=16, capacity=batch.capacity).run(
         requests, GREEDY, jax.random.key(2), warmup=False)
@@ -219,8 +221,10 @@ def test_a_head_kind_defined_here_drafts_exactly_and_trains():
         tokens = jnp.asarray(_target_only()[1][0][:16])[None]
         data = {"tokens": tokens, "mask": jnp.ones_like(tokens, jnp.float32)}
         head_UD = tp["embed"]
-        grads, aux = jax.grad(lambda t: distill.head_loss(t, {"target": tp}, head_UD, data, draft=obj, spec=SPEC),
-                              has_aux=True)({k: own[k] for k in obj.trainable})
+        # (jitted: op by op, the backward pass dispatched and compiled hundreds of small programs)
+        grads, aux = jax.jit(jax.grad(lambda t: distill.head_loss(t, {"target": tp}, head_UD, data, draft=obj,
+                                                                  spec=SPEC), has_aux=True))(
+            {k: own[k] for k in obj.trainable})
         assert "feature_loss" in aux and np.isfinite(float(aux["loss"]))
         assert all(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
     finally:

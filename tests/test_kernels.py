@@ -19,8 +19,8 @@ What is tested:
 * the linear-op registry (`kernels.LINEAR_OPS`): unknown names and a second op under a name
   refused; a toy op registered under a new name runs a model with no model edit;
 * greedy speculative decoding on a packed target equals its target-only greedy decoding (tiny
-  model: n-gram and early-exit drafters; the real SmolLM2-135M-Instruct: the n-gram drafter and
-  the shipped draft head in the main command's layout), with `specjax.decoding.greedy_check`'s near-tie rule;
+  model: n-gram and early-exit drafters; the real SmolLM2-135M-Instruct: the shipped draft head
+  in the main command's layout, whose prompt lookup rounds tests/test_cli.py's main job covers), with `specjax.decoding.greedy_check`'s near-tie rule;
 * the ``cpu_kernel`` setting of configs/generate.py (`build.use_cpu_kernel`, `build.check_config`).
 
 Tolerances:
@@ -506,12 +506,6 @@ def _real_greedy_check(real, real_refs, drafter, dparams, gamma):
     proposed, accepted = sum(r.proposed for r in reports), sum(r.accepted for r in reports)
     assert 0 < accepted < proposed, (accepted, proposed)
     return accepted / proposed
-
-
-def test_real_packed_greedy_ngram_matches_target_only(real, real_refs):
-    """The main command's layout (unrolled, fused, packed): n-gram drafter, gamma 4, batch 1."""
-    _, _, packed, pp = real
-    _real_greedy_check(real, real_refs, *build.make_drafter("ngram", packed, pp), gamma=4)
 
 
 def test_real_packed_greedy_with_the_shipped_head_matches_target_only(real, real_refs):

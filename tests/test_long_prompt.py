@@ -70,8 +70,9 @@ def test_engine_with_a_long_prompt_matches_one_call_prefill():
         batch = decoding.make_batch(prompts, config, jax.random.key(0))
         state = engine.init(decoding.EngineParams(target=params), batch)
         outs[chunk] = np.asarray(next_logits(params, state))
-        out = engine.run(decoding.EngineParams(target=params), sampling.SamplingConfig.greedy_config(), batch)
-        assert [len(g) for g in out.generated()] == [4, 4]
+        if chunk is not None:           # (generation with one call's prefill is every other test's)
+            out = engine.run(decoding.EngineParams(target=params), sampling.SamplingConfig.greedy_config(), batch)
+            assert [len(g) for g in out.generated()] == [4, 4]
     np.testing.assert_allclose(outs[256], outs[None], atol=1e-4)
 
 
@@ -108,26 +109,28 @@ def test_prefill_of_a_fresh_cache_reads_only_earlier_slots_and_fills_the_same_ca
     """``start_bound=0`` (a fresh cache): each chunk attends to the slots before it instead of
     the whole capacity. Same entries as the full-capacity prefill (masked slots weigh exactly 0,
     so only summation order differs), in both cache layouts, ragged rows, a chunk that does not
-    divide the prompt; the attend limit is cleared on return."""
+    divide the prompt; the attend limit is cleared on return. (Chunks of 300 only: the first is
+    what a one-call prefill of a fresh cache runs, a plain causal forward (attend limit 0), and the
+    later ones attend to the slots before them; each layout compiles its two prefills once.)"""
     tokens, valid = _ragged([1100, 700])
+    chunk = 300
     for scan in (False, True):
         model = models.Llama(dataclasses.replace(CONFIG, scan_layers=scan))
         params = model.init_params(jax.random.key(0))
-        for chunk in (None, 300):
-            full, limited = (jax.jit(lambda pr, t, c, v, chunk=chunk, b=b: models.prefill(
-                model, pr, t, c, v, chunk, start_bound=b))(params, tokens, model.init_cache(2, 1280), valid)
-                for b in (None, 0))
-            assert limited.attend_limit is None
-            np.testing.assert_array_equal(np.asarray(limited.lengths_B), np.asarray(valid))
-            for l in range(CONFIG.num_layers):
-                for got, want in zip(limited.layer(l), full.layer(l)):
-                    for b, n in enumerate(np.asarray(valid)):
-                        g, w = np.asarray(got[b]), np.asarray(want[b])
-                        g, w = (g[:, :n], w[:, :n]) if g.shape[1] == 1280 else (g[..., :n], w[..., :n])
-                        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"scan {scan} chunk {chunk} layer {l}")
+        full, limited = (jax.jit(lambda pr, t, c, v, b=b: models.prefill(
+            model, pr, t, c, v, chunk, start_bound=b))(params, tokens, model.init_cache(2, 1280), valid)
+            for b in (None, 0))
+        assert limited.attend_limit is None
+        np.testing.assert_array_equal(np.asarray(limited.lengths_B), np.asarray(valid))
+        for l in range(CONFIG.num_layers):
+            for got, want in zip(limited.layer(l), full.layer(l)):
+                for b, n in enumerate(np.asarray(valid)):
+                    g, w = np.asarray(got[b]), np.asarray(want[b])
+                    g, w = (g[:, :n], w[:, :n]) if g.shape[1] == 1280 else (g[..., :n], w[..., :n])
+                    np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"scan {scan} chunk {chunk} layer {l}")
 
 
-def _prefill_flops(capacity, start_bound, P=1024, chunk=128):
+def _prefill_flops(capacity, start_bound, P=1024, chunk=256):
     model, params = _model()
     tokens = jnp.zeros((1, P), jnp.int32)
     valid = jnp.full((1,), P, jnp.int32)
@@ -138,7 +141,7 @@ def _prefill_flops(capacity, start_bound, P=1024, chunk=128):
 
 
 def test_prefill_work_grows_with_the_prompt_not_the_capacity():
-    """XLA's cost analysis of the compiled prefill (1,024 tokens in chunks of 128): with a fresh
+    """XLA's cost analysis of the compiled prefill (1,024 tokens in chunks of 256): with a fresh
     cache's bound the work is the same for a cache of 1,088 or 4,096 slots (it attends only to
     the prompt's own causal triangle); without it the work grows with the capacity."""
     small, big = _prefill_flops(1088, 0), _prefill_flops(4096, 0)
@@ -166,6 +169,9 @@ def test_attend_limit_is_checked():
         raise AssertionError("negative start_bound accepted")
 
 
+CONSUME_PROMPTS = [900, 60, 300]          # prompt lengths (seed 4) of the two tests below
+
+
 def test_one_prefill_serves_every_run_on_the_batch():
     """`Engine.prefill` once, then the speculative run, the target-only engine's run and the
     round-time calibration all start from it: the outputs equal those of runs that prefill
@@ -177,7 +183,10 @@ def test_one_prefill_serves_every_run_on_the_batch():
     spec = decoding.Engine(model, drafter, config)
     only = decoding.Engine(model, None, dataclasses.replace(config, gamma=0))
     ep = decoding.EngineParams(target=params, draft=params)
-    batch = decoding.make_batch(_prompts([700, 90], seed=3), config, jax.random.key(1))
+    # The engines, batch and sampling of test_a_run_that_consumes_its_prefill_holds_the_caches_once's
+    # per-layer case: the speculative engine's prefill and its run from a kept prefill are compiled
+    # once for both tests.
+    batch = decoding.make_batch(_prompts(CONSUME_PROMPTS, seed=4), config, jax.random.key(2))
     samp = sampling.SamplingConfig.make(temperature=1.0)
     pre = spec.prefill(ep, batch)
     for engine in (spec, only):
@@ -187,7 +196,8 @@ def test_one_prefill_serves_every_run_on_the_batch():
         again = engine.run(ep, samp, batch, prefill=pre)      # not donated: reusable
         np.testing.assert_array_equal(np.asarray(again.tokens_BS), np.asarray(want.tokens_BS))
     assert len(spec.round_times(ep, samp, batch, repeats=1, prefill=pre)) == 1
-    other = decoding.make_batch(_prompts([700, 91], seed=3), config, jax.random.key(1))
+    other = decoding.make_batch(_prompts(CONSUME_PROMPTS[:-1] + [CONSUME_PROMPTS[-1] + 1], seed=4), config,
+                                jax.random.key(2))
     try:
         spec.run(ep, samp, other, prefill=pre)
     except ValueError as e:
@@ -213,7 +223,7 @@ def test_a_run_that_consumes_its_prefill_holds_the_caches_once(per_layer):
     spec = decoding.Engine(model, drafters.ModelDrafter(model), config)
     only = decoding.Engine(model, None, dataclasses.replace(config, gamma=0))
     ep = decoding.EngineParams(target=params, draft=params)
-    batch = decoding.make_batch(_prompts([900, 60, 300], seed=4), config, jax.random.key(2))
+    batch = decoding.make_batch(_prompts(CONSUME_PROMPTS, seed=4), config, jax.random.key(2))
     samp = sampling.SamplingConfig.make(temperature=1.0)
     cache_bytes = batch.prompt_BP.shape[0] * decoding.cache_bytes_per_row(only, batch.capacity)
     for engine in (only, spec):
@@ -249,17 +259,21 @@ def test_a_repeated_one_row_prefill_equals_prefilling_every_row(per_layer):
     config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
     engine = decoding.Engine(model, drafters.ModelDrafter(model), config)
     ep = decoding.EngineParams(target=params, draft=params)
-    prompt = _prompts([37], seed=5)[0]
+    # Three rows of one 900-token prompt (a chunked prefill): the batch shape of CONSUME_PROMPTS, so
+    # the run from a prefill is the program test_a_run_that_consumes_its_prefill_holds_the_caches_once
+    # compiled for this engine (and, per layer, the run without one test_one_prefill_serves_every_run_on_the_batch's).
+    n = len(CONSUME_PROMPTS)
+    prompt = _prompts([max(CONSUME_PROMPTS)], seed=5)[0]
     key = jax.random.key(4)
     one = engine.prefill(ep, decoding.make_batch([prompt], config, key, request_ids=[0]))
-    rows = decoding.make_batch([prompt] * 5, config, key, request_ids=list(range(5)))
+    rows = decoding.make_batch([prompt] * n, config, key, request_ids=list(range(n)))
     samp = sampling.SamplingConfig.make(temperature=1.0)
     want = engine.run(ep, samp, rows)
     got = engine.run(ep, samp, rows, prefill=one.repeat(rows))
     np.testing.assert_array_equal(np.asarray(got.tokens_BS), np.asarray(want.tokens_BS))
     assert len({tuple(r) for r in want.generated()}) > 1            # the rows did sample differently
     with pytest.raises(ValueError, match="one-row prefill"):
-        one.repeat(rows).repeat(rows)                                 # (a 5-row prefill)
-    other = decoding.make_batch([prompt[:-1]] * 5, config, key, request_ids=list(range(5)))
+        one.repeat(rows).repeat(rows)                                 # (a 3-row prefill)
+    other = decoding.make_batch([prompt[:-1]] * n, config, key, request_ids=list(range(n)))
     with pytest.raises(ValueError, match="every row of the batch must be this prefill's prompt"):
         one.repeat(other)

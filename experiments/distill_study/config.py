@@ -39,11 +39,12 @@ def get_config(variant: str = ""):
                  data_root="/tmp/distill_study/data", compilation_cache_dir="", out="/tmp/distill_study/results.jsonl")
         # Prompts of at most 96 tokens (10 train prompts, every sequence in one 128-token bucket: 4 rows
         # a step) and held-out prompts of at most 49 (4 of them, one batch: the evaluation's full-vocabulary
-        # work is most of a tiny run's time).
+        # work is most of a tiny run's time). Generation in batches of 4 rows: the held-out prompts' batch
+        # is the same program as the train prompts' (4 + 4 + 2), and a refresh's 4 prompts are one batch.
         c.overrides = ml_collections.ConfigDict(dict(
             budget_tokens=600, export_dtype="float32",
             data=dict(per_category=1, max_prompt_tokens=96, max_new_tokens=16, widths=(128,), tokens_per_batch=512,
-                      gen_batch_size=8, draft_prompts=4, draft_refresh_every=4, draft_max_prompt_tokens=96,
+                      gen_batch_size=4, draft_prompts=4, draft_refresh_every=4, draft_max_prompt_tokens=96,
                       draft_max_new_tokens=16),
             draft=dict(layers=(0,), head_vocab=256), eval=dict(per_category=1, max_prompt_tokens=49, max_new_tokens=16),
             optim=dict(learning_rate=3e-3)))
