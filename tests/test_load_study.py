@@ -49,3 +49,33 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     md = (tmp_path / "results.md").read_text()
     assert md == report.render(recs) and "## Aims" in md and "within 5% of offline" in md
     assert (tmp_path / "load_study.png").stat().st_size > 10_000
+
+
+def test_resume_keeps_finished_groups_and_drops_a_torn_last_line(tmp_path):
+    """`--config.resume`: a run cut off mid-write leaves a torn last line, dropped with a note;
+    finished (slots, mode) groups are kept, a half-done one runs again; a damaged line inside the
+    file is an error naming it; another config's partial is not resumed."""
+    import json
+
+    import pytest
+    from experiments.load_study import run as load_run
+    c = toolkit.load_config("experiments/load_study/config.py", "tiny")
+    c.out = str(tmp_path / "results.jsonl")
+    setup = {"kind": "setup", "slots": list(c.slots), "num_requests": list(c.num_requests), "loads": list(c.loads),
+             "arrivals": list(c.arrivals), "modes": list(c.modes), "burstiness": c.burstiness, "buckets": c.buckets,
+             "seed": c.seed, "max_new_tokens": c.max_new_tokens, "temperature": c.temperature}
+    load = lambda mode, kind: {"kind": "load", "slots": 2, "mode": mode, "arrivals": kind}     # noqa: E731
+    kinds = ["all at once"] + [k for k in c.arrivals for _ in c.loads]
+    recs = [setup, {"kind": "capacity", "slots": 2}] + [load("target-only", k) for k in kinds] + \
+        [load("prompt lookup, gamma 3", kinds[0])]
+    partial = tmp_path / "results.jsonl.partial"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "lo')
+    keep = load_run._resumable(c)
+    assert len(keep) == len(recs)
+    assert load_run._done_groups(c, keep, (2,)) == {(2, "target-only")}
+    assert [r["kind"] for r in keep].count("load") == len(kinds)          # the half-done group is dropped
+    partial.write_text('{"kind": "lo\n' + json.dumps(setup) + "\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        load_run._resumable(c)
+    partial.write_text(json.dumps({**setup, "seed": c.seed + 1}) + "\n")
+    assert load_run._resumable(c) == []

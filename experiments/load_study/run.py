@@ -28,6 +28,7 @@ likewise. Then `results.md` (`report`) and the plots (`plot`) from the JSONL alo
 from __future__ import annotations
 
 import collections
+import json
 import pathlib
 import sys
 import time
@@ -185,7 +186,16 @@ def _resumable(c) -> list[dict]:
     partial = pathlib.Path(c.out + ".partial")
     if not partial.is_file():
         return []
-    recs = toolkit.read_jsonl(partial)
+    recs = []
+    lines = partial.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{partial}: line {i + 1} is not JSON (the file is damaged, not cut off); "
+                                 "move it away to start afresh") from None
+            _log(f"{partial}: the last line was cut off mid-write; dropped")
     setup = next((r for r in recs if r["kind"] == "setup"), None)
     same = setup is not None and all(
         setup[k] == v for k, v in (("slots", list(c.slots)), ("num_requests", list(c.num_requests)),
