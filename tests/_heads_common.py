@@ -106,6 +106,8 @@ def _head_config(kind: str, cfg=CFG) -> drafters.HeadConfig:
         return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1))
     if kind == "eagle3_reduced":
         return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1), head_size=40)
+    if kind == "parallel_reduced":
+        return drafters.HeadConfig.make("parallel", cfg, feature_layers=(0, 2, -1), head_size=40, input_norm=True)
     if kind == "eagle3_norm":
         return drafters.HeadConfig.make("eagle3", cfg, feature_layers=(0, 2, -1), head_size=40, input_norm=True)
     return drafters.HeadConfig.make(kind, cfg)
@@ -140,8 +142,10 @@ def _own_params(hc: drafters.HeadConfig, mode: str, seed: int = 1, layer_scale: 
     else:
         own = {"fc": (0.02 * rng.standard_normal((2 * Dh, Dh))).astype(np.float32),
                "layers": _np_params(llama_lib.param_specs(hc.layer_config)["layers"], rng, layer_scale)}
-        if hc.kind == "eagle3":
+        if hc.kind in ("eagle3", "parallel"):
             own["fuse"] = (0.02 * rng.standard_normal((F, Dh))).astype(np.float32)
+        if hc.kind == "parallel" and hc.num_heads > 1:
+            own["block_x"] = rng.standard_normal((hc.num_heads - 1, Dh)).astype(np.float32)
         if hc.input_norm:
             own["input_norm"] = (1.0 + 0.1 * rng.standard_normal((2, Dh))).astype(np.float32)
         if mode == "good":
@@ -430,7 +434,8 @@ D_TREE = trees.TreeShape.from_branching((2, 1))      # sampled tree: 2 children 
 
 D_EXACT = {"medusa_T1_topk3_topp0.9": (T1_FILTERED, "medusa"), "eagle_reduced_head_T1": (T1, "eagle_reduced"),
            "eagle_reduced_head_T1_topk3_tree2x1": (T1_FILTERED, "eagle_reduced", D_TREE),
-           "hybrid_lookup_or_eagle_reduced_T1": (T1, "hybrid")}
+           "hybrid_lookup_or_eagle_reduced_T1": (T1, "hybrid"),
+           "parallel_T1_topk3_topp0.9": (T1_FILTERED, "parallel"), "parallel_T1_tree2x1": (T1, "parallel", D_TREE)}
 
 
 D_NEGATIVE = {"medusa_samples_at_T/2_reports_T": (T1, "misreport"),
@@ -479,8 +484,8 @@ def _dist_setup():
     canonical["embed"] *= 20.0          # tied head: peaked logits (mean max p ~0.7)
     tp = _to_device(canonical)
     heads = {}
-    for kind in ("medusa", "eagle_reduced"):
-        hc = drafters.HeadConfig.make("medusa" if kind == "medusa" else "eagle", D_CFG, num_heads=D_GAMMA)
+    for kind in ("medusa", "eagle_reduced", "parallel"):
+        hc = drafters.HeadConfig.make({"eagle_reduced": "eagle"}.get(kind, kind), D_CFG, num_heads=D_GAMMA)
         own = dict(_own_params(hc, "random", 31, 10.0))
         if kind == "eagle_reduced":
             hc = dataclasses.replace(hc, head_size=len(D_HEAD_IDS))

@@ -72,8 +72,8 @@ def test_command_help_lists_the_config_keys(capsys):
     (("eval", "--config=configs/eval.py", "--config.eval.per_categori=2"), "(did you mean eval.per_category?)"),
     (("generate", "--config=configs/generate.py", "--config.max_new_tokens=many"), "max_new_tokens"),
     (("generate", "--config=configs/generate.py", "--config.drafter=bogus"),
-     "drafter='bogus': expected one of distilled, early_exit, early_exit_own_cache, model, head, ngram, hybrid, suffix, "
-     "none"),
+     "drafter='bogus': expected one of distilled, early_exit, early_exit_own_cache, model, head, parallel, ngram, suffix, "
+     "hybrid, none"),
     (("generate", "--config=configs/generate.py", "--config.cpu_kernel=fast"),
      "cpu_kernel='fast': expected one of auto, on, off"),
     (("bench", "--config=configs/bench.py", "--config.drafters=('none',)"), "drafters: 'none' is the target-only"),

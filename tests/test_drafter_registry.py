@@ -105,7 +105,7 @@ def test_a_registered_drafter_runs_through_bench_with_its_own_key(registered, tm
 
 
 def test_unknown_drafters_and_verifiers_are_named(capsys):
-    with pytest.raises(ValueError, match="drafter='nope': expected one of distilled, early_exit, early_exit_own_cache, model, head, ngram"):
+    with pytest.raises(ValueError, match="drafter='nope': expected one of distilled, early_exit, early_exit_own_cache, model, head, parallel, ngram"):
         drafters.drafter_kind("nope")
     assert cli.dispatch(["specjax", "generate", "--config=configs/generate.py", "--config.drafter=nope"]) == 2
     assert "drafter='nope'" in capsys.readouterr().err

@@ -72,12 +72,13 @@ def test_engine_rejects_bad_head_setups():
         head.apply(ehp, jnp.zeros((1, 1), jnp.int32), head.init_cache(1, 8))
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3_reduced"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3_reduced", "parallel_reduced"])
 def test_packed_head_drafts_as_the_plain_head(kind, tmp_path):
     """Beside a packed target (the CPU kernel's layout) `load_head` runs the head packed too
     (its matrices as kernel panels, its layer unrolled and fused): at T = 1 with top-k its
     proposals and q equal the plain head's on the plain target (q to 2e-5: another summation
-    order), and a greedy engine run with the EAGLE-3 one equals target-only decoding. The plain-layout
+    order), and a greedy engine run with the EAGLE-3 one equals target-only decoding (the parallel
+    drafter, EAGLE-3's layer with placeholders, runs the same packed layer). The plain-layout
     config is what is stored: save / load round-trips it."""
     hc = _head_config(kind)
     own = _own_params(hc, "good" if kind != "medusa" else "random")

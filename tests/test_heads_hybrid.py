@@ -37,7 +37,7 @@ def test_hybrid_rule_and_proposals():
     ngram = jax.jit(lambda c: dr.retrieval.propose(None, None, c, None, 3, GREEDY)[:2])
     rule = jax.jit(dr.uses_lookup)
     ctx = context(state.tokens_BS)
-    lookup = np.asarray(rule(ctx))
+    lookup = np.asarray(rule(ep.draft, ctx))
     assert lookup.tolist() == [True, False, True, False]
     toks, q, new_state = hybrid(ep.draft, state.draft_state, ctx, keys)
     h_toks, h_q, h_state = head(ep.draft, state.draft_state, ctx, keys)
@@ -52,7 +52,7 @@ def test_hybrid_rule_and_proposals():
     # Every row repeating (each row given row 0's tokens): lookup only.
     ctx_all = context(jnp.broadcast_to(state.tokens_BS[:1], state.tokens_BS.shape),
                       jnp.broadcast_to(state.lengths_B[:1], state.lengths_B.shape))
-    assert np.asarray(rule(ctx_all)).all()
+    assert np.asarray(rule(ep.draft, ctx_all)).all()
     toks, q, same = hybrid(ep.draft, state.draft_state, ctx_all, keys)
     n_toks, n_q = ngram(ctx_all)
     np.testing.assert_array_equal(np.asarray(toks), np.asarray(n_toks))
@@ -94,7 +94,7 @@ def test_hybrid_greedy_and_head_cache_after_every_commit():
     rule = jax.jit(eng.drafter.uses_lookup)
     init = eng.init(ep, batch)
     states = [init] + [st for _, st in rounds[:-1]]
-    lookup = np.stack([np.asarray(rule(drafters.DraftContext(tokens_BS=jnp.asarray(s.tokens_BS),
+    lookup = np.stack([np.asarray(rule(ep.draft, drafters.DraftContext(tokens_BS=jnp.asarray(s.tokens_BS),
                                                              lengths_B=jnp.asarray(s.lengths_B), target_cache=None)))
                        for s in states])
     live = np.stack([~np.asarray(s.done_B) for s in states])
@@ -180,7 +180,7 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     regime = jax.jit(eng._regime)
     chosen = []                                  # (batch regime, gamma index) per round
     for _ in range(MAX_NEW):
-        r = int(regime(state)[0])
+        r = int(regime(ep, state)[0])
         before = np.asarray(state.metrics.gamma_rounds_Z)
         state, _ = eng.step(ep, GREEDY, state)
         chosen.append((r, int(np.argmax(np.asarray(state.metrics.gamma_rounds_Z) - before))))
@@ -236,6 +236,6 @@ def test_round_times_time_each_draft_source_on_its_own(monkeypatch):
     assert all(p.drafter == d and p.draft_state is pre.draft_state for d, p in calls)
     state = eng.init(ep, batch)
     ctx = drafters.DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B, target_cache=None)
-    assert np.asarray(eng.drafter.regime_B(ctx)).tolist() == [H.LOOKUP, H.MODEL, H.LOOKUP, H.MODEL]
+    assert np.asarray(eng.drafter.regime_B(ep.draft, ctx)).tolist() == [H.LOOKUP, H.MODEL, H.LOOKUP, H.MODEL]
     for r in (H.MODEL, H.LOOKUP):
-        assert (np.asarray(eng.drafter.for_regime(r).regime_B(ctx)) == r).all()
+        assert (np.asarray(eng.drafter.for_regime(r).regime_B(ep.draft, ctx)) == r).all()

@@ -1,6 +1,6 @@
 """Distribution exactness of feature-level draft heads at T = 1 (tiny random Llamas).
 
-Medusa with top-k + top-p and a reduced EAGLE head, each by chi-square against the exact target
+Medusa with top-k + top-p, a reduced EAGLE head and the parallel block drafter, each by chi-square against the exact target
 law, with negative controls (a drafter that misreports q) that must fail.
 """
 
@@ -21,7 +21,9 @@ def test_head_sampling_matches_target_law(name):
     which the target may still emit) without filters, that head drafting a sampled token
     tree (2 iid children of the root, one child each; top-k 3) through the tree verifier, and
     the hybrid of prompt lookup (bigrams; used where the last token occurred before, one-hot
-    q) and that head (elsewhere), rows mixing both within and across rounds.
+    q) and that head (elsewhere), rows mixing both within and across rounds, and the parallel
+    block drafter (a block of 2 from one call) as a chain with top-k 3 + top-p 0.9 and as a
+    sampled tree (2 iid children of the root, one child each) through the tree verifier.
 
     A tiny Llama target (V = 5, 2 layers, weights scaled so that its distributions are peaked
     and prefix dependent); every row generates N = 4 tokens after the prompt (1, 4, 2) with
@@ -32,7 +34,7 @@ def test_head_sampling_matches_target_law(name):
     is compared with the exact target-only law (enumerated with `apply` and
     `sampling.probabilities` under the same `SamplingConfig`) by a pooled chi-square test
     (cells with expected count < 5 pooled; cells of exact probability 0 must stay empty).
-    Family: the 4 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
+    Family: the 6 configurations in D_EXACT, family-wise false-alarm rate 1e-4, so each test
     uses alpha = 5e-5 (Bonferroni). The negative control below must fail the same test."""
     samp_kw = D_EXACT[name][0]
     gen, rejection = _dist_run(name)

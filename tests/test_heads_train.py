@@ -75,12 +75,13 @@ def _greedy(target, tp, drafter, hp, prompts, n, gamma):
     return ref, spec
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "parallel"])
 def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
     """A briefly trained head: `chain_tokens_per_pass` over the multi-step teacher-forced
     agreement (what training evaluation reports) equals the engine's committed tokens and target
     passes with that head, row by row, on the target's greedy continuation. This ties the
-    training-time-test attention mask (and Medusa's feature offset) to inference."""
+    training-time-test attention mask (and Medusa's feature offset, the parallel drafter's
+    placeholders) to inference."""
     target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
     gamma = 3
     obj = _objective(target, kind, ttt=gamma if kind == "eagle3" else 1)
@@ -94,8 +95,7 @@ def test_evaluation_chain_simulation_equals_the_engine(toy_pair, kind):
         state, _ = step(state, frozen, head_UD, {k: jnp.asarray(v) for k, v in plan.batch(i % 3).items()})
     own = {**state.params}
     hp = drafters.head_params(obj.config, own, tp)
-    drafter = drafters.MedusaDrafter(obj.config) if kind == "medusa" else \
-        drafters.FeatureHeadDrafter(drafters.EagleHead(obj.config))
+    drafter = obj.config.spec.drafter(obj.config)
     prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 31, 32, 33, 34, 35, 36]]
     N = 30
     ref, spec = _greedy(target, tp, drafter, hp, prompts, N, gamma)

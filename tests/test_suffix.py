@@ -10,7 +10,11 @@
   false-alarm rate 1e-4; fixed seeds;
 * learning across requests: through the slot scheduler with ``draft_update``, a request repeated
   after it finished is drafted from its own earlier output (every round fully accepted), and
-  `specjax generate` with ``suffix_cache_dir`` keeps a run for the next (`_after_run`).
+  `specjax generate` with ``suffix_cache_dir`` keeps a run for the next (`_after_run`);
+* the suffix-hybrid (`HybridDrafter` with a suffix lookup half): suffix decoding where the
+  context's suffix matches the request or the corpus, an EAGLE head elsewhere; greedy equal to
+  target-only under adaptive gamma, the rule reading the corpus from the params; built by the
+  'hybrid' kind with ``hybrid_lookup='suffix'``.
 """
 
 from __future__ import annotations
@@ -211,3 +215,69 @@ def test_generate_keeps_a_run_for_the_next_with_a_cache_dir(tmp_path, monkeypatc
     assert runs[1]["same_tokens_as_target_only"] is True and runs[1]["suffix_cache_dir"] == str(cache)
     assert runs[1]["accepted"] == runs[1]["proposed"] > runs[0]["accepted"]
     assert runs[1]["target_passes"] < runs[0]["target_passes"]
+
+
+def test_suffix_hybrid_drafts_from_the_corpus_where_it_matches_and_the_head_elsewhere(tiny):
+    """The suffix-hybrid through the slot scheduler (1 slot, adaptive gamma 0 / 1 / 3, greedy):
+    every answer equals target-only's; a repeated prompt is drafted from the corpus (more
+    proposals accepted, fewer target passes than its first time); the rows the corpus does not match
+    draft with the head (its proposals accepted somewhere). The regime rule reads the corpus:
+    the same context is a lookup row with the corpus and a model row without it."""
+    from _heads_common import _head
+    model, params = tiny
+    head, hp = _head("eagle", "good")
+    prompts = [[5, 6, 7, 8], [9, 3, 4], [5, 6, 7, 8], [9, 3, 4]]
+    new = 12
+    ref = decoding.Engine(model, None, decoding.GenerationConfig(max_new_tokens=new, gamma=0))
+    want = ref.run(decoding.EngineParams(target=params), sampling.SamplingConfig.greedy_config(),
+                   decoding.make_batch(prompts[:2], ref.config, jax.random.key(0))).generated()
+    cache = SuffixCache(512, model.vocab_size)
+    hybrid = drafters.HybridDrafter(SuffixDrafter(model.vocab_size, max_match=4), head, min_match=2,
+                                    lookup_params=True)
+    config = decoding.GenerationConfig(max_new_tokens=new, gamma=decoding.AdaptiveGamma(gammas=(0, 1, 3)))
+    engine = decoding.Engine(model, hybrid, config)
+    dparams = drafters.HybridParams(model=hp, lookup=cache.corpus())
+    sched = serving.Scheduler(engine, decoding.EngineParams(target=params, draft=dparams), slots=1,
+                              round_time_s=(1.0, 1.1, 1.3, 0.5, 0.6, 0.7))
+
+    def learn(request, result):
+        cache.add(list(request.prompt) + list(result.tokens))
+        return dparams.replace(lookup=cache.corpus())
+
+    reqs = [serving.Request(id=i, prompt=p, arrival_s=0.0) for i, p in enumerate(prompts)]
+    out = sched.run(reqs, sampling.SamplingConfig.greedy_config(), jax.random.key(0), draft_update=learn)
+    got = {r.id: r.tokens for r in out.results}
+    assert [got[i] for i in range(4)] == want + want
+    first, again = out.results[0].counters, out.results[2].counters
+    assert again["accepted"] > first["accepted"] and again["target_passes"] < first["target_passes"]
+    assert sum(r.counters["accepted"] for r in out.results[:2]) > 0
+    # the rule: the first prompt's context after its first answer token matches the corpus (it
+    # holds that answer), not the request alone
+    row = list(prompts[0]) + want[0][:3]
+    ctx = drafters.DraftContext(tokens_BS=jnp.asarray([row + [0] * 8], jnp.int32),
+                                lengths_B=jnp.asarray([len(row)], jnp.int32), target_cache=None)
+    with_corpus = drafters.HybridParams(model=hp, lookup=cache.corpus())
+    without = drafters.HybridParams(model=hp, lookup=SuffixCache(512, model.vocab_size).corpus())
+    assert int(hybrid.regime_B(with_corpus, ctx)[0]) == hybrid.LOOKUP
+    assert int(hybrid.regime_B(without, ctx)[0]) == hybrid.MODEL
+
+
+def test_the_hybrid_kind_builds_a_suffix_lookup(tiny, tmp_path):
+    """drafter='hybrid' with hybrid_lookup='suffix': a suffix lookup half over the cache
+    directory's corpus (loaded) and the head; an unknown lookup is refused by name."""
+    from _heads_common import CFG
+    model, params = tiny
+    hc = drafters.HeadConfig.make("eagle", CFG)
+    drafters.save_head(tmp_path / "head", hc, drafters.init_head_params(hc, jax.random.key(0)))
+    drafters.remember(str(tmp_path / "cache"), 64, [[1, 2, 3, 4]])
+    ctx = drafters.BuildContext(target=model, target_params=params, target_name="tiny")
+    kind = drafters.drafter_kind("hybrid")
+    s = kind.settings_from({"hybrid_lookup": "suffix", "draft_model": str(tmp_path / "head"), "suffix_tokens": 64,
+                            "suffix_cache_dir": str(tmp_path / "cache")})
+    kind.check(s, drafters.DraftJob(target="tiny"))
+    dr, dp = kind.build(s, ctx)
+    assert isinstance(dr.retrieval, SuffixDrafter) and dr.lookup_params and dr.min_match == 3
+    assert isinstance(dp, drafters.HybridParams)
+    assert np.asarray(dp.lookup.tokens_M).tolist()[:5] == [1, 2, 3, 4, -1]
+    with pytest.raises(ValueError, match="hybrid_lookup='trie': expected one of ngram, suffix"):
+        kind.check(kind.settings_from({"hybrid_lookup": "trie", "draft_model": "x"}), drafters.DraftJob(target="tiny"))

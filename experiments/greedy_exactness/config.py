@@ -9,6 +9,8 @@ run today (the hybrid default, the shipped head in a chain and in a dynamic tree
 the distilled draft in trees), batch 1, written to results_current.jsonl. Variant "bf16": the TPU
 profile (configs/generate_tpu.py: bfloat16, one block shape for every target pass) with the
 hybrid, the head chain and the head dynamic tree, no near-tie excuse, to results_bf16.jsonl.
+Variant "parallel": the parallel block drafter (``parallel_model``) in a chain and a dynamic
+tree, batch 1, to results_parallel.jsonl.
 """
 
 import ml_collections
@@ -30,6 +32,10 @@ def get_config(variant: str = ""):
     # a mismatch is a near-tie (reported, teacher-forced) where the target's top-2 logit gap is
     # below this; -1 = decoding.NEAR_TIE_EPS; 0 = no near-tie excuse (every mismatch fails)
     c.near_tie_eps = -1.0
+    c.parallel_model = ""                       # the parallel drafter's directory (drafters 'parallel:...')
+    # drafting settings of the generate config's keys for every drafter of the run, e.g.
+    # {'hybrid_lookup': 'suffix'} (the suffix-hybrid)
+    c.drafter_settings = ml_collections.ConfigDict()
     c.out = "experiments/greedy_exactness/results.jsonl"
     if variant == "tiny":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
@@ -47,12 +53,17 @@ def get_config(variant: str = ""):
         c.update(generate_config="configs/generate_tpu.py", near_tie_eps=0.0,
                  drafters=("hybrid:3", "head:3", "head:dynamic:4,3,12"),
                  out="experiments/greedy_exactness/results_bf16.jsonl")
+    elif variant == "parallel":
+        # the parallel block drafter in a chain of 4 and a dynamic tree over its block, batch 1
+        c.update(drafters=("parallel:4", "parallel:dynamic:4,4,12"), batch_sizes=(1,),
+                 parallel_model="experiments/heads/parallel", out="experiments/greedy_exactness/results_parallel.jsonl")
     elif variant == "tiny_trees":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
                  early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results_trees.jsonl",
                  drafters=("ngram:branching:3,1,1", "early_exit:branching:2,2", "early_exit:dynamic:3,2,5"))
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current', 'bf16' or 'tiny_trees'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current', 'bf16', 'parallel' or "
+                         f"'tiny_trees'")
     return c
 
 

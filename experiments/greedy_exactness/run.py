@@ -76,9 +76,10 @@ def main(c):
             if kind == "distilled" and not workload.has_distilled(w, wc):
                 print(f"batch {B}: no distilled draft for {w.name}, skipped", flush=True)
                 continue
+            draft_model = c.parallel_model if kind == "parallel" and c.parallel_model else g.draft_model
             drafter, dparams = build.make_drafter(
-                kind, w.target, w.params, early_exit_layers=c.early_exit_layers, draft_model=g.draft_model,
-                max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name)
+                kind, w.target, w.params, early_exit_layers=c.early_exit_layers, draft_model=draft_model,
+                max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name, **c.drafter_settings.to_dict())
             t0 = time.time()
             block = decoding.GenerationConfig(max_new_tokens=1, gamma=gamma, block_tokens=block_tokens).target_block or 0
             reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),

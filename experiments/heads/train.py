@@ -47,6 +47,7 @@ OVERRIDES = {
     "eagle3": {},
     "eagle": {"head.ttt_steps": 1, "head.feature_weight": 1.0},
     "medusa": {"head.ttt_steps": 1},
+    "parallel": {"head.ttt_steps": 1, "head.num_heads": 4},
 }
 
 

@@ -29,6 +29,9 @@ def get_config(variant: str = ""):
     c.kind_overrides = ml_collections.ConfigDict({
         "eagle": {"head": {"ttt_steps": 1, "feature_weight": 1.0, "input_norm": True}},
         "eagle3": {"head": {"ttt_steps": 7, "input_norm": True}},
+        # the parallel block drafter: EAGLE-3's layers and input norms, a block of 4 positions
+        # (trained like a 4-step training-time test)
+        "parallel": {"head": {"ttt_steps": 1, "num_heads": 4, "input_norm": True}},
     })
     # Training tokens per point: epochs x size, clipped to [min_budget, max_budget]; the same
     # for every kind at a size.

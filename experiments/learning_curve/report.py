@@ -154,15 +154,15 @@ def write(path=DEFAULT) -> pathlib.Path:
                      *(toolkit.fmt(ev.get(f"greedy_agreement_step{k}"), 3) for k in (1, 2, 3)),
                      toolkit.fmt(ev.get("alpha_t1"), 3), f"{toolkit.fmt(chain)} (γ = {g})",
                      f"{r['wall_s'] / 60:.0f} min ({r['train_tokens_per_s']:.0f}/s)",
+                     (prov.get("machine") or {}).get("cpu_model", "?"),
                      f"`{(prov.get('git_commit') or '?')[:8]}`{'+' if prov.get('git_dirty') else ''}"])
     kinds = sorted({r["label"] for r in recs})
     fits = {k: fit([r for r in recs if r["label"] == k and r["eval"]]) for k in kinds}
-    prov = recs[-1]["provenance"]
     lines = ["# Learning curve of the feature heads", "",
              f"`python -m experiments.learning_curve.run --config=experiments/learning_curve/config.py`; "
-             f"{toolkit.run_caption(prov)}; {len(recs)} points.", "",
+             f"{len(recs)} points, each with the machine (2 CPUs) and commit it ran on.", "",
              toolkit.table(["head", "data tokens", "training tokens", "agreement k=1", "k=2", "k=3", "alpha (T=1)",
-                            "chain tokens / pass", "training time (tokens/s)", "commit"], rows), "",
+                            "chain tokens / pass", "training time (tokens/s)", "machine", "commit"], rows), "",
              "Training time: the point's run alone (a resumed run: its last part), on a machine shared with "
              "other jobs; commit: the code it ran (+: with uncommitted changes).", "",
              _error_note(recs), "",
@@ -213,7 +213,8 @@ def write(path=DEFAULT) -> pathlib.Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
-    fig.suptitle(f"Feature heads on SmolLM2-135M-Instruct data, {toolkit.run_caption(prov)}", fontsize=9)
+    fig.suptitle(f"Feature heads on SmolLM2-135M-Instruct data ({len(recs)} points; machines in learning_curve.md)",
+                 fontsize=9)
     toolkit.save_figure(fig, path.with_name("learning_curve.png"))
     print(f"wrote {md} and {path.with_name('learning_curve.png')}")
     return md

@@ -4,20 +4,24 @@ The repetitive workload (`workload.py`: requests from six task templates with di
 served by `specjax.serving.Scheduler` (all requests queued at once, FIFO), once per mode and slot
 count, greedy:
 target-only, prompt lookup, suffix decoding over the request alone, suffix decoding that adds
-every finished request to its corpus (`draft_update`), and the main command's default drafter
-(the hybrid of prompt lookup and the shipped EAGLE head). Fixed gamma for every drafter.
+every finished request to its corpus (`draft_update`), the main command's default drafter
+(the hybrid of prompt lookup and the shipped EAGLE head), and the suffix-hybrid (suffix decoding
+across requests where the context's suffix matches, the shipped head elsewhere). Fixed gamma for
+every drafter.
 Variant "tiny": a random small target and the workload's token ids cut to its vocabulary (CI).
 """
 
 import ml_collections
 
-# mode name -> (drafter kind, learns from finished requests)
+# mode name -> (drafter kind, learns from finished requests, generation settings over the config's)
 MODES = {
-    "target-only": ("none", False),
-    "prompt lookup": ("ngram", False),
-    "suffix, own request": ("suffix", False),
-    "suffix, across requests": ("suffix", True),
-    "hybrid (default)": ("hybrid", False),
+    "target-only": ("none", False, {}),
+    "prompt lookup": ("ngram", False, {}),
+    "suffix, own request": ("suffix", False, {}),
+    "suffix, across requests": ("suffix", True, {}),
+    "hybrid (default)": ("hybrid", False, {}),
+    # suffix decoding across requests where the suffix matches (3+ tokens), the shipped head elsewhere
+    "suffix-hybrid, across requests": ("hybrid", True, {"hybrid_lookup": "suffix"}),
 }
 
 

@@ -58,10 +58,10 @@ def _setup(c):
     return gc, target, params, tuple(tok.stop_token_ids), encoded, extra
 
 
-def _engine(gc, target, params, eos_ids, kind: str):
+def _engine(gc, target, params, eos_ids, kind: str, settings=None):
     from specjax import build, decoding
     gm = gc.copy_and_resolve_references()
-    gm.update(drafter=kind, gamma=0 if kind == "none" else int(gm.gamma))
+    gm.update(drafter=kind, gamma=0 if kind == "none" else int(gm.gamma), **(settings or {}))
     own = {k: gm[k] for k in gm if k not in ("drafter", "dtype", "scan_layers", "target")}
     drafter, dparams = build.make_drafter(kind, target, params, dtype=gm.dtype, scan_layers=gm.scan_layers,
                                           target_name=gm.target, **own)
@@ -84,16 +84,19 @@ def main(c):
               modes=list(c.modes), seed=c.seed)
     reference = {}
     for slots, mode in [(s, m) for s in c.slots for m in c.modes]:
-        kind, learns = config_lib.MODES[mode]
-        engine, eparams = _engine(gc, target, params, eos_ids, kind)
+        kind, learns, settings = config_lib.MODES[mode]
+        engine, eparams = _engine(gc, target, params, eos_ids, kind, settings)
         update = None
         if learns:                      # an empty corpus that every finished request joins
             cache = drafters.SuffixCache(int(c.suffix_tokens))
-            eparams = eparams.replace(draft=cache.corpus())
+            # the suffix drafter's params are its corpus; the suffix-hybrid's hold it beside the head's
+            with_corpus = (eparams.draft.replace if isinstance(eparams.draft, drafters.HybridParams)
+                           else lambda lookup: lookup)
+            eparams = eparams.replace(draft=with_corpus(lookup=cache.corpus()))
 
-            def update(request, result, cache=cache):
+            def update(request, result, cache=cache, with_corpus=with_corpus):
                 cache.add(list(request.prompt) + list(result.tokens))
-                return cache.corpus()
+                return with_corpus(lookup=cache.corpus())
         longest = max(len(p) for _, p in reqs)
         capacity = -(-engine.config.slots_needed(longest) // pad) * pad
         sched = serving.Scheduler(engine, eparams, slots=slots, pad_multiple=pad, capacity=capacity)

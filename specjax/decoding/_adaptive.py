@@ -35,7 +35,7 @@ above), and a is measured on the first child tried at each depth.
 Draft sources (regimes): a drafter that picks between sources per round from the committed
 tokens (`specjax.drafters.HybridDrafter`: prompt lookup where the text repeats, a model
 elsewhere) names ``regimes`` R > 1 and says, per row, which source drafts this round
-(``regime_B(context)``, read before the round from committed tokens only). The sources differ
+(``regime_B(params, context)``, read before the round from committed tokens only). The sources differ
 in acceptance (lookup drafts are all-or-nothing copies) and in cost (lookup runs no model), so
 the policy keeps one estimate, one current choice, one probe counter and one row of round times
 per regime, and each round is priced in its batch regime: the lowest-numbered regime among the

@@ -236,7 +236,7 @@ class Engine:
         if not self.config.adaptive:
             state, commit, _, _ = self.pipeline.run(params, sampling, self.config.gamma, state)
             return self._constrain(state), commit
-        chosen, probe, regime, regime_B = self._choose(state)
+        chosen, probe, regime, regime_B = self._choose(params, state)
         branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe, regime, regime_B)
                     for g in self.config.gamma.gammas]
         return jax.lax.switch(chosen, branches, state)
@@ -293,17 +293,17 @@ class Engine:
         # (measured: experiments/bench_speed/results/2026-12-02-head-intel-xeon/NOTES.md), and
         # most rounds of a draft that does not pay are at gamma 0.
         def zero_cond(s):
-            return cond(s) & (self._choose(s)[0] == 0)
+            return cond(s) & (self._choose(params, s)[0] == 0)
 
         def zero_round(s):
-            regime, regime_B = self._regime(s)
+            regime, regime_B = self._regime(params, s)
             return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, s)[0]
 
         def body(s):
             s = jax.lax.while_loop(zero_cond, zero_round, s)
             # Then one round at the gamma the policy chooses now (not 0: a probe or a better
             # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
-            chosen, probe, regime, regime_B = self._choose(s)
+            chosen, probe, regime, regime_B = self._choose(params, s)
             branches = [lambda s: s] + [
                 lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, s)[0]
                 for g in policy.gammas]
@@ -325,17 +325,18 @@ class Engine:
 
     # ------------------------------------------------------------------ adaptive gamma (traced)
 
-    def _regime(self, state: LoopState):
-        """(the next round's batch regime, each row's regime [B]), from the committed tokens."""
+    def _regime(self, params, state: LoopState):
+        """(the next round's batch regime, each row's regime [B]), from the committed tokens (and
+        the draft params: a lookup source may search a corpus held there)."""
         B = state.lengths_B.shape[0]
         if self.regimes == 1:
             return jnp.int32(0), jnp.zeros((B,), jnp.int32)
-        regime_B = self.drafter.regime_B(draft_context(state)).astype(jnp.int32)
+        regime_B = self.drafter.regime_B(params.draft, draft_context(state)).astype(jnp.int32)
         return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
 
-    def _choose(self, state):
+    def _choose(self, params, state):
         """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
-        regime, regime_B = self._regime(state)
+        regime, regime_B = self._regime(params, state)
         m = state.metrics
         alpha_B = _adaptive.row_alphas(self.config.gamma, state.policy, jnp.sum(m.accepted_at_BG, axis=1),
                                        jnp.sum(m.tested_at_BG, axis=1), regime_B)
@@ -359,13 +360,13 @@ class Engine:
         alone, compiled without the `lax.switch` over every candidate (and its copies of the
         caches, see `_run`); the commit carries the next round's choice. Same keys, same policy
         update, same state as `_step`."""
-        chosen, probe, regime, regime_B = self._choose(state)       # chosen == index
+        chosen, probe, regime, regime_B = self._choose(params, state)       # chosen == index
         state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
                                            regime, regime_B, state)
-        return state, commit.replace(next_index=self._choose(state)[0])
+        return state, commit.replace(next_index=self._choose(params, state)[0])
 
-    def _first_choice(self, state):
-        return self._choose(state)[0]
+    def _first_choice(self, params, state):
+        return self._choose(params, state)[0]
 
     # ------------------------------------------------------------------ compiled entry points
 
@@ -468,7 +469,7 @@ class Engine:
         round runs compiled on its own (`_chosen_round`, as `stream` runs it): the same round as
         the traced `lax.switch` over every candidate, without the switch's copies of the caches."""
         if self.config.adaptive:
-            index = int(jax.device_get(self._first_choice_jit(state)))
+            index = int(jax.device_get(self._first_choice_jit(params, state)))
             return self._chosen_round_jit(params, sampling, index, state)
         return self._step_jit(params, sampling, state)
 
@@ -481,7 +482,7 @@ class Engine:
             return
         for i in range(len(self.config.gammas)):
             jax.block_until_ready(self._chosen_round_jit(params, sampling, i, jax.tree.map(jnp.copy, state)))
-        jax.block_until_ready(self._first_choice_jit(state))
+        jax.block_until_ready(self._first_choice_jit(params, state))
 
     def steps(self, params: EngineParams, sampling, state: LoopState, n: int) -> tuple[LoopState, Commit]:
         """`n` rounds in one jitted call (one host round trip instead of `n`): the same rounds as
@@ -525,7 +526,7 @@ class Engine:
         max_rounds = self.config.max_rounds or self.config.max_new_tokens
         if self.config.adaptive and precompile:
             self.precompile(params, sampling, state)
-        index = int(jax.device_get(self._first_choice_jit(state))) if self.config.adaptive else None
+        index = int(jax.device_get(self._first_choice_jit(params, state))) if self.config.adaptive else None
         for r in range(1, max_rounds + 1):
             if index is None:
                 state, commit = self.step(params, sampling, state)

@@ -1,4 +1,4 @@
-"""Prompt lookup where the text repeats itself, a model drafter elsewhere.
+"""Lookup where the text repeats itself, a model drafter elsewhere.
 
 Retrieval and model drafts win on different text: copying from the prompt is nearly free and
 long-sighted where the output quotes its input (summaries, retrieval-augmented answers, code
@@ -14,6 +14,12 @@ proposal is the n-gram continuation (one-hot q); otherwise it is the model's (q 
 sampled it). The choice reads only the committed tokens, never the round's random keys, so each
 row's (tokens, q) is exactly what one of two exact drafters would have proposed: the
 verification stays exact.
+
+The lookup half may also be suffix decoding across requests (`SuffixDrafter`, SuffixDecoding's
+rule): the match is then searched in the row's tokens and a corpus of earlier requests, and the
+proposal is the continuation that followed the match most often. Its corpus travels with the
+model's params as `HybridParams` (``lookup_params=True``), so it changes between requests
+without recompiling; the rule still reads only committed tokens and that corpus.
 
 The model keeps its own state across rounds it sits out, as it does across adaptive gamma = 0
 rounds: its next ``propose`` catches up on the committed tokens it has not seen. When every
@@ -39,21 +45,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.drafters._registry import register_drafter
+from specjax.drafters._suffix import SuffixCache, SuffixDrafter, SuffixSettings, remember
+
+
+@struct.dataclass
+class HybridParams:
+    """A hybrid's params when its lookup half has some (a suffix drafter's corpus)."""
+    model: Any
+    lookup: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridDrafter:
-    """Chains from prompt lookup when the suffix match has >= ``min_match`` tokens, else from
-    ``model`` (a drafter with its own state: `FeatureHeadDrafter`, `MedusaDrafter`,
-    `ModelDrafter`); the params are the model's."""
-    retrieval: NGramDrafter
+    """Chains from lookup (``retrieval``: prompt lookup, `NGramDrafter`, or suffix decoding,
+    `SuffixDrafter`) when the suffix match has >= ``min_match`` tokens, else from ``model`` (a
+    drafter with its own state: `FeatureHeadDrafter`, `MedusaDrafter`, `ModelDrafter`, ...). The
+    params are the model's, or a `HybridParams` with ``lookup_params`` (the lookup half's too)."""
+    retrieval: Any
     model: Any
     min_match: int = 3
     force: int | None = None       # None: the rule; MODEL or LOOKUP: every row drafts so (calibration)
+    lookup_params: bool = False
 
     MODEL = 0
     LOOKUP = 1
@@ -63,9 +80,10 @@ class HybridDrafter:
     def __post_init__(self):
         if self.force not in (None, self.MODEL, self.LOOKUP):
             raise ValueError(f"force must be None, {self.MODEL} (model) or {self.LOOKUP} (lookup), got {self.force!r}")
-        if not self.retrieval.min_ngram <= self.min_match <= self.retrieval.max_ngram:
-            raise ValueError(f"min_match={self.min_match} must lie in [min_ngram, max_ngram] = "
-                             f"[{self.retrieval.min_ngram}, {self.retrieval.max_ngram}] of the n-gram drafter")
+        lo, hi = self.retrieval.match_range
+        if not lo <= self.min_match <= hi:
+            raise ValueError(f"min_match={self.min_match} must lie in [{lo}, {hi}], the suffix lengths the lookup "
+                             f"drafter matches")
         if self.retrieval.vocab_size != self.model.vocab_size:
             raise ValueError(f"vocab mismatch: n-gram drafter {self.retrieval.vocab_size}, model drafter "
                              f"{self.model.vocab_size}")
@@ -84,46 +102,53 @@ class HybridDrafter:
         m = self.model.capabilities
         return Capabilities(feature_layers=m.feature_layers, own_cache=m.own_cache, trees=False, regimes=self.regimes)
 
+    def _parts(self, params):
+        """(the model's params, the lookup half's or None)."""
+        return (params.model, params.lookup) if self.lookup_params else (params, None)
+
     def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
+        params = self._parts(params)[0]
         if self.feature_layers:
             return self.model.init(params, prompt_BP, prompt_lengths_B, capacity, features_BPF=features_BPF)
         return self.model.init(params, prompt_BP, prompt_lengths_B, capacity)
 
-    def uses_lookup(self, context: DraftContext):
-        """[B] bool: the rows whose round drafts by prompt lookup (the rule of the module doc)."""
-        return self._match(context)[1]
+    def uses_lookup(self, params, context: DraftContext):
+        """[B] bool: the rows whose round drafts by lookup (the rule of the module doc)."""
+        return self._match(params, context)[1]
 
-    def _match(self, context: DraftContext):
-        """(end of the longest suffix match [B], whether the row drafts by lookup [B])."""
-        end_B, n_B = self.retrieval.longest_match(context.tokens_BS, context.lengths_B)
+    def _match(self, params, context: DraftContext):
+        """(what the lookup continues from, whether the row drafts by lookup [B])."""
+        found, n_B = self.retrieval.match(self._parts(params)[1], context.tokens_BS, context.lengths_B)
         if self.force is not None:
-            return end_B, jnp.full(n_B.shape, self.force == self.LOOKUP)
-        return end_B, n_B >= self.min_match
+            return found, jnp.full(n_B.shape, self.force == self.LOOKUP)
+        return found, n_B >= self.min_match
 
-    def regime_B(self, context: DraftContext):
+    def regime_B(self, params, context: DraftContext):
         """[B] int32: the half that drafts each row's next round (``LOOKUP`` or ``MODEL``)."""
-        return jnp.where(self.uses_lookup(context), self.LOOKUP, self.MODEL).astype(jnp.int32)
+        return jnp.where(self.uses_lookup(params, context), self.LOOKUP, self.MODEL).astype(jnp.int32)
 
     def for_regime(self, regime: int) -> "HybridDrafter":
         """This drafter with every row drafting from one half (``MODEL`` or ``LOOKUP``): what
         `Engine.round_times` times for each regime."""
         return dataclasses.replace(self, force=regime)
 
-    def lookup_rounds(self, tokens, prompt_length: int, round_sizes) -> list[bool]:
+    def lookup_rounds(self, tokens, prompt_length: int, round_sizes, params=None) -> list[bool]:
         """The rule replayed after a generation for one row (`uses_lookup` itself, one call over
         all rounds): whether each round started with a suffix match, from the row's tokens
-        (prompt and generated) and the tokens each round committed."""
+        (prompt and generated), the tokens each round committed and, for a lookup half with
+        params, ``params`` (the hybrid's, as the run had them)."""
         starts = int(prompt_length) + np.concatenate([[0], np.cumsum(round_sizes, dtype=np.int64)[:-1]])
         tokens_BS = jnp.broadcast_to(jnp.asarray(tokens, jnp.int32)[None], (len(starts), len(tokens)))
         ctx = DraftContext(tokens_BS=tokens_BS, lengths_B=jnp.asarray(starts, jnp.int32), target_cache=None)
-        return np.asarray(jax.jit(self.uses_lookup)(ctx)).tolist()
+        return np.asarray(jax.jit(self.uses_lookup)(params, ctx)).tolist()
 
     def forward_passes(self, gamma: int) -> int:
         return self.model.forward_passes(gamma)        # an upper bound: lookup rounds run no model
 
     def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
-        end_B, lookup_B = self._match(context)
-        look_BG = self.retrieval.continuation(context.tokens_BS, context.lengths_B, end_B, gamma)
+        found, lookup_B = self._match(params, context)
+        model_params, lookup_params = self._parts(params)
+        look_BG = self.retrieval.follow(lookup_params, context.tokens_BS, context.lengths_B, found, gamma)
 
         def one_hot(tok_BG):
             return jax.nn.one_hot(tok_BG, self.vocab_size, dtype=jnp.float32)
@@ -132,7 +157,7 @@ class HybridDrafter:
             return look_BG, one_hot(look_BG), state
 
         def with_model(state):
-            tok_BG, q_BGV, state = self.model.propose(params, state, context, key_B, gamma, cfg)
+            tok_BG, q_BGV, state = self.model.propose(model_params, state, context, key_B, gamma, cfg)
             if lookup_B.shape[0] == 1:          # one row, and it drafts by the model in this branch
                 return tok_BG, q_BGV, state
             return (jnp.where(lookup_B[:, None], look_BG, tok_BG),
@@ -157,7 +182,8 @@ class HybridDrafter:
 
 
 # --------------------------------------------------------------------- the registered kind
-HYBRID_MODELS = ("head", "distilled", "model")      # the kinds the model half may be
+HYBRID_MODELS = ("head", "distilled", "model", "parallel")      # the kinds the model half may be
+HYBRID_LOOKUPS = ("ngram", "suffix")                            # the lookup half: prompt lookup, suffix decoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,15 +193,30 @@ class HybridSettings:
     max_ngram: int = 3
     min_ngram: int = 1
     draft_model: str = ""            # the model half's draft ("" = the one shipped for the target)
+    hybrid_lookup: str = "ngram"     # the lookup half: one of HYBRID_LOOKUPS
+    # suffix lookup only (the 'suffix' kind's keys and defaults): the longest suffix matched, the
+    # corpus ring's slots, and the directory its corpus is loaded from and saved to ("" = none)
+    suffix_max_match: int = SuffixSettings.suffix_max_match
+    suffix_tokens: int = SuffixSettings.suffix_tokens
+    suffix_cache_dir: str = SuffixSettings.suffix_cache_dir
 
 
 def _build(s: HybridSettings, ctx):
-    """Prompt lookup where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``),
-    else the drafter ``hybrid_model`` (built as its own kind)."""
+    """Lookup (prompt lookup, or suffix decoding over the request and the cache directory's
+    corpus) where the suffix match has at least ``min_match`` tokens (0: ``max_ngram``), else
+    the drafter ``hybrid_model`` (built as its own kind)."""
     from specjax.drafters._registry import build_drafter
     model, params = build_drafter(s.hybrid_model, {"draft_model": s.draft_model}, ctx)
-    lookup = NGramDrafter(ctx.target.vocab_size, max_ngram=s.max_ngram, min_ngram=s.min_ngram)
-    return HybridDrafter(lookup, model, min_match=int(s.min_match or s.max_ngram)), params
+    min_match = int(s.min_match or s.max_ngram)
+    vocab = ctx.target.vocab_size
+    if s.hybrid_lookup == "suffix":
+        lookup = SuffixDrafter(vocab, max_match=max(s.suffix_max_match, min_match), min_match=1)
+        cache = (SuffixCache.load(s.suffix_cache_dir, s.suffix_tokens, vocab) if s.suffix_cache_dir
+                 else SuffixCache(s.suffix_tokens, vocab))
+        return (HybridDrafter(lookup, model, min_match=min_match, lookup_params=True),
+                HybridParams(model=params, lookup=cache.corpus()))
+    lookup = NGramDrafter(vocab, max_ngram=s.max_ngram, min_ngram=s.min_ngram)
+    return HybridDrafter(lookup, model, min_match=min_match), params
 
 
 def _check(s: HybridSettings, job) -> None:
@@ -183,6 +224,13 @@ def _check(s: HybridSettings, job) -> None:
     from specjax.drafters._shipped import SHIPPED_DRAFTS, SHIPPED_HEADS
     if s.hybrid_model not in HYBRID_MODELS:
         raise ValueError(f"hybrid_model={s.hybrid_model!r}: expected one of {', '.join(HYBRID_MODELS)}")
+    if s.hybrid_lookup not in HYBRID_LOOKUPS:
+        raise ValueError(f"hybrid_lookup={s.hybrid_lookup!r}: expected one of {', '.join(HYBRID_LOOKUPS)}")
+    if s.hybrid_lookup == "suffix" and s.suffix_tokens < 2:
+        raise ValueError(f"suffix_tokens={s.suffix_tokens!r}: the corpus needs at least 2 slots")
+    if s.hybrid_model == "parallel" and not s.draft_model:
+        raise ValueError("drafter='hybrid' with hybrid_model='parallel' needs draft_model (a parallel drafter "
+                         "written by specjax.distill)")
     if s.hybrid_model == "model" and not s.draft_model:
         raise ValueError("drafter='hybrid' with hybrid_model='model' needs draft_model (a path or registry name)")
     shipped = {"head": SHIPPED_HEADS, "distilled": SHIPPED_DRAFTS}.get(s.hybrid_model)
@@ -204,7 +252,13 @@ def _check(s: HybridSettings, job) -> None:
 
 
 def _describe(s: HybridSettings, drafter: HybridDrafter, record) -> tuple[str, dict]:
-    """Which rounds prompt lookup drafted (replayed from the committed tokens)."""
+    """Which rounds prompt lookup drafted (replayed from the committed tokens; suffix lookups
+    matched a corpus that is not replayed here: the kind and its corpus only)."""
+    if drafter.lookup_params:
+        text = (f"suffix decoding over the request and a corpus of {s.suffix_tokens} token slots"
+                f"{f' (cache {s.suffix_cache_dir})' if s.suffix_cache_dir else ''} where the last "
+                f"{drafter.min_match} tokens matched, the {s.hybrid_model} elsewhere")
+        return text, {"suffix_cache_dir": s.suffix_cache_dir, "suffix_tokens": s.suffix_tokens}
     lookup = drafter.lookup_rounds(list(record.prompt_ids) + list(record.tokens), len(record.prompt_ids),
                                    list(record.round_sizes))
     text = (f"prompt lookup drafts where the last {drafter.min_match} tokens occurred earlier (they did at the start "
@@ -212,5 +266,11 @@ def _describe(s: HybridSettings, drafter: HybridDrafter, record) -> tuple[str, d
     return text, {"lookup_rounds": sum(lookup)}
 
 
-register_drafter("hybrid", HybridSettings, _build, check=_check, describe=_describe,
-                 description="prompt lookup, else a model (SAM-Decoding's rule)")
+def _after_run(s: HybridSettings, record) -> None:
+    """A suffix lookup's cache directory keeps the run's prompt and output (as the 'suffix' kind's)."""
+    if s.hybrid_lookup == "suffix" and s.suffix_cache_dir:
+        remember(s.suffix_cache_dir, s.suffix_tokens, [tuple(record.prompt_ids) + tuple(record.tokens)])
+
+
+register_drafter("hybrid", HybridSettings, _build, check=_check, describe=_describe, after_run=_after_run,
+                 description="lookup (prompt lookup or suffix decoding), else a model (SAM-Decoding's rule)")

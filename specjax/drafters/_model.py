@@ -69,6 +69,25 @@ def draw_support(key_B, scores_BU, ids, cfg: sampling_lib.SamplingConfig, vocab:
     return tok_B, to_vocab(q_BU, ids, vocab, 0.0)
 
 
+def draw_positions(key_B, scores_BGU, ids, cfg: sampling_lib.SamplingConfig, vocab: int):
+    """(tokens_BG, q_BGV): one token per position g from its own scores (a drafter that
+    proposes every position at once: Medusa heads, the parallel drafter), each from the row's
+    key split G ways. Position g's draw is independent of the others' given the scores, so its
+    q is exactly what it was drawn from; with penalties or an automaton (``cfg.moves``) the
+    draw at g sees the tokens drawn at the positions before it, as the target will."""
+    G = scores_BGU.shape[1]
+    keys_BG = jax.vmap(lambda k: jax.random.split(k, G))(key_B)
+    if not cfg.moves:
+        return jax.vmap(lambda k, s: draw_support(k, s, ids, cfg, vocab), in_axes=1, out_axes=1)(keys_BG, scores_BGU)
+    tokens, qs = [], []
+    for g in range(G):
+        tok_B, q_BV = draw_support(keys_BG[:, g], scores_BGU[:, g], ids, cfg, vocab)
+        cfg = cfg.advance(tok_B)
+        tokens.append(tok_B)
+        qs.append(q_BV)
+    return jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1)
+
+
 def rollout(model, params, cache, logits_BV, key_B, gamma, cfg, ids=None):
     """Sample gamma tokens autoregressively, starting from the logits of the last seen token
     (with ``ids``: its scores over that support, see `support_scores`).

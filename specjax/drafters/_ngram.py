@@ -65,6 +65,21 @@ class NGramDrafter:
     def forward_passes(self, gamma: int) -> int:
         return 0     # no model
 
+    # -- as the lookup half of `HybridDrafter` (the interface `SuffixDrafter` shares)
+    @property
+    def match_range(self) -> tuple[int, int]:
+        """The shortest and longest suffix it matches."""
+        return self.min_ngram, self.max_ngram
+
+    def match(self, params, tokens_BS, lengths_B):
+        """(what `follow` continues from, the longest suffix match's length [B], 0: none)."""
+        end_B, n_B = self.longest_match(tokens_BS, lengths_B)
+        return end_B, n_B
+
+    def follow(self, params, tokens_BS, lengths_B, found, gamma):
+        """The gamma-token proposal [B, gamma] from `match`'s result."""
+        return self.continuation(tokens_BS, lengths_B, found, gamma)
+
     @staticmethod
     def continuation(tokens_BS, lengths_B, end_B, gamma):
         """gamma tokens after the match ending at end_B (-1: none, repeat the last token),

@@ -36,8 +36,8 @@ positions and passes them as ``context.features`` [B, capacity, F] (positions
 
 Draft sources (optional): a drafter that picks per round between sources that differ in
 acceptance and cost (`HybridDrafter`: prompt lookup or a model) names ``regimes`` (their count),
-``regime_B(context) -> [B] int32`` (the source of each row's next round, from committed tokens
-only; regime 0 is the one that runs whenever any row needs it) and ``for_regime(r)`` (the same
+``regime_B(params, context) -> [B] int32`` (the source of each row's next round, from committed
+tokens and the draft params only; regime 0 is the one that runs whenever any row needs it) and ``for_regime(r)`` (the same
 drafter held to source r, for timing). Adaptive gamma then keeps its estimate, current gamma and
 round times per source (`specjax.decoding` adaptive module doc).
 

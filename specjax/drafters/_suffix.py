@@ -188,9 +188,26 @@ class SuffixDrafter:
         n_B = jnp.max(m_BK, axis=1)
         return seq, valid, (m_BK == n_B[:, None]) & (n_B[:, None] > 0), n_B
 
+    # -- as the lookup half of `HybridDrafter` (the interface `NGramDrafter` shares)
+    @property
+    def match_range(self) -> tuple[int, int]:
+        """The shortest and longest suffix it matches."""
+        return self.min_match, self.max_match
+
+    def match(self, params, tokens_BS, lengths_B):
+        """(what `follow` continues from, the longest suffix match's length [B], 0: none)."""
+        seq, valid, cand_BK, n_B = self.candidates(params, tokens_BS, lengths_B)
+        return (seq, valid, cand_BK), n_B
+
     def propose(self, params, state, context, key_B, gamma, cfg):
         tokens_BS, lengths_B = context.tokens_BS, context.lengths_B
-        seq, valid, cand_BK, _ = self.candidates(params, tokens_BS, lengths_B)
+        found, _ = self.match(params, tokens_BS, lengths_B)
+        tokens_BG = self.follow(params, tokens_BS, lengths_B, found, gamma)
+        return tokens_BG, jax.nn.one_hot(tokens_BG, self.vocab_size, dtype=jnp.float32), state
+
+    def follow(self, params, tokens_BS, lengths_B, found, gamma):
+        """The gamma-token proposal [B, gamma] from `match`'s candidates (module doc)."""
+        seq, valid, cand_BK = found
         B, K = seq.shape
         V = self.vocab_size
         last_B = jnp.take_along_axis(tokens_BS, (lengths_B - 1)[:, None], axis=1)[:, 0]
@@ -207,8 +224,7 @@ class SuffixDrafter:
             tok_B = jnp.where(found_B, choice_B, prev_B)
             cand_BK = ok & (nxt == tok_B[:, None])
             out.append(tok_B)
-        tokens_BG = jnp.stack(out, axis=1)
-        return tokens_BG, jax.nn.one_hot(tokens_BG, V, dtype=jnp.float32), state
+        return jnp.stack(out, axis=1)
 
 
 # --------------------------------------------------------------------- the registered kind

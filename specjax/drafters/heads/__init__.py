@@ -14,11 +14,13 @@ forward, training forward and its loss terms, evaluation outputs, training defau
 * ``eagle3`` (`_eagle3`): the EAGLE-3 style head (Li et al. 2025), the EAGLE layer over fused
   low, middle and high features, trained with training-time test;
 * ``eagle3_published`` (`_eagle3_published`, its layer `_eagle3_layer`): the published EAGLE-3
-  head with its own norm and LM head over a draft vocabulary.
+  head with its own norm and LM head over a draft vocabulary;
+* ``parallel`` (`_parallel`): the parallel block drafter, EAGLE-3's layer with placeholder
+  inputs that drafts a whole block in one forward (PARD, DFlash).
 
 What the kinds share: `_config` (`HeadConfig`, the `HeadKind` protocol and registry),
 `_target_head` (parameters and scores through the target's own head), and for the EAGLE
-family (the last three) `_family` (`EagleFamily`: the layer hooks and the training forward
+family (the last four) `_family` (`EagleFamily`: the layer hooks and the training forward
 with training-time test, `eagle_train_forward`) over the runtime `_runtime` (`EagleHead`, its
 `HeadCache`, `FeatureHeadDrafter`).
 
@@ -36,6 +38,7 @@ from specjax.drafters.heads._family import EagleFamily, eagle_train_forward
 from specjax.drafters.heads._eagle import Eagle, eagle_input
 from specjax.drafters.heads._eagle3 import Eagle3
 from specjax.drafters.heads._eagle3_published import EAGLE3_PUBLISHED
+from specjax.drafters.heads._parallel import PARALLEL, Parallel, ParallelDrafter
 from specjax.drafters.heads._artifact import head_kind, is_head_dir, load_head, save_head
 from specjax.drafters.heads._eagle3_files import LAYOUTS as EAGLE3_LAYOUTS
 from specjax.drafters.heads._eagle3_files import (eagle3_config, eagle3_layout, eagle3_tensors, load_eagle3,
@@ -43,7 +46,7 @@ from specjax.drafters.heads._eagle3_files import (eagle3_config, eagle3_layout, 
 
 HEAD_KINDS = head_kinds()      # the built-in kinds, in registration order
 
-__all__ = ["EAGLE3_LAYOUTS", "EAGLE3_PUBLISHED", "HEAD_KINDS", "INIT_STD", "Eagle", "Eagle3", "EagleFamily", "Medusa", "EagleHead",
+__all__ = ["EAGLE3_LAYOUTS", "EAGLE3_PUBLISHED", "HEAD_KINDS", "PARALLEL", "Parallel", "ParallelDrafter", "INIT_STD", "Eagle", "Eagle3", "EagleFamily", "Medusa", "EagleHead",
            "FeatureHeadDrafter", "HeadCache", "HeadConfig", "HeadKind", "MedusaDrafter", "eagle3_config",
            "eagle3_layout", "eagle3_tensors", "eagle_input", "eagle_train_forward", "fuse_features", "head_kind",
            "head_kind_of", "head_kinds", "head_logits", "head_params", "head_scores", "init_head_params",

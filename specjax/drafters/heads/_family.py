@@ -59,6 +59,11 @@ class EagleFamily(HeadKind):
         """The layer on whole sequences without a cache (`train_forward`): (h, (k, v))."""
         raise NotImplementedError
 
+    def train_step(self, hc: HeadConfig, params: dict, j: int, tokens_BT, g_BTD, cos, sin, past, visibility):
+        """Drafting step ``j`` (1-based) of `train_forward`: the layer on step j's entries
+        (default: `train_layer` on (token, previous output) for every step)."""
+        return self.train_layer(hc, params, tokens_BT, g_BTD, cos, sin, past, visibility)
+
     def first_visibility(self, T: int):
         """The first training step's visibility (None: causal)."""
         return None
@@ -89,7 +94,7 @@ class EagleFamily(HeadKind):
         for j in range(1, steps + 1):
             tok_BT = jnp.concatenate([tokens_BT[:, j - 1:], jnp.zeros((B, j - 1), tokens_BT.dtype)], axis=1)
             cos, sin = llama_lib.rope_cos_sin(lc, pos_BT + (j - 1) + self.position_offset)
-            run = lambda past, vis: self.train_layer(hc, params, tok_BT, g_BTD, cos, sin, past, vis)  # noqa: E731
+            run = lambda past, vis: self.train_step(hc, params, j, tok_BT, g_BTD, cos, sin, past, vis)  # noqa: E731
             if j == 1:
                 h_new, (k, v) = run(None, self.first_visibility(T))
             else:

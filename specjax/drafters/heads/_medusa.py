@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters._model import draw_support
+from specjax.drafters._model import draw_positions
 from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.drafters.heads._config import HeadConfig, HeadKind, head_logits, head_scores, register_head_kind
 
@@ -117,18 +117,8 @@ class MedusaDrafter:
         f_BD = jnp.where((L_B >= 2)[:, None], f_BD, 0)
         h_BGD = medusa_features(self.config, params, f_BD[:, None])[:, 0, :gamma]
         scores_BGU, ids = head_scores(self.config, params, h_BGD)      # over the head's tokens (see draw_support)
-        keys_BG = jax.vmap(lambda k: jax.random.split(k, gamma))(key_B)
-        if not cfg.moves:
-            tokens_BG, q_BGV = jax.vmap(lambda k, s: draw_support(k, s, ids, cfg, self.vocab_size), in_axes=1,
-                                        out_axes=1)(keys_BG, scores_BGU)
-            return tokens_BG, q_BGV, state
-        tokens, qs = [], []         # penalties, automata: head g's draw sees the tokens of heads < g
-        for g in range(gamma):
-            tok_B, q_BV = draw_support(keys_BG[:, g], scores_BGU[:, g], ids, cfg, self.vocab_size)
-            cfg = cfg.advance(tok_B)
-            tokens.append(tok_B)
-            qs.append(q_BV)
-        return jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1), state
+        tokens_BG, q_BGV = draw_positions(key_B, scores_BGU, ids, cfg, self.vocab_size)
+        return tokens_BG, q_BGV, state
 
     def commit(self, state, new_lengths_B, accepted=None):
         return state
