@@ -10,7 +10,8 @@ the distilled draft in trees), batch 1, written to results_current.jsonl. Varian
 profile (configs/generate_tpu.py: bfloat16, one block shape for every target pass) with the
 hybrid, the head chain and the head dynamic tree, no near-tie excuse, to results_bf16.jsonl.
 Variant "parallel": the parallel block drafter (``parallel_model``) in a chain and a dynamic
-tree, batch 1, to results_parallel.jsonl.
+tree, batch 1, to results_parallel.jsonl. Variant "suffix_hybrid": the hybrid with suffix decoding
+as its lookup half, batch 1, to results_suffix_hybrid.jsonl.
 """
 
 import ml_collections
@@ -57,13 +58,17 @@ def get_config(variant: str = ""):
         # the parallel block drafter in a chain of 4 and a dynamic tree over its block, batch 1
         c.update(drafters=("parallel:4", "parallel:dynamic:4,4,12"), batch_sizes=(1,),
                  parallel_model="experiments/heads/parallel", out="experiments/greedy_exactness/results_parallel.jsonl")
+    elif variant == "suffix_hybrid":
+        # the suffix-hybrid (suffix decoding where the context matches, the shipped head elsewhere), batch 1
+        c.update(drafters=("hybrid:3",), batch_sizes=(1,), out="experiments/greedy_exactness/results_suffix_hybrid.jsonl")
+        c.drafter_settings = ml_collections.ConfigDict({"hybrid_lookup": "suffix"})
     elif variant == "tiny_trees":
         c.update(workload="preset:tiny", num_prompts=4, prompt_len=16, max_new_tokens=24, batch_sizes=(1, 2),
                  early_exit_layers=2, pad_multiple=32, out="/tmp/greedy_exactness/results_trees.jsonl",
                  drafters=("ngram:branching:3,1,1", "early_exit:branching:2,2", "early_exit:dynamic:3,2,5"))
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current', 'bf16', 'parallel' or "
-                         f"'tiny_trees'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'tiny', 'trees', 'current', 'bf16', 'parallel', "
+                         f"'suffix_hybrid' or 'tiny_trees'")
     return c
 
 
