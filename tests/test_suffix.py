@@ -260,6 +260,8 @@ def test_suffix_hybrid_drafts_from_the_corpus_where_it_matches_and_the_head_else
     without = drafters.HybridParams(model=hp, lookup=SuffixCache(512, model.vocab_size).corpus())
     assert int(hybrid.regime_B(with_corpus, ctx)[0]) == hybrid.LOOKUP
     assert int(hybrid.regime_B(without, ctx)[0]) == hybrid.MODEL
+    with pytest.raises(ValueError, match=r"give HybridParams\(model=..., lookup=...\), got dict"):
+        hybrid.regime_B(hp, ctx)                 # the head's params alone: the corpus is missing
 
 
 def test_the_hybrid_kind_builds_a_suffix_lookup(tiny, tmp_path):

@@ -104,7 +104,12 @@ class HybridDrafter:
 
     def _parts(self, params):
         """(the model's params, the lookup half's or None)."""
-        return (params.model, params.lookup) if self.lookup_params else (params, None)
+        if not self.lookup_params:
+            return params, None
+        if not isinstance(params, HybridParams):
+            raise ValueError(f"this hybrid's lookup half ({type(self.retrieval).__name__}) has params of its own: "
+                             f"give HybridParams(model=..., lookup=...), got {type(params).__name__}")
+        return params.model, params.lookup
 
     def init(self, params, prompt_BP, prompt_lengths_B, capacity, features_BPF=None):
         params = self._parts(params)[0]

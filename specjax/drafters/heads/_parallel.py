@@ -129,7 +129,9 @@ class ParallelDrafter(FeatureHeadDrafter):
     Its cache keeps the prefix entries made from the target's features (like the EAGLE head's)
     and has ``K - 1`` slots more than the engine's capacity: a round's call writes the unseen
     committed entries (up to gamma + 1, padded to that width) and then the gamma - 1
-    placeholders, past the slots the target's verification block reaches."""
+    placeholders, past the slots the target's verification block reaches. It reuses the EAGLE
+    head's `HeadCache` and prefill; the cache's output features (``pred_BSD``, which EAGLE feeds
+    back while drafting) are written at prefill and never read here."""
 
     @property
     def block_size(self) -> int:
