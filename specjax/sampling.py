@@ -265,13 +265,14 @@ class SamplingConfig:
         """The config at the position after each row's committed tokens (a vocabulary of
         ``vocab``). Penalties: ``seen`` the prompt's tokens (slots < prompt length), ``counts``
         each token's count among the generated ones (slots in [prompt length, length)).
-        Automata: ``fsm_state`` the row's start state if it has generated nothing yet, else
+        Automata: ``fsm_state`` the row's start state if it has generated nothing yet or has no
+        automaton (start -1: whatever ``fsm_state_B`` holds is another request's), else
         ``fsm_state_B`` (its state after the committed tokens, which the engine keeps). No-op
         without either."""
         out = self
         if self.constrained:
-            fresh_B = lengths_B <= prompt_lengths_B
-            state_B = self.fsm_start if fsm_state_B is None else jnp.where(fresh_B, self.fsm_start, fsm_state_B)
+            own_B = (lengths_B > prompt_lengths_B) & (self.fsm_start >= 0)
+            state_B = self.fsm_start if fsm_state_B is None else jnp.where(own_B, fsm_state_B, self.fsm_start)
             out = out.replace(fsm_state=state_B.astype(jnp.int32))
         if not self.penalized:
             return out

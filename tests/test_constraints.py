@@ -408,3 +408,46 @@ def test_a_refused_token_leaves_no_distribution():
     assert np.isnan(p[0]).all() and np.isnan(p[1]).all()
     np.testing.assert_allclose(p[2], np.asarray(jax.nn.softmax(logits[2])), rtol=1e-6)
     assert p[3].tolist() == [0.0, 0.0, 1.0]           # start: "a" or "c"; greedy picks c (0.2 > 0.1)
+
+
+def test_a_refilled_slot_forgets_the_automaton_of_its_last_request(tables):
+    """A server's slot that served a constrained request, then a plain one: once another row's
+    constraint makes the rounds constrained again, the plain row is unconstrained (its state is
+    "no automaton", not its slot's last request's state, which masked every token: NaN logits,
+    status nan_logits). Its tokens equal those of the same request in a slot that never held a
+    constrained one; `refill` clears the slot's state."""
+    automata = _automata()
+    a, b = automata["(a[bc]|c)*"], automata["(ab|c)+"]
+    engine = _engine(3, max_new=12)
+    params = decoding.EngineParams(target=tables[0], draft=tables[1])
+    capacity = engine.config.slots_needed(len(PROMPT))
+
+    def cfg(rows):
+        if all(r is None for r in rows):
+            return sampling.SamplingConfig.rows([1.0] * len(rows))
+        return sampling.SamplingConfig.rows([1.0] * len(rows), constraint=constraints.stack(rows, V, 8, 4))
+
+    def one(seed):
+        return decoding.make_batch([list(PROMPT)], engine.config, jax.random.key(seed), capacity=capacity)
+
+    def plain_row_after(first):
+        state = engine.empty_state(params, 2, capacity, key=jax.random.key(0))
+        state = engine.refill(params, state, 0, one(1))
+        for _ in range(3):                                # the slot's first request, to its end
+            state, _ = engine.step(params, cfg([first, None]), state)
+        state = engine.refill(params, state, 0, one(2))   # a plain request in the same slot
+        assert int(state.constraint_B[0]) == -1
+        state, _ = engine.step(params, cfg([None, None]), state)
+        state = engine.refill(params, state, 1, one(3))   # a constrained one beside it
+        for _ in range(3):
+            state, _ = engine.step(params, cfg([None, b]), state)
+        assert int(state.status_B[0]) in (decoding.RUNNING, decoding.MAX_TOKENS), decoding.STATUS_NAMES[
+            int(state.status_B[0])]
+        return np.asarray(state.tokens_BS)[0, len(PROMPT):int(state.lengths_B[0])].tolist()
+
+    after_constrained, after_plain = plain_row_after(a), plain_row_after(None)
+    assert len(after_plain) >= 6 and after_constrained == after_plain
+    # and a row without an automaton reads "none" whatever state the engine kept for its slot
+    h = cfg([None, b]).with_history(jnp.zeros((2, 8), jnp.int32), jnp.array([2, 2]), jnp.array([5, 5]), V,
+                                    jnp.array([1, 0], jnp.int32))
+    assert np.asarray(h.fsm_state).tolist() == [-1, 0]

@@ -1,7 +1,8 @@
 """CI smoke test of experiments/load_study: the tiny variant at 2 slots, target-only,
 fixed-gamma prompt lookup and load-aware prompt lookup, all at once and at half the saturated
 rate with Poisson and bursty arrivals, through the resizing scheduler, and the load-aware mode
-on the live scheduler; one record per run with every request, greedy tokens equal to
+on the live scheduler, submitted directly and over HTTP (streamed /v1/completions calls to
+`specjax serve`'s application on 127.0.0.1); one record per run with every request, greedy tokens equal to
 target-only's for every request, nothing lost live, the table and the plot from the JSONL."""
 import os
 
@@ -43,11 +44,14 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     cal = [x for x in recs if x["kind"] == "calibration"]
     assert [(x["slots"], sorted(x["round_time_s"])) for x in cal] == [(2, ["1", "2"])]
     live = [x for x in recs if x["kind"] == "live"]
-    assert [(x["slots"], x["mode"]) for x in live] == [(2, "load-aware prompt lookup")]
-    for x in live:
+    assert [(x["slots"], x["mode"], x["transport"]) for x in live] == [
+        (2, "load-aware prompt lookup", "engine"), (2, "load-aware prompt lookup", "http")]
+    for x in live:     # over HTTP the text is the ids (IdText), so 'same' is token equality there too
         assert x["lost"] == 0 and x["requests"] == 6 and x["same_tokens_as_target_only"] == 6
+        assert x["tokens"] == sum(q["tokens"] for q in x["per_request"]) > 0
     md = (tmp_path / "results.md").read_text()
     assert md == report.render(recs) and "## Aims" in md and "within 5% of offline" in md
+    assert "live server over HTTP within 5% of offline" in md
     assert (tmp_path / "load_study.png").stat().st_size > 10_000
 
 

@@ -7,7 +7,8 @@ with Poisson and bursty arrivals (`arrivals`), plus every request at once; the s
 arrival times for every mode (paired). Rounds run at the smallest batch size holding the busy
 rows (`buckets`, `specjax.serving.Buckets`) in every mode, target-only included. The live
 scheduler (the engine thread of `specjax serve`, on the real clock) serves the same workload
-at `live_loads` for `live_modes` at `live_slots`, to compare with the offline scheduler.
+at `live_loads` for `live_modes` at `live_slots`, to compare with the offline scheduler, both
+submitted directly and over HTTP (`live_transports`).
 Variant "tiny": a random small target and random prompts, seconds per mode (CI).
 """
 
@@ -43,6 +44,9 @@ def get_config(variant: str = ""):
     c.live_slots = 4                        # the live scheduler's runs: this slot count only
     c.live_loads = (0.5, 0.9)
     c.live_modes = ("target-only", "load-aware hybrid")
+    # How live requests reach the scheduler: "engine" (submitted to it directly) and "http"
+    # (streamed /v1/completions calls to `specjax serve`'s application on 127.0.0.1).
+    c.live_transports = ("engine", "http")
     c.out = "experiments/load_study/results/results.jsonl"
     # Go on from an unfinished run of the same config (<out>.partial): finished (slot count, mode)
     # groups are kept, the rest run again.

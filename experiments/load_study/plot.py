@@ -5,7 +5,7 @@
 Writes ``load_study.png`` beside the JSONL: one row per slot count; against the offered load
 (fraction of target-only's saturated rate; the last point every request at once), per mode:
 throughput relative to target-only at the same workload, median inter-token latency and median
-time to first token. Poisson arrivals solid, bursty dashed; live-scheduler runs as stars.
+time to first token. Poisson arrivals solid, bursty dashed; live-scheduler runs as stars, over HTTP as plus signs.
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ def plot(path) -> list[pathlib.Path]:
                             label=label, ms=4)
                 ax_ttft.plot(x, [r["ttft_s_p50"] for r in rs], style, color=color, label=label, ms=4)
             for r in (r for r in live if r["slots"] == slots and r["mode"] == mode):
-                ax_itl.plot([r["load"]], [1e3 * r["inter_token_s_p50"]], "*", color=color, ms=11,
-                            label=f"{mode} (live)")
+                http = r.get("transport") == "http"
+                marker = "P" if http else "*"
+                ax_itl.plot([r["load"]], [1e3 * r["inter_token_s_p50"]], marker, color=color, ms=9 if http else 11,
+                            label=f"{mode} ({'HTTP' if http else 'live'})")
                 b = base[(slots, r["arrivals"], r["load"])]
-                ax_rel.plot([r["load"]], [r["throughput_tok_s"] / b["throughput_tok_s"]], "*", color=color, ms=11)
+                ax_rel.plot([r["load"]], [r["throughput_tok_s"] / b["throughput_tok_s"]], marker, color=color,
+                            ms=9 if http else 11)
         ax_rel.axhline(1.0, color="gray", lw=0.8)
         ax_rel.axhline(0.98, color="gray", lw=0.6, ls=":")
         titles = [("throughput / target-only's", "ratio"), ("inter-token latency p50", "ms"),
@@ -65,7 +68,7 @@ def plot(path) -> list[pathlib.Path]:
         if row == 0:
             ax_itl.legend(fontsize=6)
     model = toolkit.model_label(prov.get("model"))
-    fig.suptitle(f"Load study, {model} target: Poisson solid, bursty dashed, live scheduler stars\n"
+    fig.suptitle(f"Load study, {model} target: Poisson solid, bursty dashed, live scheduler stars, over HTTP plus signs\n"
                  f"{toolkit.run_caption(prov)}", fontsize=10)
     fig.tight_layout()
     return [toolkit.save_figure(fig, path.with_name("load_study.png"))]

@@ -16,7 +16,10 @@ nothing is queued or running is skipped (the virtual clock), so low loads cost n
 Then, at `config.live_slots`, the live scheduler (`specjax.serving.LiveScheduler`, the engine
 thread of `specjax serve`, on the real clock; requests submitted by a driver thread at their
 arrival times) serves the Poisson workloads at `config.live_loads`, to compare with the offline
-scheduler at the same load (the HTTP layer is not in these runs).
+scheduler at the same load; with transport "http" (`config.live_transports`) the same scheduler
+sits behind `specjax serve`'s application (uvicorn on 127.0.0.1) and every request is a streamed
+``/v1/completions`` call from an asyncio client at its arrival time, so the HTTP layer, the
+server's detokenization and the client's share of this machine's cores are in the figures.
 
 Records (JSONL, one run per file): "setup"; "capacity" per slot count; "calibration" per
 (slot count, adaptive mode); "load" per (slot count, mode, arrivals, load): the scheduler's
@@ -47,7 +50,7 @@ def _log(msg: str):
 
 def _setup(c, num_requests: int):
     """(generation config, target, params, eos ids, ``num_requests`` prompts as token-id lists,
-    extra provenance)."""
+    tokenizer, extra provenance)."""
     from specjax import build, models, specbench
     gc = toolkit.load_config(c.generate_config)
     gc.update(max_new_tokens=int(c.max_new_tokens), temperature=float(c.temperature), calibration_cache="",
@@ -60,7 +63,7 @@ def _setup(c, num_requests: int):
         params = model.prepare_params(model.init_params(jax.random.key(c.seed)))
         # Repetitive prompts so that prompt lookup finds matches.
         prompts = [list(np.tile(rng.integers(0, 512, 4), 6)[: int(n)]) for n in rng.integers(6, 24, num_requests)]
-        return gc, model, params, (), prompts, {"model": "tiny random Llama"}
+        return gc, model, params, (), prompts, IdText(), {"model": "tiny random Llama"}
     if c.target:
         gc.target = c.target
     build.check_config(build.generate_settings(gc))
@@ -75,7 +78,7 @@ def _setup(c, num_requests: int):
         extra.update(model_file=str(path), model_sha256=toolkit.sha256(path), model_notes="registry GGUF")
     except (ValueError, KeyError, FileNotFoundError):
         pass
-    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in pick], extra   # a random order
+    return gc, target, params, tuple(tok.stop_token_ids), [fits[i] for i in pick], tok, extra   # a random order
 
 
 def _engine(c, gc, target, params, eos_ids, mode: str):
@@ -131,48 +134,187 @@ class _Events:
             self.finished.set()
 
 
-def live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival_s, buckets, round_time_s, max_new, pad):
-    """Serve ``prompts`` arriving at ``arrival_s`` through a `LiveScheduler` on the real clock:
-    (summary, per-request rows, tokens by request index). A driver thread submits each request at
-    its arrival time; times are taken by the receivers as events arrive."""
+class IdText:
+    """A stand-in tokenizer for a target without one (the tiny variant): ids as text, "12 7 ",
+    so that text equality over HTTP is token equality."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(f"{int(i)} " for i in ids)
+
+    def incremental_decoder(self, skip_special_tokens: bool = False):
+        outer = self
+
+        class _Pieces:
+            def add(self, ids) -> str:
+                return outer.decode(ids)
+
+            def finish(self) -> str:
+                return ""
+        return _Pieces()
+
+
+def _serve_http(live, tokenizer, temperature: float):
+    """`specjax serve`'s application over ``live``, run by uvicorn in a thread on a free port of
+    127.0.0.1: (url, model name, stop function)."""
+    import socket
+    import threading
+
+    import uvicorn
+
     from specjax import serving
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = serving.make_app(live, tokenizer, "study", {"temperature": temperature, "top_p": 1.0, "top_k": 0})
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    if not srv.started:
+        raise RuntimeError("the study's HTTP server did not start in 30 s")
+
+    def stop():
+        srv.should_exit = True
+        thread.join(30)
+    return f"http://127.0.0.1:{port}", "study", stop
+
+
+def _warm_http(url: str, model: str, prompt) -> None:
+    """One streamed 1-token request before the timed workload: a fresh server's first request
+    pays one-off costs (the first streamed response, the worker thread pool: 30-200 ms here) that
+    a long-running server paid long ago. One token comes from the prefill alone, so no draft round
+    runs and the adaptive policy's acceptance estimates are untouched."""
+    import httpx
+    body = {"model": model, "prompt": [int(x) for x in prompt], "max_tokens": 1, "stream": True}
+    with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the study's HTTP server answered {r.status_code} to its warm-up request")
+        for _ in r.iter_lines():
+            pass
+
+
+def _http_clients(url: str, model: str, prompts, arrival_s, max_new: int, t0: float) -> dict:
+    """Each prompt streamed from ``/v1/completions`` (token ids as the prompt, the server's
+    sampling defaults) at its arrival time, all from one asyncio client: per request the times of
+    its text chunks, its text, finish reason, usage and the count of ``[DONE]`` lines."""
+    import asyncio
+
+    import httpx
+
+    async def one(client, i: int):
+        delay = t0 + float(arrival_s[i]) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = {"times": [], "text": [], "finish": None, "usage": None, "done": 0, "error": None}
+        body = {"model": model, "prompt": [int(x) for x in prompts[i]], "max_tokens": max_new, "stream": True}
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                    return i, rec
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line[6:] == "[DONE]":
+                        rec["done"] += 1
+                        continue
+                    now = time.perf_counter() - t0
+                    chunk = json.loads(line[6:])
+                    choice = chunk["choices"][0]
+                    if choice.get("text"):
+                        rec["times"].append(now)
+                        rec["text"].append(choice["text"])
+                    if choice.get("finish_reason"):
+                        rec["finish"], rec["usage"], rec["end"] = choice["finish_reason"], chunk.get("usage"), now
+        except httpx.HTTPError as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return i, rec
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            return dict(await asyncio.gather(*(one(client, i) for i in range(len(prompts)))))
+    return asyncio.run(run_all())
+
+
+def live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival_s, buckets, round_time_s, max_new, pad,
+             transport: str = "engine", tokenizer=None, temperature: float = 0.0):
+    """Serve ``prompts`` arriving at ``arrival_s`` through a `LiveScheduler` on the real clock:
+    (summary, per-request rows, what each request got: token ids for transport "engine", text for
+    "http"). "engine": a driver thread submits each request to the scheduler at its arrival time,
+    times taken by the receivers as events arrive. "http": the same scheduler behind `specjax
+    serve`'s application (uvicorn, 127.0.0.1), each request a streamed ``/v1/completions`` call
+    from an asyncio client in this process, times taken as its text chunks arrive; a request
+    without exactly one finish chunk and one ``[DONE]`` counts as lost."""
+    from specjax import serving
+    if transport not in ("engine", "http"):
+        raise ValueError(f"config.live_transports: unknown transport {transport!r} (engine, http)")
     live = serving.LiveScheduler(engine, eparams, samp, slots=slots, capacity=capacity, key=key,
                                  max_queue=len(prompts), pad_multiple=pad, buckets=buckets, round_time_s=round_time_s)
     live.warmup(widths=sorted({-(-len(p) // pad): len(p) for p in prompts}.values()),     # one prompt per padded width
                 greedy_only=samp.greedy)
     live.start()
-    order = np.argsort(arrival_s, kind="stable")
-    t0 = time.perf_counter()
-    got = {}
-    for i in order:
-        delay = t0 + float(arrival_s[i]) - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        got[int(i)] = ev = _Events(t0)
-        live.submit(prompts[int(i)], max_new, ev)
-    for ev in got.values():
-        if not ev.finished.wait(600):
-            raise RuntimeError("a live request did not finish in 10 minutes")
-    stats = live.snapshot()
-    live.stop(5)
     rows = []
-    for i in sorted(got):
-        ev, a = got[i], float(arrival_s[i])
-        n = len(ev.tokens)
-        first = ev.times[0] if ev.times else float("nan")
-        rows.append({"id": i, "tokens": n, "status": ev.done["status"], "arrival_s": a, "ttft_s": first - a,
-                     "inter_token_s": (ev.times[-1] - first) / (n - 1) if n > 1 else float("nan"),
-                     "latency_s": ev.end - a, "finished_s": ev.end, "target_passes": ev.done["usage"].get("target_passes")})
+    if transport == "engine":
+        order = np.argsort(arrival_s, kind="stable")
+        t0 = time.perf_counter()
+        got = {}
+        for i in order:
+            delay = t0 + float(arrival_s[i]) - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            got[int(i)] = ev = _Events(t0)
+            live.submit(prompts[int(i)], max_new, ev)
+        for ev in got.values():
+            if not ev.finished.wait(600):
+                raise RuntimeError("a live request did not finish in 10 minutes")
+        stats = live.snapshot()
+        live.stop(5)
+        for i in sorted(got):
+            ev = got[i]
+            rows.append({"id": i, "tokens": len(ev.tokens), "status": ev.done["status"], "times": ev.times,
+                         "end": ev.end, "target_passes": ev.done["usage"].get("target_passes")})
+        answers = {i: got[i].tokens for i in got}
+    else:
+        url, model, stop = _serve_http(live, tokenizer, temperature)
+        try:
+            _warm_http(url, model, prompts[0])
+            before = live.snapshot()
+            got = _http_clients(url, model, prompts, arrival_s, max_new, time.perf_counter())
+        finally:
+            stop()
+            stats = live.snapshot()
+            live.stop(5)
+        stats = {**stats, "rounds_total": stats["rounds_total"] - before["rounds_total"],     # the workload's alone
+                 "resizes_total": stats["resizes_total"] - before["resizes_total"],
+                 "gamma_rounds": [a - b for a, b in zip(stats["gamma_rounds"], before["gamma_rounds"])]}
+        for i in sorted(got):
+            g = got[i]
+            if g["error"] is not None or g["finish"] is None or g["done"] != 1:
+                _log(f"request {i} lost over HTTP: {g['error'] or (g['finish'], g['done'])}")
+                continue
+            rows.append({"id": i, "tokens": g["usage"]["completion_tokens"], "status": g["finish"],
+                         "times": g["times"], "end": g["end"], "target_passes": g["usage"].get("target_passes")})
+        answers = {r["id"]: "".join(got[r["id"]]["text"]) for r in rows}
+    for r in rows:
+        a, times, n = float(arrival_s[r["id"]]), r.pop("times"), r["tokens"]
+        first = times[0] if times else float("nan")
+        r.update(arrival_s=a, ttft_s=first - a, inter_token_s=(times[-1] - first) / (n - 1) if n > 1 else float("nan"),
+                 latency_s=r["end"] - a, finished_s=r.pop("end"))
     tokens = sum(r["tokens"] for r in rows)
     makespan = max(r["finished_s"] for r in rows) - min(r["arrival_s"] for r in rows)
     pct = lambda name, q: float(np.nanpercentile([r[name] for r in rows], q))      # noqa: E731
-    summary = {"requests": len(rows), "tokens": tokens, "makespan_s": makespan, "throughput_tok_s": tokens / makespan,
+    summary = {"transport": transport, "requests": len(rows), "tokens": tokens, "makespan_s": makespan,
+               "throughput_tok_s": tokens / makespan,
                "ttft_s_p50": pct("ttft_s", 50), "ttft_s_p90": pct("ttft_s", 90),
                "inter_token_s_p50": pct("inter_token_s", 50), "inter_token_s_p90": pct("inter_token_s", 90),
                "engine_rounds": stats["rounds_total"], "rounds_per_gamma": stats["gamma_rounds"],
                "resizes": stats["resizes_total"], "lost": len(prompts) - len(rows),
                "statuses": dict(collections.Counter(r["status"] for r in rows))}
-    return summary, rows, {i: got[i].tokens for i in got}
+    return summary, rows, answers
 
 
 def _workloads(c, saturated: float) -> list:
@@ -217,7 +359,8 @@ def _done_groups(c, keep: list[dict], slots_list) -> set:
         for mode in c.modes:
             loads = [r for r in keep if r["kind"] == "load" and r["slots"] == slots and r["mode"] == mode]
             live = [r for r in keep if r["kind"] == "live" and r["slots"] == slots and r["mode"] == mode]
-            want_live = len(c.live_loads) if slots == int(c.live_slots) and mode in c.live_modes else 0
+            want_live = len(c.live_loads) * len(c.live_transports) \
+                if slots == int(c.live_slots) and mode in c.live_modes else 0
             if len(loads) == n_workloads and len(live) == want_live:
                 done.add((slots, mode))
     kept = [r for r in keep if r["kind"] in ("setup", "capacity")
@@ -234,7 +377,7 @@ def main(c):
         raise ValueError(f"config.num_requests needs one count per slot count {slots_list}, got {counts}")
     if "target-only" not in c.modes or c.modes[0] != "target-only":
         raise ValueError("config.modes must start with 'target-only' (it sets each slot count's loads)")
-    gc, target, params, eos_ids, prompts_all, extra = _setup(c, max(counts))
+    gc, target, params, eos_ids, prompts_all, tokenizer, extra = _setup(c, max(counts))
     prov.update(extra)
     samp = sampling.SamplingConfig.make(temperature=float(c.temperature))
     key = jax.random.key(c.seed)
@@ -252,7 +395,8 @@ def main(c):
               prompt_tokens=[len(p) for p in prompts_all], max_new_tokens=c.max_new_tokens, temperature=c.temperature,
                   loads=list(c.loads), arrivals=list(c.arrivals), burstiness=c.burstiness, buckets=c.buckets,
                   modes=list(c.modes), live_slots=c.live_slots, live_loads=list(c.live_loads),
-                  live_modes=list(c.live_modes), cpu_kernel=target.config.linear_op == "panels", seed=c.seed)
+                  live_modes=list(c.live_modes), live_transports=list(c.live_transports),
+                  cpu_kernel=target.config.linear_op == "panels", seed=c.seed)
     for slots, n in zip(slots_list, counts):
         prompts = prompts_all[:n]
         buckets = serving.Buckets.make(slots, c.buckets)
@@ -303,17 +447,25 @@ def main(c):
                      f"tokens/pass {s['mean_accepted_tokens_per_pass']:.2f}, sizes {s['rounds_per_size']}, "
                      f"gammas {s['rounds_per_gamma']}, same {same}/{len(prompts)}")
             if slots == int(c.live_slots) and mode in c.live_modes:
-                for load in c.live_loads:
-                    w = next(i for i, x in enumerate(workloads) if x[0] == "poisson" and x[1] == load)
-                    arrival = workload(c, len(prompts), "poisson", workloads[w][2], c.seed + 1000 * slots + w)
-                    summary, rows, toks = live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival,
-                                                   buckets.sizes, round_time_s, int(c.max_new_tokens), pad)
-                    same = sum(toks[i] == reference.get(i) for i in toks)
-                    out.write("live", slots=slots, mode=mode, arrivals="poisson", load=load, rate=workloads[w][2],
-                              **summary, same_tokens_as_target_only=same, per_request=rows)
-                    _log(f"live {slots} slots, {mode}, poisson @ {load:g}: {summary['throughput_tok_s']:.1f} tok/s, "
-                         f"ttft p50 {summary['ttft_s_p50']:.2f}s, itl p50 {1e3 * summary['inter_token_s_p50']:.1f} ms, "
-                         f"same {same}/{len(prompts)}")
+                for transport in c.live_transports:
+                    for load in c.live_loads:
+                        w = next(i for i, x in enumerate(workloads) if x[0] == "poisson" and x[1] == load)
+                        arrival = workload(c, len(prompts), "poisson", workloads[w][2], c.seed + 1000 * slots + w)
+                        summary, rows, got = live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival,
+                                                      buckets.sizes, round_time_s, int(c.max_new_tokens), pad,
+                                                      transport=transport, tokenizer=tokenizer,
+                                                      temperature=float(c.temperature))
+                        if transport == "http":       # text against target-only's tokens as the server decodes them
+                            same = sum(got[i] == tokenizer.decode(reference.get(i, []), skip_special_tokens=True)
+                                       for i in got)
+                        else:
+                            same = sum(got[i] == reference.get(i) for i in got)
+                        out.write("live", slots=slots, mode=mode, arrivals="poisson", load=load, rate=workloads[w][2],
+                                  **summary, same_tokens_as_target_only=same, per_request=rows)
+                        _log(f"live ({transport}) {slots} slots, {mode}, poisson @ {load:g}: "
+                             f"{summary['throughput_tok_s']:.1f} tok/s, ttft p50 {summary['ttft_s_p50']:.2f}s, "
+                             f"itl p50 {1e3 * summary['inter_token_s_p50']:.1f} ms, lost {summary['lost']}, "
+                             f"same {same}/{len(prompts)}")
     out.close()
     md = c.out.rsplit("/", 1)[0] + "/results.md"
     with open(md, "w") as f:

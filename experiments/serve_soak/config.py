@@ -2,21 +2,22 @@
 
 `specjax serve` (configs/serve.py: the default target and drafter) started as a subprocess on
 127.0.0.1, then `clients` threads send requests for `duration_s`: greedy chat answers, streamed
-sampled answers with seeds, streams dropped after their first text, stop sequences, and bad
-requests (one of several kinds each time), mixed by a seeded draw. Then a SIGTERM while
+sampled answers with seeds, streams dropped after their first text, stop sequences, penalized
+greedy answers, answers under a JSON schema, and bad requests (one of several kinds each time), mixed by a seeded draw. Then a SIGTERM while
 `drain_requests` long answers are in flight. Variant "short": a one-minute soak.
 """
 
 import ml_collections
 
 # action -> weight of the seeded draw
-MIX = {"greedy": 4, "sampled_stream": 3, "cancel": 1, "stop": 1, "bad": 1}
+MIX = {"greedy": 4, "sampled_stream": 3, "cancel": 1, "stop": 1, "penalized": 1, "schema": 1, "bad": 1}
 
 
 def get_config(variant: str = ""):
     c = ml_collections.ConfigDict()
     c.serve_config = "configs/serve.py"
     c.slots = 4
+    c.buckets = "powers"                 # batch sizes rounds run at (`specjax serve --config.buckets`)
     c.max_new_tokens = 48
     c.max_prompt_tokens = 512
     c.duration_s = 600.0

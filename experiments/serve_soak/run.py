@@ -15,6 +15,10 @@ lengths). ``clients`` threads each draw actions (config.MIX, a seeded draw per c
 * cancel: a stream dropped after its first text (the server must free the slot);
 * stop: a greedy answer with a stop sequence taken from that prompt's greedy text: the text
   must be that text cut before it;
+* penalized: a greedy answer with frequency, presence and repetition penalties: the same text
+  every time that prompt is asked so;
+* schema: an answer under a JSON schema (structured output), greedy or sampled: it must end
+  with finish reason "stop" and parse as the schema's object;
 * bad: one of several malformed requests: a 4xx JSON error naming the field.
 
 Every request gets exactly one outcome; the server's own counters (`/metrics`) at the end must
@@ -50,10 +54,16 @@ BAD = [  # (body changes, the field the error must name)
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logit_bias": {"1": 300}}, "logit_bias"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),       # not built: refused by name
+    ({"frequency_penalty": 5}, "frequency_penalty"),          # outside [-2, 2]
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),          # a token id outside the vocabulary
+    ({"response_format": {"type": "json_object"}}, "response_format"),     # not a regular language: give a schema
+    ({"regex": "(unclosed"}, "regex"),
     ({"model": "no-such-model"}, "model"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]"),
 ]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
 
 
 def _log(msg: str) -> None:
@@ -132,12 +142,13 @@ class Soak:
                         return "".join(text), finishes, done
         return "".join(text), finishes, done
 
-    def greedy_text(self, i: int) -> str:
-        text = self.post(self.body(i, temperature=0))["choices"][0]["message"]["content"]
+    def greedy_text(self, i: int, **kw) -> str:
+        """Prompt ``i``'s greedy text (with penalties ``kw``, if any): the same every time it is asked."""
+        text = self.post(self.body(i, temperature=0, **kw))["choices"][0]["message"]["content"]
         with self.lock:
-            first = self.greedy.setdefault(i, text)
+            first = self.greedy.setdefault((i, tuple(sorted(kw.items()))), text)
         if first != text:
-            raise RuntimeError(f"prompt {i}: greedy text changed between requests")
+            raise RuntimeError(f"prompt {i} {kw}: greedy text changed between requests")
         return text
 
     def act(self, action: str, rng: random.Random) -> None:
@@ -166,6 +177,19 @@ class Soak:
             got = self.post(self.body(i, temperature=0, stop=[stop]))["choices"][0]
             if got["message"]["content"] != text[:text.find(stop)] or got["finish_reason"] != "stop":
                 raise RuntimeError(f"stop {stop!r}: got {got['message']['content'][-40:]!r}")
+        elif action == "penalized":
+            self.greedy_text(i, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
+        elif action == "schema":
+            fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+            got = self.post({**self.body(i, temperature=rng.choice([0, 0.8]), seed=rng.randrange(2 ** 31),
+                                         response_format=fmt),
+                             "messages": [{"role": "user", "content": "Describe a fictional person as JSON with a name "
+                                                                       "and an age. " + self.prompts[i][:80]}]})
+            text = got["choices"][0]["message"]["content"]
+            obj = json.loads(text) if got["choices"][0]["finish_reason"] == "stop" else None
+            if not (isinstance(obj, dict) and list(obj) == ["name", "age"] and isinstance(obj["name"], str)
+                    and len(obj["name"]) <= 12 and isinstance(obj["age"], int) and not isinstance(obj["age"], bool)):
+                raise RuntimeError(f"not the schema's JSON ({got['choices'][0]['finish_reason']}): {text[:120]!r}")
         elif action == "bad":
             change, param = rng.choice(BAD)
             r = self.client.post(self.url + "/v1/chat/completions", json={**self.body(i), **change})
@@ -252,7 +276,8 @@ def main(c):
     port = _free_port()
     cmd = [sys.executable, "-m", "specjax.cli", "serve", f"--config={c.serve_config}", f"--config.port={port}",
            f"--config.slots={c.slots}", f"--config.max_new_tokens={c.max_new_tokens}",
-           f"--config.max_prompt_tokens={c.max_prompt_tokens}", f"--config.drain_s={c.drain_s}"]
+           f"--config.max_prompt_tokens={c.max_prompt_tokens}", f"--config.drain_s={c.drain_s}",
+           f"--config.buckets={c.buckets}"]
     _log(" ".join(cmd))
     proc = subprocess.Popen(cmd, cwd=toolkit.REPO, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
@@ -299,6 +324,7 @@ def main(c):
                        server_accepted=int(accepted), server_finished=int(m["specjax_requests_finished_total"]),
                        server_cancelled=int(m["specjax_requests_cancelled_total"]), lost=int(lost),
                        duplicate_response_ids=soak.duplicate_ids, greedy_prompts_repeated=len(soak.greedy),
+                       batch_resizes=int(m.get("specjax_batch_resizes_total", 0)), buckets=c.buckets,
                        drain_completed=drain["completed"], drain_in_flight=drain["in_flight"],
                        drain_exit_code=drain["exit_code"])
         out.write("summary", **summary)

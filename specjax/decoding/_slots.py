@@ -20,7 +20,7 @@ from specjax.decoding._state import (PAD_ID, RUNNING, Batch, EngineParams, LoopS
 def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths_1, key_1):
     """The state with row ``slot`` (traced) holding a fresh request: its prompt prefilled into
     that row of the target cache (and the drafter's state, and the features), its tokens,
-    lengths, status, key and per-row counters reset; other rows and the batch-wide entries
+    lengths, status, key, automaton state and per-row counters reset; other rows and the batch-wide entries
     (adaptive policy, round, gamma_rounds_Z) untouched."""
     capacity = state.tokens_BS.shape[1]
     P = prompt_1P.shape[1]
@@ -38,7 +38,9 @@ def refill_row(engine, params, state: LoopState, slot, prompt_1P, prompt_lengths
         target_cache=row(state.target_cache, cache_1),
         draft_state=row(state.draft_state, draft_1) if engine.config.max_gamma > 0 else state.draft_state,
         key_B=row(state.key_B, key_1), metrics=metrics,
-        features_BSF=row(state.features_BSF, features_1) if engine.feature_layers else state.features_BSF),
+        features_BSF=row(state.features_BSF, features_1) if engine.feature_layers else state.features_BSF,
+        # no automaton state: the slot's last request's would mask the new one's tokens
+        constraint_B=None if state.constraint_B is None else set_at(state.constraint_B, -1)),
         engine.mesh, engine.rules)
 
 
