@@ -59,6 +59,8 @@ def get_config():
     c.draft.num_layers = 2              # fresh: a small random config of the target's width
     c.draft.ffn_size = 1536
     c.draft.head_vocab = 8192           # >0: head over the most frequent tokens only (q = 0 elsewhere)
+    c.draft.head_vocab_coverage = 0.0   # >0: the fewest most frequent tokens covering this share of the
+                                        # training continuations (head_vocab caps it; 0: no cap)
     c.draft.train_head = False          # False: the head is the target's embedding rows (shared, not stored)
 
     c.loss = ml_collections.ConfigDict()

@@ -40,6 +40,8 @@ def get_config():
     c.head.feature_layers = ()          # () = the kind's default (EAGLE-3: low, middle, high; else the last)
     c.head.feature_cache = "float32"    # features computed once per data set, stored beside it ('' = a target
                                         # forward in every step; 'float16' halves the file)
+    c.head.compute_dtype = "float32"    # 'bfloat16': the head's forward and backward in bf16 (master weights,
+                                        # optimizer, teacher and loss float32)
     c.optim.learning_rate = 1e-3
     c.optim.warmup_steps = 30
     c.budget_tokens = 300_000

@@ -5,6 +5,7 @@ and reload draft identically; the distillation loop trains, exports and resumes 
 A tiny random target (vocabulary 64, 3 layers) written as an HF checkpoint, fixed token data
 (`_distill_toy`)."""
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -678,3 +679,78 @@ def test_streamed_shards_are_for_heads_only(toy_pair, tmp_path):
     c.data.shards.dirs = ()
     with pytest.raises(ValueError, match="data.shards.dirs is empty"):
         distill.train(c, tmp_path / "wd2", log=lambda m: None)
+
+
+def test_a_reduced_head_sized_by_coverage(toy_pair, tmp_path):
+    """``draft.head_vocab_coverage``: the head holds the fewest most frequent continuation tokens
+    whose counts reach that share of the data's continuation tokens (checked against counts made
+    here from the data file), and is exported at that size; the rule on hand-made counts, with the
+    stop tokens placed first and ``head_vocab`` as a cap; a share outside [0, 1] is refused by name."""
+    import ml_collections
+
+    from specjax.distill import _prepare
+    counts = np.array([50, 30, 10, 5, 5, 0])
+    assert _prepare.head_vocabulary(counts, 0, coverage=0.8).tolist() == [0, 1]          # 80 of 100
+    assert _prepare.head_vocabulary(counts, 0, coverage=0.81).tolist() == [0, 1, 2]
+    assert _prepare.head_vocabulary(counts, 0, always=[4], coverage=0.8).tolist() == [0, 1, 4]   # 5 + 50 + 30
+    assert _prepare.head_vocabulary(counts, 0, always=[4], coverage=0.5).tolist() == [0, 4]
+    assert _prepare.head_vocabulary(counts, 2, coverage=0.95).tolist() == [0, 1]          # the cap
+    assert _prepare.head_vocabulary(counts, 0, coverage=1.0).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"config.draft.head_vocab_coverage=1.5"):
+        distill.DraftChoice(head_vocab_coverage=1.5)
+
+    c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache",
+                   budget=600, export_dir=tmp_path / "export")
+    c.draft.update(kind="eagle", head_vocab=0, head_vocab_coverage=0.9)
+    c.data.draft_weight = 0.0
+    c.head = ml_collections.ConfigDict({"ttt_steps": 1, "feature_weight": 0.0, "num_heads": 3, "feature_layers": ()})
+    logs = []
+    distill.train(c, tmp_path / "wd", log=logs.append)
+    recs = [json.loads(line) for line in pathlib.Path(toy_pair["data_path"]).read_text().splitlines()]
+    data = np.bincount(np.concatenate([r["tokens"][r["prompt_length"]:] for r in recs]), minlength=toy.VOCAB)
+    ranked = np.cumsum(np.sort(data)[::-1])
+    want = int(np.searchsorted(ranked, 0.9 * data.sum() * (1 - 1e-12))) + 1
+    assert 1 < want < toy.VOCAB
+    line = next(m for m in logs if m.startswith("reduced head:"))
+    assert line.startswith(f"reduced head: {want} tokens (chosen for coverage >= 0.9)"), line
+    drafter, _ = drafters.load_head(tmp_path / "export", toy_pair["target"], toy_pair["params"])
+    assert drafter.model.config.head_size == want
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "parallel"])
+def test_bfloat16_compute_trains_float32_weights(toy_pair, kind):
+    """``head.compute_dtype='bfloat16'``: the head's forward and backward run in bf16 while its
+    master weights and optimizer state stay float32: the first loss is float32's within bf16's
+    rounding (2% relative), the weights stay float32 and move, and 25 steps on one batch lower
+    the divergence as float32 compute does; a dtype other than float32/bfloat16 is refused."""
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    head_ids = np.arange(40)
+    head_UD = distill.teacher_head(target, tp, head_ids)
+    batch = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        hc = drafters.HeadConfig.make(kind, target.config, num_heads=3, head_size=40, input_norm=True)
+        obj = distill.HeadObjective(hc, target, ttt_steps=2 if kind == "eagle3" else 1, compute_dtype=dtype)
+        own = drafters.init_head_params(obj.config, jax.random.key(0), head_ids=head_ids)
+        opt, _ = distill.make_optimizer(learning_rate=3e-3, warmup_steps=0, total_updates=40)
+        state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
+        step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
+        start = jax.tree.map(np.asarray, state.params)
+        loss = functools.partial(distill.head_loss, draft=obj, spec=distill.LossSpec("fkl"))
+        jaxpr = str(jax.make_jaxpr(loss)(state.params, {**frozen, "target": tp}, head_UD, batch))
+        assert ("bf16[" in jaxpr) == (dtype == "bfloat16")        # the head's forward really runs in bf16
+        divs = []
+        for _ in range(25):
+            state, aux = step(state, {**frozen, "target": tp}, head_UD, batch)
+            divs.append(float(aux["divergence_step1"]))
+            assert aux["nonfinite"] == 0.0
+        leaves = jax.tree.leaves(state.params)
+        assert all(x.dtype == jnp.float32 for x in leaves if jnp.issubdtype(x.dtype, jnp.floating))
+        moved = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), b), state.params, start)
+        assert all(jax.tree.leaves(moved))
+        runs[dtype] = divs
+    f32, bf16 = runs["float32"], runs["bfloat16"]
+    assert bf16[0] != f32[0] and abs(bf16[0] - f32[0]) <= 0.02 * f32[0], (bf16[0], f32[0])
+    assert bf16[-1] < 0.9 * bf16[0] and bf16[-1] < 1.1 * f32[-1], (bf16, f32)
+    with pytest.raises(ValueError, match="head.compute_dtype"):
+        distill.HeadObjective(hc, target, compute_dtype="float16")

@@ -48,7 +48,7 @@ def test_load_study_tiny(tmp_path, monkeypatch):
         (2, "load-aware prompt lookup", "engine"), (2, "load-aware prompt lookup", "http")]
     for x in live:     # over HTTP the text is the ids (IdText), so 'same' is token equality there too
         assert x["lost"] == 0 and x["requests"] == 6 and x["same_tokens_as_target_only"] == 6
-        assert x["tokens"] == sum(q["tokens"] for q in x["per_request"]) > 0
+        assert x["engine_rounds"] > 0 and all(q["inter_token_s"] > 0 for q in x["per_request"])
     md = (tmp_path / "results.md").read_text()
     assert md == report.render(recs) and "## Aims" in md and "within 5% of offline" in md
     assert "live server over HTTP within 5% of offline" in md
@@ -67,7 +67,9 @@ def test_resume_keeps_finished_groups_and_drops_a_torn_last_line(tmp_path):
     c.out = str(tmp_path / "results.jsonl")
     setup = {"kind": "setup", "slots": list(c.slots), "num_requests": list(c.num_requests), "loads": list(c.loads),
              "arrivals": list(c.arrivals), "modes": list(c.modes), "burstiness": c.burstiness, "buckets": c.buckets,
-             "seed": c.seed, "max_new_tokens": c.max_new_tokens, "temperature": c.temperature}
+             "seed": c.seed, "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
+             "live_slots": c.live_slots, "live_loads": list(c.live_loads), "live_modes": list(c.live_modes),
+             "live_transports": list(c.live_transports)}
     load = lambda mode, kind: {"kind": "load", "slots": 2, "mode": mode, "arrivals": kind}     # noqa: E731
     kinds = ["all at once"] + [k for k in c.arrivals for _ in c.loads]
     recs = [setup, {"kind": "capacity", "slots": 2}] + [load("target-only", k) for k in kinds] + \
@@ -83,3 +85,9 @@ def test_resume_keeps_finished_groups_and_drops_a_torn_last_line(tmp_path):
         load_run._resumable(c)
     partial.write_text(json.dumps({**setup, "seed": c.seed + 1}) + "\n")
     assert load_run._resumable(c) == []
+    # a partial from before the live runs went over HTTP (no live_transports: engine only)
+    old = {k: v for k, v in setup.items() if k != "live_transports"}
+    partial.write_text(json.dumps(old) + "\n")
+    assert load_run._resumable(c) == []
+    c.live_transports = ("engine",)
+    assert load_run._resumable(c) == [old]

@@ -4,7 +4,9 @@ Each point trains one head kind on the first `size` loss tokens of the data engi
 shards (nested prefixes, `specjax.distill.ShardStream`) for the same budget as the other kinds
 at that size, from configs/distill_head.py, and evaluates it on the held-out Spec-Bench
 continuations at the end. Variant "fixed": EAGLE at one budget for every size (series
-"fixed-2.2M"), so that only the data varies. Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
+"fixed-2.2M"), so that only the data varies. Variant "bf16": the 150k point of both kinds with
+the head computed in bfloat16. Variant "long": both kinds on all answer tokens for 20M training
+tokens each (issue 55 item 4). Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
 passes a toy target, shards and evaluation set through `set`).
 """
 
@@ -59,6 +61,27 @@ def get_config(variant: str = ""):
         c.kinds = ("eagle",)
         c.min_budget = c.max_budget = 2_200_000
         c.series = "fixed-2.2M"
+    elif variant == "bf16":
+        # The head's forward and backward in bfloat16 (`head.compute_dtype`), at the main curve's
+        # 150k point of both kinds, to set against its float32 points (speed and held-out figures).
+        c.kinds = ("parallel", "eagle3")
+        c.sizes = (150_000,)
+        c.set.head = ml_collections.ConfigDict({"compute_dtype": "bfloat16"})
+        c.series = "bf16"
+    elif variant == "long":
+        # Issue 55 item 4: both kinds on every answer stage of the corpus (first turns greedy and
+        # sampled, follow-up answers: all their loss tokens) for 20M training tokens each, with a
+        # held-out evaluation every ~2.5M training tokens (the curve against training tokens; the
+        # learning rate decays over the whole 20M, so the early evaluations are of a run still at
+        # a high rate, not of runs sized for those budgets). Features cached in float16 (the
+        # corpus's 5.5M positions: ~22 GB).
+        c.shard_dirs = engine_data.stage_dirs("responses_greedy", "responses_sampled", "followup_responses")
+        c.kinds = ("parallel", "eagle3")
+        c.feature_kinds = ()
+        c.sizes = (10 ** 9,)                   # more than there is: every loss token
+        c.min_budget = c.max_budget = 20_000_000
+        c.set.update({"eval": {"every": 1221}, "head": {"feature_cache": "float16"}, "checkpoint_every": 50})
+        c.series = "20M"
     elif variant == "tiny":
         c.sizes = (300, 900)
         c.kind_overrides.eagle3.head.ttt_steps = 2
@@ -68,5 +91,5 @@ def get_config(variant: str = ""):
         c.out = "/tmp/specjax-learning-curve-tiny/learning_curve.jsonl"
         c.workdir = "/tmp/specjax-learning-curve-tiny/work"
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}: '', 'fixed' or 'tiny'")
+        raise ValueError(f"unknown variant {variant!r}: '', 'fixed', 'bf16', 'long' or 'tiny'")
     return c

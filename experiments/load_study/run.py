@@ -154,39 +154,43 @@ class IdText:
 
 
 def _serve_http(live, tokenizer, temperature: float):
-    """`specjax serve`'s application over ``live``, run by uvicorn in a thread on a free port of
-    127.0.0.1: (url, model name, stop function)."""
+    """`specjax serve`'s application over ``live``, run by uvicorn in a thread on a socket this
+    function binds (127.0.0.1, a free port, so no other process can take it first): (url, model
+    name, stop function)."""
     import socket
     import threading
 
     import uvicorn
 
     from specjax import serving
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     app = serving.make_app(live, tokenizer, "study", {"temperature": temperature, "top_p": 1.0, "top_k": 0})
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    for _ in range(600):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    if not srv.started:
-        raise RuntimeError("the study's HTTP server did not start in 30 s")
 
     def stop():
         srv.should_exit = True
         thread.join(30)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the study's HTTP server did not stop in 30 s")
+    for _ in range(600):
+        if srv.started or not thread.is_alive():
+            break
+        time.sleep(0.05)
+    if not srv.started:
+        stop()
+        raise RuntimeError("the study's HTTP server did not start in 30 s")
     return f"http://127.0.0.1:{port}", "study", stop
 
 
 def _warm_http(url: str, model: str, prompt) -> None:
-    """One streamed 1-token request before the timed workload: a fresh server's first request
-    pays one-off costs (the first streamed response, the worker thread pool: 30-200 ms here) that
-    a long-running server paid long ago. One token comes from the prefill alone, so no draft round
-    runs and the adaptive policy's acceptance estimates are untouched."""
+    """The HTTP half of the warm-up (`_warm`): one streamed 1-token request, so that one-off
+    costs of a fresh server's first request (its first streamed response, the worker thread
+    pool: 30-200 ms here), which a long-running server paid long ago, are not in the timings."""
     import httpx
     body = {"model": model, "prompt": [int(x) for x in prompt], "max_tokens": 1, "stream": True}
     with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -194,6 +198,27 @@ def _warm_http(url: str, model: str, prompt) -> None:
             raise RuntimeError(f"the study's HTTP server answered {r.status_code} to its warm-up request")
         for _ in r.iter_lines():
             pass
+
+
+def _warm(live, prompt, http=None) -> dict:
+    """One 1-token request through the started scheduler before the timed workload, in both
+    transports alike (over HTTP when ``http`` = (url, model)): its round is the workload's
+    neighbour in neither, and what it teaches the adaptive policy (one round's acceptance) both
+    runs learn. Returns the scheduler's counters once it is idle again, to subtract."""
+    if http is not None:
+        _warm_http(*http, prompt)
+    else:
+        ev = _Events(time.perf_counter())
+        live.submit(prompt, 1, ev)
+        if not ev.finished.wait(600):
+            raise RuntimeError("the warm-up request did not finish in 10 minutes")
+    for _ in range(200):        # the engine thread updates its counters after it sent the request's end
+        snap = live.snapshot()
+        if snap["active_slots"] == 0 and snap["queue_depth"] == 0:
+            time.sleep(0.1)
+            return live.snapshot()
+        time.sleep(0.05)
+    raise RuntimeError("the scheduler did not come back to idle after the warm-up request")
 
 
 def _http_clients(url: str, model: str, prompts, arrival_s, max_new: int, t0: float) -> dict:
@@ -242,13 +267,14 @@ def _http_clients(url: str, model: str, prompts, arrival_s, max_new: int, t0: fl
 
 def live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival_s, buckets, round_time_s, max_new, pad,
              transport: str = "engine", tokenizer=None, temperature: float = 0.0):
-    """Serve ``prompts`` arriving at ``arrival_s`` through a `LiveScheduler` on the real clock:
-    (summary, per-request rows, what each request got: token ids for transport "engine", text for
-    "http"). "engine": a driver thread submits each request to the scheduler at its arrival time,
-    times taken by the receivers as events arrive. "http": the same scheduler behind `specjax
-    serve`'s application (uvicorn, 127.0.0.1), each request a streamed ``/v1/completions`` call
-    from an asyncio client in this process, times taken as its text chunks arrive; a request
-    without exactly one finish chunk and one ``[DONE]`` counts as lost."""
+    """Serve ``prompts`` arriving at ``arrival_s`` through a `LiveScheduler` on the real clock,
+    after one warm-up request (`_warm`): (summary, per-request rows, what each request got: token
+    ids for transport "engine", text for "http"). "engine": a driver thread submits each request
+    to the scheduler at its arrival time, times taken by the receivers as events arrive. "http":
+    the same scheduler behind `specjax serve`'s application (uvicorn, 127.0.0.1), each request a
+    streamed ``/v1/completions`` call from an asyncio client in this process, times taken as its
+    text chunks arrive; a request without exactly one finish chunk and one ``[DONE]``, or that
+    ends in an error, counts as lost."""
     from specjax import serving
     if transport not in ("engine", "http"):
         raise ValueError(f"config.live_transports: unknown transport {transport!r} (engine, http)")
@@ -257,53 +283,60 @@ def live_run(engine, eparams, samp, slots, capacity, key, prompts, arrival_s, bu
     live.warmup(widths=sorted({-(-len(p) // pad): len(p) for p in prompts}.values()),     # one prompt per padded width
                 greedy_only=samp.greedy)
     live.start()
-    rows = []
-    if transport == "engine":
-        order = np.argsort(arrival_s, kind="stable")
-        t0 = time.perf_counter()
-        got = {}
-        for i in order:
-            delay = t0 + float(arrival_s[i]) - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            got[int(i)] = ev = _Events(t0)
-            live.submit(prompts[int(i)], max_new, ev)
-        for ev in got.values():
-            if not ev.finished.wait(600):
-                raise RuntimeError("a live request did not finish in 10 minutes")
-        stats = live.snapshot()
-        live.stop(5)
-        for i in sorted(got):
-            ev = got[i]
-            rows.append({"id": i, "tokens": len(ev.tokens), "status": ev.done["status"], "times": ev.times,
-                         "end": ev.end, "target_passes": ev.done["usage"].get("target_passes")})
-        answers = {i: got[i].tokens for i in got}
-    else:
-        url, model, stop = _serve_http(live, tokenizer, temperature)
-        try:
-            _warm_http(url, model, prompts[0])
-            before = live.snapshot()
+    rows, stop = [], None
+    try:
+        if transport == "engine":
+            before = _warm(live, prompts[0])
+            order = np.argsort(arrival_s, kind="stable")
+            t0 = time.perf_counter()
+            got = {}
+            for i in order:
+                delay = t0 + float(arrival_s[i]) - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                got[int(i)] = ev = _Events(t0)
+                live.submit(prompts[int(i)], max_new, ev)
+            for ev in got.values():
+                if not ev.finished.wait(600):
+                    raise RuntimeError("a live request did not finish in 10 minutes")
+            for i in sorted(got):
+                ev = got[i]
+                if ev.done["finish_reason"] == "error":
+                    _log(f"request {i} failed: {ev.done['status']}")
+                    continue
+                rows.append({"id": i, "tokens": len(ev.tokens), "status": ev.done["status"], "times": ev.times,
+                             "end": ev.end, "target_passes": ev.done["usage"].get("target_passes")})
+            answers = {r["id"]: got[r["id"]].tokens for r in rows}
+        else:
+            url, model, stop = _serve_http(live, tokenizer, temperature)
+            before = _warm(live, prompts[0], http=(url, model))
             got = _http_clients(url, model, prompts, arrival_s, max_new, time.perf_counter())
+            for i in sorted(got):
+                g = got[i]
+                if g["error"] is not None or g["finish"] in (None, "error") or g["done"] != 1:
+                    _log(f"request {i} lost over HTTP: {g['error'] or (g['finish'], g['done'])}")
+                    continue
+                rows.append({"id": i, "tokens": g["usage"]["completion_tokens"], "status": g["finish"],
+                             "times": g["times"], "end": g["end"], "target_passes": g["usage"].get("target_passes")})
+            answers = {r["id"]: "".join(got[r["id"]]["text"]) for r in rows}
+    finally:
+        try:
+            if stop is not None:
+                stop()
         finally:
-            stop()
             stats = live.snapshot()
             live.stop(5)
-        stats = {**stats, "rounds_total": stats["rounds_total"] - before["rounds_total"],     # the workload's alone
-                 "resizes_total": stats["resizes_total"] - before["resizes_total"],
-                 "gamma_rounds": [a - b for a, b in zip(stats["gamma_rounds"], before["gamma_rounds"])]}
-        for i in sorted(got):
-            g = got[i]
-            if g["error"] is not None or g["finish"] is None or g["done"] != 1:
-                _log(f"request {i} lost over HTTP: {g['error'] or (g['finish'], g['done'])}")
-                continue
-            rows.append({"id": i, "tokens": g["usage"]["completion_tokens"], "status": g["finish"],
-                         "times": g["times"], "end": g["end"], "target_passes": g["usage"].get("target_passes")})
-        answers = {r["id"]: "".join(got[r["id"]]["text"]) for r in rows}
+    stats = {**stats, "rounds_total": stats["rounds_total"] - before["rounds_total"],     # the workload's alone
+             "resizes_total": stats["resizes_total"] - before["resizes_total"],
+             "gamma_rounds": [a - b for a, b in zip(stats["gamma_rounds"], before["gamma_rounds"])]}
     for r in rows:
         a, times, n = float(arrival_s[r["id"]]), r.pop("times"), r["tokens"]
         first = times[0] if times else float("nan")
-        r.update(arrival_s=a, ttft_s=first - a, inter_token_s=(times[-1] - first) / (n - 1) if n > 1 else float("nan"),
+        r.update(arrival_s=a, ttft_s=first - a,
+                 inter_token_s=(times[-1] - first) / (n - 1) if n > 1 and times else float("nan"),
                  latency_s=r["end"] - a, finished_s=r.pop("end"))
+    if not rows:
+        raise RuntimeError(f"live run ({transport}): no request finished")
     tokens = sum(r["tokens"] for r in rows)
     makespan = max(r["finished_s"] for r in rows) - min(r["arrival_s"] for r in rows)
     pct = lambda name, q: float(np.nanpercentile([r[name] for r in rows], q))      # noqa: E731
@@ -339,11 +372,15 @@ def _resumable(c) -> list[dict]:
                                  "move it away to start afresh") from None
             _log(f"{partial}: the last line was cut off mid-write; dropped")
     setup = next((r for r in recs if r["kind"] == "setup"), None)
+    # (a partial file from before live runs went over HTTP has no live_transports: engine only)
     same = setup is not None and all(
-        setup[k] == v for k, v in (("slots", list(c.slots)), ("num_requests", list(c.num_requests)),
-                                   ("loads", list(c.loads)), ("arrivals", list(c.arrivals)), ("modes", list(c.modes)),
-                                   ("burstiness", c.burstiness), ("buckets", c.buckets), ("seed", c.seed),
-                                   ("max_new_tokens", c.max_new_tokens), ("temperature", c.temperature)))
+        setup.get(k, default) == v for k, v, default in (
+            ("slots", list(c.slots), None), ("num_requests", list(c.num_requests), None),
+            ("loads", list(c.loads), None), ("arrivals", list(c.arrivals), None), ("modes", list(c.modes), None),
+            ("burstiness", c.burstiness, None), ("buckets", c.buckets, None), ("seed", c.seed, None),
+            ("max_new_tokens", c.max_new_tokens, None), ("temperature", c.temperature, None),
+            ("live_slots", c.live_slots, None), ("live_loads", list(c.live_loads), None),
+            ("live_modes", list(c.live_modes), None), ("live_transports", list(c.live_transports), ["engine"])))
     if not same:
         _log(f"{partial} is another config's run: starting afresh")
         return []
@@ -358,10 +395,11 @@ def _done_groups(c, keep: list[dict], slots_list) -> set:
     for slots in slots_list:
         for mode in c.modes:
             loads = [r for r in keep if r["kind"] == "load" and r["slots"] == slots and r["mode"] == mode]
-            live = [r for r in keep if r["kind"] == "live" and r["slots"] == slots and r["mode"] == mode]
-            want_live = len(c.live_loads) * len(c.live_transports) \
-                if slots == int(c.live_slots) and mode in c.live_modes else 0
-            if len(loads) == n_workloads and len(live) == want_live:
+            live = {(r.get("transport", "engine"), r["load"]) for r in keep
+                    if r["kind"] == "live" and r["slots"] == slots and r["mode"] == mode}
+            want_live = {(t, load) for t in c.live_transports for load in c.live_loads} \
+                if slots == int(c.live_slots) and mode in c.live_modes else set()
+            if len(loads) == n_workloads and live == want_live:
                 done.add((slots, mode))
     kept = [r for r in keep if r["kind"] in ("setup", "capacity")
             or (r["kind"] in ("load", "live", "calibration") and (r["slots"], r["mode"]) in done)]

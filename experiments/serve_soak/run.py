@@ -90,7 +90,7 @@ class Soak:
         self.lock = threading.Lock()
         self.counts = collections.Counter()
         self.failures = collections.defaultdict(list)
-        self.greedy = {}                   # prompt index -> the text it got first
+        self.greedy = {}                   # (prompt index, penalties) -> the text it got first
         self.ids = set()
         self.duplicate_ids = 0
 

@@ -33,11 +33,27 @@ class DraftChoice:
     ffn_size: int = 1536                    # fresh
     head_vocab: int = 0                     # 0: full vocabulary
     train_head: bool = False
+    # > 0: the reduced head holds the fewest most frequent continuation tokens that cover this
+    # share of the training data's continuation tokens (head_vocab then caps it; 0: no cap)
+    head_vocab_coverage: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.head_vocab_coverage <= 1.0:
+            raise ValueError(f"config.draft.head_vocab_coverage={self.head_vocab_coverage}: a share in [0, 1] "
+                             "(0: the size is head_vocab)")
+        if self.head_vocab < 0:
+            raise ValueError(f"config.draft.head_vocab={self.head_vocab}: must be >= 0 (0: the full vocabulary)")
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the head is over a subset of the vocabulary (a size or a coverage given)."""
+        return bool(self.head_vocab or self.head_vocab_coverage)
 
     @classmethod
     def from_config(cls, c) -> "DraftChoice":
         return cls(kind=c.kind, layers=tuple(int(i) for i in c.layers), num_layers=int(c.num_layers),
-                   ffn_size=int(c.ffn_size), head_vocab=int(c.head_vocab), train_head=bool(c.train_head))
+                   ffn_size=int(c.ffn_size), head_vocab=int(c.head_vocab), train_head=bool(c.train_head),
+                   head_vocab_coverage=float(c.get("head_vocab_coverage", 0.0)))
 
     @property
     def shared(self) -> tuple[str, ...]:
@@ -86,6 +102,9 @@ def build_draft(choice: DraftChoice, target: Llama, target_params, *, key, head_
         params["lm_head"] = params["embed"].T
         cfg = cfg.replace(tie_embeddings=False)
         model = Llama(cfg)
+    if choice.head_vocab_coverage and not choice.head_vocab:
+        raise ValueError("draft.head_vocab_coverage: the head's size is chosen from the data first "
+                         "(`_setup.head_vocabulary`, then `_setup.with_head_size`)")
     if choice.head_vocab:
         if head_ids is None:
             raise ValueError("head_vocab > 0 needs head_ids (the most frequent tokens)")

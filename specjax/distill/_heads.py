@@ -56,8 +56,11 @@ class HeadObjective:
     ttt_steps: int = 1
     feature_weight: float = 0.0
     feature_noise: float = 0.0
+    compute_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"head.compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.ttt_steps < 1:
             raise ValueError(f"head.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not self.config.spec.autoregressive and self.ttt_steps != 1:
@@ -92,7 +95,7 @@ def objective_from_config(c, target: Llama, head_ids=None) -> HeadObjective:
     return HeadObjective(config=hc, target=target,
                          ttt_steps=spec.default_ttt_steps if h.ttt_steps is None else h.ttt_steps,
                          feature_weight=spec.default_feature_weight if h.feature_weight is None else h.feature_weight,
-                         feature_noise=h.feature_noise)
+                         feature_noise=h.feature_noise, compute_dtype=h.compute_dtype)
 
 
 def _shift(x, k: int):
@@ -148,9 +151,14 @@ def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, 
             raise ValueError("head.feature_noise > 0 needs a key (make_train_step passes one)")
         f_in = noisy_features(f_BTF, len(hc.feature_layers), obj.feature_noise, key)
     terms, first = [], None
+    head_c = head_UD
+    if obj.compute_dtype != "float32":      # the head's own forward in low precision, its master weights float32
+        low = jnp.dtype(obj.compute_dtype)
+        params = jax.tree.map(lambda x: x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        head_c, f_in = head_UD.astype(low), f_in.astype(low)
     outs = hc.spec.train_outputs(hc, params, tokens, f_in, obj.ttt_steps)
     for out, k in outs:
-        q_logits = hc.spec.train_scores(hc, params, head_UD, out)
+        q_logits = hc.spec.train_scores(hc, params, head_c, out).astype(jnp.float32)
         div = _divergence.divergence(spec.divergence, _shift(p_logits, k), q_logits, spec.temperature, spec.beta)
         terms.append(_divergence.masked_mean(div, _shift(mask, k)))
         if first is None:

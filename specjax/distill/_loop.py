@@ -341,6 +341,7 @@ def train(config, workdir, *, log: Callable[[str], None] = print, stop_after_ste
         with naming(s.data_root or "the data cache (data_root)"):
             sources = _setup.load_sources(s, target, target_params, tokenizer, log=log)
         head_ids = _setup.head_vocabulary(s, sources, target, tokenizer.loaded, log)
+        s = _setup.with_head_size(s, head_ids)
         trainee = _setup.build_trainee(s, sources, target, target_params, head_ids, mesh)
         run = _Run(s, workdir, trainee, sources, target, target_params, tokenizer, log, t_start,
                    data_order_changes=changes)

@@ -167,11 +167,20 @@ def fixed_data(c, target, target_params, tokenizer, log=None, path=None, feature
                          tuple(c.data.widths), c.data.tokens_per_batch, log)
 
 
-def head_vocabulary(counts, size: int, always=()) -> np.ndarray:
+def head_vocabulary(counts, size: int, always=(), coverage: float = 0.0) -> np.ndarray:
     """The `size` most frequent continuation tokens by `counts` (per token id, e.g.
-    `_sources.token_frequencies`; ties by id), plus `always` (e.g. EOS), sorted ascending."""
-    counts = np.asarray(counts, np.float64).copy()
+    `_sources.token_frequencies`; ties by id), plus `always` (e.g. EOS), sorted ascending.
+    With ``coverage`` > 0: the fewest such tokens (`always` first) whose counts reach that share
+    of all counts, at most ``size`` of them (``size`` 0: no cap)."""
+    raw = np.asarray(counts, np.float64)
+    counts = raw.copy()
     vocab_size = len(counts)
     counts[list(always)] = np.inf
     order = np.lexsort((np.arange(vocab_size), -counts))
+    if coverage > 0:
+        need = coverage * raw.sum()
+        covered = np.cumsum(raw[order])
+        n = int(np.searchsorted(covered, need * (1 - 1e-12), side="left")) + 1     # the first prefix reaching it
+        n = max(n, len(set(always)), 1)
+        size = min(n, size) if size else n
     return np.sort(order[:size]).astype(np.int32)

@@ -63,6 +63,13 @@ class HeadSettings:
     input_norm: bool = False
     feature_layers: tuple[int, ...] = ()    # (): the kind's default layers
     feature_cache: str = ""                 # '' | 'float32' | 'float16'
+    # the head's forward and backward in this dtype (its master weights, the optimizer, the
+    # teacher and the loss stay float32): 'float32' | 'bfloat16'
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"config.head.compute_dtype={self.compute_dtype!r}: 'float32' or 'bfloat16'")
 
 
 @dataclasses.dataclass(frozen=True)

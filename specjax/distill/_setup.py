@@ -191,8 +191,10 @@ def shard_features(s, stream: _stream.ShardStream, target, layers=None) -> _stre
 
 def head_vocabulary(s, sources: Sources, target, tok, log) -> np.ndarray | None:
     """The reduced head's token ids (the ``draft.head_vocab`` most frequent continuation tokens
-    of the data, plus the stop tokens), or None for a full head."""
-    if not s.draft.head_vocab:
+    of the data, plus the stop tokens; with ``draft.head_vocab_coverage``, the fewest covering
+    that share of the data's continuation tokens, at most ``head_vocab``), or None for a full
+    head."""
+    if not s.draft.reduced:
         return None
     if not sources.plans:
         raise ValueError("a reduced head needs target, fixed or shard data to pick its tokens from")
@@ -200,10 +202,22 @@ def head_vocabulary(s, sources: Sources, target, tok, log) -> np.ndarray | None:
     eos = _prepare.eos_ids(target, tok) if tok is not None or "shards" in sources.plans else ()
     counts = sum(p.token_counts(target.vocab_size) if isinstance(p, _stream.ShardStream)
                  else _sources.token_frequencies([p.data], target.vocab_size) for p in sources.plans.values())
-    head_ids = _prepare.head_vocabulary(counts, s.draft.head_vocab, always=eos)
+    head_ids = _prepare.head_vocabulary(counts, s.draft.head_vocab, always=eos, coverage=s.draft.head_vocab_coverage)
     cover = counts[head_ids].sum() / max(int(counts.sum()), 1)
-    log(f"reduced head: {len(head_ids)} tokens cover {cover:.4f} of the training continuations")
+    chosen = f" (chosen for coverage >= {s.draft.head_vocab_coverage:g})" if s.draft.head_vocab_coverage else ""
+    log(f"reduced head: {len(head_ids)} tokens{chosen} cover {cover:.4f} of the training continuations")
     return head_ids
+
+
+def with_head_size(s, head_ids):
+    """``s`` with ``draft.head_vocab`` the size of the head the data chose (`head_vocabulary`):
+    what the objective, the draft and the export read. The workdir's config.json keeps the
+    settings as given (a coverage, not a size), so a resume chooses again from the same data,
+    which gives the same tokens (a resume on other data is refused unless
+    ``allow_data_order_change``, and then the checkpoint's head shape must still match)."""
+    if head_ids is None or s.draft.head_vocab == len(head_ids):
+        return s
+    return dataclasses.replace(s, draft=dataclasses.replace(s.draft, head_vocab=int(len(head_ids))))
 
 
 @dataclasses.dataclass
