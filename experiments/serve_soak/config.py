@@ -3,8 +3,10 @@
 `specjax serve` (configs/serve.py: the default target and drafter) started as a subprocess on
 127.0.0.1, then `clients` threads send requests for `duration_s`: greedy chat answers, streamed
 sampled answers with seeds, streams dropped after their first text, stop sequences, penalized
-greedy answers, answers under a JSON schema, and bad requests (one of several kinds each time), mixed by a seeded draw. Then a SIGTERM while
-`drain_requests` long answers are in flight. Variant "short": a one-minute soak.
+greedy answers, answers under a JSON schema, and bad requests (one of several kinds each time),
+mixed by a seeded draw. Then a SIGTERM while `drain_requests` long answers are in flight.
+Variant "short": a one-minute soak; "fluctuating": clients that pause between actions, so the
+server resizes its batch as the load rises and falls.
 """
 
 import ml_collections
@@ -22,6 +24,7 @@ def get_config(variant: str = ""):
     c.max_prompt_tokens = 512
     c.duration_s = 600.0
     c.clients = 6
+    c.think_s = 0.0                      # mean pause of a client between its actions (0: none, a saturated server)
     c.prompts = 24                       # held-out Spec-Bench questions, cut to their first 300 characters
     c.mix = tuple(MIX.items())
     c.drain_requests = 4
@@ -29,7 +32,13 @@ def get_config(variant: str = ""):
     c.seed = 0
     c.startup_timeout_s = 900.0
     c.out = "experiments/serve_soak/results/results.jsonl"
-    if variant == "short":
+    if variant == "fluctuating":
+        # Clients pause between actions (exponential, mean think_s), so the number of busy rows
+        # rises and falls and the server moves between batch sizes (buckets) while requests are
+        # cancelled, stopped and refused.
+        c.clients, c.think_s = 8, 3.0
+        c.out = "experiments/serve_soak/results/fluctuating.jsonl"
+    elif variant == "short":
         c.duration_s = 60.0
         c.out = "/tmp/serve_soak_short.jsonl"
     elif variant:

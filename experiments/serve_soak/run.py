@@ -210,6 +210,8 @@ class Soak:
                     self.counts[action] += 1
             except Exception as e:  # noqa: BLE001 - every failure is recorded, the soak goes on
                 self.fail(action, f"{type(e).__name__}: {e}")
+            if self.c.think_s > 0:           # a pause (exponential, seeded): the load rises and falls
+                time.sleep(max(0.0, min(rng.expovariate(1.0 / self.c.think_s), deadline - time.monotonic())))
 
 
 def _metrics(url: str) -> dict:
@@ -325,6 +327,7 @@ def main(c):
                        server_cancelled=int(m["specjax_requests_cancelled_total"]), lost=int(lost),
                        duplicate_response_ids=soak.duplicate_ids, greedy_prompts_repeated=len(soak.greedy),
                        batch_resizes=int(m.get("specjax_batch_resizes_total", 0)), buckets=c.buckets,
+                       think_s=c.think_s,
                        drain_completed=drain["completed"], drain_in_flight=drain["in_flight"],
                        drain_exit_code=drain["exit_code"])
         out.write("summary", **summary)
