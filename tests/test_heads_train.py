@@ -688,14 +688,13 @@ def test_a_reduced_head_sized_by_coverage(toy_pair, tmp_path):
     stop tokens placed first and ``head_vocab`` as a cap; a share outside [0, 1] is refused by name."""
     import ml_collections
 
-    from specjax.distill import _prepare
     counts = np.array([50, 30, 10, 5, 5, 0])
-    assert _prepare.head_vocabulary(counts, 0, coverage=0.8).tolist() == [0, 1]          # 80 of 100
-    assert _prepare.head_vocabulary(counts, 0, coverage=0.81).tolist() == [0, 1, 2]
-    assert _prepare.head_vocabulary(counts, 0, always=[4], coverage=0.8).tolist() == [0, 1, 4]   # 5 + 50 + 30
-    assert _prepare.head_vocabulary(counts, 0, always=[4], coverage=0.5).tolist() == [0, 4]
-    assert _prepare.head_vocabulary(counts, 2, coverage=0.95).tolist() == [0, 1]          # the cap
-    assert _prepare.head_vocabulary(counts, 0, coverage=1.0).tolist() == [0, 1, 2, 3, 4]
+    assert distill.head_vocabulary(counts, 0, coverage=0.8).tolist() == [0, 1]          # 80 of 100
+    assert distill.head_vocabulary(counts, 0, coverage=0.81).tolist() == [0, 1, 2]
+    assert distill.head_vocabulary(counts, 0, always=[4], coverage=0.8).tolist() == [0, 1, 4]   # 5 + 50 + 30
+    assert distill.head_vocabulary(counts, 0, always=[4], coverage=0.5).tolist() == [0, 4]
+    assert distill.head_vocabulary(counts, 2, coverage=0.95).tolist() == [0, 1]          # the cap
+    assert distill.head_vocabulary(counts, 0, coverage=1.0).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"config.draft.head_vocab_coverage=1.5"):
         distill.DraftChoice(head_vocab_coverage=1.5)
 

@@ -38,7 +38,7 @@ from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batc
 from specjax.distill._loop import check_resume_config, fill_shard_features, flatten, train, with_overrides
 from specjax.distill._settings import DistillSettings, distill_settings
 from specjax.distill._setup import shard_features
-from specjax.distill._prepare import eval_plan, feature_file, with_features
+from specjax.distill._prepare import eval_plan, feature_file, head_vocabulary, with_features
 from specjax.distill._sources import generated_data, second_turn_prompts, spec_bench_prompts
 from specjax.distill._train import (LossSpec, TrainState, chain_tokens_per_pass, evaluate, greedy_accepted_per_pass,
                                     init_state,
@@ -51,7 +51,7 @@ __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
-    "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
+    "head_vocabulary", "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
     "DistillSettings", "distill_settings",
     "feature_file", "with_features", "generated_data", "second_turn_prompts", "spec_bench_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",
