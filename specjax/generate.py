@@ -218,7 +218,10 @@ def run(job: GenerateJob) -> dict:
         stats.update(extra)
         why += f"; {text}"
     if kind.after_run is not None:
-        kind.after_run(s.draft, record)
+        try:
+            kind.after_run(s.draft, record)
+        except OSError as e:        # e.g. a full disk: what the drafter keeps for later runs is not updated
+            print(f"[specjax] warning: drafter {s.drafter}: {e}", file=sys.stderr, flush=True)
     draft_model = getattr(s.draft, "draft_model", "")
     print(f"[specjax] drafter {s.drafter}" + (f" ({draft_model})" if draft_model else "")
           + ": " + why, file=sys.stderr, flush=True)

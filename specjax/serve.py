@@ -111,6 +111,38 @@ def build_server(job: ServeJob):
     return live, serving.make_app(live, gen.tokenizer, name, sampling_settings), name
 
 
+def start_in_thread(app, host: str = "127.0.0.1", log_level: str = "warning", timeout_s: float = 30.0):
+    """Serve the ASGI ``app`` by uvicorn in a daemon thread of this process, on a socket bound
+    here to a free port of ``host`` (no other process can take the port between a probe and the
+    bind): (base url, stop function). What tests and experiments use to call the server over
+    real HTTP without a second process; RuntimeError if it does not start in ``timeout_s``."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    sock = socket.socket()
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError(f"the HTTP server on {host}:{port} did not stop in {timeout_s:g} s")
+    t0 = time.monotonic()
+    while not srv.started and thread.is_alive() and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.05)
+    if not srv.started:
+        stop()
+        raise RuntimeError(f"the HTTP server on {host}:{port} did not start in {timeout_s:g} s")
+    return f"http://{host}:{port}", stop
+
+
 def main(job: ServeJob) -> None:
     import uvicorn
 

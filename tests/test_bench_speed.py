@@ -277,3 +277,63 @@ def test_greedy_exactness_and_distill_settings_are_checked():
     assert distill_config.stages(ml_collections.ConfigDict({"stage": "evaluate"})) == ("evaluate", "report")
     with pytest.raises(ValueError, match=r"config\.stage: 'eval' .*'compare', 'recipe'"):
         distill_config.stages(ml_collections.ConfigDict({"stage": "eval"}))
+
+
+def test_jsonl_output_faults_are_one_line_and_lose_nothing(tmp_path, monkeypatch):
+    """The experiments' JSONL writer on a path it cannot use: empty, a directory, under a file
+    (one line each, nothing created); a second writer on the same file stops at once while the
+    first goes on; a full disk mid-run names the file and keeps the records before it and the
+    earlier complete run; a new run moves an unfinished one's records aside; a resumed run's
+    kept records are on disk before the old partial file goes."""
+    import errno
+
+    import pytest
+    from experiments.lib import toolkit
+    path = tmp_path / "r.jsonl"
+    for bad, words in (("", "empty"), (str(tmp_path), "is a directory"),
+                       (str(path) + "/x.jsonl", "not a directory")):
+        if words == "not a directory":
+            path.write_text("")
+        with pytest.raises(toolkit.OutputError, match=words) as e:
+            toolkit.Jsonl(bad, {})
+        assert "\n" not in str(e.value)
+        path.unlink(missing_ok=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    done = toolkit.Jsonl(path, {"git_commit": "a"})
+    done.write("x", i=0)
+    done.close()
+    first = toolkit.Jsonl(path, {})
+    first.write("x", i=1)
+    with pytest.raises(toolkit.OutputError, match=r"pid \d+ .* is writing this file"):
+        toolkit.Jsonl(path, {})
+    first.write("x", i=2)                                   # the first writer is undisturbed
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(first, "_f", Full(first._f))
+    with pytest.raises(toolkit.OutputError, match=r"record 3 failed \(No space left on device\); the 2 before") as e:
+        first.write("x", i=3)
+    assert "\n" not in str(e.value)
+    assert [r["i"] for r in toolkit.read_jsonl(path)] == [0]                 # the earlier run, intact
+    assert [r["i"] for r in toolkit.read_jsonl(first.partial)] == [1, 2]      # this run's records so far
+    first._f = first._f.f
+    first._release()                                       # the process died here: its lock goes with it
+    second = toolkit.Jsonl(path, {})                         # a fresh run keeps the unfinished one aside
+    prev = tmp_path / "r.jsonl.partial.prev"
+    assert [r["i"] for r in toolkit.read_jsonl(prev)] == [1, 2]
+    second.close()
+    kept = toolkit.read_jsonl(prev)
+    third = toolkit.Jsonl(path, {}, keep=kept)               # a resumed run
+    assert [r["i"] for r in toolkit.read_jsonl(third.partial)] == [1, 2]
+    third.write("x", i=3)
+    third.close()
+    assert [r["i"] for r in toolkit.read_jsonl(path)] == [1, 2, 3]
+    assert not (tmp_path / "r.jsonl.lock").exists() and not (tmp_path / "r.jsonl.partial").exists()

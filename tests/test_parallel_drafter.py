@@ -241,8 +241,7 @@ def test_settings_and_inputs_are_checked(tmp_path):
     model, tp = _target()
     dr, hp, hc = _parallel_head()
     with pytest.raises(ValueError, match="block of 4 positions.*asked for 5"):
-        decoding.Engine(model, dr, _gen(5)).run(decoding.EngineParams(target=tp, draft=hp), GREEDY,
-                                                decoding.make_batch(PROMPTS[:1], _gen(5), jax.random.key(0)))
+        decoding.Engine(model, dr, _gen(5))             # when the engine is built, before any prefill
     with pytest.raises(ValueError, match="block of 4 positions"):
         dr.check_tree(trees.TreeShape.chain(5))
     with pytest.raises(ValueError, match="num_heads >= 1"):

@@ -12,8 +12,6 @@ error each (the field named) and the server goes on serving; a full queue answer
 """
 import concurrent.futures
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -31,36 +29,20 @@ PROMPTS = ["Name three primary colors.", "What is 7 times 8?", "Write a haiku ab
            "Give one synonym for 'happy'."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
     c = config_files.with_drafter_keys(serve_config.get_config())
     # buckets "": every round at 2 rows (one set of programs to compile; the batch sizes are
     # tested on a tiny model in tests/test_serving_live.py and tests/test_buckets.py)
-    c.update(port=_free_port(), slots=2, max_queue=8, max_prompt_tokens=256, max_new_tokens=MAX_NEW,
+    c.update(port=0, slots=2, max_queue=8, max_prompt_tokens=256, max_new_tokens=MAX_NEW,
              compilation_cache_dir="", buckets="")
     job = serve.serve_job(c)
     live, app, name = serve.build_server(job)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=job.port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started
+    url, stop = serve.start_in_thread(app)
     gen = build.load_generator(job.run)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{job.port}/v1", api_key="none", max_retries=0)
-    yield {"live": live, "name": name, "client": client, "gen": gen, "job": job,
-           "url": f"http://127.0.0.1:{job.port}"}
-    srv.should_exit = True
-    thread.join(30)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    yield {"live": live, "name": name, "client": client, "gen": gen, "job": job, "url": url}
+    stop()
     live.stop(5)
 
 

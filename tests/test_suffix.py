@@ -283,3 +283,46 @@ def test_the_hybrid_kind_builds_a_suffix_lookup(tiny, tmp_path):
     assert np.asarray(dp.lookup.tokens_M).tolist()[:5] == [1, 2, 3, 4, -1]
     with pytest.raises(ValueError, match="hybrid_lookup='trie': expected one of ngram, suffix"):
         kind.check(kind.settings_from({"hybrid_lookup": "trie", "draft_model": "x"}), drafters.DraftJob(target="tiny"))
+
+
+def test_the_cache_directory_survives_faults(tmp_path, monkeypatch):
+    """A cache directory that is a file is refused before anything runs (it would read as an
+    empty corpus); a save that runs out of disk keeps the previous cache whole and leaves no
+    temporary file; runs that finish together each add their documents (the lock)."""
+    import errno
+    import threading
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"suffix_cache_dir='.*file': .*file, not a directory"):
+        drafters.check_cache_dir(drafters.SuffixSettings(suffix_cache_dir=str(blocker)))
+    with pytest.raises(ValueError, match=r"suffix_cache_dir='.*file/sub': "):
+        drafters.check_cache_dir(drafters.SuffixSettings(suffix_cache_dir=str(blocker / "sub")))
+    d = tmp_path / "cache"
+    drafters.remember(str(d), 64, [[1, 2, 3]])
+    before = (d / "suffix_cache.npz").read_bytes()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "savez", full)
+    with pytest.raises(OSError, match=r"suffix_cache.npz not updated \(No space left on device\); the previous"):
+        drafters.remember(str(d), 64, [[4, 5]])
+    monkeypatch.undo()
+    assert (d / "suffix_cache.npz").read_bytes() == before
+    assert sorted(p.name for p in d.iterdir()) == ["suffix_cache.lock", "suffix_cache.npz"]
+    threads = [threading.Thread(target=lambda k=k: [drafters.remember(str(d), 4096, [[10 + k, i]]) for i in range(15)])
+               for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert SuffixCache.load(d, 4096).documents == 1 + 30
+
+
+def test_the_suffix_hybrids_min_match_is_checked_against_the_suffix_lookup():
+    """min_match is checked against what the suffix lookup can match, not the n-gram range."""
+    kind = drafters.drafter_kind("hybrid")
+    s = kind.settings_from({"hybrid_lookup": "suffix", "min_match": 9, "suffix_max_match": 8})
+    job = type("Job", (), {"trees": (), "target": "smollm2-135m-instruct", "tree_setting": "tree", "tree_value": ""})()
+    with pytest.raises(ValueError, match=r"min_match=9: with hybrid_lookup='suffix' expected an integer in .*\[1, 8\]"):
+        kind.check(s, job)

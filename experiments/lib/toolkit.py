@@ -263,40 +263,112 @@ def load_config(path, *args):
 
 # ----------------------------------------------------------------------------- JSONL
 
+class OutputError(Exception):
+    """An output a run cannot write (an empty path, a directory where the file goes, a file on
+    the way, no permission, another process writing it, a full disk): one line naming the path,
+    said before the long work where it can be known (`main_with_config` prints it alone)."""
+
+
+def check_output(setting: str, path) -> None:
+    """``path`` (a results file, created with its folders if absent) can be written: OutputError
+    naming ``setting`` otherwise, before anything runs."""
+    from specjax import files
+    if not str(path).strip():
+        raise OutputError(f"{setting}={str(path)!r}: empty; name the file to write")
+    p = pathlib.Path(path).expanduser()
+    problem = files.path_problem(p, want_dir=False) or files.dir_problem(str(p.parent))
+    if problem:
+        raise OutputError(f"{setting}={str(path)!r}: {problem}; nothing was run")
+
+
 class Jsonl:
     """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``.
 
     One file holds one run: records go to ``<path>.partial`` (flushed per record, for a look
     while it runs) and `close` moves it over `path`, saying on stderr when that replaces an
-    earlier run. A run that dies leaves the earlier results in place and its own in ``.partial``."""
+    earlier run. A run that dies leaves the earlier results in place and its own in ``.partial``;
+    a new run (not resuming it) first moves that aside to ``.partial.prev``. While a run writes,
+    it holds an OS lock on ``<path>.lock`` (released if it dies), so a second process on the same
+    file stops at once with one line. A path that cannot be written, or a write that fails (a
+    full disk), is an `OutputError` naming the file and what is kept."""
 
-    def __init__(self, path, provenance: dict, keep: list[dict] = ()):
+    def __init__(self, path, provenance: dict, keep: list[dict] = (), setting: str = "config.out"):
         """``keep``: records of an earlier, unfinished run of the same command to carry over as
         they are (each with its own provenance), written first (a run that resumes)."""
-        self.path = pathlib.Path(path)
+        import fcntl
+        check_output(setting, path)
+        self.path = pathlib.Path(path).expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.provenance = _clean(provenance)
-        self._f = open(self.partial, "w", encoding="utf-8")
-        for rec in keep:
-            self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        self._lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock = open(self._lock_path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "another process"
+            self._lock.close()
+            raise OutputError(f"{setting}={str(path)!r}: {holder} is writing this file; wait for it or choose "
+                              "another output (two runs in one file overwrite each other)") from None
+        except OSError:         # a file system without locks: run unlocked
+            pass
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()} ({' '.join(sys.argv)[:200]})\n")
+        self._lock.flush()
+        self._n = 0
+        try:
+            if keep:        # the resumed records, complete on disk before the old partial goes
+                fresh = self.partial.with_name(self.partial.name + ".new")
+                with open(fresh, "w", encoding="utf-8") as f:
+                    f.writelines(json.dumps(rec) + "\n" for rec in keep)
+                os.replace(fresh, self.partial)
+                self._f = open(self.partial, "a", encoding="utf-8")
+                self._n = len(keep)
+            else:
+                if self.partial.is_file() and self.partial.stat().st_size:
+                    prev = self.partial.with_name(self.partial.name + ".prev")
+                    os.replace(self.partial, prev)
+                    print(f"[toolkit] {self.partial}: an unfinished earlier run, moved to {prev}", file=sys.stderr,
+                          flush=True)
+                self._f = open(self.partial, "w", encoding="utf-8")
+        except OSError as e:
+            self._release()
+            raise OutputError(f"{self.partial}: cannot be written ({e.strerror}); {self.path} is untouched") from e
 
     def write(self, kind: str, **fields) -> dict:
         rec = {"kind": kind, **_clean(fields), "provenance": self.provenance}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+        except OSError as e:
+            raise OutputError(f"{self.partial}: writing record {self._n + 1} failed ({e.strerror}); the {self._n} "
+                              f"before it are in that file, {self.path} still holds the earlier run") from e
+        self._n += 1
         return rec
 
     def close(self):
-        self._f.close()
-        if self.path.is_file() and self.path.stat().st_size:
-            old = read_jsonl(self.path)
-            prov = old[0].get("provenance", {}) if old else {}
-            print(f"[toolkit] {self.path}: replaced an earlier run ({len(old)} records, commit "
-                  f"{prov.get('git_commit')}, {prov.get('date_utc')}); git keeps it if it was committed",
-                  file=sys.stderr, flush=True)
-        os.replace(self.partial, self.path)
+        try:
+            self._f.close()
+            if self.path.is_file() and self.path.stat().st_size:
+                old = read_jsonl(self.path)
+                prov = old[0].get("provenance", {}) if old else {}
+                print(f"[toolkit] {self.path}: replaced an earlier run ({len(old)} records, commit "
+                      f"{prov.get('git_commit')}, {prov.get('date_utc')}); git keeps it if it was committed",
+                      file=sys.stderr, flush=True)
+            os.replace(self.partial, self.path)
+        except OSError as e:
+            raise OutputError(f"{self.partial}: could not be completed or moved to {self.path} ({e.strerror}); "
+                              f"its {self._n} records stay in {self.partial}") from e
+        finally:
+            self._release()
+
+    def _release(self):
+        if not self._lock.closed:
+            with contextlib.suppress(OSError):
+                self._lock_path.unlink()
+            self._lock.close()
 
 
 def read_jsonl(path) -> list[dict]:
@@ -369,6 +441,9 @@ def main_with_config(main, default_config, help: str) -> None:
     def run(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        main(flag.value)
+        try:
+            main(flag.value)
+        except OutputError as e:         # one line, not a traceback
+            sys.exit(f"error: {e}")
 
     app.run(run)

@@ -154,37 +154,12 @@ class IdText:
 
 
 def _serve_http(live, tokenizer, temperature: float):
-    """`specjax serve`'s application over ``live``, run by uvicorn in a thread on a socket this
-    function binds (127.0.0.1, a free port, so no other process can take it first): (url, model
-    name, stop function)."""
-    import socket
-    import threading
-
-    import uvicorn
-
-    from specjax import serving
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+    """`specjax serve`'s application over ``live``, in a thread of this process
+    (`serve.start_in_thread`, 127.0.0.1): (url, model name, stop function)."""
+    from specjax import serve, serving
     app = serving.make_app(live, tokenizer, "study", {"temperature": temperature, "top_p": 1.0, "top_k": 0})
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-
-    def stop():
-        srv.should_exit = True
-        thread.join(30)
-        sock.close()
-        if thread.is_alive():
-            raise RuntimeError("the study's HTTP server did not stop in 30 s")
-    for _ in range(600):
-        if srv.started or not thread.is_alive():
-            break
-        time.sleep(0.05)
-    if not srv.started:
-        stop()
-        raise RuntimeError("the study's HTTP server did not start in 30 s")
-    return f"http://127.0.0.1:{port}", "study", stop
+    url, stop = serve.start_in_thread(app)
+    return url, "study", stop
 
 
 def _warm_http(url: str, model: str, prompt) -> None:
@@ -409,6 +384,7 @@ def _done_groups(c, keep: list[dict], slots_list) -> set:
 
 def main(c):
     from specjax import sampling, serving
+    toolkit.check_output("config.out", c.out)       # before the model loads
     prov = toolkit.provenance("experiments.load_study.run")
     slots_list, counts = tuple(int(s) for s in c.slots), tuple(int(n) for n in c.num_requests)
     if len(slots_list) != len(counts):

@@ -201,6 +201,8 @@ class Engine:
                              f"{self.target.vocab_size}; speculative sampling needs a shared vocabulary")
         caps = self.capabilities
         for g in self.config.gammas:
+            if isinstance(g, int) and g > 0 and callable(getattr(self.drafter, "check_gamma", None)):
+                self.drafter.check_gamma(g)         # a drafter with a longest chain (a block, Medusa's heads)
             if not isinstance(g, int):
                 if not caps.trees:
                     raise ValueError(f"the drafter {type(self.drafter).__name__} drafts chains only "

@@ -59,8 +59,8 @@ class HeadObjective:
     compute_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"head.compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype not in _settings.COMPUTE_DTYPES:
+            raise ValueError(f"head.compute_dtype must be one of {_settings.COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.ttt_steps < 1:
             raise ValueError(f"head.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not self.config.spec.autoregressive and self.ttt_steps != 1:

@@ -54,6 +54,10 @@ class DataSettings:
     shards: ShardSettings = ShardSettings()
 
 
+# dtypes a head may train in (`head.compute_dtype`)
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSettings:
     ttt_steps: Optional[int] = None         # None: the kind's default
@@ -68,8 +72,8 @@ class HeadSettings:
     compute_dtype: str = "float32"
 
     def __post_init__(self):
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"config.head.compute_dtype={self.compute_dtype!r}: 'float32' or 'bfloat16'")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"config.head.compute_dtype={self.compute_dtype!r}: one of {COMPUTE_DTYPES}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from specjax.drafters import _head  # noqa: F401  (registers the 'head' kind)
 from specjax.drafters import _parallel  # noqa: F401  (registers the 'parallel' kind)
 from specjax.drafters._hybrid import HYBRID_LOOKUPS, HYBRID_MODELS, HybridDrafter, HybridParams, HybridSettings
 from specjax.drafters._ngram import NGramDrafter, NGramSettings
-from specjax.drafters._suffix import SuffixCache, SuffixCorpus, SuffixDrafter, SuffixSettings, remember
+from specjax.drafters._suffix import SuffixCache, SuffixCorpus, SuffixDrafter, SuffixSettings, check_cache_dir, remember
 from specjax.drafters._protocol import CHAIN_ONLY, Capabilities, DraftContext, Drafter
 
 __all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout", "eagle3_tensors", "load_eagle3",
@@ -33,5 +33,5 @@ __all__ = ["EAGLE3_PUBLISHED", "EAGLE3_LAYOUTS", "eagle3_config", "eagle3_layout
            "SHIPPED_DRAFTS", "SHIPPED_HEADS", "shipped_draft", "shipped_head",
            "DraftModelSettings", "EarlyExitSettings", "HybridSettings", "NGramSettings", "HYBRID_MODELS", "HYBRID_LOOKUPS", "HybridParams",
            "DraftContext", "Drafter", "EarlyExitDrafter", "HybridDrafter", "ModelDrafter", "ModelDraftState",
-           "NGramDrafter", "SuffixCache", "SuffixCorpus", "SuffixDrafter", "SuffixSettings", "remember", "draw",
+           "NGramDrafter", "SuffixCache", "SuffixCorpus", "SuffixDrafter", "SuffixSettings", "remember", "check_cache_dir", "draw",
            "draw_positions", "draw_support", "rollout", "support_scores"]

@@ -50,7 +50,7 @@ from flax import struct
 from specjax.drafters._ngram import NGramDrafter
 from specjax.drafters._protocol import Capabilities, DraftContext
 from specjax.drafters._registry import register_drafter
-from specjax.drafters._suffix import SuffixCache, SuffixDrafter, SuffixSettings, remember
+from specjax.drafters._suffix import SuffixCache, SuffixDrafter, SuffixSettings, check_cache_dir, remember
 
 
 @struct.dataclass
@@ -85,7 +85,7 @@ class HybridDrafter:
             raise ValueError(f"min_match={self.min_match} must lie in [{lo}, {hi}], the suffix lengths the lookup "
                              f"drafter matches")
         if self.retrieval.vocab_size != self.model.vocab_size:
-            raise ValueError(f"vocab mismatch: n-gram drafter {self.retrieval.vocab_size}, model drafter "
+            raise ValueError(f"vocab mismatch: lookup drafter {self.retrieval.vocab_size}, model drafter "
                              f"{self.model.vocab_size}")
 
     @property
@@ -175,6 +175,11 @@ class HybridDrafter:
     def commit(self, state, new_lengths_B, accepted=None):
         return self.model.commit(state, new_lengths_B)
 
+    def check_gamma(self, gamma: int) -> None:
+        """The model half's longest chain, if it has one (the lookup half drafts any length)."""
+        if callable(getattr(self.model, "check_gamma", None)):
+            self.model.check_gamma(gamma)
+
     def check_tree(self, tree) -> None:
         raise ValueError("the hybrid drafter (prompt lookup + a model) drafts chains: use an integer gamma, "
                          "or the model drafter on its own for trees")
@@ -215,7 +220,7 @@ def _build(s: HybridSettings, ctx):
     min_match = int(s.min_match or s.max_ngram)
     vocab = ctx.target.vocab_size
     if s.hybrid_lookup == "suffix":
-        lookup = SuffixDrafter(vocab, max_match=max(s.suffix_max_match, min_match), min_match=1)
+        lookup = SuffixDrafter(vocab, max_match=s.suffix_max_match, min_match=1)
         cache = (SuffixCache.load(s.suffix_cache_dir, s.suffix_tokens, vocab) if s.suffix_cache_dir
                  else SuffixCache(s.suffix_tokens, vocab))
         return (HybridDrafter(lookup, model, min_match=min_match, lookup_params=True),
@@ -233,6 +238,8 @@ def _check(s: HybridSettings, job) -> None:
         raise ValueError(f"hybrid_lookup={s.hybrid_lookup!r}: expected one of {', '.join(HYBRID_LOOKUPS)}")
     if s.hybrid_lookup == "suffix" and s.suffix_tokens < 2:
         raise ValueError(f"suffix_tokens={s.suffix_tokens!r}: the corpus needs at least 2 slots")
+    if s.hybrid_lookup == "suffix":
+        check_cache_dir(s)
     if s.hybrid_model == "parallel" and not s.draft_model:
         raise ValueError("drafter='hybrid' with hybrid_model='parallel' needs draft_model (a parallel drafter "
                          "written by specjax.distill)")
@@ -244,10 +251,14 @@ def _check(s: HybridSettings, job) -> None:
                          f"and none ships for target {job.target!r}: give draft_model=<a {s.hybrid_model} directory "
                          f"written by specjax.distill>, or use drafter='ngram' (prompt lookup alone)")
     m = s.min_match
+    if s.hybrid_lookup == "suffix" and (m or s.max_ngram) > s.suffix_max_match:
+        # the suffix lookup matches at most suffix_max_match tokens (min_match 0 means max_ngram)
+        raise ValueError(f"min_match={m or s.max_ngram!r}: with hybrid_lookup='suffix' expected an integer in "
+                         f"[1, suffix_max_match] = [1, {s.suffix_max_match}]")
     if m:
         if m < 1:
             raise ValueError(f"min_match={m!r}: expected an integer >= 1")
-        if not s.min_ngram <= m <= s.max_ngram:
+        if s.hybrid_lookup != "suffix" and not s.min_ngram <= m <= s.max_ngram:
             raise ValueError(f"min_match={m!r}: expected an integer in [min_ngram, max_ngram] = "
                              f"[{s.min_ngram}, {s.max_ngram}]")
     if job.trees:

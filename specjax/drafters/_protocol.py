@@ -51,7 +51,8 @@ that keeps tentative K/V of tree nodes records where in ``DraftTree.draft_slots_
 the accepted path back in ``commit(state, new_lengths_B, accepted)`` (`trees.AcceptedPath`; None
 after a linear round). ``tree_forward_passes(tree)`` is the tree round's draft forward count.
 A drafter that cannot draft a given tree raises ValueError from ``check_tree(tree)`` (called
-when the engine is built).
+when the engine is built); one with a longest chain (a parallel block, Medusa's heads) may
+define ``check_gamma(gamma)``, called then for every integer gamma the engine may run.
 
 What a drafter needs and offers (features, its own cache, trees, draft sources) it declares
 as data in ``capabilities`` (`Capabilities`); the engine reads that, nothing else. A drafter

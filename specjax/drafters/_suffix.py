@@ -24,6 +24,7 @@ requests without recompiling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -85,14 +86,25 @@ class SuffixCache:
         return SuffixCorpus(tokens_M=jnp.asarray(self.tokens_M))
 
     def save(self, directory) -> pathlib.Path:
-        """Write the ring to ``directory/suffix_cache.npz`` (a temporary file renamed over it: a
-        run cut off while saving leaves the previous cache)."""
+        """Write the ring to ``directory/suffix_cache.npz`` through a temporary file of this
+        process, synced and renamed over it: a run cut off or out of disk while saving leaves the
+        previous cache whole (OSError naming the file; the temporary file removed)."""
+        import tempfile
         path = pathlib.Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        tmp = path / "suffix_cache.tmp.npz"
-        np.savez(tmp, tokens_M=self.tokens_M, write=self.write, documents=self.documents,
-                 vocab_size=-1 if self.vocab_size is None else self.vocab_size)
-        os.replace(tmp, path / "suffix_cache.npz")
+        fd, tmp = tempfile.mkstemp(dir=path, prefix="suffix_cache.", suffix=".tmp.npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, tokens_M=self.tokens_M, write=self.write, documents=self.documents,
+                         vocab_size=-1 if self.vocab_size is None else self.vocab_size)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path / "suffix_cache.npz")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise OSError(e.errno, f"{path / 'suffix_cache.npz'} not updated ({e.strerror}); the previous cache "
+                                   "is kept") from e
         return path / "suffix_cache.npz"
 
     @classmethod
@@ -250,6 +262,7 @@ def _check(s: SuffixSettings, job) -> None:
                          f"1 <= suffix_min_match <= suffix_max_match")
     if s.suffix_tokens < 2:
         raise ValueError(f"suffix_tokens={s.suffix_tokens!r}: the corpus needs at least 2 slots")
+    check_cache_dir(s)
     if job.trees:
         raise ValueError(f"{job.tree_setting}={job.tree_value!r}: the suffix drafter drafts chains only")
 
@@ -273,11 +286,29 @@ register_drafter("suffix", SuffixSettings, _build, check=_check, describe=_descr
 
 def remember(cache_dir: str, capacity: int, documents) -> pathlib.Path:
     """Add ``documents`` (token id sequences: a prompt and its output each) to the cache saved in
-    ``cache_dir`` and save it: what `specjax generate` does after a run with ``suffix_cache_dir``."""
-    cache = SuffixCache.load(cache_dir, capacity)
-    for d in documents:
-        cache.add(d)
-    return cache.save(cache_dir)
+    ``cache_dir`` and save it: what `specjax generate` does after a run with ``suffix_cache_dir``.
+    The read, the additions and the save hold an OS lock on the directory's
+    ``suffix_cache.lock``, so runs that finish together each add their documents (none lost)."""
+    import fcntl
+    path = pathlib.Path(cache_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "suffix_cache.lock", "a") as lock:
+        with contextlib.suppress(OSError):          # a file system without locks: unlocked
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        cache = SuffixCache.load(cache_dir, capacity)
+        for d in documents:
+            cache.add(d)
+        return cache.save(cache_dir)
 
 
-__all__ = ["SEP", "SuffixCache", "SuffixCorpus", "SuffixDrafter", "SuffixSettings", "remember"]
+def check_cache_dir(s) -> None:
+    """``suffix_cache_dir`` (if set) can be a directory this run reads and writes: ValueError
+    naming it before anything runs (a file there would read as an empty corpus)."""
+    from specjax import files
+    if s.suffix_cache_dir:
+        problem = files.dir_problem(s.suffix_cache_dir)
+        if problem:
+            raise ValueError(f"suffix_cache_dir={s.suffix_cache_dir!r}: {problem}")
+
+
+__all__ = ["SEP", "SuffixCache", "SuffixCorpus", "SuffixDrafter", "SuffixSettings", "check_cache_dir", "remember"]

@@ -107,10 +107,13 @@ class MedusaDrafter:
     def forward_passes(self, gamma: int) -> int:
         return 1
 
-    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+    def check_gamma(self, gamma: int) -> None:
         if gamma > self.config.num_heads:
             raise ValueError(f"a Medusa head with {self.config.num_heads} heads drafts at most that many "
                              f"tokens per round, asked for gamma={gamma}")
+
+    def propose(self, params, state, context: DraftContext, key_B, gamma, cfg):
+        self.check_gamma(gamma)
         L_B = context.lengths_B
         idx_B = jnp.maximum(L_B - 2, 0)
         f_BD = jnp.take_along_axis(context.features, idx_B[:, None, None], axis=1)[:, 0]
