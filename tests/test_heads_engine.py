@@ -47,11 +47,11 @@ def test_head_config_errors():
 def test_engine_rejects_bad_head_setups():
     model, tp = _target()
     med, hp = _head("medusa", "random")            # 3 heads
-    # gamma > num_heads: raised when the round is traced
-    eng = decoding.Engine(model, med, _gen(4))
+    # gamma > num_heads: raised when the engine is built (check_gamma), before any prefill
     with pytest.raises(ValueError, match="at most"):
-        eng.run(decoding.EngineParams(target=tp, draft=hp), GREEDY,
-                decoding.make_batch(PROMPTS, eng.config, jax.random.key(0)))
+        decoding.Engine(model, med, _gen(4))
+    with pytest.raises(ValueError, match="at most"):            # an adaptive candidate too
+        decoding.Engine(model, med, _gen(decoding.AdaptiveGamma(gammas=(0, 2, 4))))
     # token trees: Medusa's are refused when the engine is built (EAGLE heads draft trees)
     for tree in (trees.TreeShape.chain(2), trees.TreeShape.from_branching((2, 1))):
         with pytest.raises(ValueError, match="chains"):
