@@ -207,6 +207,39 @@ def test_rows_are_priced_by_their_own_acceptance():
     assert choose([0.9, 0.9], [False, False]) == int(adaptive.choose(policy, state, 0)[0]) == 0
 
 
+def test_the_estimate_forgets_per_tested_position_not_per_round():
+    """`adaptive.update`'s estimate is the discounted mean of every tested position (a position
+    tested n positions ago weighs (1 - 1/window)^n, a round's positions alike, the prior
+    `initial_weight` positions at `initial_alpha`), checked against that sum written out over 200
+    random rounds of 0-12 positions (seed 0); so a one-position round moves a settled estimate by
+    at most ~1/window, where the old per-round average moved it by 0.3 of the round's mean."""
+    policy = adaptive.AdaptiveGamma(gammas=(0, 1), window=32.0, initial_weight=4.0, initial_alpha=0.5)
+    state = adaptive.init_policy(policy, [[1.0, 1.5]])
+    update = jax.jit(lambda s, tot, n: adaptive.update(policy, s, jnp.int32(1), jnp.zeros((), bool), tot, n))
+    rng = np.random.default_rng(0)
+    lam = 1.0 - 1.0 / 32.0
+    weights, values = [4.0], [0.5]                  # every position so far (and the prior), current weights
+    for _ in range(200):
+        n = int(rng.integers(0, 13))
+        x = rng.uniform(0.0, 1.0, n) * (rng.uniform() < 0.8)
+        state = update(state, jnp.asarray([x.sum()], jnp.float32), jnp.asarray([n]))
+        weights = [w * lam ** n for w in weights] + [1.0] * n
+        values += list(x)
+        want = np.dot(weights, values) / np.sum(weights)
+        np.testing.assert_allclose(float(state.alpha_R[0]), want, rtol=2e-5)
+        np.testing.assert_allclose(float(state.weight_R[0]), np.sum(weights), rtol=2e-5)
+    settled = float(state.alpha_R[0])
+    one = update(state, jnp.asarray([0.0]), jnp.asarray([1]))
+    many = update(state, jnp.asarray([0.0]), jnp.asarray([48]))
+    assert 0 < settled - float(one.alpha_R[0]) <= settled / 32 * 1.01
+    assert settled - float(many.alpha_R[0]) > 0.7 * settled
+    idle = update(state, jnp.asarray([0.0]), jnp.asarray([0]))          # gamma 0: nothing tested, nothing moves
+    assert float(idle.alpha_R[0]) == settled and float(idle.weight_R[0]) == float(state.weight_R[0])
+    for bad in (dict(window=0.5), dict(initial_weight=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            adaptive.AdaptiveGamma(gammas=(0, 1), **bad)
+
+
 def test_gamma_arrivals_have_the_rate_and_burstiness_asked_for():
     """20,000 gaps at rate 4/s: mean 0.25 s, and coefficient of variation 1/sqrt(shape) (2 at
     shape 0.25, 1 = Poisson at shape 1); tolerances ~6 standard errors, seed 0."""

@@ -142,17 +142,19 @@ def test_adaptive_policy_keeps_an_estimate_per_regime():
     and remembers the choice of the round's regime only; `choose` prices a round with its own
     regime's estimate and round times; the batch regime is the lowest among active rows."""
     from specjax.decoding import adaptive
-    pol = decoding.AdaptiveGamma(gammas=(0, 1, 3), ema=0.5, hysteresis=0.0, initial_alpha=0.5)
+    pol = decoding.AdaptiveGamma(gammas=(0, 1, 3), window=4.0, initial_weight=2.0, hysteresis=0.0, initial_alpha=0.5)
     st = adaptive.init_policy(pol, [[1.0, 5.0, 9.0], [1.0, 1.0, 1.0]])
     # At the prior 0.5: gamma 0 is cheapest in regime 0 (a dear draft), gamma 3 in regime 1.
     assert int(adaptive.choose(pol, st, 0)[0]) == 0 and int(adaptive.choose(pol, st, 1)[0]) == 2
     new = adaptive.update(pol, st, jnp.int32(2), jnp.zeros((), bool), jnp.asarray([0.0, 2.7]),
                           jnp.asarray([0, 3]), regime=1)
-    np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5, 0.5 * 0.5 + 0.5 * 0.9], rtol=1e-6)
+    kept = 2.0 * 0.75 ** 3                   # the prior's 2 positions, decayed by 3 tested ones
+    np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5, (kept * 0.5 + 2.7) / (kept + 3)], rtol=1e-6)
     assert np.asarray(new.index_R).tolist() == [2, 2] and np.asarray(new.since_probe_R).tolist() == [0, 0]
     new = adaptive.update(pol, new, jnp.int32(0), jnp.zeros((), bool), jnp.asarray([0.4, 0.0]),
                           jnp.asarray([2, 0]), regime=0)
-    np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5 * 0.5 + 0.5 * 0.2, 0.7], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(new.alpha_R), [(2.0 * 0.75 ** 2 * 0.5 + 0.4) / (2.0 * 0.75 ** 2 + 2),
+                                                         (kept * 0.5 + 2.7) / (kept + 3)], rtol=1e-6)
     assert np.asarray(new.index_R).tolist() == [0, 2] and np.asarray(new.since_probe_R).tolist() == [1, 0]
     regime = jax.jit(adaptive.batch_regime)
     assert int(regime(jnp.asarray([1, 0, 1]), jnp.asarray([True, True, True]))) == 0

@@ -41,6 +41,8 @@ def get_config(variant: str = ""):
     c.max_new_tokens = 64
     c.temperature = 0.0
     c.seed = 0
+    # Adaptive modes: timed rounds per gamma (medians, gammas taken in turn) at each batch size.
+    c.calibration_repeats = 7
     c.live_slots = 4                        # the live scheduler's runs: this slot count only
     c.live_loads = (0.5, 0.9)
     c.live_modes = ("target-only", "load-aware hybrid")
@@ -54,6 +56,7 @@ def get_config(variant: str = ""):
     if variant == "tiny":
         c.update(target="tiny", modes=("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup"),
                  adaptive_gammas=(0, 1, 3), slots=(2,), num_requests=(6,), max_new_tokens=8, loads=(0.5,),
+                 calibration_repeats=3,
                  live_slots=2, live_loads=(0.5,), live_modes=("load-aware prompt lookup",),
                  out="/tmp/load_study/results.jsonl")
     elif variant:

@@ -105,14 +105,15 @@ def workload(c, n: int, kind: str, rate: float, seed: int) -> np.ndarray:
     raise ValueError(f"config.arrivals: unknown arrival kind {kind!r} (poisson, bursty)")
 
 
-def round_times_per_size(engine, eparams, samp, prompts, sizes, capacity, key, pad) -> dict:
-    """Adaptive gamma's round times at each batch size, on that many of the study's prompts."""
+def round_times_per_size(engine, eparams, samp, prompts, sizes, capacity, key, pad, repeats: int) -> dict:
+    """Adaptive gamma's round times at each batch size, on that many of the study's prompts
+    (medians of ``repeats`` timed rounds per gamma, `specjax.decoding.Engine.round_times`)."""
     from specjax import decoding
     out = {}
     for size in sizes:
         rows = [prompts[i % len(prompts)] for i in range(size)]
         batch = decoding.make_batch(rows, engine.config, key, capacity=capacity, pad_multiple=pad)
-        out[size] = tuple(engine.round_times(eparams, samp, batch, repeats=3))
+        out[size] = tuple(engine.round_times(eparams, samp, batch, repeats=repeats))
     return out
 
 
@@ -431,7 +432,8 @@ def main(c):
                 reference = {r.id: r.tokens for r in ref.results}
             round_time_s = None
             if engine.config.adaptive:
-                round_time_s = round_times_per_size(engine, eparams, samp, prompts, buckets.sizes, capacity, key, pad)
+                round_time_s = round_times_per_size(engine, eparams, samp, prompts, buckets.sizes, capacity, key, pad,
+                                                    int(c.calibration_repeats))
                 out.write("calibration", slots=slots, mode=mode, gammas=list(engine.config.gammas),
                           round_time_s={str(b): list(t) for b, t in round_time_s.items()})
                 _log(f"{slots} slots, {mode}: round times (ms) per size: " + "; ".join(

@@ -22,10 +22,15 @@ gamma = 0. One gamma per round for the whole batch: in a dense batch a round cos
 widest row costs, and a row's expected committed tokens only grow with its own gamma, so a
 shorter gamma for some rows would save nothing and commit less.
 Hysteresis: it moves away from the current gamma only when the best one is predicted at
-least `hysteresis` (relative) cheaper. The estimate a is an exponential moving average of the
-mean acceptance probability min(1, p/q) at the draft positions actually tested this round,
-averaged over active rows; while at gamma = 0 nothing is tested, so every `probe_every`
-rounds the smallest positive gamma is tried once to refresh it.
+least `hysteresis` (relative) cheaper. The estimate a is a discounted mean of the acceptance
+probability min(1, p/q) over the draft positions actually tested, forgetting per tested
+position, not per round: a position tested n positions ago weighs (1 - 1/`window`)^n (the
+positions of one round weigh alike), and the initial estimate counts as `initial_weight`
+positions. A round tests from one position (one row at gamma 1) to rows x gamma; forgetting
+per round would let a one-row round of one or two positions move the estimate as much as a
+full batch's, so at low load the estimate would swing with each round's luck and price every
+fresh row by the last few positions. While at gamma = 0 nothing is tested, so every
+`probe_every` rounds the smallest positive gamma is tried once to refresh it.
 
 Static token trees (`specjax.trees.TreeShape`) may be candidates beside the draft lengths: a
 tree's expected committed tokens under the same estimate are `TreeShape.expected_tokens`
@@ -58,10 +63,13 @@ from specjax import trees as trees_lib
 @dataclasses.dataclass(frozen=True)
 class AdaptiveGamma:
     gammas: tuple[int, ...] = (0, 1, 2, 3, 4, 6)
-    ema: float = 0.7              # weight of the old estimate
+    # The estimate's memory, in tested draft positions: one tested n positions ago weighs (1 - 1/window)^n.
+    window: float = 64.0
     hysteresis: float = 0.05
     probe_every: int = 16
     initial_alpha: float = 0.5
+    # `initial_alpha` weighs as this many tested positions until real ones outweigh it.
+    initial_weight: float = 8.0
     # A row's own tested positions weigh against this many at its regime's estimate (`row_alphas`).
     prior_positions: float = 8.0
 
@@ -76,12 +84,17 @@ class AdaptiveGamma:
         if any(not isinstance(g, trees_lib.TreeShape) for g in shapes):
             raise ValueError("adaptive drafting chooses among draft lengths and static trees (TreeShape); a dynamic "
                              "tree's size is not known before it is drafted, so it has no cost model here")
+        if not self.window >= 1.0:
+            raise ValueError(f"window must be >= 1 tested position, got {self.window}")
+        if not self.initial_weight > 0.0:
+            raise ValueError(f"initial_weight must be > 0 positions, got {self.initial_weight}")
 
 
 @struct.dataclass
 class PolicyState:
     """Per regime r (R = 1 unless the drafter has several sources, see the module doc)."""
     alpha_R: jnp.ndarray           # float32 [R]: acceptance estimate
+    weight_R: jnp.ndarray          # float32 [R]: the tested positions behind it (discounted)
     index_R: jnp.ndarray           # int32 [R]: the current gamma's index in `gammas`
     since_probe_R: jnp.ndarray     # int32 [R]: rounds spent at gamma = 0 since last probe
     round_time_RZ: jnp.ndarray     # float32 [R, len(gammas)]: seconds (or relative cost) of a round
@@ -94,6 +107,7 @@ def init_policy(policy: AdaptiveGamma, round_time_RZ) -> PolicyState:
         raise ValueError(f"round times must be [regimes, {len(policy.gammas)}], got shape {rt.shape}")
     R = rt.shape[0]
     return PolicyState(alpha_R=jnp.full((R,), policy.initial_alpha, jnp.float32),
+                       weight_R=jnp.full((R,), policy.initial_weight, jnp.float32),
                        index_R=jnp.full((R,), len(policy.gammas) - 1, jnp.int32),
                        since_probe_R=jnp.zeros((R,), jnp.int32), round_time_RZ=rt)
 
@@ -161,15 +175,17 @@ def choose(policy: AdaptiveGamma, state: PolicyState, regime=0, alpha_B=None, ac
 def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_sum_R, tested_n_R, regime=0):
     """Fold this round's tested acceptance into each regime's estimate (``tested_sum_R``: the
     sum of min(1, p/q) over the positions tested in rows of that regime, ``tested_n_R`` their
-    count) and remember the choice of the round's ``regime``.
+    count) and remember the choice of the round's ``regime``: the old estimate's weight decays
+    by (1 - 1/window) per tested position, the round's positions add one each (module doc).
 
     A probe round does not become the current gamma unless the policy would choose it anyway.
     """
-    tested_R = tested_n_R > 0
-    mean_R = tested_sum_R / jnp.maximum(tested_n_R, 1)
-    alpha_R = jnp.where(tested_R, policy.ema * state.alpha_R + (1 - policy.ema) * mean_R, state.alpha_R)
+    n_R = jnp.asarray(tested_n_R, jnp.float32)
+    kept_R = state.weight_R * jnp.float32(1.0 - 1.0 / policy.window) ** n_R
+    weight_R = kept_R + n_R
+    alpha_R = (kept_R * state.alpha_R + jnp.asarray(tested_sum_R, jnp.float32)) / weight_R
     at_zero = (chosen == 0) & _is_zero(policy.gammas[0])
     since = jnp.where(at_zero, state.since_probe_R[regime] + 1, 0)
     index = jnp.where(probe, state.index_R[regime], chosen)
-    return state.replace(alpha_R=alpha_R, index_R=state.index_R.at[regime].set(index.astype(jnp.int32)),
+    return state.replace(alpha_R=alpha_R, weight_R=weight_R, index_R=state.index_R.at[regime].set(index.astype(jnp.int32)),
                          since_probe_R=state.since_probe_R.at[regime].set(since.astype(jnp.int32)))

@@ -46,15 +46,18 @@ def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: i
 
 
 def _time_rounds(engine, params, sampling, batch, repeats, prefill) -> list[float]:
-    """Median seconds of one round per gamma of ``engine`` (its drafter as it is)."""
+    """Median seconds of one round per gamma of ``engine`` (its drafter as it is). Every gamma
+    is compiled and run once first; then the timed rounds take the gammas in turn, ``repeats``
+    times over, so a machine that slows down or speeds up during the calibration moves every
+    gamma's times alike instead of the ones timed last (the policy compares them)."""
     state = engine.init(params, batch, prefill=prefill)
-    out = []
-    for g in engine.config.gammas:
+    gammas = engine.config.gammas
+    for g in gammas:
         state = jax.block_until_ready(_round_jit(engine, params, sampling, g, state)[0])
-        ts = []
-        for _ in range(repeats):
+    ts_Z = [[] for _ in gammas]
+    for _ in range(repeats):
+        for ts, g in zip(ts_Z, gammas):
             t0 = time.perf_counter()
             state = jax.block_until_ready(_round_jit(engine, params, sampling, g, state)[0])
             ts.append(time.perf_counter() - t0)
-        out.append(float(np.median(ts)))
-    return out
+    return [float(np.median(ts)) for ts in ts_Z]
