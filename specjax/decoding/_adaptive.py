@@ -187,5 +187,6 @@ def update(policy: AdaptiveGamma, state: PolicyState, chosen, probe, tested_sum_
     at_zero = (chosen == 0) & _is_zero(policy.gammas[0])
     since = jnp.where(at_zero, state.since_probe_R[regime] + 1, 0)
     index = jnp.where(probe, state.index_R[regime], chosen)
-    return state.replace(alpha_R=alpha_R, weight_R=weight_R, index_R=state.index_R.at[regime].set(index.astype(jnp.int32)),
+    return state.replace(alpha_R=alpha_R, weight_R=weight_R,
+                         index_R=state.index_R.at[regime].set(index.astype(jnp.int32)),
                          since_probe_R=state.since_probe_R.at[regime].set(since.astype(jnp.int32)))
