@@ -222,3 +222,22 @@ def test_the_fit_gives_the_slope_error_and_the_aims_data_either_side():
     assert lo < noisy["tokens_for_aim"] < hi
     assert report.fit(pts([0.3, 0.2, 0.1]))["tokens_for_aim"] is None       # falling: never
     assert "b_se" not in report.fit(pts([0.1, 0.2]))                          # two points: no error
+
+
+def test_step_rate_measures_one_straight_stretch_and_refuses_a_resumed_one(tmp_path):
+    """Tokens/s between two steps (the last record of a step counts: a resumed run logs again the
+    steps after its checkpoint); a stretch whose elapsed time goes back, or a step with no
+    record, is refused with the file named."""
+    from experiments.learning_curve import step_rate
+    recs = [dict(step=1, tokens=100, elapsed_s=10.0), dict(step=2, tokens=200, elapsed_s=20.0),
+            dict(step=3, tokens=300, elapsed_s=99.0), dict(step=3, tokens=300, elapsed_s=30.0),   # rewound, logged again
+            dict(step=4, tokens=400, elapsed_s=35.0), dict(step=5, tokens=500, elapsed_s=5.0)]   # 5: a fresh run's clock
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"kind": "train", **r}) + "\n" for r in recs)
+                    + json.dumps({"kind": "eval", "step": 4}) + "\n")
+    assert step_rate.step_rate(str(path), 1, 3) == pytest.approx(200 / 20.0)
+    assert step_rate.step_rate(str(path), 2, 4) == pytest.approx(200 / 15.0)
+    with pytest.raises(ValueError, match="not one run"):
+        step_rate.step_rate(str(path), 4, 5)
+    with pytest.raises(ValueError, match="metrics.jsonl: needs train records at steps 1 and 9"):
+        step_rate.step_rate(str(path), 1, 9)
