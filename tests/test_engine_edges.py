@@ -640,6 +640,8 @@ def test_round_times_measures_each_gamma_and_feeds_run(env):
     assert out.generated() == [r[:MAX_NEW] for r in env["refs"]]
     with pytest.raises(ValueError, match="round_time_s"):
         engine.run(params, GREEDY, batch_for(config), round_time_s=times + [1.0])
+    with pytest.raises(ValueError, match="repeats >= 1"):      # no timed round: no median (NaN) to price with
+        engine.round_times(params, GREEDY, batch_for(config), repeats=0)
 
 
 # ----------------------------------------------------------------------------- drafter on the target cache

@@ -241,3 +241,6 @@ def test_step_rate_measures_one_straight_stretch_and_refuses_a_resumed_one(tmp_p
         step_rate.step_rate(str(path), 4, 5)
     with pytest.raises(ValueError, match="metrics.jsonl: needs train records at steps 1 and 9"):
         step_rate.step_rate(str(path), 1, 9)
+    path.write_text(path.read_text() + "{cut off\n")
+    with pytest.raises(ValueError, match="metrics.jsonl: line 8 is not a JSON record"):
+        step_rate.step_rate(str(path), 1, 3)

@@ -71,26 +71,35 @@ def _torch() -> dict:
 
 
 def main(out_path: str = "experiments/heads/results/2026-12-07-bf16/gemm.jsonl") -> None:
+    """Every measurement to ``out_path`` (`toolkit.Jsonl`: the file is replaced only when all of
+    them are in; a run that fails leaves the earlier file as it was and its own records in
+    ``<out_path>.partial``)."""
     from experiments.lib import toolkit
     prov = toolkit.provenance("experiments.heads.bf16_gemm", with_backend=False)
     out = toolkit.Jsonl(out_path, prov, setting="out")
-    try:
-        for flags in XLA_VARIANTS:
-            env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-            res = subprocess.run([sys.executable, "-m", "experiments.heads.bf16_gemm", "--xla-child"], env=env,
-                                 capture_output=True, text=True, check=True)
-            gflops = json.loads(res.stdout.strip().splitlines()[-1])
-            out.write("gemm", library="xla", xla_flags=flags, shape=[M, K, N], gflops=gflops)
-            print(f"xla {flags or '(default flags)'}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gflops.items()))
-        gflops = _torch()
-        out.write("gemm", library="torch", shape=[M, K, N], gflops=gflops)
-        print("torch: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gflops.items()))
-    finally:
-        out.close()
+    for flags in XLA_VARIANTS:
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        res = subprocess.run([sys.executable, "-m", "experiments.heads.bf16_gemm", "--xla-child"], env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"error: the XLA measurement with XLA_FLAGS={flags!r} failed: {tail}; "
+                             f"{out_path} is unchanged")
+        gflops = json.loads(res.stdout.strip().splitlines()[-1])
+        out.write("gemm", library="xla", xla_flags=flags, shape=[M, K, N], gflops=gflops)
+        print(f"xla {flags or '(default flags)'}: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gflops.items()))
+    gflops = _torch()
+    out.write("gemm", library="torch", shape=[M, K, N], gflops=gflops)
+    print("torch: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in gflops.items()))
+    out.close()
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--xla-child"]:
         print(json.dumps(_xla_child()))
     else:
-        main(*sys.argv[1:])
+        from experiments.lib.toolkit import OutputError
+        try:
+            main(*sys.argv[1:2])
+        except OutputError as e:         # one line, not a traceback
+            sys.exit(f"error: {e}")

@@ -17,8 +17,11 @@ import sys
 def step_rate(path: str, first: int, last: int) -> float:
     by_step = {}
     with open(path) as f:
-        for line in f:
-            r = json.loads(line)
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {n} is not a JSON record ({e.msg})") from None
             if r.get("kind") == "train" and first <= r["step"] <= last:
                 by_step[r["step"]] = r
     if first not in by_step or last not in by_step or last <= first:
@@ -32,5 +35,8 @@ def step_rate(path: str, first: int, last: int) -> float:
 if __name__ == "__main__":
     if len(sys.argv) != 4:
         sys.exit(__doc__.strip().splitlines()[2].strip())
-    path, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print(f"{path}: steps {first}..{last}: {step_rate(path, first, last):.1f} training tokens/s")
+    try:
+        path, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        print(f"{path}: steps {first}..{last}: {step_rate(path, first, last):.1f} training tokens/s")
+    except (OSError, ValueError) as e:          # a missing or unreadable file, a bad record or step: one line
+        sys.exit(f"error: {e}")

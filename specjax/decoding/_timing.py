@@ -34,6 +34,8 @@ def round_times(engine, params: EngineParams, sampling, batch: Batch, repeats: i
     (caches updated in place) and each round continues from the previous one's state, so a
     timed round does exactly the work of a round of `run` (rows that finish keep running
     masked, at the same cost; the capacity check of `init` covers every round's writes)."""
+    if repeats < 1:
+        raise ValueError(f"round_times needs repeats >= 1 timed rounds per gamma, got {repeats}")
     if engine.regimes == 1:
         return _time_rounds(engine, params, sampling, batch, repeats, prefill)
     out = []
