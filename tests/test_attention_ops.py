@@ -96,6 +96,57 @@ def test_training_time_test_equals_its_dense_masks(blocks, hides_first, softcap)
         attn.attention(q, k_new, v_new, (k_past[:, :, 1:], v_past[..., 1:], None), tt, spec=spec)
 
 
+@pytest.mark.parametrize("blocks,hides_first", [(1, False), (2, True), (3, False)])
+def test_training_time_test_at_origins_is_the_full_rule_gathered(blocks, hides_first):
+    """With ``origins_BQ`` (queries at Q < T origins, padded by repeats) the op gives row q of the
+    full computation at origin ``origins_BQ[b, q]`` (the origins' own queries, diagonal entries
+    and new keys gathered from the full inputs; the step-1 block whole), equals `reference`
+    under `TrainingTimeTest.dense` with the origins, and so do its gradients; a past that is not
+    T step-1 entries plus whole blocks of Q is refused."""
+    ks = jax.random.split(jax.random.key(10 + blocks), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k_new, v_new = jax.random.normal(ks[1], (B, T, K, H)), jax.random.normal(ks[2], (B, T, K, H))
+    k_past = jax.random.normal(ks[3], (B, K, blocks * T, H))
+    v_past = jax.random.normal(ks[4], (B, K, H, blocks * T))
+    spec = attn.AttentionSpec(scale=H ** -0.5, softcap=None)
+    full = attn.attention(q, k_new, v_new, (k_past, v_past, None), attn.TrainingTimeTest(hides_first=hides_first),
+                          spec=spec)
+    rng = np.random.default_rng(blocks)
+    Q = T // 2
+    o_BQ = np.stack([np.sort(rng.choice(T, Q, replace=False)) for _ in range(B)]).astype(np.int32)
+    o_BQ[0, -1] = o_BQ[0, -2]                  # a padding origin repeats one
+    o = jnp.asarray(o_BQ)
+    rows = lambda x: jnp.take_along_axis(x, o.reshape(B, Q, 1, 1), axis=1)  # noqa: E731  [B, T, ...] -> [B, Q, ...]
+    diag_k = [jnp.transpose(rows(jnp.transpose(k_past[:, :, i * T:(i + 1) * T], (0, 2, 1, 3))), (0, 2, 1, 3))
+              for i in range(1, blocks)]
+    diag_v = [jnp.transpose(rows(jnp.transpose(v_past[..., i * T:(i + 1) * T], (0, 3, 1, 2))), (0, 2, 3, 1))
+              for i in range(1, blocks)]
+    kp = jnp.concatenate([k_past[:, :, :T]] + diag_k, axis=2)
+    vp = jnp.concatenate([v_past[..., :T]] + diag_v, axis=3)
+    tt = attn.TrainingTimeTest(hides_first=hides_first, origins_BQ=o, width=T)
+    args = (rows(q), rows(k_new), rows(v_new), kp, vp)
+
+    def fast(q, kn, vn, kp, vp):
+        return attn.attention(q, kn, vn, (kp, vp, None), tt, spec=spec)
+
+    def dense(q, kn, vn, kp, vp):
+        return attn.reference_attention(q, kn, vn, (kp, vp, None), tt.dense(B, T, blocks, Q), spec)
+
+    got = np.asarray(fast(*args))
+    want = np.take_along_axis(np.asarray(full), o_BQ[..., None], axis=1)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    np.testing.assert_allclose(got, np.asarray(dense(*args)), atol=ATOL)
+    w = jax.random.normal(jax.random.key(9), (B, Q, N * H))
+    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    for a, b in zip(g_fast, g_dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
+    with pytest.raises(ValueError, match="whole blocks of Q"):
+        attn.attention(*args[:3], (kp[:, :, 1:], vp[..., 1:], None), tt, spec=spec)
+    with pytest.raises(ValueError, match="go together"):
+        attn.TrainingTimeTest(origins_BQ=o)
+
+
 def test_softcap_is_reference_only_and_named():
     q, k_new, v_new, past = _inputs(1)
     spec = attn.AttentionSpec(scale=0.5, softcap=2.0)

@@ -66,6 +66,72 @@ def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size, inpu
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tp), before)
 
 
+def test_loss_origins_cover_every_loss_position():
+    """`loss_origins`: every position o with mask[o + k] for a shift k is a valid origin, no
+    other is, in order, rows padded (invalid) to one width Q, a multiple of T / 8; None when Q
+    would be the whole width. Random masks of prompt / answer / padding rows, seed 0."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        B, T = int(rng.integers(1, 5)), int(rng.choice([16, 40, 64]))
+        mask = np.zeros((B, T), np.float32)
+        for r in range(B):
+            a = int(rng.integers(0, T)); e = int(rng.integers(a, T + 1))
+            mask[r, a:e] = 1.0
+        shifts = tuple(range(int(rng.integers(1, 8)))) if trial % 2 else tuple(range(1, 4))
+        got = distill.loss_origins(mask, shifts)
+        need = [{o for o in range(T) for k in shifts if o + k < T and mask[r, o + k] > 0} for r in range(B)]
+        unit = -(-T // 8)
+        Q = max(unit, -(-max(map(len, need)) // unit) * unit)
+        if Q >= T:
+            assert got is None
+            continue
+        origins, valid = got
+        assert origins.shape == valid.shape == (B, Q) and Q % unit == 0
+        for r in range(B):
+            n = int(valid[r].sum())
+            assert list(origins[r, :n]) == sorted(need[r]) and not valid[r, n:].any()
+
+
+@pytest.mark.parametrize("kind,head_size,ttt", [("eagle3", None, 3), ("eagle", 40, 1), ("parallel", None, 1),
+                                                ("medusa", None, 1), ("eagle3_published", None, 2)])
+def test_head_loss_at_loss_origins_is_the_same_loss(toy_pair, kind, head_size, ttt):
+    """The loss, its metrics and its gradient with the origins its loss reads attached
+    (`with_loss_origins`: later drafting steps at those origins only) equal those over every
+    position (float32 rounding), for every kind (EAGLE's feature regression included); the
+    batch's first rows lose their first half of loss positions so that Q < T; a wrong origin
+    set (shifted by one) changes the loss."""
+    target, tp, plan = toy_pair["target"], toy_pair["params"], toy_pair["plan"]
+    hc = drafters.HeadConfig.make(kind, target.config, num_heads=3, head_size=head_size,
+                                  feature_layers=(0, 1, 2) if kind == "eagle3_published" else None)
+    obj = distill.HeadObjective(hc, target, ttt_steps=ttt, feature_weight=1.0 if kind == "eagle" else 0.0)
+    head_ids = np.arange(head_size) if head_size else None
+    own = drafters.init_head_params(hc, jax.random.key(2), head_ids=head_ids)
+    own = jax.tree.map(lambda x: x * 8 if x.ndim == 2 else x, own)      # attention far from uniform
+    trainable = {k: own[k] for k in obj.trainable}
+    frozen = {"target": tp, **{k: v for k, v in own.items() if k not in obj.trainable}}
+    head_UD = distill.teacher_head(target, tp, head_ids)
+    batch = dict(plan.batch(0))
+    mask = np.array(batch["mask"])
+    T = mask.shape[1]
+    mask[:, :T // 2] = 0.0
+    batch["mask"] = mask
+    with_o = distill.with_loss_origins(obj, batch)
+    assert "origins" in with_o and with_o["origins"].shape[1] < T
+    f = jax.jit(jax.value_and_grad(lambda t, b: distill.head_loss(t, frozen, head_UD, b, draft=obj,
+                                                                  spec=distill.LossSpec("fkl")), has_aux=True))
+    (loss, aux), grads = f(trainable, {k: jnp.asarray(v) for k, v in batch.items()})
+    (loss_o, aux_o), grads_o = f(trainable, {k: jnp.asarray(v) for k, v in with_o.items()})
+    np.testing.assert_allclose(float(loss_o), float(loss), rtol=2e-5)
+    for k in aux:
+        np.testing.assert_allclose(float(aux_o[k]), float(aux[k]), rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_o), jax.tree.leaves(grads)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, atol=2e-5 * np.abs(b).max(), rtol=0)
+    shifted = {**with_o, "origins": np.clip(with_o["origins"] + 1, 0, T - 1)}
+    (loss_s, _), _ = f(trainable, {k: jnp.asarray(v) for k, v in shifted.items()})
+    assert abs(float(loss_s) - float(loss)) > 1e-4 * abs(float(loss))
+
+
 def _greedy(target, tp, drafter, hp, prompts, n, gamma):
     greedy = sampling.SamplingConfig.greedy_config()
     cfg = decoding.GenerationConfig(max_new_tokens=n, gamma=gamma)

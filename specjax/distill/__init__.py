@@ -9,6 +9,7 @@
     DraftChoice / build_draft     target-layer, fresh and reduced-vocabulary drafts
     HeadObjective / head_loss / evaluate_head / noisy_features   feature-level draft heads (EAGLE-3, EAGLE,
                                   Medusa; noisy_features: their training-time feature noise)
+    loss_origins / with_loss_origins   the origins a head's loss reads (its later steps run there only)
     SequenceSet / TeacherData / BatchPlan / generate / teacher_states / feature_states / from_jsonl   data
     eval_plan                     a training config's held-out evaluation set
     generated_data / second_turn_prompts / with_features / feature_file   data sets on disk
@@ -33,8 +34,8 @@ from specjax.distill._data import (BatchPlan, SequenceSet, TeacherData, feature_
 from specjax.distill._divergence import (DIVERGENCES, divergence, forward_kl, generalized_jsd, masked_mean,
                                          reverse_kl, total_variation)
 from specjax.distill._drafts import DraftChoice, build_draft, select_layers
-from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batch, head_loss, noisy_features,
-                                   objective_from_config)
+from specjax.distill._heads import (HeadObjective, evaluate_head, head_eval_batch, head_loss, loss_origins,
+                                   noisy_features, objective_from_config, with_loss_origins)
 from specjax.distill._loop import check_resume_config, fill_shard_features, flatten, train, with_overrides
 from specjax.distill._settings import DistillSettings, distill_settings
 from specjax.distill._setup import shard_features
@@ -51,7 +52,8 @@ __all__ = [
     "BatchPlan", "SequenceSet", "TeacherData", "feature_states", "from_jsonl", "generate", "teacher_states",
     "DIVERGENCES", "divergence", "forward_kl", "generalized_jsd", "masked_mean", "reverse_kl", "total_variation",
     "DraftChoice", "build_draft", "select_layers",
-    "head_vocabulary", "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
+    "head_vocabulary", "HeadObjective", "evaluate_head", "head_eval_batch", "head_loss", "loss_origins",
+    "with_loss_origins", "noisy_features", "objective_from_config", "chain_tokens_per_pass", "train", "with_overrides", "flatten", "check_resume_config", "eval_plan",
     "DistillSettings", "distill_settings",
     "feature_file", "with_features", "generated_data", "second_turn_prompts", "spec_bench_prompts",
     "LossSpec", "TrainState", "evaluate", "greedy_accepted_per_pass", "init_state", "loss_fn", "make_optimizer",

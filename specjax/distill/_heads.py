@@ -23,6 +23,14 @@ Losses per position (``mask`` marks the positions whose next token is a continua
   own norm and LM head over its draft vocabulary (the target's distribution restricted to it);
 * Medusa: head k on ``f_s`` against the target's distribution of ``x_{s+k+1}``.
 
+Origins. A training sequence is a prompt and an answer, padded to its batch's width; only the
+answer's positions carry loss. Training-time test runs each drafting step after the first at
+every origin, and the vocabulary-sized scoring runs at every position, though an origin whose
+shifted targets all lie in the prompt or the padding adds nothing to the loss. The loop attaches
+the origins the loss reads (`with_loss_origins`, `loss_origins`); the step then scores only
+those and runs the later drafting steps there alone (step 1 still runs everywhere: its entries
+are the context every later step attends to). The loss is the same, to float rounding.
+
 With ``feature_noise`` > 0 the head reads the target's features with uniform noise added
 (`noisy_features`, EAGLE's augmentation), drawn from the key the train step passes.
 
@@ -36,6 +44,7 @@ more token).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,11 +136,55 @@ def noisy_features(f_BTF, num_layers: int, noise: float, key):
     return (f + noise * rms * u).reshape(B, T, F).astype(f_BTF.dtype)
 
 
+def _at_origins(o_BQ, x_BT):
+    """x at the origins: [B, Q, ...] from [B, T, ...]."""
+    idx = jnp.clip(o_BQ, 0, x_BT.shape[1] - 1).reshape(o_BQ.shape + (1,) * (x_BT.ndim - 2))
+    return jnp.take_along_axis(x_BT, idx, axis=1)
+
+
+def loss_origins(mask_BT: np.ndarray, shifts, parts: int = 8):
+    """The origins a head's loss reads, for ``batch["origins"]`` / ``batch["origins_valid"]``
+    (`head_loss`): position o of a row when ``mask[o + k]`` for some shift k of its outputs
+    (`HeadKind.train_shifts`), in order, the rows padded (position 0, not valid) to one width Q,
+    the largest count rounded up to a multiple of T / ``parts`` (few shapes to compile). None
+    when Q would be the whole width (nothing to save).
+
+    Training-time test runs every drafting step after the first at each origin; positions whose
+    every shifted target is a prompt token or padding need none of it."""
+    m = np.asarray(mask_BT) > 0
+    B, T = m.shape
+    need = np.zeros_like(m)
+    for k in shifts:
+        if 0 <= k < T:
+            need[:, :T - k] |= m[:, k:]
+    counts = need.sum(1)
+    unit = max(1, -(-T // parts))
+    Q = max(unit, -(-int(counts.max(initial=0)) // unit) * unit)
+    if Q >= T:
+        return None
+    origins = np.zeros((B, Q), np.int32)
+    valid = np.zeros((B, Q), np.float32)
+    for r in range(B):
+        nz = np.flatnonzero(need[r])
+        origins[r, :len(nz)] = nz
+        valid[r, :len(nz)] = 1.0
+    return origins, valid
+
+
+def with_loss_origins(obj: HeadObjective, batch: dict) -> dict:
+    """``batch`` with the origins its loss reads (`loss_origins`) when they save work."""
+    got = loss_origins(batch["mask"], obj.config.spec.train_shifts(obj.config, obj.ttt_steps))
+    return batch if got is None else {**batch, "origins": got[0], "origins_valid": got[1]}
+
+
 def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, key=None):
     """The head's loss on one batch (see the module doc); ``frozen`` = {"target": target params,
     plus the head's non-trainable own params (``head_ids``)}; ``head_UD``: the rows of the
     target's output layer over the head's tokens; ``key``: the noise of ``feature_noise`` > 0
-    (`noisy_features` on the features the head reads; the regression target stays clean)."""
+    (`noisy_features` on the features the head reads; the regression target stays clean).
+    ``batch["origins"]`` / ``["origins_valid"]`` ([B, Q], `loss_origins`): the loss is read at
+    those origins only (the same loss: every position it counts is one of them), and a kind
+    whose later drafting steps can run there alone (`HeadKind.origin_outputs`) runs them there."""
     obj, hc = draft, draft.config
     tp = frozen["target"]
     own = {**trainable, **{k: v for k, v in frozen.items() if k != "target"}}
@@ -156,18 +209,26 @@ def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, 
         low = jnp.dtype(obj.compute_dtype)
         params = jax.tree.map(lambda x: x.astype(low) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         head_c, f_in = head_UD.astype(low), f_in.astype(low)
-    outs = hc.spec.train_outputs(hc, params, tokens, f_in, obj.ttt_steps)
+    o_BQ = batch.get("origins")
+    outs = hc.spec.train_outputs(hc, params, tokens, f_in, obj.ttt_steps, origins_BQ=o_BQ)
+    at = (lambda x: x) if o_BQ is None else functools.partial(_at_origins, o_BQ)
+    valid = 1.0 if o_BQ is None else batch["origins_valid"].astype(jnp.float32)
     for out, k in outs:
+        if o_BQ is not None and not hc.spec.origin_outputs:
+            out = at(out)
         q_logits = hc.spec.train_scores(hc, params, head_c, out).astype(jnp.float32)
-        div = _divergence.divergence(spec.divergence, _shift(p_logits, k), q_logits, spec.temperature, spec.beta)
-        terms.append(_divergence.masked_mean(div, _shift(mask, k)))
+        p_k, m_k = at(_shift(p_logits, k)), at(_shift(mask, k)) * valid
+        div = _divergence.divergence(spec.divergence, p_k, q_logits, spec.temperature, spec.beta)
+        terms.append(_divergence.masked_mean(div, m_k))
         if first is None:
-            first = (_shift(p_logits, k), q_logits, _shift(mask, k))
+            first = (p_k, q_logits, m_k)
     loss = sum(terms) / len(terms)
     aux = {}
-    extra_BT = hc.spec.extra_loss(hc, outs, f_BTF, mask) if obj.feature_weight > 0 else None
+    extra_BT = hc.spec.extra_loss(hc, outs if o_BQ is None or hc.spec.origin_outputs else
+                                  [(at(h), k) for h, k in outs], at(f_BTF), at(mask) * valid) \
+        if obj.feature_weight > 0 else None
     if extra_BT is not None:                # EAGLE's feature regression (`Eagle.extra_loss`)
-        reg = _divergence.masked_mean(extra_BT, mask)
+        reg = _divergence.masked_mean(extra_BT, at(mask) * valid)
         loss = loss + obj.feature_weight * reg
         aux["feature_loss"] = reg
     p_l, q_l, m = first

@@ -564,6 +564,8 @@ class _Run:
             else:
                 plan, idx = self.sources.plans[name], mixture.index_within(self.step)
             host_batch = plan.batch(idx)
+            if s.is_head:                   # the origins its loss reads (`_heads.loss_origins`)
+                host_batch = _heads.with_loss_origins(t.draft, host_batch)
             # The step's loss tokens (its metrics' loss_tokens) counted from the host's batch, so the
             # budget needs nothing back from the device.
             n = int(np.sum(np.asarray(host_batch["mask"])))

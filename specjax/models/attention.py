@@ -10,8 +10,8 @@ A layer hands an op the queries of its T new tokens, their keys and values, the 
   `tree_attention_mask` gives a token tree's (a node sees its ancestors), `window_mask` narrows
   a rule to a sliding window.
 * `TrainingTimeTest`: the rule of a feature head's training-time test (EAGLE-3, cache-free over
-  whole sequences): the past is J blocks of T entries, the first causal, every later block and
-  the new tokens diagonal. Whatever the op, `attention` computes it with
+  whole sequences): the past is the step-1 entries of every position, seen causally, then one
+  block per earlier step of the origins drafted, seen on the diagonal like the new tokens. Whatever the op, `attention` computes it with
   `training_time_test_attention` (einsums, soft-capping included), which never forms the
   mostly-empty [T, (J + 1) T] score matrix the dense mask would need; `TrainingTimeTest.dense`
   gives the same rule as masks for an op to be checked against.
@@ -68,7 +68,7 @@ instead, which reads only the committed slots.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -128,60 +128,76 @@ def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
 @dataclasses.dataclass(frozen=True)
 class TrainingTimeTest:
     """Visibility of drafting step j > 1 of a training-time test over whole sequences (no cache;
-    `specjax.drafters.heads.eagle_train_forward`): ``past`` holds J = j - 1 blocks of T entries
-    (k [B, K, J T, H]): block 0 the step-1 entries, seen causally (slot 0 by nobody but query 0's
-    own step 1 when ``hides_first``: query t sees slot s of block 0 iff s <= t and, with
-    ``hides_first``, s >= 1); blocks 1..J-1 and the T new tokens seen on the diagonal only (query
-    t sees entry t of each: its own origin's earlier steps)."""
-    hides_first: bool = False
+    `specjax.drafters.heads.eagle_train_forward`): ``past`` holds the step-1 entries of every
+    position (block 0, T entries) and then J - 2 blocks of Q entries, one per earlier step > 1
+    (k [B, K, T + (J - 2) Q, H]); the call's Q new tokens are step j's. Query q is the draft
+    from origin ``o_q`` (``origins_BQ[b, q]``; without ``origins_BQ`` every position is an
+    origin, ``o_q = q`` and Q = T). It sees slot s of block 0 iff ``s <= o_q`` (and, with
+    ``hides_first``, ``s >= 1``: slot 0 is seen by nobody but query 0's own step 1), and entry q
+    of every later block and of the new tokens (its own origin's steps 2..j).
 
-    def dense(self, B: int, T: int, blocks: int):
-        """The same rule as a dense ``(visible_past_BTS, visible_new_BTT)`` (for tests and the ops'
-        agreement): [B, T, blocks T] and [B, T, T]."""
-        eye_TT = jnp.eye(T, dtype=bool)
-        causal_TT = jnp.tril(jnp.ones((T, T), bool))
+    ``origins_BQ`` (int32 [B, Q], ``width`` = T, the step-1 block's length) lets a trainer run
+    steps 2..j at the origins its loss reads only; padding origins repeat a position (their
+    outputs are the caller's to mask)."""
+    hides_first: bool = False
+    origins_BQ: Any = dataclasses.field(default=None, compare=False)
+    width: int | None = None
+
+    def __post_init__(self):
+        if (self.origins_BQ is None) != (self.width is None):
+            raise ValueError("TrainingTimeTest: origins_BQ and width (the step-1 block's length) go together")
+
+    def first_visible(self, Q: int, T: int):
+        """Which step-1 entries each query sees: [1 or B, Q, T] bool."""
+        s_T = jnp.arange(T)
+        o_BQ = jnp.arange(Q)[None] if self.origins_BQ is None else self.origins_BQ
+        visible = s_T[None, None, :] <= o_BQ[:, :, None]
         if self.hides_first:
-            causal_TT = causal_TT & (jnp.arange(T) >= 1)[None, :]
-        past_TS = jnp.concatenate([causal_TT] + [eye_TT] * (blocks - 1), axis=1)
-        return jnp.broadcast_to(past_TS[None], (B, T, blocks * T)), jnp.broadcast_to(eye_TT[None], (B, T, T))
+            visible = visible & (s_T >= 1)[None, None, :]
+        return visible
+
+    def dense(self, B: int, T: int, blocks: int, Q: int | None = None):
+        """The same rule as a dense ``(visible_past_BQS, visible_new_BQQ)`` (for tests and the ops'
+        agreement): [B, Q, T + (blocks - 1) Q] and [B, Q, Q] (Q = T without ``origins_BQ``)."""
+        Q = T if Q is None else Q
+        eye_QQ = jnp.broadcast_to(jnp.eye(Q, dtype=bool)[None], (B, Q, Q))
+        first_BQT = jnp.broadcast_to(self.first_visible(Q, T), (B, Q, T))
+        return jnp.concatenate([first_BQT] + [eye_QQ] * (blocks - 1), axis=2), eye_QQ
 
 
 def training_time_test_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, tt: TrainingTimeTest,
                                  spec: AttentionSpec):
-    """Attention under `TrainingTimeTest` in O(T^2 + J T) scores per head: one causal block
-    ([T, T]) and J diagonal entries per query, one softmax over both (what the dense mask
-    computes, without its (J - 1) T^2 masked-out scores). [B, T, N*H]."""
-    B, T, N, H = q_BTQH.shape
+    """Attention under `TrainingTimeTest` in O(Q T + J Q) scores per head: one block of step-1
+    entries ([Q, T], causal in the origins) and J diagonal entries per query, one softmax over
+    both (what the dense mask computes, without its masked-out scores). [B, Q, N*H]."""
+    B, Q, N, H = q_BTQH.shape
     K = k_new_BTKH.shape[2]
     G = N // K
     k_BKSH, v_BKHS, _ = past
-    J = k_BKSH.shape[2] // T
-    if J * T != k_BKSH.shape[2]:
-        raise ValueError(f"training-time-test attention: {k_BKSH.shape[2]} past entries are not whole blocks of "
-                         f"T={T}")
+    T = Q if tt.width is None else tt.width
+    J = (k_BKSH.shape[2] - T) // Q + 1 if k_BKSH.shape[2] >= T else 0
+    if J < 1 or T + (J - 1) * Q != k_BKSH.shape[2]:
+        raise ValueError(f"training-time-test attention: {k_BKSH.shape[2]} past entries are not T={T} step-1 "
+                         f"entries and whole blocks of Q={Q}")
     v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
-    q = q_BTQH.reshape(B, T, K, G, H)
+    q = q_BTQH.reshape(B, Q, K, G, H)
     k1_BKTH, v1_BKHT = k_BKSH[:, :, :T], v_BKHS[..., :T]
-    s_causal = _scores(jnp.einsum("btkgh,bksh->bkgts", q.astype(k_BKSH.dtype), k1_BKTH,
-                                  preferred_element_type=jnp.float32), spec)
-    t_T = jnp.arange(T)
-    visible_TT = t_T[None, :] <= t_T[:, None]
-    if tt.hides_first:
-        visible_TT = visible_TT & (t_T >= 1)[None, :]
-    s_causal = jnp.where(visible_TT[None, None, None], s_causal, NEG)
-    # diagonal keys: blocks 1..J-1 of the past, then the new tokens: [B, T, K, J, H]
-    kd = jnp.concatenate([jnp.transpose(k_BKSH[:, :, T:].reshape(B, K, J - 1, T, H), (0, 3, 1, 2, 4)
+    s_first = _scores(jnp.einsum("bqkgh,bksh->bkgqs", q.astype(k_BKSH.dtype), k1_BKTH,
+                                 preferred_element_type=jnp.float32), spec)
+    s_first = jnp.where(tt.first_visible(Q, T)[:, None, None], s_first, NEG)
+    # diagonal keys: the Q-entry blocks of the past, then the new tokens: [B, Q, K, J, H]
+    kd = jnp.concatenate([jnp.transpose(k_BKSH[:, :, T:].reshape(B, K, J - 1, Q, H), (0, 3, 1, 2, 4)
                                         ).astype(k_new_BTKH.dtype),
                           k_new_BTKH[:, :, :, None]], axis=3)
-    vd = jnp.concatenate([jnp.transpose(v_BKHS[..., T:].reshape(B, K, H, J - 1, T), (0, 4, 1, 3, 2)
+    vd = jnp.concatenate([jnp.transpose(v_BKHS[..., T:].reshape(B, K, H, J - 1, Q), (0, 4, 1, 3, 2)
                                         ).astype(v_new_BTKH.dtype), v_new_BTKH[:, :, :, None]], axis=3)
-    s_diag = _scores(jnp.einsum("btkgh,btkjh->bkgtj", q.astype(kd.dtype), kd, preferred_element_type=jnp.float32),
+    s_diag = _scores(jnp.einsum("bqkgh,bqkjh->bkgqj", q.astype(kd.dtype), kd, preferred_element_type=jnp.float32),
                      spec)
-    probs = jax.nn.softmax(jnp.concatenate([s_causal, s_diag], axis=-1), axis=-1)
-    p_causal, p_diag = probs[..., :T], probs[..., T:]
-    out = jnp.einsum("bkgts,bkhs->btkgh", p_causal.astype(v1_BKHT.dtype), v1_BKHT, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("bkgtj,btkjh->btkgh", p_diag.astype(vd.dtype), vd, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
+    probs = jax.nn.softmax(jnp.concatenate([s_first, s_diag], axis=-1), axis=-1)
+    p_first, p_diag = probs[..., :T], probs[..., T:]
+    out = jnp.einsum("bkgqs,bkhs->bqkgh", p_first.astype(v1_BKHT.dtype), v1_BKHT, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgqj,bqkjh->bqkgh", p_diag.astype(vd.dtype), vd, preferred_element_type=jnp.float32)
+    return out.reshape(B, Q, N * H).astype(q_BTQH.dtype)
 
 
 def written_visibility(visibility, lengths_B, write_at_B, T: int, capacity: int):

@@ -44,6 +44,7 @@ class HeadKind:
     has_input_norm: bool = False
     can_store: bool = True                # its matrices may be held in a linear op's form (`HeadConfig.linear_op`)
     configurable_layer: bool = False      # `HeadConfig.layer` and `own_embedding` apply
+    origin_outputs: bool = False          # `train_outputs` with origins returns them at the origins only
     state_keys: tuple[str, ...] = ("head.feature_layers",)
 
     # -- configuration
@@ -103,9 +104,17 @@ class HeadKind:
         """The drafter that runs this head (its config as it runs: any linear op)."""
         raise NotImplementedError
 
-    def train_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int) -> list:
+    def train_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int, origins_BQ=None) -> list:
         """[(output [B, T, D], shift)]: teacher-forced outputs on whole sequences; output at
-        position t is scored against the target's distribution at position t + shift."""
+        position t is scored against the target's distribution at position t + shift. With
+        ``origins_BQ`` (int32 [B, Q], the positions the loss reads) a kind may return the outputs
+        at those origins only ([B, Q, D], row q = position ``origins_BQ[b, q]``; cheaper when its
+        later steps run there alone) or still at every position; the trainer takes either."""
+        raise NotImplementedError
+
+    def train_shifts(self, hc: "HeadConfig", steps: int) -> tuple[int, ...]:
+        """The shifts of `train_outputs`' outputs, in order (what the trainer needs to know,
+        before the step, of which origins its loss reads)."""
         raise NotImplementedError
 
     def eval_outputs(self, hc: "HeadConfig", params: dict, tokens_BT, f_BTF, steps: int) -> list:

@@ -37,6 +37,7 @@ class EagleFamily(HeadKind):
     # slot 0 (the published EAGLE-3 layout has no entry for the first token).
     position_offset: int = 0
     hides_first: bool = False
+    origin_outputs = True
 
     # -- the kind's layer
     def layer_config(self, hc: HeadConfig) -> ModelConfig:
@@ -72,37 +73,52 @@ class EagleFamily(HeadKind):
     def drafter(self, hc):
         return FeatureHeadDrafter(EagleHead(hc))
 
-    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps):
-        outs = self.train_forward(hc, params, tokens_BT, f_BTF, steps, with_logits=False)
+    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps, origins_BQ=None):
+        outs = self.train_forward(hc, params, tokens_BT, f_BTF, steps, with_logits=False, origins_BQ=origins_BQ)
         return [(h, j) for j, (h, _) in enumerate(outs)]
+
+    def train_shifts(self, hc, steps):
+        return tuple(range(steps))
 
     def eval_outputs(self, hc, params, tokens_BT, f_BTF, steps):
         return [h for h, _ in self.train_forward(hc, params, tokens_BT, f_BTF, steps, with_logits=False)]
 
     def train_forward(self, hc: HeadConfig, params: dict, tokens_BT, feats_BTF, steps: int = 1,
-                      with_logits: bool = True, dense_visibility: bool = False) -> list:
+                      with_logits: bool = True, dense_visibility: bool = False, origins_BQ=None) -> list:
         """The kind's teacher-forced outputs over ``steps`` drafting steps (`eagle_train_forward`)."""
         B, T = tokens_BT.shape
         lc = hc.layer_config
         dtype = lc.jnp_dtype
         f_BTD = self.fuse(hc, params, feats_BTF.astype(dtype))
         g_BTD = jnp.concatenate([jnp.zeros((B, 1, f_BTD.shape[-1]), dtype), f_BTD[:, :-1]], axis=1)
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        o_BQ = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T)) if origins_BQ is None \
+            else origins_BQ.astype(jnp.int32)
+        take = lambda x_BT: jnp.take_along_axis(x_BT, jnp.clip(o_BQ, 0, T - 1).reshape(  # noqa: E731
+            o_BQ.shape + (1,) * (x_BT.ndim - 2)), axis=1)
         out = []
-        past_k, past_v = [], []               # per step: k [B, K, T, H], v [B, K, H, T]
+        past_k, past_v = [], []               # per step: k [B, K, T or Q, H], v [B, K, H, T or Q]
         h_BTD = None
         for j in range(1, steps + 1):
-            tok_BT = jnp.concatenate([tokens_BT[:, j - 1:], jnp.zeros((B, j - 1), tokens_BT.dtype)], axis=1)
-            cos, sin = llama_lib.rope_cos_sin(lc, pos_BT + (j - 1) + self.position_offset)
-            run = lambda past, vis: self.train_step(hc, params, j, tok_BT, g_BTD, cos, sin, past, vis)  # noqa: E731
-            if j == 1:
-                h_new, (k, v) = run(None, self.first_visibility(T))
+            if j == 1:                        # every position: the step-1 entries are every later step's keys
+                cos, sin = llama_lib.rope_cos_sin(lc, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+                                                  + self.position_offset)
+                h_new, (k, v) = self.train_step(hc, params, 1, tokens_BT, g_BTD, cos, sin, None,
+                                                self.first_visibility(T))
+                if origins_BQ is not None:
+                    h_new = take(h_new)
             else:
-                # step-1 entries causal (the one at position 0 seen by nobody else when hides_first),
-                # the origin's own entries of steps 2..j on the diagonal
-                tt = attention_lib.TrainingTimeTest(hides_first=self.hides_first)
+                # the origins' step j: token x_{o+j-1} (0 past the end) at position o + j - 1, seeing
+                # the step-1 entries <= o (the one at position 0 by nobody else when hides_first) and
+                # its own origin's entries of steps 2..j on the diagonal
+                at_BQ = o_BQ + (j - 1)
+                tok_BQ = jnp.where(at_BQ < T, jnp.take_along_axis(tokens_BT, jnp.clip(at_BQ, 0, T - 1), axis=1), 0)
+                cos, sin = llama_lib.rope_cos_sin(lc, at_BQ + self.position_offset)
+                tt = attention_lib.TrainingTimeTest(hides_first=self.hides_first, origins_BQ=origins_BQ,
+                                                    width=None if origins_BQ is None else T)
                 past = (jnp.concatenate(past_k, axis=2), jnp.concatenate(past_v, axis=3), None)
-                h_new, (k, v) = run(past, tt.dense(B, T, j - 1) if dense_visibility else tt)
+                vis = tt.dense(B, T, j - 1, o_BQ.shape[1]) if dense_visibility else tt
+                h_new, (k, v) = self.train_step(hc, params, j, tok_BQ.astype(tokens_BT.dtype), g_BTD, cos, sin,
+                                                past, vis)
             past_k.append(jnp.transpose(k, (0, 2, 1, 3)))        # [B, T, K, H] -> [B, K, T, H]
             past_v.append(jnp.transpose(v, (0, 2, 3, 1)))        # -> [B, K, H, T]
             h_BTD = h_new
@@ -112,7 +128,7 @@ class EagleFamily(HeadKind):
 
 
 def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, steps: int = 1,
-                        with_logits: bool = True, dense_visibility: bool = False):
+                        with_logits: bool = True, dense_visibility: bool = False, origins_BQ=None):
     """Teacher-forced head outputs on whole sequences, cache-free: a list over drafting steps
     j = 1..steps of (h_BTD, logits_BTV), row o of step j being the draft that starts at
     position o (its first step reads the target's ``f_{o-1}``).
@@ -131,5 +147,12 @@ def eagle_train_forward(hc: HeadConfig, params: dict, tokens_BT, feats_BTF, step
     (`specjax.models.attention.TrainingTimeTest`; ``dense_visibility``: as the equivalent dense
     masks through the layer's attention op instead, the slow reference the tests compare with);
     a published EAGLE-3 head at RoPE positions one less, with the entry at position 0 seen by
-    itself only."""
-    return hc.spec.train_forward(hc, params, tokens_BT, feats_BTF, steps, with_logits, dense_visibility)
+    itself only.
+
+    ``origins_BQ`` (int32 [B, Q]): the outputs of the drafts from these origins only ([B, Q, D]
+    per step; a trainer passes the origins its loss reads). Step 1 still runs at every position
+    (its entries are what every later step attends to); steps 2..steps run at the Q origins, so
+    their cost scales with Q, not T. Row q of every step is the full computation's row
+    ``origins_BQ[b, q]``."""
+    return hc.spec.train_forward(hc, params, tokens_BT, feats_BTF, steps, with_logits, dense_visibility,
+                                 origins_BQ=origins_BQ)

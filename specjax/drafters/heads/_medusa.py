@@ -67,9 +67,12 @@ class Medusa(HeadKind):
     def drafter(self, hc):
         return MedusaDrafter(hc)
 
-    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps):
-        h_BTJD = medusa_features(hc, params, f_BTF)
+    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps, origins_BQ=None):
+        h_BTJD = medusa_features(hc, params, f_BTF)        # per position: no saving from origins
         return [(h_BTJD[:, :, k], k + 1) for k in range(hc.num_heads)]
+
+    def train_shifts(self, hc, steps):
+        return tuple(range(1, hc.num_heads + 1))
 
     def eval_outputs(self, hc, params, tokens_BT, f_BTF, steps):
         # Origin o reads f_{o-1}: head k scores x_{o+k}.

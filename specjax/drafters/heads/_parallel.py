@@ -92,9 +92,12 @@ class Parallel(Eagle3):
         x_BTD = jnp.broadcast_to(params["block_x"][j - 2].astype(g_BTD.dtype), (B, T, g_BTD.shape[-1]))
         return llama_lib._layer(hc.layer_config, lp, x_BTD, cos, sin, past, visibility)
 
-    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps):
-        outs = self.train_forward(hc, params, tokens_BT, f_BTF, hc.num_heads, with_logits=False)
+    def train_outputs(self, hc, params, tokens_BT, f_BTF, steps, origins_BQ=None):
+        outs = self.train_forward(hc, params, tokens_BT, f_BTF, hc.num_heads, with_logits=False, origins_BQ=origins_BQ)
         return [(h, j) for j, (h, _) in enumerate(outs)]
+
+    def train_shifts(self, hc, steps):
+        return tuple(range(hc.num_heads))
 
     def eval_outputs(self, hc, params, tokens_BT, f_BTF, steps):
         outs = self.train_forward(hc, params, tokens_BT, f_BTF, min(steps, hc.num_heads), with_logits=False)

@@ -1,0 +1,112 @@
+"""What running a head's later drafting steps at the loss's origins only saves per training step.
+
+    python -m experiments.heads.origins_cost [--batches=12] [--out=experiments/heads/results/origins_cost.jsonl]
+
+For each kind of the long learning-curve runs (EAGLE-3 with 7 drafting steps, the parallel
+drafter with a block of 4; SmolLM2-135M's dimensions, 8,192-token head, float32) it times the
+jitted training step (`specjax.distill.make_train_step` with `head_loss`: forward, backward and
+the AdamW update) on the same batches twice: over every position, and with the origins its loss
+reads attached (`specjax.distill.with_loss_origins`, what the distillation loop does). The
+batches are real: `--batches` drawn (seed 0) from one epoch of the data engine's answer shards as
+the long runs stream them (2,048 positions a batch, widths 128-1,024), with random features in
+place of the cached ones (the step's cost does not depend on their values). Every shape is
+compiled first; then each batch runs once per variant, the order alternating, so drift hits
+both alike. One JSONL record per kind: seconds per variant summed over the batches, their ratio,
+loss tokens per second, and the mean Q / T of the origins; with the machine and the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+from absl import app, flags
+
+BATCHES = flags.DEFINE_integer("batches", 12, "batches drawn from one epoch of the stream")
+OUT = flags.DEFINE_string("out", "experiments/heads/results/origins_cost.jsonl", "JSONL to append to")
+KINDS = (("eagle3", dict(ttt_steps=7)), ("parallel", dict(num_heads=4)))
+
+
+def _batches(n: int, feature_size: int, hidden: int) -> list[dict]:
+    import numpy as np
+
+    from experiments.lib import engine_data
+    from specjax.distill._stream import ShardStream
+    stream = ShardStream(engine_data.stage_dirs("responses_greedy", "responses_sampled", "followup_responses"),
+                         seed=0, tokens_per_batch=2048, widths=engine_data.WIDTHS, window=engine_data.WINDOW)
+    rng = np.random.default_rng(0)
+    out = []
+    for i in sorted(rng.choice(stream.batches_per_epoch, n, replace=False).tolist()):
+        b = stream.batch(int(i))
+        B, W = b["tokens"].shape
+        b["features"] = rng.standard_normal((B, W, feature_size)).astype(np.float16)
+        b["final_residual"] = rng.standard_normal((B, W, hidden)).astype(np.float16)
+        out.append(b)
+    return out
+
+
+def measure(n: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import build, distill, drafters
+    model, tp = build.load_target("smollm2-135m-instruct")[:2]
+    ids = np.arange(8192)
+    head_UD = distill.teacher_head(model, tp, ids)
+    rows = []
+    for kind, opts in KINDS:
+        hc = drafters.HeadConfig.make(kind, model.config, head_size=8192, input_norm=True,
+                                      num_heads=opts.get("num_heads", 4))
+        obj = distill.HeadObjective(hc, model, ttt_steps=opts.get("ttt_steps", 1))
+        own = drafters.init_head_params(hc, jax.random.key(0), head_ids=ids)
+        opt, _ = distill.make_optimizer(learning_rate=1e-3, warmup_steps=30, total_updates=1000)
+        state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
+        frozen = {**frozen, "target": tp}
+        step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
+        plain = _batches(n, hc.feature_size, model.config.hidden_size)
+        gathered = [distill.with_loss_origins(obj, b) for b in plain]
+        variants = {"every_position": plain, "loss_origins": gathered}
+        put = lambda b: {k: jnp.asarray(v) for k, v in b.items()}      # noqa: E731
+        for bs in variants.values():                                   # compile every shape
+            for b in bs:
+                state, aux = step(state, frozen, head_UD, put(b))
+                jax.block_until_ready(aux["loss"])
+        secs = {name: 0.0 for name in variants}
+        for i in range(n):
+            order = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in order:
+                b = put(variants[name][i])
+                t0 = time.perf_counter()
+                state, aux = step(state, frozen, head_UD, b)
+                jax.block_until_ready(aux["loss"])
+                secs[name] += time.perf_counter() - t0
+        loss_tokens = float(sum(b["mask"].sum() for b in plain))
+        q_over_t = [b["origins"].shape[1] / b["tokens"].shape[1] if "origins" in b else 1.0 for b in gathered]
+        rec = {"kind": kind, **opts, "batches": n, "positions": int(sum(b["mask"].size for b in plain)),
+               "loss_tokens": int(loss_tokens), "seconds": {k: round(v, 3) for k, v in secs.items()},
+               "loss_tokens_per_s": {k: round(loss_tokens / v, 1) for k, v in secs.items()},
+               "speedup": round(secs["every_position"] / secs["loss_origins"], 3),
+               "mean_q_over_t": round(float(np.mean(q_over_t)), 3)}
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    return rows
+
+
+def main(argv):
+    del argv
+    from experiments.lib import toolkit
+    prov = toolkit.provenance("experiments.heads.origins_cost", with_backend=False)
+    rows = measure(BATCHES.value)
+    prov["loadavg_at_end"] = list(os.getloadavg())
+    out = pathlib.Path(OUT.value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
