@@ -52,6 +52,8 @@ def get_config():
     c.data.shards.weight = 0.0          # mixture weight of the streamed shards
     c.data.shards.window = 8            # shards shuffled together (at most this many held decoded)
     c.data.shards.max_loss_tokens = 0   # > 0: only the first N loss tokens of the shards' canonical order
+    c.data.shards.group_by_length = False  # batch answers of similar length together (a head's later drafting
+    #                                       steps then run at fewer origins past the answers)
 
     c.draft = ml_collections.ConfigDict()
     c.draft.kind = "target_layers"      # 'target_layers' (init from the target's layers) or 'fresh'

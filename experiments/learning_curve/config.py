@@ -6,7 +6,7 @@ at that size, from configs/distill_head.py, and evaluates it on the held-out Spe
 continuations at the end. Variant "fixed": EAGLE at one budget for every size (series
 "fixed-2.2M"), so that only the data varies. Variant "bf16": the 150k point of both kinds with
 the head computed in bfloat16. Variant "long": both kinds on all answer tokens for 20M training
-tokens each (issue 55 item 4). Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
+tokens each (issue 55 item 4), batches grouped by answer length. Variant "tiny": the CI check of the same path (tests/test_learning_curve.py
 passes a toy target, shards and evaluation set through `set`).
 """
 
@@ -80,7 +80,8 @@ def get_config(variant: str = ""):
         c.feature_kinds = ()
         c.sizes = (10 ** 9,)                   # more than there is: every loss token
         c.min_budget = c.max_budget = 20_000_000
-        c.set.update({"eval": {"every": 1221}, "head": {"feature_cache": "float16"}, "checkpoint_every": 50})
+        c.set.update({"eval": {"every": 1221}, "head": {"feature_cache": "float16"}, "checkpoint_every": 50,
+                      "data": {"shards": {"group_by_length": True}}})
         c.series = "20M"
     elif variant == "tiny":
         c.sizes = (300, 900)

@@ -29,6 +29,7 @@ class ShardSettings:
     weight: float = 0.0             # mixture weight of the streamed shards
     window: int = 8                 # shards shuffled together
     max_loss_tokens: int = 0        # > 0: only the first N loss tokens of the canonical order
+    group_by_length: bool = False   # batches of answers of similar length (`ShardStream`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,7 +171,8 @@ def shard_stream(s, target=None) -> _stream.ShardStream:
     d, sh = s.data, s.data.shards
     return _stream.ShardStream(list(sh.dirs), seed=s.seed + 2, tokens_per_batch=d.tokens_per_batch, widths=d.widths,
                                window=sh.window, max_prompt=d.max_prompt_tokens, max_loss_tokens=sh.max_loss_tokens,
-                               vocab_size=None if target is None else target.vocab_size)
+                               vocab_size=None if target is None else target.vocab_size,
+                               group_by_length=sh.group_by_length)
 
 
 def shard_features(s, stream: _stream.ShardStream, target, layers=None) -> _stream.ShardFeatures:

@@ -17,6 +17,11 @@ of the target's own answer tokens), without holding the corpus:
   at the widest), a bucket emitting a batch at ``tokens_per_batch // width`` rows and the partly
   filled buckets emitted padded at the group's end. A batch therefore reads only its group's
   shards: at most ``window`` decoded shards are held at a time, whatever the corpus size.
+  ``group_by_length``: the group's sequences are first sorted by their loss tokens (a stable
+  sort of the permuted order, so equal counts stay shuffled) and its batches then permuted by
+  ``default_rng([seed, e, g, 1])``, so a batch's rows have answers of similar length: a head's
+  step then runs its later drafting steps at few origins beyond its answers
+  (`specjax.distill.loss_origins`, whose width is the batch's longest).
 * **Resume.** Batch i is a pure function of (the shards, seed, i): a run resumed at step i
   continues mid-epoch with the batches an uninterrupted run would have seen. `fingerprint`
   names the shards a stream reads (their sha256s and the cut), so a resumed run can refuse a
@@ -57,7 +62,7 @@ class ShardStream:
 
     def __init__(self, directories: Sequence, *, seed: int, tokens_per_batch: int = 4096,
                  widths: Sequence[int] = (256, 512, 1024), window: int = DEFAULT_WINDOW, max_prompt: int = 0,
-                 max_loss_tokens: int = 0, vocab_size: int | None = None):
+                 max_loss_tokens: int = 0, vocab_size: int | None = None, group_by_length: bool = False):
         if not directories:
             raise ValueError("a shard stream needs at least one shard directory")
         if window < 1:
@@ -69,6 +74,7 @@ class ShardStream:
         self.seed, self.tokens_per_batch = int(seed), int(tokens_per_batch)
         self.widths = tuple(sorted(int(w) for w in widths))
         self.window, self.max_prompt, self.max_loss_tokens = int(window), int(max_prompt), int(max_loss_tokens)
+        self.group_by_length = bool(group_by_length)
         manifests = [_shards.read_manifest(d) for d in self.dirs]
         sizes = {int(m["vocab_size"]) for m in manifests}
         if len(sizes) > 1:
@@ -159,11 +165,13 @@ class ShardStream:
 
     # ----------------------------------------------------------------------------- the plan
     def fingerprint(self) -> str:
-        """A hash of what the stream reads: each shard's sha256 in canonical order and the cut."""
+        """A hash of what the stream reads: each shard's sha256 in canonical order and the cut (and
+        the batching's grouping by length, when on)."""
         spec = [[str(self.dirs[di].name), name, self._manifests[di]["shards"][name]["sha256"]]
                 for di, name in self.shards]
-        return hashlib.sha256(json.dumps([spec, self.max_loss_tokens, self.max_prompt, self.widths[-1]]).encode()
-                              ).hexdigest()[:16]
+        what = [spec, self.max_loss_tokens, self.max_prompt, self.widths[-1]] + (
+            ["group_by_length"] if self.group_by_length else [])
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
     def rows_for(self, width: int) -> int:
         return max(1, self.tokens_per_batch // width)
@@ -180,8 +188,14 @@ class ShardStream:
                 rows = [(s, j) for s in group for j in np.flatnonzero(self._index[s][2] > 0).tolist()]
                 perm = np.random.default_rng([self.seed, e, g // self.window]).permutation(len(rows))
                 picked = [rows[r] for r in perm]
-                batches += _data.fill_buckets(picked, [self._index[s][0][j] for s, j in picked], self.widths,
-                                              self.rows_for)
+                if self.group_by_length:
+                    picked.sort(key=lambda sj: int(self._index[sj[0]][2][sj[1]]))
+                filled = _data.fill_buckets(picked, [self._index[s][0][j] for s, j in picked], self.widths,
+                                            self.rows_for)
+                if self.group_by_length:
+                    filled = [filled[i] for i in
+                              np.random.default_rng([self.seed, e, g // self.window, 1]).permutation(len(filled))]
+                batches += filled
             self._epochs[e] = batches
         return self._epochs[e]
 
