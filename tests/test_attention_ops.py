@@ -62,6 +62,33 @@ def test_ops_agree_on_every_visibility():
                                plain, atol=ATOL)
 
 
+@pytest.mark.parametrize("chunk,softcap", [(4, None), (3, 2.0), (1, None)])
+def test_causal_chunks_are_the_causal_rule(chunk, softcap):
+    """A cache-free causal call longer than ``causal_chunk`` (here 11 tokens in chunks of 4, 3
+    and 1, the last chunk short) gives the values and gradients of the one-block computation
+    (``causal_chunk=0``), with grouped queries and soft-capping; a call with a cache or another
+    visibility never takes the chunked path (the same result with any chunk)."""
+    T_ = 11
+    ks = jax.random.split(jax.random.key(chunk), 3)
+    q = jax.random.normal(ks[0], (B, T_, N, H)) * 2
+    k_new, v_new = jax.random.normal(ks[1], (B, T_, K, H)) * 2, jax.random.normal(ks[2], (B, T_, K, H))
+    one = attn.AttentionSpec(scale=H ** -0.5, softcap=softcap, causal_chunk=0)
+    chunked = attn.AttentionSpec(scale=H ** -0.5, softcap=softcap, causal_chunk=chunk)
+    f = lambda spec: lambda *a: attn.reference_attention(*a, None, None, spec)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(f(chunked)(q, k_new, v_new)), np.asarray(f(one)(q, k_new, v_new)),
+                               atol=ATOL)
+    w = jax.random.normal(jax.random.key(5), (B, T_, N * H))
+    g1 = jax.grad(lambda *a: jnp.sum(f(one)(*a) * w), argnums=(0, 1, 2))(q, k_new, v_new)
+    g2 = jax.grad(lambda *a: jnp.sum(f(chunked)(*a) * w), argnums=(0, 1, 2))(q, k_new, v_new)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
+    full = attn.reference_attention(q, k_new, v_new, None, (jnp.ones((B, T_, 0), bool),
+                                                            jnp.ones((B, T_, T_), bool)), chunked)
+    assert np.abs(np.asarray(full) - np.asarray(f(one)(q, k_new, v_new))).max() > 1e-2   # not causal: differs
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(attn.reference_attention(
+        q, k_new, v_new, None, (jnp.ones((B, T_, 0), bool), jnp.ones((B, T_, T_), bool)), one)))
+
+
 @pytest.mark.parametrize("blocks,hides_first,softcap", [(1, False, None), (2, True, None), (4, False, 3.0),
                                                        (3, True, 3.0)])
 def test_training_time_test_equals_its_dense_masks(blocks, hides_first, softcap):

@@ -89,11 +89,18 @@ class AttentionSpec:
     low precision" in the module docstring). ``tail_span`` (0: unknown): every tail slot of a
     row lies within this many slots from the row's first one (a block of T tokens written after
     ``offset`` tentative entries: 2 T - 1 + offset), so the tails are read from one contiguous
-    window of the cache instead of gathered from all of it."""
+    window of the cache instead of gathered from all of it.
+
+    ``causal_chunk`` (the reference op; 0: off): a cache-free call under the plain causal rule
+    with more than this many tokens attends chunk by chunk of queries, each chunk over the keys
+    up to its own end, so the scores above the diagonal's chunks are never formed (about half
+    of them on long sequences) and each chunk's scores stay small. Each query sees the same keys
+    either way; only the length of the masked tail its softmax reduces over differs."""
     scale: float
     softcap: float | None = None
     ordered_tail: int = 0
     tail_span: int = 0
+    causal_chunk: int = 64
 
 
 # The widest block whose write-then-attend calls sum their last keys in position order
@@ -268,6 +275,8 @@ def reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: 
     # own state is NaN still yields NaN logits through the residual stream.
     v_new_BTKH = jnp.nan_to_num(v_new_BTKH, nan=0.0, posinf=0.0, neginf=0.0)
     q = q_BTQH.reshape(B, T, K, G, H)
+    if past is None and visibility is None and 0 < spec.causal_chunk < T:
+        return _causal_chunks(q, k_new_BTKH, v_new_BTKH, spec).reshape(B, T, N * H).astype(q_BTQH.dtype)
     s_new = _scores(jnp.einsum("btkgh,bskh->bkgts", q, k_new_BTKH, preferred_element_type=jnp.float32), spec)
     if visibility is None:
         t_T = jnp.arange(T)
@@ -295,6 +304,22 @@ def reference_attention(q_BTQH, k_new_BTKH, v_new_BTKH, past, visibility, spec: 
     out = out + jnp.einsum("bkgts,bskh->btkgh", p_new.astype(v_new_BTKH.dtype), v_new_BTKH,
                            preferred_element_type=jnp.float32)
     return out.reshape(B, T, N * H).astype(q_BTQH.dtype)
+
+
+def _causal_chunks(q_BTKGH, k_BTKH, v_BTKH, spec: AttentionSpec):
+    """Cache-free causal attention, ``spec.causal_chunk`` queries at a time, each chunk over the
+    keys up to its last query: [B, T, K, G, H] float32."""
+    T, c = q_BTKGH.shape[1], spec.causal_chunk
+    outs = []
+    for a in range(0, T, c):
+        e = min(T, a + c)
+        s = _scores(jnp.einsum("btkgh,bskh->bkgts", q_BTKGH[:, a:e], k_BTKH[:, :e],
+                               preferred_element_type=jnp.float32), spec)
+        s = jnp.where((jnp.arange(e)[None, :] <= jnp.arange(a, e)[:, None])[None, None, None], s, NEG)
+        probs = jax.nn.softmax(s, axis=-1)
+        outs.append(jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_BTKH.dtype), v_BTKH[:, :e],
+                               preferred_element_type=jnp.float32))
+    return jnp.concatenate(outs, axis=1)
 
 
 def _attend_cache(q_BTQH, past, visible_BTS, spec: AttentionSpec):

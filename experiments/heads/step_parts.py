@@ -1,0 +1,127 @@
+"""Where a head's training step spends its time: the whole step against its parts.
+
+    python -m experiments.heads.step_parts [--batch=4] [--width=512] [--out=experiments/heads/results/step_parts.jsonl]
+
+For EAGLE-3 with 7 drafting steps and the parallel drafter with a block of 4 (SmolLM2-135M's
+dimensions, 8,192-token head, float32, random weights and features: the cost does not depend on
+them), on one batch of ``batch`` x ``width`` positions whose first 30% are prompt (no loss),
+it times, each jitted and best of 4 after a compile:
+
+* ``step``: the training step (`make_train_step` with `head_loss`: forward, backward, AdamW);
+* ``step_at_origins``: the same with the loss's origins attached (`with_loss_origins`);
+* ``layer``: the head's layer alone over every drafting step, forward and backward (a scalar of
+  its outputs; no vocabulary-sized work);
+* ``vocabulary``: the vocabulary-sized work alone, forward and backward: the teacher's logits
+  once, and per drafting step the head's logits over the 8,192 rows and the forward KL.
+
+One JSONL record per kind with the seconds of each and positions per second, with the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+from absl import app, flags
+
+BATCH = flags.DEFINE_integer("batch", 4, "rows")
+WIDTH = flags.DEFINE_integer("width", 512, "positions per row")
+OUT = flags.DEFINE_string("out", "experiments/heads/results/step_parts.jsonl", "JSONL to append to")
+KINDS = (("eagle3", dict(ttt_steps=7)), ("parallel", dict(num_heads=4)))
+
+
+def _best(f, repeats: int = 4) -> float:
+    import jax
+    jax.block_until_ready(f())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(B: int, T: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import build, distill, drafters
+    from specjax.distill import _divergence, _heads, _train
+    model, tp = build.load_target("smollm2-135m-instruct")[:2]
+    ids = np.arange(8192)
+    head_UD = distill.teacher_head(model, tp, ids)
+    spec = distill.LossSpec("fkl")
+    rng = np.random.default_rng(0)
+    mask = np.zeros((B, T), np.float32)
+    mask[:, T * 3 // 10:T - 1] = 1.0
+    rows = []
+    for kind, opts in KINDS:
+        hc = drafters.HeadConfig.make(kind, model.config, head_size=8192, input_norm=True,
+                                      num_heads=opts.get("num_heads", 4))
+        obj = distill.HeadObjective(hc, model, ttt_steps=opts.get("ttt_steps", 1))
+        own = drafters.init_head_params(hc, jax.random.key(0), head_ids=ids)
+        opt, _ = distill.make_optimizer(learning_rate=1e-3, warmup_steps=30, total_updates=1000)
+        state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
+        frozen = {**frozen, "target": tp}
+        batch = {"tokens": rng.integers(0, 8000, (B, T)).astype(np.int32), "mask": mask,
+                 "features": rng.standard_normal((B, T, hc.feature_size)).astype(np.float16),
+                 "final_residual": rng.standard_normal((B, T, model.config.hidden_size)).astype(np.float16)}
+        put = lambda b: {k: jnp.asarray(v) for k, v in b.items()}      # noqa: E731
+        plain, at_origins = put(batch), put(distill.with_loss_origins(obj, batch))
+        step = distill.make_train_step(obj, spec, opt, loss=distill.head_loss)
+        holder = [state]
+
+        def run_step(b):
+            holder[0], aux = step(holder[0], frozen, head_UD, b)
+            return aux["loss"]
+
+        shifts = hc.spec.train_shifts(hc, obj.ttt_steps)
+        rest = {k: v for k, v in frozen.items() if k != "target"}
+
+        def layer_loss(w):
+            hp = drafters.head_params(hc, {**w, **rest}, tp)
+            outs = hc.spec.train_outputs(hc, hp, plain["tokens"], plain["features"].astype(jnp.float32),
+                                         obj.ttt_steps)
+            return sum(jnp.mean(h * h) for h, _ in outs)
+
+        layer = jax.jit(jax.grad(layer_loss))
+        h_BTD = jnp.asarray(rng.standard_normal((B, T, model.config.hidden_size)), jnp.float32)
+
+        def vocab_loss(h):
+            p = _train.teacher_logits(head_UD, plain["final_residual"].astype(jnp.float32))
+            total = 0.0
+            for k in shifts:
+                q = jnp.einsum("btd,sd->bts", h + k, head_UD)
+                div = _divergence.divergence("fkl", _heads._shift(p, k), q, 1.0, 0.5)
+                total = total + _divergence.masked_mean(div, _heads._shift(plain["mask"], k))
+            return total
+
+        vocab = jax.jit(jax.grad(vocab_loss))
+        secs = {"step": _best(lambda: run_step(plain)), "step_at_origins": _best(lambda: run_step(at_origins)),
+                "layer": _best(lambda: layer(holder[0].params)), "vocabulary": _best(lambda: vocab(h_BTD))}
+        rec = {"kind": kind, **opts, "batch": B, "width": T, "origins_q": int(at_origins["origins"].shape[1])
+               if "origins" in at_origins else T, "seconds": {k: round(v, 3) for k, v in secs.items()},
+               "positions_per_s": {k: round(B * T / v, 1) for k, v in secs.items()}}
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    return rows
+
+
+def main(argv):
+    del argv
+    from experiments.lib import toolkit
+    prov = toolkit.provenance("experiments.heads.step_parts", with_backend=False)
+    rows = measure(BATCH.value, WIDTH.value)
+    prov["loadavg_at_end"] = list(os.getloadavg())
+    out = pathlib.Path(OUT.value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
