@@ -100,7 +100,7 @@ class AttentionSpec:
     softcap: float | None = None
     ordered_tail: int = 0
     tail_span: int = 0
-    causal_chunk: int = 64
+    causal_chunk: int = 0
 
 
 # The widest block whose write-then-attend calls sum their last keys in position order

@@ -185,6 +185,10 @@ class ModelConfig:
     # the op that computes attention (`specjax.models.attention.ATTENTION_OPS`): "reference" (einsums,
     # every feature) | "dot_product" (jax.nn.dot_product_attention) | a registered one
     attention_op: str = "reference"
+    # the reference op attends a cache-free causal call (a whole-sequence forward: features,
+    # teacher states, training) this many queries at a time, each chunk over the keys up to its
+    # end (`specjax.models.attention.AttentionSpec.causal_chunk`; 0: in one block)
+    causal_chunk: int = 64
     # each layer writes its block's K and V into its cache buffer, then attends over the buffer's
     # slots (`specjax.models.attention`, write-then-attend): a verification block's rows and the
     # one-token steps that score the same tokens then reduce in the same order. Unrolled layers
@@ -247,6 +251,8 @@ class ModelConfig:
         if self.num_experts and self.linear_op != "xla":
             raise ValueError(f"linear_op={self.linear_op!r} does not hold expert weights; "
                              f"a mixture-of-experts model needs linear_op='xla'")
+        if self.causal_chunk < 0:
+            raise ValueError(f"causal_chunk must be >= 0 (0: attend in one block), got {self.causal_chunk}")
 
     # ---- derived -------------------------------------------------------------------------
     def replace(self, **changes) -> "ModelConfig":

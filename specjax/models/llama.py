@@ -476,7 +476,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin).astype(kv_dtype)
     v = v.astype(kv_dtype)
-    spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap)
+    spec = AttentionSpec(scale=c.attention_scale, softcap=c.attn_softcap, causal_chunk=c.causal_chunk)
     if write_at is not None:
         # a verification block's or tree's last keys in position order (`AttentionSpec.ordered_tail`),
         # within 2 T - 1 slots after ``offset`` tentative entries of earlier calls
