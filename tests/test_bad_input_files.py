@@ -285,3 +285,38 @@ def test_item5_export_config_lists_only_the_dtypes_export_writes(monkeypatch, ca
     assert _dispatch("export", "--config=configs/export.py", "--config.dtype=float16", "--config.out=/tmp/x") == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "dtype='float16': expected one of float32, bfloat16" in line, line
+
+
+def test_append_records_checks_the_path_before_measuring_and_keeps_earlier_runs(tmp_path, monkeypatch):
+    """`toolkit.append_records` (the diagnostic scripts' main): an empty path, a directory, or a
+    folder that cannot be made is one OutputError naming the setting, before the measurement
+    runs; a good path gets each run's records appended with the provenance; a write that fails
+    (a full disk) is one OutputError and the file keeps its earlier run."""
+    from experiments.lib import toolkit
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return [{"x": len(calls)}]
+    (tmp_path / "plain").write_text("")
+    for bad in ("", str(tmp_path), str(tmp_path / "plain" / "out.jsonl")):
+        with pytest.raises(toolkit.OutputError, match="--out="):
+            toolkit.append_records("m", measure, bad)
+    assert calls == []
+    out = tmp_path / "new" / "r.jsonl"
+    toolkit.append_records("m", measure, out)
+    toolkit.append_records("m", measure, out)
+    recs = toolkit.read_jsonl(out)
+    assert [r["x"] for r in recs] == [1, 2] and all(r["provenance"]["command"].startswith("python -m m") for r in recs)
+    before = out.read_text()
+    real_open = open
+
+    def full(path, mode="r", *a, **k):
+        if str(path) == str(out) and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *a, **k)
+    monkeypatch.setattr("builtins.open", full)
+    with pytest.raises(toolkit.OutputError, match="No space left.*earlier runs"):
+        toolkit.append_records("m", measure, out)
+    monkeypatch.undo()
+    assert out.read_text() == before

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import pathlib
 import time
 
 from absl import app, flags
@@ -32,7 +30,7 @@ def _width_shares() -> dict[int, float]:
     import collections
 
     from experiments.lib import engine_data
-    from specjax.distill._stream import ShardStream
+    from specjax.distill import ShardStream
     st = ShardStream(engine_data.stage_dirs("responses_greedy", "responses_sampled", "followup_responses"),
                      seed=0, tokens_per_batch=2048, widths=engine_data.WIDTHS, window=engine_data.WINDOW)
     c = collections.Counter()
@@ -48,7 +46,7 @@ def measure() -> list[dict]:
     import numpy as np
 
     from specjax import build
-    from specjax.distill import _data
+    from specjax import distill
     model, tp = build.load_target("smollm2-135m-instruct")[:2]
     shares = _width_shares()
     rows = []
@@ -56,7 +54,7 @@ def measure() -> list[dict]:
     for W in shares:
         toks = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (POSITIONS // W, W)),
                            jnp.int32)
-        fns = {c: jax.jit(lambda p, t, fwd=_data.shard_feature_forward(dataclasses.replace(
+        fns = {c: jax.jit(lambda p, t, fwd=distill.shard_feature_forward(dataclasses.replace(
                               model, config=model.config.replace(causal_chunk=c))):
                           fwd(p, t, LAYERS)) for c in CHUNKS}
         for c in CHUNKS:
@@ -86,14 +84,7 @@ def measure() -> list[dict]:
 def main(argv):
     del argv
     from experiments.lib import toolkit
-    prov = toolkit.provenance("experiments.heads.causal_chunk_cost", with_backend=False)
-    rows = measure()
-    prov["loadavg_at_end"] = list(os.getloadavg())
-    out = pathlib.Path(OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+    toolkit.append_records("experiments.heads.causal_chunk_cost", measure, OUT.value)
 
 
 if __name__ == "__main__":

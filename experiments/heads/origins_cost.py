@@ -21,8 +21,6 @@ over the sample and over a whole epoch of each order; with the machine and the c
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import time
 
 from absl import app, flags
@@ -34,7 +32,7 @@ KINDS = (("eagle3", dict(ttt_steps=7)), ("parallel", dict(num_heads=4)))
 
 def _stream(grouped: bool):
     from experiments.lib import engine_data
-    from specjax.distill._stream import ShardStream
+    from specjax.distill import ShardStream
     return ShardStream(engine_data.stage_dirs("responses_greedy", "responses_sampled", "followup_responses"),
                        seed=0, tokens_per_batch=2048, widths=engine_data.WIDTHS, window=engine_data.WINDOW,
                        group_by_length=grouped)
@@ -135,14 +133,7 @@ def measure(n: int) -> list[dict]:
 def main(argv):
     del argv
     from experiments.lib import toolkit
-    prov = toolkit.provenance("experiments.heads.origins_cost", with_backend=False)
-    rows = measure(BATCHES.value)
-    prov["loadavg_at_end"] = list(os.getloadavg())
-    out = pathlib.Path(OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+    toolkit.append_records("experiments.heads.origins_cost", lambda: measure(BATCHES.value), OUT.value)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ One JSONL record per kind with the seconds of each and positions per second, wit
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import time
 
 from absl import app, flags
@@ -49,7 +47,6 @@ def measure(B: int, T: int) -> list[dict]:
     import numpy as np
 
     from specjax import build, distill, drafters
-    from specjax.distill import _divergence, _heads, _train
     model, tp = build.load_target("smollm2-135m-instruct")[:2]
     ids = np.arange(8192)
     head_UD = distill.teacher_head(model, tp, ids)
@@ -90,13 +87,17 @@ def measure(B: int, T: int) -> list[dict]:
         layer = jax.jit(jax.grad(layer_loss))
         h_BTD = jnp.asarray(rng.standard_normal((B, T, model.config.hidden_size)), jnp.float32)
 
+        def shift(x, k):                # x[:, t + k] at t, zeros past the end
+            return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
+
         def vocab_loss(h):
-            p = _train.teacher_logits(head_UD, plain["final_residual"].astype(jnp.float32))
+            p = jax.lax.stop_gradient(jnp.einsum("btd,sd->bts", plain["final_residual"].astype(jnp.float32), head_UD))
             total = 0.0
             for k in shifts:
                 q = jnp.einsum("btd,sd->bts", h + k, head_UD)
-                div = _divergence.divergence("fkl", _heads._shift(p, k), q, 1.0, 0.5)
-                total = total + _divergence.masked_mean(div, _heads._shift(plain["mask"], k))
+                div = distill.divergence("fkl", shift(p, k), q, 1.0, 0.5)
+                m = shift(plain["mask"], k)
+                total = total + jnp.sum(div * m) / jnp.maximum(jnp.sum(m), 1.0)
             return total
 
         vocab = jax.jit(jax.grad(vocab_loss))
@@ -113,14 +114,7 @@ def measure(B: int, T: int) -> list[dict]:
 def main(argv):
     del argv
     from experiments.lib import toolkit
-    prov = toolkit.provenance("experiments.heads.step_parts", with_backend=False)
-    rows = measure(BATCH.value, WIDTH.value)
-    prov["loadavg_at_end"] = list(os.getloadavg())
-    out = pathlib.Path(OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+    toolkit.append_records("experiments.heads.step_parts", lambda: measure(BATCH.value, WIDTH.value), OUT.value)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ per shape with the CPU, the load average and the commit.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import time
 
 from absl import app, flags
@@ -63,14 +61,7 @@ def measure(steps: int = 7, shapes=SHAPES, repeats: int = 3) -> list[dict]:
 def main(argv):
     del argv
     from experiments.lib import toolkit
-    prov = toolkit.provenance("experiments.heads.ttt_cost", with_backend=False)
-    rows = measure()
-    prov["loadavg_at_end"] = list(os.getloadavg())
-    out = pathlib.Path(OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+    toolkit.append_records("experiments.heads.ttt_cost", measure, OUT.value)
 
 
 if __name__ == "__main__":

@@ -281,6 +281,30 @@ def check_output(setting: str, path) -> None:
         raise OutputError(f"{setting}={str(path)!r}: {problem}; nothing was run")
 
 
+def append_records(module: str, measure, out, setting: str = "--out") -> list[dict]:
+    """A diagnostic script's run: ``measure()``'s records appended to the JSONL ``out`` (earlier
+    runs stay above), each with the run's provenance (taken before it runs, the backend left
+    for it to start; the load average at its end added). A path that cannot be written is an
+    `OutputError` naming ``setting``, before anything runs."""
+    check_output(setting, out)
+    path = pathlib.Path(out).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{setting}={str(out)!r}: {e.strerror or e}; nothing was run") from None
+    prov = provenance(module, with_backend=False)
+    rows = measure()
+    prov["loadavg_at_end"] = list(os.getloadavg())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps({**r, "provenance": prov}, default=str) + "\n")
+    except OSError as e:
+        raise OutputError(f"{setting}={str(out)!r}: {e.strerror or e}; the records are printed above and the "
+                          f"file keeps its earlier runs") from None
+    return rows
+
+
 class Jsonl:
     """The one JSONL writer: one object per line, ``{"kind": ..., fields..., "provenance": ...}``.
 
