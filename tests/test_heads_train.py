@@ -69,7 +69,8 @@ def test_head_loss_falls_and_only_the_head_moves(toy_pair, kind, head_size, inpu
 def test_loss_origins_cover_every_loss_position():
     """`loss_origins`: every position o with mask[o + k] for a shift k is a valid origin, no
     other is, in order, rows padded (invalid) to one width Q, a multiple of T / 8; None when Q
-    would be the whole width. Random masks of prompt / answer / padding rows, seed 0."""
+    would be the whole width or the batch is narrower than ``min_width``. Random masks of
+    prompt / answer / padding rows, seed 0."""
     rng = np.random.default_rng(0)
     for trial in range(200):
         B, T = int(rng.integers(1, 5)), int(rng.choice([16, 40, 64]))
@@ -78,7 +79,8 @@ def test_loss_origins_cover_every_loss_position():
             a = int(rng.integers(0, T)); e = int(rng.integers(a, T + 1))
             mask[r, a:e] = 1.0
         shifts = tuple(range(int(rng.integers(1, 8)))) if trial % 2 else tuple(range(1, 4))
-        got = distill.loss_origins(mask, shifts)
+        got = distill.loss_origins(mask, shifts, min_width=0)
+        assert distill.loss_origins(mask, shifts, min_width=T + 1) is None     # narrower than min_width
         need = [{o for o in range(T) for k in shifts if o + k < T and mask[r, o + k] > 0} for r in range(B)]
         unit = -(-T // 8)
         Q = max(unit, -(-max(map(len, need)) // unit) * unit)
@@ -115,7 +117,7 @@ def test_head_loss_at_loss_origins_is_the_same_loss(toy_pair, kind, head_size, t
     T = mask.shape[1]
     mask[:, :T // 2] = 0.0
     batch["mask"] = mask
-    with_o = distill.with_loss_origins(obj, batch)
+    with_o = distill.with_loss_origins(obj, batch, min_width=0)
     assert "origins" in with_o and with_o["origins"].shape[1] < T
     f = jax.jit(jax.value_and_grad(lambda t, b: distill.head_loss(t, frozen, head_UD, b, draft=obj,
                                                                   spec=distill.LossSpec("fkl")), has_aux=True))

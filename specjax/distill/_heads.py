@@ -142,17 +142,21 @@ def _at_origins(o_BQ, x_BT):
     return jnp.take_along_axis(x_BT, idx, axis=1)
 
 
-def loss_origins(mask_BT: np.ndarray, shifts, parts: int = 8):
+def loss_origins(mask_BT: np.ndarray, shifts, parts: int = 8, min_width: int = 256):
     """The origins a head's loss reads, for ``batch["origins"]`` / ``batch["origins_valid"]``
     (`head_loss`): position o of a row when ``mask[o + k]`` for some shift k of its outputs
     (`HeadKind.train_shifts`), in order, the rows padded (position 0, not valid) to one width Q,
     the largest count rounded up to a multiple of T / ``parts`` (few shapes to compile). None
-    when Q would be the whole width (nothing to save).
+    when Q would be the whole width (nothing to save) or the batch is narrower than
+    ``min_width`` (each (width, Q) is a program to compile; narrow batches save too little to
+    pay for theirs).
 
     Training-time test runs every drafting step after the first at each origin; positions whose
     every shifted target is a prompt token or padding need none of it."""
     m = np.asarray(mask_BT) > 0
     B, T = m.shape
+    if T < min_width:
+        return None
     need = np.zeros_like(m)
     for k in shifts:
         if 0 <= k < T:
@@ -171,9 +175,9 @@ def loss_origins(mask_BT: np.ndarray, shifts, parts: int = 8):
     return origins, valid
 
 
-def with_loss_origins(obj: HeadObjective, batch: dict) -> dict:
+def with_loss_origins(obj: HeadObjective, batch: dict, min_width: int = 256) -> dict:
     """``batch`` with the origins its loss reads (`loss_origins`) when they save work."""
-    got = loss_origins(batch["mask"], obj.config.spec.train_shifts(obj.config, obj.ttt_steps))
+    got = loss_origins(batch["mask"], obj.config.spec.train_shifts(obj.config, obj.ttt_steps), min_width=min_width)
     return batch if got is None else {**batch, "origins": got[0], "origins_valid": got[1]}
 
 
