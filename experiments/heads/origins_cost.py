@@ -81,19 +81,14 @@ def measure(n: int) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax import build, distill, drafters
+    from experiments.heads import head_bench
+    from specjax import build, distill
     model, tp = build.load_target("smollm2-135m-instruct")[:2]
     ids = np.arange(8192)
     head_UD = distill.teacher_head(model, tp, ids)
     rows = []
     for kind, opts in KINDS:
-        hc = drafters.HeadConfig.make(kind, model.config, head_size=8192, input_norm=True,
-                                      num_heads=opts.get("num_heads", 4))
-        obj = distill.HeadObjective(hc, model, ttt_steps=opts.get("ttt_steps", 1))
-        own = drafters.init_head_params(hc, jax.random.key(0), head_ids=ids)
-        opt, _ = distill.make_optimizer(learning_rate=1e-3, warmup_steps=30, total_updates=1000)
-        state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
-        frozen = {**frozen, "target": tp}
+        hc, obj, opt, state, frozen = head_bench.fresh_head(model, tp, kind, opts, ids)
         step = distill.make_train_step(obj, distill.LossSpec("fkl"), opt, loss=distill.head_loss)
         plain = _batches(n, hc.feature_size, model.config.hidden_size)
         gathered = [distill.with_loss_origins(obj, b) for b in plain]

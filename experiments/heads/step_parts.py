@@ -46,6 +46,7 @@ def measure(B: int, T: int) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
+    from experiments.heads import head_bench
     from specjax import build, distill, drafters
     model, tp = build.load_target("smollm2-135m-instruct")[:2]
     ids = np.arange(8192)
@@ -56,13 +57,7 @@ def measure(B: int, T: int) -> list[dict]:
     mask[:, T * 3 // 10:T - 1] = 1.0
     rows = []
     for kind, opts in KINDS:
-        hc = drafters.HeadConfig.make(kind, model.config, head_size=8192, input_norm=True,
-                                      num_heads=opts.get("num_heads", 4))
-        obj = distill.HeadObjective(hc, model, ttt_steps=opts.get("ttt_steps", 1))
-        own = drafters.init_head_params(hc, jax.random.key(0), head_ids=ids)
-        opt, _ = distill.make_optimizer(learning_rate=1e-3, warmup_steps=30, total_updates=1000)
-        state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
-        frozen = {**frozen, "target": tp}
+        hc, obj, opt, state, frozen = head_bench.fresh_head(model, tp, kind, opts, ids)
         batch = {"tokens": rng.integers(0, 8000, (B, T)).astype(np.int32), "mask": mask,
                  "features": rng.standard_normal((B, T, hc.feature_size)).astype(np.float16),
                  "final_residual": rng.standard_normal((B, T, model.config.hidden_size)).astype(np.float16)}
