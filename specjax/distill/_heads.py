@@ -217,11 +217,21 @@ def head_loss(trainable, frozen, head_UD, batch, *, draft: HeadObjective, spec, 
     outs = hc.spec.train_outputs(hc, params, tokens, f_in, obj.ttt_steps, origins_BQ=o_BQ)
     at = (lambda x: x) if o_BQ is None else functools.partial(_at_origins, o_BQ)
     valid = 1.0 if o_BQ is None else batch["origins_valid"].astype(jnp.float32)
+    T = tokens.shape[1]
+
+    def shifted(k):
+        """(target logits, mask) at t + k for each scored row (zero mask past the end): a gather
+        at the origins, not a shifted copy of the [B, T, V] logits per step."""
+        if o_BQ is None:
+            return _shift(p_logits, k), _shift(mask, k)
+        at_k = o_BQ + k
+        return _at_origins(at_k, p_logits), _at_origins(at_k, mask) * (at_k < T) * valid
+
     for out, k in outs:
         if o_BQ is not None and not hc.spec.origin_outputs:
             out = at(out)
         q_logits = hc.spec.train_scores(hc, params, head_c, out).astype(jnp.float32)
-        p_k, m_k = at(_shift(p_logits, k)), at(_shift(mask, k)) * valid
+        p_k, m_k = shifted(k)
         div = _divergence.divergence(spec.divergence, p_k, q_logits, spec.temperature, spec.beta)
         terms.append(_divergence.masked_mean(div, m_k))
         if first is None:
