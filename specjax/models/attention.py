@@ -136,8 +136,8 @@ def tree_attention_mask(tree: TreeBlock, lengths_B, capacity: int):
 class TrainingTimeTest:
     """Visibility of drafting step j > 1 of a training-time test over whole sequences (no cache;
     `specjax.drafters.heads.eagle_train_forward`): ``past`` holds the step-1 entries of every
-    position (block 0, T entries) and then J - 2 blocks of Q entries, one per earlier step > 1
-    (k [B, K, T + (J - 2) Q, H]); the call's Q new tokens are step j's. Query q is the draft
+    position (block 0, T entries) and then j - 2 blocks of Q entries, one per earlier step > 1
+    (k [B, K, T + (j - 2) Q, H]); the call's Q new tokens are step j's. Query q is the draft
     from origin ``o_q`` (``origins_BQ[b, q]``; without ``origins_BQ`` every position is an
     origin, ``o_q = q`` and Q = T). It sees slot s of block 0 iff ``s <= o_q`` (and, with
     ``hides_first``, ``s >= 1``: slot 0 is seen by nobody but query 0's own step 1), and entry q
