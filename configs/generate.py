@@ -43,6 +43,10 @@ def get_config():
     # gamma 3 (experiments/bench_speed/results/2026-12-03-regimes-amd-epyc).
     c.adaptive_gamma = False
     c.adaptive_gammas = (0, 1, 2, 3, 4)
+    # Row budgets among the adaptive candidates: each width (> 1) is a round that scores that many
+    # positions per row in all (the root included) and hands them to the rows that accept best,
+    # each row drafting 0 to max(adaptive_gammas) tokens (specjax.RowBudget; token verifier only).
+    c.adaptive_budgets = ()
     # Adaptive gamma's round times per machine and setting (specjax.calibration): measured once,
     # then reused by later runs; "" = measure every run, nothing stored.
     c.calibration_cache = "~/.cache/specjax/calibration.json"

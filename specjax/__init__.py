@@ -46,12 +46,13 @@ the code (``experts_Mk``: k experts per token).
 """
 
 from specjax import analysis, decoding, drafters, models, sampling, specbench, trees, verify
-from specjax.decoding import AdaptiveGamma, Engine, EngineParams, GenerationConfig, Generator, make_batch
+from specjax.decoding import AdaptiveGamma, Engine, EngineParams, GenerationConfig, Generator, RowBudget, make_batch
 from specjax.sampling import SamplingConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "analysis", "decoding", "drafters", "models", "sampling", "specbench", "trees", "verify",
-    "AdaptiveGamma", "Engine", "EngineParams", "GenerationConfig", "Generator", "SamplingConfig", "make_batch",
+    "AdaptiveGamma", "Engine", "EngineParams", "GenerationConfig", "Generator", "RowBudget", "SamplingConfig",
+    "make_batch",
 ]

@@ -48,10 +48,17 @@ class TabularModel:
     def init_cache(self, batch_size, capacity):
         return ToyCache(jnp.zeros((batch_size, capacity), jnp.int32), jnp.zeros((batch_size,), jnp.int32))
 
-    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None, tree=None):
+    def apply(self, table_VVV, tokens_BT, cache, num_valid_B=None, tree=None, rows=None):
+        """``rows`` (`specjax.models.PackedRows`, a row-budget round): the positions not listed
+        get zero logits, as in `specjax.models.Llama`'s packed pass (a round that read one would
+        draw from the uniform law there: the distribution tests' negative control)."""
         B, T = tokens_BT.shape
         if tree is not None:
             return self._apply_tree(table_VVV, tokens_BT, cache, tree)
+        if rows is not None:
+            logits, cache = self.apply(table_VVV, tokens_BT, cache, num_valid_B)
+            used_BT = rows.unpack(jnp.ones((1, rows.size), bool))
+            return jnp.where(used_BT[..., None], logits, 0.0), cache
         if cache is None:
             prev_BT = jnp.concatenate([jnp.zeros((B, 1), tokens_BT.dtype), tokens_BT[:, :-1]], axis=1)
             return table_VVV[prev_BT, tokens_BT], None

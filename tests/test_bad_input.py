@@ -146,6 +146,7 @@ def test_item3_clip_norm_zero_means_no_clipping_and_negative_is_an_error(tmp_pat
 @pytest.mark.parametrize("setting,value", [
     ("gamma", -1), ("adaptive_gammas", (0, -1)), ("adaptive_gammas", (3, 1)), ("tree", "branching:0"),
     ("tree", "bogus"), ("adaptive_trees", ("dynamic:2,2,3",)), ("adaptive_trees", ("paths:1",)),
+    ("adaptive_budgets", (0.5,)), ("adaptive_budgets", (2.0, "x")), ("adaptive_budgets", (9.0,)),
     ("verifier", "blok"), ("tree_verifier", "bfs"), ("tree_children", "some"), ("temperature", 1e-38),
     ("temperature", -1.0), ("top_k", -2), ("top_p", 1.5), ("max_new_tokens", 0)])
 def test_item4_invalid_settings_are_errors_whichever_mode_reads_them(setting, value):

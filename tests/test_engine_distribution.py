@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from specjax import decoding, drafters, sampling
+from specjax import decoding, drafters, models, sampling
 
 from _tabular import support_chisquare
 from _toy import TabularModel, ToyCache, random_table, sequence_probs
@@ -126,6 +126,20 @@ class NoRollbackTarget(TabularModel):
         return logits, PtrCache(new.hist_BS, new.lengths_B, new.lengths_B)
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnProgramDrafter(drafters.ModelDrafter):
+    """The model drafter under a class of its own, so an engine holding it compiles its own
+    program: the broken packing below is traced into that one, not into the exact cases' program."""
+
+
+def _leading_one_short(counts_B, width, size):
+    """BROKEN `models.PackedRows.leading`: each row's last used position (its cut) left out."""
+    return _LEADING(jnp.maximum(jnp.asarray(counts_B) - 1, 1), width, size)
+
+
+_LEADING = models.PackedRows.leading
+
+
 # ----------------------------------------------------------------------------- configurations
 
 def _gen(gamma, verifier="token"):
@@ -135,6 +149,7 @@ def _gen(gamma, verifier="token"):
 T1 = dict(temperature=1.0)
 TOPK = dict(temperature=0.7, top_k=2)
 TOPP = dict(temperature=0.7, top_p=0.8)
+BUDGET = decoding.AdaptiveGamma(gammas=(decoding.RowBudget(3, 2.0),))
 
 # name -> (sampling kwargs, GenerationConfig or None for target-only, drafter kind)
 EXACT_CASES = {
@@ -148,6 +163,9 @@ EXACT_CASES = {
     "token_g1_topp0.8_T0.7": (TOPP, _gen(1), "model"),
     "block_g3_topp0.8_T0.7": (TOPP, _gen(3, "block"), "model"),
     "ngram_token_g3_T1": (T1, _gen(3), "ngram"),
+    # a gamma per row: two proposals per row on average, handed to the rows by their estimates
+    "budget_g3_w2_T1": (T1, _gen(BUDGET), "model"),
+    "budget_g3_w2_topk2_T0.7": (TOPK, _gen(BUDGET), "model"),
 }
 DRAFT_STATE_BUG_CASES = {
     "draft_commit_skips_rollback": (T1, _gen(3), "no_rollback_drafter"),
@@ -157,6 +175,9 @@ NEGATIVE_CASES = {
     "q_reported_at_T_sampled_at_T/2": (T1, _gen(3), "misreport_temperature"),
     "q_reported_sharpened": (T1, _gen(3), "misreport_sharpened"),
     "target_cache_ignores_rollback": (T1, _gen(3), "no_rollback_target"),
+    # a row budget whose packed target pass leaves out each row's cut position, so the row's
+    # token there comes from the uniform law of an uncomputed position
+    "budget_packs_one_position_short": (T1, _gen(BUDGET), "budget_one_short"),
 }
 FAMILY_SIZE = len(EXACT_CASES) + len(DRAFT_STATE_BUG_CASES)
 PER_TEST_ALPHA = FAMILY_WISE_ALPHA / FAMILY_SIZE
@@ -204,10 +225,15 @@ def _run(setup, name, case):
             drafter = MisreportingDrafter(TabularModel(V), mode="sharpened")
         elif kind == "no_rollback_target":
             drafter, target = drafters.ModelDrafter(TabularModel(V)), NoRollbackTarget(V)
+        elif kind == "budget_one_short":
+            drafter = OwnProgramDrafter(TabularModel(V))
         else:
             raise AssertionError(kind)
     engine = decoding.Engine(target, drafter, gen_cfg)
-    out = engine.run(decoding.EngineParams(target=tt, draft=draft_params), cfg, _batch(setup, gen_cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        if kind == "budget_one_short":
+            mp.setattr(models.PackedRows, "leading", staticmethod(_leading_one_short))
+        out = engine.run(decoding.EngineParams(target=tt, draft=draft_params), cfg, _batch(setup, gen_cfg))
     lengths = np.asarray(out.lengths_B)
     assert (lengths == len(PROMPT) + N_NEW).all(), "every row must generate exactly N_NEW tokens"
     assert (np.asarray(out.status_B) == decoding.MAX_TOKENS).all()
@@ -216,6 +242,11 @@ def _run(setup, name, case):
     proposed = int(np.asarray(m.proposed_B).sum())
     rejection = 1.0 - int(np.asarray(m.accepted_B).sum()) / proposed if proposed else float("nan")
     np.testing.assert_array_equal(np.asarray(m.committed_B), N_NEW)
+    if gen_cfg.has_budgets:
+        # the rows really drafted different numbers of tokens (one per row per round on average)
+        per_round_B = np.asarray(m.proposed_B) / np.asarray(m.rounds_B)
+        assert per_round_B.max() >= 1.5 and np.mean(per_round_B != per_round_B[0]) > 0.1, \
+            (per_round_B.min(), per_round_B.max())
     setup["runs"][name] = (gen, rejection)
     return gen, rejection
 

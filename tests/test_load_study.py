@@ -1,5 +1,5 @@
 """CI smoke test of experiments/load_study: the tiny variant at 2 slots, target-only,
-fixed-gamma prompt lookup and load-aware prompt lookup, all at once and at half the saturated
+fixed-gamma prompt lookup and load-aware prompt lookup with row budgets (a gamma per row), all at once and at half the saturated
 rate with Poisson and bursty arrivals, through the resizing scheduler, and the load-aware mode
 on the live scheduler, submitted directly and over HTTP (streamed /v1/completions calls to
 `specjax serve`'s application on 127.0.0.1); one record per run with every request, greedy tokens equal to
@@ -23,7 +23,7 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     load_run.main(c)
     recs = toolkit.read_jsonl(out)
     loads = [x for x in recs if x["kind"] == "load"]
-    modes = ("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup")
+    modes = ("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup, row budgets")
     assert [(x["slots"], x["mode"], x["arrivals"]) for x in loads] == [
         (s, m, k) for s in (2,) for m in modes for k in ("all at once", "poisson", "bursty")]
     for x in loads:
@@ -45,7 +45,7 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     assert [(x["slots"], sorted(x["round_time_s"])) for x in cal] == [(2, ["1", "2"])]
     live = [x for x in recs if x["kind"] == "live"]
     assert [(x["slots"], x["mode"], x["transport"]) for x in live] == [
-        (2, "load-aware prompt lookup", "engine"), (2, "load-aware prompt lookup", "http")]
+        (2, "load-aware prompt lookup, row budgets", "engine"), (2, "load-aware prompt lookup, row budgets", "http")]
     for x in live:     # over HTTP the text is the ids (IdText), so 'same' is token equality there too
         assert x["lost"] == 0 and x["requests"] == 6 and x["same_tokens_as_target_only"] == 6
         assert x["engine_rounds"] > 0 and all(q["inter_token_s"] > 0 for q in x["per_request"])

@@ -54,6 +54,7 @@ def test_a_config_is_typed_once_and_settings_are_not_retyped():
     ("scan_layers", "yes", "scan_layers='yes': expected true or false"),
     ("adaptive_gammas", "0,1", "adaptive_gammas='0,1': expected a tuple of integers"),
     ("adaptive_trees", 3, "adaptive_trees=3: expected a tuple of tree strings"),
+    ("adaptive_budgets", "2", "adaptive_budgets='2': expected a tuple of numbers > 1"),
     ("mesh", {"data": "x"}, "mesh=.*expected axis sizes"),
     ("max_ngram", "3", "max_ngram='3': expected an integer"),            # the drafter's block, typed too
     ("draft_model", 3, "draft_model=3: expected a string"),

@@ -14,14 +14,18 @@ Variant "tiny": a random small target and random prompts, seconds per mode (CI).
 
 import ml_collections
 
-# mode name -> (drafter, gamma, adaptive): adaptive modes pick gamma per round from the rows'
-# acceptance and the round times measured at the batch size the round runs at.
+# mode name -> (drafter, gamma, adaptive[, row budgets]): adaptive modes pick gamma per round from
+# the rows' acceptance and the round times measured at the batch size the round runs at; with row
+# budgets (positions scored per row, `adaptive_budgets`) a round may also give each row its own
+# gamma (up to the largest of adaptive_gammas) in one packed target pass.
 MODES = {
     "target-only": ("none", 0, False),
     "hybrid, gamma 3": ("hybrid", 3, False),
     "load-aware hybrid": ("hybrid", 4, True),
+    "load-aware hybrid, row budgets": ("hybrid", 4, True, (1.5, 2.5)),
     "prompt lookup, gamma 3": ("ngram", 3, False),
     "load-aware prompt lookup": ("ngram", 4, True),
+    "load-aware prompt lookup, row budgets": ("ngram", 4, True, (1.5, 2.5)),
 }
 
 
@@ -29,7 +33,7 @@ def get_config(variant: str = ""):
     c = ml_collections.ConfigDict()
     c.generate_config = "configs/generate.py"
     c.target = ""                           # "" = the generate config's target; "tiny": random (CI)
-    c.modes = ("target-only", "hybrid, gamma 3", "load-aware hybrid")
+    c.modes = ("target-only", "load-aware hybrid", "load-aware hybrid, row budgets")
     c.adaptive_gammas = (0, 1, 2, 3, 4)
     c.slots = (1, 4, 16)                    # one server per slot count
     c.num_requests = (12, 24, 48)           # requests per slot count (seeded sample of held-out questions)
@@ -45,7 +49,7 @@ def get_config(variant: str = ""):
     c.calibration_repeats = 7
     c.live_slots = 4                        # the live scheduler's runs: this slot count only
     c.live_loads = (0.5, 0.9)
-    c.live_modes = ("target-only", "load-aware hybrid")
+    c.live_modes = ("target-only", "load-aware hybrid, row budgets")
     # How live requests reach the scheduler: "engine" (submitted to it directly) and "http"
     # (streamed /v1/completions calls to `specjax serve`'s application on 127.0.0.1).
     c.live_transports = ("engine", "http")
@@ -54,10 +58,10 @@ def get_config(variant: str = ""):
     # groups are kept, the rest run again.
     c.resume = False
     if variant == "tiny":
-        c.update(target="tiny", modes=("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup"),
+        c.update(target="tiny", modes=("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup, row budgets"),
                  adaptive_gammas=(0, 1, 3), slots=(2,), num_requests=(6,), max_new_tokens=8, loads=(0.5,),
                  calibration_repeats=3,
-                 live_slots=2, live_loads=(0.5,), live_modes=("load-aware prompt lookup",),
+                 live_slots=2, live_loads=(0.5,), live_modes=("load-aware prompt lookup, row budgets",),
                  out="/tmp/load_study/results.jsonl")
     elif variant:
         raise ValueError(f"unknown variant {variant!r}: expected '' or 'tiny'")

@@ -83,9 +83,11 @@ def _setup(c, num_requests: int):
 
 def _engine(c, gc, target, params, eos_ids, mode: str):
     from specjax import build, decoding
-    kind, gamma, adaptive = config_lib.MODES[mode]
+    kind, gamma, adaptive, *budgets = config_lib.MODES[mode]
     gm = gc.copy_and_resolve_references()
     gm.update(drafter=kind, gamma=int(gamma), adaptive_gamma=bool(adaptive))
+    if budgets:      # a gamma per row: exact with the token verifier (greedy rounds verify greedily either way)
+        gm.update(adaptive_budgets=tuple(budgets[0]), verifier="token")
     drafter, dparams = build.make_drafter(kind, target, params, draft_model=gm.draft_model, max_ngram=gm.max_ngram,
                                           min_ngram=gm.min_ngram, dtype=gm.dtype, scan_layers=gm.scan_layers,
                                           target_name=gm.target)
@@ -434,7 +436,7 @@ def main(c):
             if engine.config.adaptive:
                 round_time_s = round_times_per_size(engine, eparams, samp, prompts, buckets.sizes, capacity, key, pad,
                                                     int(c.calibration_repeats))
-                out.write("calibration", slots=slots, mode=mode, gammas=list(engine.config.gammas),
+                out.write("calibration", slots=slots, mode=mode, gammas=[g if isinstance(g, int) else str(g) for g in engine.config.gammas],
                           round_time_s={str(b): list(t) for b, t in round_time_s.items()})
                 _log(f"{slots} slots, {mode}: round times (ms) per size: " + "; ".join(
                     f"{b}: {[round(1e3 * t, 1) for t in ts]}" for b, ts in round_time_s.items()))

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from specjax import decoding, drafters, models, sampling, trees
 from specjax.build._memory import check_round_memory
-from specjax.build._settings import GenerateSettings, generation_config, not_settings
+from specjax.build._settings import GenerateSettings, budget_candidates, generation_config, not_settings
 
 # The most new tokens a config may ask for before any model is read: above every released
 # model's context; the target's own context length is checked once its header is read.
@@ -40,7 +41,7 @@ def check_generation_settings(c: GenerateSettings) -> None:
     """Validate every decoding setting of a generation config, whichever mode would read it
     (a bad ``gamma`` is an error with ``adaptive_gamma`` on, a bad ``adaptive_gammas`` with it
     off, a bad ``tree`` with ``drafter='none'``...): ``max_new_tokens``, ``gamma``,
-    ``adaptive_gammas``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
+    ``adaptive_gammas``, ``adaptive_budgets``, ``tree``, ``adaptive_trees``, ``verifier``, ``tree_verifier``,
     ``tree_children``, ``temperature``, ``top_k``, ``top_p`` and the three penalties. Raises one ``ValueError`` that
     starts with ``setting=value``."""
     if not isinstance(c, GenerateSettings):
@@ -73,13 +74,26 @@ def check_generation_settings(c: GenerateSettings) -> None:
             shapes.append(_tree_setting("tree", t))
         except ValueError as e:
             raise ValueError(f"adaptive_trees={raw_trees!r}: {e}") from None
+    widths = c.adaptive_budgets
+    for w in widths:
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            raise ValueError(f"adaptive_budgets={widths!r}: expected numbers (positions scored per row), got {w!r}")
+    try:
+        budgets = budget_candidates(gammas, widths)
+    except ValueError as e:
+        raise ValueError(f"adaptive_budgets={widths!r}: {e} (a budget drafts up to the largest of "
+                         f"adaptive_gammas={gammas!r})") from None
     if gammas or shapes or c.adaptive_gamma:
         try:
             decoding.AdaptiveGamma(gammas=gammas)
         except ValueError as e:
             raise ValueError(f"adaptive_gammas={gammas!r}: {e}") from None
         try:
-            decoding.AdaptiveGamma(gammas=gammas + tuple(shapes))
+            decoding.AdaptiveGamma(gammas=gammas + budgets)
+        except ValueError as e:
+            raise ValueError(f"adaptive_budgets={widths!r}: {e}") from None
+        try:
+            decoding.AdaptiveGamma(gammas=gammas + budgets + tuple(shapes))
         except ValueError as e:
             raise ValueError(f"adaptive_trees={raw_trees!r}: {e}") from None
     # The verifier names, checked by GenerationConfig itself (its messages start with the

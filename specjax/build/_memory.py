@@ -95,9 +95,9 @@ def _block_setting(c: GenerateSettings, config: decoding.GenerationConfig) -> tu
         return "tree", c.tree
     if config.adaptive:
         largest = max(config.gammas, key=lambda g: g if isinstance(g, int) else g.num_nodes)
-        if not isinstance(largest, int):
+        if isinstance(largest, (trees.TreeShape, trees.DynamicTree)):
             return "adaptive_trees", tuple(c.adaptive_trees)
-        return "adaptive_gammas", tuple(c.adaptive_gammas)
+        return "adaptive_gammas", tuple(c.adaptive_gammas)     # a row budget drafts up to their largest
     return "gamma", c.gamma
 
 

@@ -37,6 +37,7 @@ class GenerateSettings(Settings):
     gamma: int = 3
     adaptive_gamma: bool = False
     adaptive_gammas: tuple = (0, 1, 2, 3, 4)
+    adaptive_budgets: tuple = ()            # row budgets among the adaptive candidates (`budget_candidates`)
     verifier: str = "block"
     tree: str = ""
     adaptive_trees: tuple = ()
@@ -83,7 +84,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(GenerateSettings) if f.name != "
 STRING_FIELDS = ("target", "dtype", "cpu_kernel", "attention_op", "drafter", "verifier", "tree", "tree_verifier",
                  "tree_children")
 _FLAGS = ("scan_layers", "fuse_projections", "adaptive_gamma", "strict_precision", "write_then_attend")
-_TYPED = STRING_FIELDS + _FLAGS + ("adaptive_gammas", "adaptive_trees", "mesh")
+_TYPED = STRING_FIELDS + _FLAGS + ("adaptive_gammas", "adaptive_budgets", "adaptive_trees", "mesh")
 
 
 def typed(name: str, value):
@@ -98,9 +99,10 @@ def typed(name: str, value):
         if not isinstance(value, (bool, numbers.Integral)) or value not in (0, 1):
             raise ValueError(f"{name}={value!r}: expected true or false")
         return bool(value)
-    if name in ("adaptive_gammas", "adaptive_trees"):
+    if name in ("adaptive_gammas", "adaptive_budgets", "adaptive_trees"):
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            what = "integers >= 0" if name == "adaptive_gammas" else "tree strings"
+            what = {"adaptive_gammas": "integers >= 0", "adaptive_budgets": "numbers > 1",
+                    "adaptive_trees": "tree strings"}[name]
             raise ValueError(f"{name}={value!r}: expected a tuple of {what}")
         return tuple(value)
     if name == "mesh":
@@ -108,6 +110,15 @@ def typed(name: str, value):
             return FIELDS["mesh"].default
         return mesh_pairs(value, "{'data': 1, 'fsdp': 1, 'model': -1}")
     return value
+
+
+def budget_candidates(gammas, widths) -> tuple:
+    """The row budgets of ``adaptive_budgets`` (positions scored per row, the root included): one
+    `decoding.RowBudget` per width, each drafting up to the largest of ``adaptive_gammas``, so
+    the rows of one round get gammas from 0 to that (`specjax.decoding.adaptive`)."""
+    if not widths:
+        return ()
+    return tuple(decoding.RowBudget(max(gammas, default=0), float(w)) for w in widths)
 
 
 def generate_settings(c: Any, **changes) -> GenerateSettings:
@@ -153,7 +164,8 @@ def proposals(s: GenerateSettings):
     if s.tree:
         return trees.parse_tree(s.tree)
     if s.adaptive_gamma:
-        return decoding.AdaptiveGamma(gammas=tuple(s.adaptive_gammas)
+        return decoding.AdaptiveGamma(gammas=tuple(s.adaptive_gammas) + budget_candidates(s.adaptive_gammas,
+                                                                                          s.adaptive_budgets)
                                       + tuple(trees.parse_tree(t) for t in s.adaptive_trees))
     return int(s.gamma)
 

@@ -18,9 +18,10 @@ rows; the round times are those measured at the batch size the round runs at (a 
 runs rounds at the size its busy rows need, `specjax.serving.Buckets`, gives the policy that
 size's times). So a few busy rows in a round bound by memory traffic draft long, and a full
 batch bound by compute, where a gamma-round costs close to (gamma + 1) plain rounds, runs at
-gamma = 0. One gamma per round for the whole batch: in a dense batch a round costs what its
-widest row costs, and a row's expected committed tokens only grow with its own gamma, so a
-shorter gamma for some rows would save nothing and commit less.
+gamma = 0. A draft length is one gamma for the whole batch: in a dense batch a round costs what
+its widest row costs, and a row's expected committed tokens only grow with its own gamma, so a
+shorter gamma for some rows would save nothing and commit less; a row budget (below) packs the
+rows' positions, so there a shorter gamma saves its positions.
 Hysteresis: it moves away from the current gamma only when the best one is predicted at
 least `hysteresis` (relative) cheaper. The estimate a is a discounted mean of the acceptance
 probability min(1, p/q) over the draft positions actually tested, forgetting per tested
@@ -31,6 +32,17 @@ per round would let a one-row round of one or two positions move the estimate as
 full batch's, so at low load the estimate would swing with each round's luck and price every
 fresh row by the last few positions. While at gamma = 0 nothing is tested, so every
 `probe_every` rounds the smallest positive gamma is tried once to refresh it.
+
+Per-row draft lengths (`RowBudget`): a candidate that gives each row its own gamma in one
+round. The round scores a fixed number of positions N (the budget: ``width`` per row, rounded up
+over the batch; the target's pass packs them, `specjax.models.PackedRows`, so it costs what N
+positions cost, not what the widest row's block costs), and the positions past each row's root
+go to the proposals with the largest marginal expected tokens: the j-th proposal of a row with
+estimate a adds a^j, which falls with j, so taking the N - B largest of {a_b^j} hands each row a
+prefix (`allocate`). Rows that accept well draft long, the others short or not at all, and the
+round is priced by the sum of the rows' expected tokens at their allocated gammas. The drafter
+still drafts the budget's ``gamma`` for every row (the cheap part); each row's verdict is cut at
+its own gamma, which is exactly a round of that gamma for the row (`specjax.decoding._round`).
 
 Static token trees (`specjax.trees.TreeShape`) may be candidates beside the draft lengths: a
 tree's expected committed tokens under the same estimate are `TreeShape.expected_tokens`
@@ -54,10 +66,78 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax import trees as trees_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBudget:
+    """An adaptive candidate with a gamma per row (module doc): rows draft up to ``gamma`` tokens,
+    and the round scores ``width`` positions per row in all (the root included; 1 < width <=
+    gamma + 1), handed out by `allocate`."""
+    gamma: int
+    width: float
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"a row budget's gamma must be an int >= 1, got {self.gamma!r}")
+        if not 1.0 < float(self.width) <= self.gamma + 1:
+            raise ValueError(f"a row budget's width (positions scored per row, the root included) must be in "
+                             f"(1, gamma + 1 = {self.gamma + 1}], got {self.width!r}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.gamma
+
+    @property
+    def num_nodes(self) -> int:
+        return self.gamma
+
+    def slots(self, batch: int) -> int:
+        """The positions a round of ``batch`` rows scores (static)."""
+        return int(min(batch * (self.gamma + 1), max(batch + 1, np.ceil(self.width * batch - 1e-9))))
+
+    def expected_tokens(self, alpha):
+        """Committed tokens per row when every row has the estimate ``alpha``: the budget's
+        proposals spread evenly, ``width - 1`` per row (the fraction as the mix of the two
+        nearest gammas)."""
+        extra = float(self.width) - 1.0
+        low = int(np.floor(extra))
+        frac = extra - low
+        high = min(low + 1, self.gamma)
+        return (1.0 - frac) * expected_tokens(alpha, jnp.float32(low)) + frac * expected_tokens(alpha, jnp.float32(high))
+
+    def __str__(self):
+        return f"budget[gamma {self.gamma}, {float(self.width):g} per row]"
+
+
+def allocate(budget: RowBudget, alpha_B, active_B):
+    """Each row's gamma (int32 [B]) in a `RowBudget` round of B rows: the ``slots(B) - B``
+    positions past the roots go to the largest marginal gains a_b^j (j = 1..gamma) of the active
+    rows (equal gains: the lower j first, then the lower row, so equal estimates spread evenly);
+    an inactive row gets 0. Each row's share is a prefix of its proposals, as a^j falls with j."""
+    B, G = alpha_B.shape[0], budget.gamma
+    extra = budget.slots(B) - B
+    alpha_B = jnp.clip(alpha_B.astype(jnp.float32), 0.0, 1.0)
+    gain_BG = alpha_B[:, None] ** jnp.arange(1, G + 1, dtype=jnp.float32)[None]
+    # A strict order inside a row (equal gains, a = 1 or a = 0, go to the lower j first; top_k
+    # takes the lower index among equal values) and inactive rows last.
+    gain_BG = jnp.where(active_B[:, None], gain_BG - 1e-6 * jnp.arange(G, dtype=jnp.float32)[None], -1.0)
+    _, picked = jax.lax.top_k(gain_BG.reshape(-1), extra)
+    taken_BG = jnp.zeros((B * G,), bool).at[picked].set(True).reshape(B, G) & active_B[:, None]
+    return jnp.sum(taken_BG, axis=1).astype(jnp.int32)
+
+
+def _rows_expected(candidate, alpha_B, active_B):
+    """A candidate's committed tokens summed over the active rows, each at its own estimate."""
+    if isinstance(candidate, RowBudget):
+        gamma_B = allocate(candidate, alpha_B, active_B)
+        return jnp.sum(jnp.where(active_B, expected_tokens(alpha_B, gamma_B.astype(jnp.float32)), 0.0))
+    return jnp.sum(jnp.where(active_B, expected_per_candidate(alpha_B, (candidate,))[0], 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +159,12 @@ class AdaptiveGamma:
         if not self.gammas or any(g < 0 for g in lengths) or lengths != sorted(set(lengths)):
             raise ValueError(f"gammas must be distinct, sorted and >= 0, got {self.gammas}")
         if list(self.gammas) != lengths + shapes or len(set(shapes)) != len(shapes):
-            raise ValueError(f"adaptive candidates are the draft lengths (sorted) followed by distinct static trees, "
-                             f"got {self.gammas}")
-        if any(not isinstance(g, trees_lib.TreeShape) for g in shapes):
-            raise ValueError("adaptive drafting chooses among draft lengths and static trees (TreeShape); a dynamic "
-                             "tree's size is not known before it is drafted, so it has no cost model here")
+            raise ValueError(f"adaptive candidates are the draft lengths (sorted) followed by distinct row budgets "
+                             f"and static trees, got {self.gammas}")
+        if any(not isinstance(g, (trees_lib.TreeShape, RowBudget)) for g in shapes):
+            raise ValueError("adaptive drafting chooses among draft lengths, row budgets (RowBudget) and static "
+                             "trees (TreeShape); a dynamic tree's size is not known before it is drafted, so it has "
+                             "no cost model here")
         if not self.window >= 1.0:
             raise ValueError(f"window must be >= 1 tested position, got {self.window}")
         if not self.initial_weight > 0.0:
@@ -157,9 +238,8 @@ def choose(policy: AdaptiveGamma, state: PolicyState, regime=0, alpha_B=None, ac
     alpha, current = state.alpha_R[regime], state.index_R[regime]
     expected_Z = expected_per_candidate(alpha, policy.gammas)
     if alpha_B is not None:
-        rows_ZB = jnp.where(active_B[None], expected_per_candidate(alpha_B, policy.gammas), 0.0)
-        any_active = jnp.any(active_B)
-        expected_Z = jnp.where(any_active, jnp.sum(rows_ZB, axis=1), expected_Z)
+        rows_Z = jnp.stack([_rows_expected(g, alpha_B, active_B) for g in policy.gammas])
+        expected_Z = jnp.where(jnp.any(active_B), rows_Z, expected_Z)
     per_token_Z = state.round_time_RZ[regime] / expected_Z
     best = jnp.argmin(per_token_Z).astype(jnp.int32)
     keep = per_token_Z[best] > (1.0 - policy.hysteresis) * per_token_Z[current]

@@ -122,6 +122,12 @@ class GenerationConfig:
                 0 < self.block_tokens < self.max_block + 1:
             raise ValueError(f"block_tokens must be 0 (each pass its own size), -1 (the largest block, "
                              f"{self.max_block + 1} here) or at least {self.max_block + 1}, got {self.block_tokens!r}")
+        if self.has_budgets and self.verifier != "token":
+            raise ValueError(f"row budgets (a gamma per row) cut each row's verdict at its own gamma, which is exact "
+                             f"for token verification only; got verifier={self.verifier!r}")
+        if self.has_budgets and self.block_tokens != 0:
+            raise ValueError(f"row budgets score only the positions the rows use; a padded block size "
+                             f"(block_tokens={self.block_tokens}) cannot be combined with them")
         if self.has_trees:
             # Fails here, before anything runs, when the verifier is not exact for the children.
             verifier = self._tree_verifier()
@@ -140,7 +146,12 @@ class GenerationConfig:
 
     @property
     def has_trees(self) -> bool:
-        return any(not isinstance(g, int) for g in self.gammas)
+        return any(isinstance(g, (trees_lib.TreeShape, trees_lib.DynamicTree)) for g in self.gammas)
+
+    @property
+    def has_budgets(self) -> bool:
+        """Whether a candidate gives each row its own gamma (`_adaptive.RowBudget`)."""
+        return any(isinstance(g, _adaptive.RowBudget) for g in self.gammas)
 
     @property
     def max_gamma(self) -> int:
@@ -201,9 +212,10 @@ class Engine:
                              f"{self.target.vocab_size}; speculative sampling needs a shared vocabulary")
         caps = self.capabilities
         for g in self.config.gammas:
-            if isinstance(g, int) and g > 0 and callable(getattr(self.drafter, "check_gamma", None)):
-                self.drafter.check_gamma(g)         # a drafter with a longest chain (a block, Medusa's heads)
-            if not isinstance(g, int):
+            chain = g if isinstance(g, int) else g.gamma if isinstance(g, _adaptive.RowBudget) else None
+            if chain and callable(getattr(self.drafter, "check_gamma", None)):
+                self.drafter.check_gamma(chain)     # a drafter with a longest chain (a block, Medusa's heads)
+            if chain is None:
                 if not caps.trees:
                     raise ValueError(f"the drafter {type(self.drafter).__name__} drafts chains only "
                                      f"(capabilities.trees=False); got the tree {g}")
@@ -238,8 +250,8 @@ class Engine:
         if not self.config.adaptive:
             state, commit, _, _ = self.pipeline.run(params, sampling, self.config.gamma, state)
             return self._constrain(state), commit
-        chosen, probe, regime, regime_B = self._choose(params, state)
-        branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe, regime, regime_B)
+        chosen, probe, regime, regime_B, alpha_B = self._choose(params, state)
+        branches = [functools.partial(self._policy_round, params, sampling, g, chosen, probe, regime, regime_B, alpha_B)
                     for g in self.config.gamma.gammas]
         return jax.lax.switch(chosen, branches, state)
 
@@ -299,15 +311,16 @@ class Engine:
 
         def zero_round(s):
             regime, regime_B = self._regime(params, s)
-            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, s)[0]
+            return self._policy_round(params, sampling, 0, jnp.int32(0), jnp.zeros((), bool), regime, regime_B, None,
+                                      s)[0]
 
         def body(s):
             s = jax.lax.while_loop(zero_cond, zero_round, s)
             # Then one round at the gamma the policy chooses now (not 0: a probe or a better
             # gamma), as `_step` runs it, or nothing when the loop has ended (branch 0).
-            chosen, probe, regime, regime_B = self._choose(params, s)
+            chosen, probe, regime, regime_B, alpha_B = self._choose(params, s)
             branches = [lambda s: s] + [
-                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, s)[0]
+                lambda s, g=g: self._policy_round(params, sampling, g, chosen, probe, regime, regime_B, alpha_B, s)[0]
                 for g in policy.gammas]
             return jax.lax.switch(jnp.where(cond(s), chosen + 1, 0), branches, s)
 
@@ -337,19 +350,21 @@ class Engine:
         return _adaptive.batch_regime(regime_B, ~state.done_B), regime_B
 
     def _choose(self, params, state):
-        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes)."""
+        """The adaptive policy's choice for the next round: (index, probe, batch regime, rows' regimes,
+        rows' acceptance estimates)."""
         regime, regime_B = self._regime(params, state)
         m = state.metrics
         alpha_B = _adaptive.row_alphas(self.config.gamma, state.policy, jnp.sum(m.accepted_at_BG, axis=1),
                                        jnp.sum(m.tested_at_BG, axis=1), regime_B)
         chosen, probe = _adaptive.choose(self.config.gamma, state.policy, regime, alpha_B, ~state.done_B)
-        return chosen, probe, regime, regime_B
+        return chosen, probe, regime, regime_B, alpha_B
 
-    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, state):
+    def _policy_round(self, params, sampling, gamma, chosen, probe, regime, regime_B, alpha_B, state):
         """(state, commit) of one round at ``gamma`` (the adaptive policy's choice ``chosen``,
-        ``probe``, ``regime`` and ``regime_B`` as `_choose` gave them), with the round's
-        acceptance folded into each regime's estimate (its rows' tested positions)."""
-        state, commit, tested_sum_B, tested_n_B = self.pipeline.run(params, sampling, gamma, state)
+        ``probe``, ``regime``, ``regime_B`` and ``alpha_B`` as `_choose` gave them; a row budget
+        hands out its rows' gammas by ``alpha_B``), with the round's acceptance folded into each
+        regime's estimate (its rows' tested positions)."""
+        state, commit, tested_sum_B, tested_n_B = self.pipeline.run(params, sampling, gamma, state, alpha_B)
         in_BR = regime_B[:, None] == jnp.arange(self.regimes)[None]
         sum_R = jnp.sum(jnp.where(in_BR, tested_sum_B[:, None], 0.0), axis=0)
         n_R = jnp.sum(jnp.where(in_BR, tested_n_B[:, None], 0), axis=0)
@@ -362,9 +377,9 @@ class Engine:
         alone, compiled without the `lax.switch` over every candidate (and its copies of the
         caches, see `_run`); the commit carries the next round's choice. Same keys, same policy
         update, same state as `_step`."""
-        chosen, probe, regime, regime_B = self._choose(params, state)       # chosen == index
+        chosen, probe, regime, regime_B, alpha_B = self._choose(params, state)       # chosen == index
         state, commit = self._policy_round(params, sampling, self.config.gamma.gammas[index], chosen, probe,
-                                           regime, regime_B, state)
+                                           regime, regime_B, alpha_B, state)
         return state, commit.replace(next_index=self._choose(params, state)[0])
 
     def _first_choice(self, params, state):

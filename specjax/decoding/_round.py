@@ -25,6 +25,7 @@ from specjax import sampling as sampling_lib
 from specjax import verify as verify_lib
 from specjax.decoding._state import EOS, MAX_TOKENS, NAN_LOGITS, PAD_ID, Commit, EngineParams, LoopState, Metrics
 from specjax.decoding._state import _write_block, _write_rows
+from specjax.decoding._adaptive import RowBudget, allocate
 from specjax.decoding._strategies import Proposal, Verdict, round_strategy
 from specjax.drafters import CHAIN_ONLY, Capabilities
 
@@ -63,6 +64,26 @@ def _along(pos_BA1, x_BT):
     return jnp.take_along_axis(x_BT, pos_BA1.reshape(pos_BA1.shape + (1,) * (x_BT.ndim - 2)), axis=1)
 
 
+def cap_verdict(verdict: Verdict, limit_B) -> Verdict:
+    """A chain verdict cut at each row's own gamma ``limit_B`` (a row-budget round,
+    `_adaptive.RowBudget`): exactly the verdict of a round in which row b drafted ``limit_B[b]``
+    tokens. Token verification decides position j from the draft and p, q at j alone, so the
+    decisions before a row's gamma are that round's. Where the verifier reached the cut (the
+    row's first ``limit_B`` drafts all accepted), its token there, the draft accepted or the
+    residual's draw, is distributed as p at the cut given the prefix (speculative sampling of one
+    position returns p; Leviathan et al. 2023, Appendix A.1): the token a round of gamma
+    ``limit_B`` draws from p after an all-accepted draft. So the cut keeps it, drops everything
+    after, and counts a degenerate residual only where the row's own token came from one (a
+    rejection at or before the cut). Tested positions stop at the cut. Not for the block
+    verifier, whose decisions read the whole block (`GenerationConfig` refuses the pair)."""
+    j_A1 = jnp.arange(verdict.committed_BA1.shape[1])[None]
+    return dataclasses.replace(
+        verdict, n_acc_B=jnp.minimum(verdict.n_acc_B, limit_B),
+        committed_BA1=jnp.where(j_A1 > limit_B[:, None], verify_lib.PAD_TOKEN, verdict.committed_BA1),
+        degenerate_B=jnp.where(verdict.n_acc_B > limit_B, 0, verdict.degenerate_B),
+        tested_BA=verdict.tested_BA & (j_A1[:, :-1] < limit_B[:, None]))
+
+
 @dataclasses.dataclass(frozen=True)
 class RoundPipeline:
     """One round for a target, a drafter (None: target-only) and a generation config: `run`."""
@@ -86,11 +107,18 @@ class RoundPipeline:
         """The target layers whose features the drafter reads (empty: none kept)."""
         return self.capabilities.feature_layers
 
-    def run(self, params: EngineParams, sampling, proposal, state: LoopState):
-        """One draft-verify round with a static ``proposal`` (a draft length or a tree) -> (state,
-        Commit, tested_sum_B, tested_n_B): per row, the sum and count of the tested acceptances
-        (`_finish`)."""
-        strategy = round_strategy(proposal)
+    def run(self, params: EngineParams, sampling, proposal, state: LoopState, alpha_B=None):
+        """One draft-verify round with a static ``proposal`` (a draft length, a row budget or a
+        tree) -> (state, Commit, tested_sum_B, tested_n_B): per row, the sum and count of the
+        tested acceptances (`_finish`). A row budget hands out the rows' gammas by their
+        acceptance estimates ``alpha_B`` (`_adaptive.allocate`; None: the policy's, every row
+        alike)."""
+        limit_B = None
+        if isinstance(proposal, RowBudget):
+            if alpha_B is None:
+                alpha_B = jnp.broadcast_to(state.policy.alpha_R[0], state.lengths_B.shape)
+            limit_B = allocate(proposal, alpha_B, ~state.done_B)
+        strategy = round_strategy(proposal, limit_B)
         # Penalties and automata read each position's token history (`specjax.sampling`).
         sampling = sampling.with_history(state.tokens_BS, state.prompt_lengths_B, state.lengths_B,
                                          self.target.vocab_size, state.constraint_B)
@@ -100,7 +128,7 @@ class RoundPipeline:
         L_B = state.lengths_B
         last_B = jnp.take_along_axis(state.tokens_BS, (L_B - 1)[:, None], axis=1)[:, 0]
         block_BT = jnp.concatenate([last_B[:, None], prop.tokens_BX], axis=1)
-        logits_BTV, f_BTF, target_cache = self.score(params, block_BT, state.target_cache, prop.layout)
+        logits_BTV, f_BTF, target_cache = self.score(params, block_BT, state.target_cache, prop.layout, prop.rows)
         at_block = sampling.at_block(prop.tokens_BX, None if prop.layout is None else prop.draft.parents_BN)
         p_BTV = sampling_lib.probabilities(logits_BTV, at_block)
         p_BTV, q_BXV, bad_p_BT, bad_q_B = self._sanitize(logits_BTV, p_BTV, prop, strategy.spreads_bad_p)
@@ -118,8 +146,9 @@ class RoundPipeline:
             return strategy.commit_caches(self, prop, verdict, pos_BA1, target_cache, n_commit_B, new_L_B)
 
         new_state, commit, tested_sum_B, tested_n_B = self._finish(
-            state, proposal, verdict, prop, bad_path_BA1=bad_path_BA1, bad_q_B=bad_q_B, scored=block_BT.shape[1],
-            next_key_B=next_key_B, commit_caches=commit_caches, f_path_BA1F=_along(pos_BA1, f_BTF))
+            state, proposal, verdict, prop, bad_path_BA1=bad_path_BA1, bad_q_B=bad_q_B,
+            next_key_B=next_key_B, commit_caches=commit_caches, f_path_BA1F=_along(pos_BA1, f_BTF),
+            scored=block_BT.shape[1] if prop.limit_B is None else prop.limit_B + 1)
         if sampling.fsm_state is not None:
             # each row's automaton state after what it committed (`specjax.sampling`, "Constraints")
             def step(i, s_B):
@@ -128,13 +157,17 @@ class RoundPipeline:
             new_state = new_state.replace(constraint_B=s_B)
         return new_state, commit, tested_sum_B, tested_n_B
 
-    def score(self, params, block_BT, cache, tree=None):
+    def score(self, params, block_BT, cache, tree=None, rows=None):
         """(logits, features or None, cache) of one target pass over a block; with a padded
         block size (`GenerationConfig.target_block`) the block is padded to it (padding tokens
         repeat the last one; in a tree, padding nodes see only themselves) and the outputs cut
         back to the block's own rows. The cache then holds the padding's entries past the
-        committed length, which the round's truncation or path commit leaves as garbage."""
+        committed length, which the round's truncation or path commit leaves as garbage. With
+        ``rows`` (`models.PackedRows`, a row-budget round) only the listed positions are
+        computed (`GenerationConfig` refuses a padded block size beside row budgets)."""
         T, N = block_BT.shape[1], self.config.target_block
+        if rows is not None:
+            return self._target_pass(params, block_BT, cache, rows=rows)
         if N is None or N == T:
             return self._target_pass(params, block_BT, cache, tree)
         B = block_BT.shape[0]
@@ -152,13 +185,13 @@ class RoundPipeline:
         logits, feats = jax.lax.optimization_barrier((logits, feats))
         return logits[:, :T], None if feats is None else feats[:, :T], cache
 
-    def _target_pass(self, params, block_BT, cache, tree=None):
+    def _target_pass(self, params, block_BT, cache, tree=None, rows=None):
+        # A model without tree or packing support takes no ``tree`` or ``rows`` argument.
+        extra = {k: v for k, v in (("tree", tree), ("rows", rows)) if v is not None}
         if not self.feature_layers:
-            # A model without tree support takes no ``tree`` argument (chains only).
-            out = (self.target.apply(params.target, block_BT, cache) if tree is None
-                   else self.target.apply(params.target, block_BT, cache, tree=tree))
+            out = self.target.apply(params.target, block_BT, cache, **extra)
             return out[0], None, out[1]
-        return self.target.apply_with_features(params.target, block_BT, cache, tree=tree, layers=self.feature_layers)
+        return self.target.apply_with_features(params.target, block_BT, cache, layers=self.feature_layers, **extra)
 
     def _sanitize(self, logits_BTV, p_BTV, prop: Proposal, spreads_bad_p: bool):
         """Unusable inputs. (a) A draft q that is not finite, or a q row the verifier reads that
@@ -195,6 +228,8 @@ class RoundPipeline:
                                                                                 p[None])))(
             verify_key_B, prop.draft, q_BXV, p_BTV)
         verdict = strategy.verdict(res, prop, q_BXV, p_BTV)
+        if prop.limit_B is not None:
+            verdict = cap_verdict(verdict, prop.limit_B)
         if p_BTV.shape[1] == 1:      # nothing drafted: no q to reject
             return verdict
         fresh_B = _fresh_tokens(sampling, verify_key_B, p_BTV[:, 0], bad_q_B)
@@ -242,6 +277,7 @@ class RoundPipeline:
 
     def _finish(self, state, proposal, verdict: Verdict, prop: Proposal, *, bad_path_BA1, bad_q_B, scored,
                 next_key_B, commit_caches, f_path_BA1F):
+        # ``scored``: target positions each row's pass scored (an int, or int [B] with row budgets)
         """The end of every round, chain or tree: how many of the verified tokens each row commits
         (`_truncate`), the caches cut to the committed prefix (``commit_caches(n_commit_B,
         new_L_B) -> (target_cache, draft_state)``), the tokens and features written, the

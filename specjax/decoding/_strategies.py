@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from specjax import models
 from specjax import trees as trees_lib
+from specjax.decoding._adaptive import RowBudget
 from specjax.decoding._state import LoopState
 from specjax.drafters import DraftContext
 
@@ -42,7 +43,8 @@ class Proposal:
     other in the target's pass (None: causal, a chain; a `models.TreeBlock` for a tree);
     q_BXV: the draft's distributions (module doc); q_read: the rows of q the verifier reads as
     distributions (True: all, False: none, or a bool [B, X] mask); draft_state: the drafter's
-    state after drafting; proposed_B, draft_passes: the round's counters (`Metrics`)."""
+    state after drafting; proposed_B, draft_passes: the round's counters (`Metrics`); rows,
+    limit_B: a round with a gamma per row (`BudgetRound`)."""
     draft: Any
     tokens_BX: jax.Array
     layout: models.TreeBlock | None
@@ -51,6 +53,8 @@ class Proposal:
     draft_state: Any
     proposed_B: Any
     draft_passes: int
+    rows: models.PackedRows | None = None      # the positions the target's pass computes (None: all)
+    limit_B: Any = None                        # each row's gamma (None: the round's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,22 @@ class ChainRound:
 
 
 @dataclasses.dataclass(frozen=True)
+class BudgetRound(ChainRound):
+    """A chain round with a gamma per row (`_adaptive.RowBudget`): the drafter drafts the budget's
+    gamma for every row, the target scores only each row's root and its first ``limit_B[b]``
+    drafts (`models.PackedRows` in the budget's slots), and the pipeline cuts each row's verdict
+    at its own gamma (`_round.cap_verdict`). ``limit_B``: the rows' gammas (`_adaptive.allocate`)."""
+    budget: Any = None
+    limit_B: Any = None
+
+    def propose(self, pipe, params, sampling, state: LoopState, key_B) -> Proposal:
+        prop = super().propose(pipe, params, sampling, state, key_B)
+        B = self.limit_B.shape[0]
+        rows = models.PackedRows.leading(self.limit_B + 1, self.gamma + 1, self.budget.slots(B))
+        return dataclasses.replace(prop, proposed_B=self.limit_B, rows=rows, limit_B=self.limit_B)
+
+
+@dataclasses.dataclass(frozen=True)
 class TreeRound:
     """A token tree (`specjax.trees.TreeShape` or `DynamicTree`): the drafter drafts one per row,
     the target scores the root and every node in one pass (positions by depth, an ancestor
@@ -157,6 +177,11 @@ ROUNDS = {"chain": ChainRound, "tree": TreeRound}
 """The round strategy of each draft kind (`specjax.verify.DRAFT_KINDS`)."""
 
 
-def round_strategy(proposal) -> ChainRound | TreeRound:
-    """The strategy for a round's static proposal: a draft length (chain) or a tree."""
+def round_strategy(proposal, limit_B=None) -> ChainRound | TreeRound:
+    """The strategy for a round's static proposal: a draft length (chain), a row budget (a chain
+    with the rows' gammas ``limit_B``) or a tree."""
+    if isinstance(proposal, RowBudget):
+        if limit_B is None:
+            raise ValueError(f"a {proposal} round needs each row's gamma (limit_B)")
+        return BudgetRound(proposal.gamma, budget=proposal, limit_B=limit_B)
     return ROUNDS["chain" if isinstance(proposal, int) else "tree"](proposal)

@@ -74,6 +74,7 @@ from specjax.models.attention import (ORDERED_TAIL_MAX, AttentionSpec, attention
 from specjax.models.attention import causal_mask as causal_mask_for
 from specjax.models.config import ModelConfig
 from specjax.models.kv_cache import KVCache, TreeBlock, write_kv  # noqa: F401  (TreeBlock: the protocol's type)
+from specjax.models.packing import PackedRows
 
 __all__ = ["Llama", "attention", "tree_attention_mask"]    # attention lives in specjax.models.attention
 
@@ -449,9 +450,12 @@ def _experts(config: ModelConfig, p: dict, x_BTD):
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype)
 
 
-def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, write_at=None, offset: int = 0):
+def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, write_at=None, offset: int = 0,
+           rows: PackedRows | None = None):
     """One decoder layer. ``past`` = (k_BKSH, v_BKHS, lengths_B) of this layer, or None;
     ``tree_mask``: the queries' `specjax.models.attention` visibility (None: plain causal).
+    With ``rows`` (`specjax.models.packing`) ``h_BTD`` is the packed [1, N, D]: the position-wise
+    parts run on it, the attention on the dense block (q, k, v unpacked, its output packed).
 
     Returns the new hidden states and this call's (k, v) [B, T, K, H] in the cache dtype.
     With ``write_at`` [B] (write-then-attend): this call's entries are written into ``past``'s
@@ -459,7 +463,7 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     slots (`attention.written_visibility`), and the written (k_buf, v_buf) are returned instead.
     """
     c = config
-    B, T, _ = h_BTD.shape
+    B, T = h_BTD.shape[:2] if rows is None else (rows.batch, rows.width)
     kv_dtype = c.jnp_dtype
     x = norm(c, h_BTD, p["attn_norm"])
     width = lambda name: _proj_width(name, c)     # noqa: E731  (the width the stored form holds)
@@ -468,6 +472,8 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
         q, k, v = qkv[..., :c.q_size], qkv[..., c.q_size:c.q_size + c.kv_size], qkv[..., c.q_size + c.kv_size:]
     else:
         q, k, v = (_linear(c, x, p["w" + n], p["b" + n] if c.attention_bias else None, width("w" + n)) for n in "qkv")
+    if rows is not None:
+        q, k, v = rows.unpack(q), rows.unpack(k), rows.unpack(v)
     q = q.reshape(B, T, c.num_heads, c.head_dim)
     k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
     v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -492,6 +498,8 @@ def _layer(config: ModelConfig, p: dict, h_BTD, cos, sin, past, tree_mask=None, 
     else:
         attn = attention(q, k, v, past, tree_mask, kernel=c.cpu_attention and c.plain_attention, spec=spec,
                          op=c.attention_op)
+    if rows is not None:
+        attn = rows.pack(attn)
     out = _linear(c, attn, p["wo"], width=width("wo"))
     h_BTD = h_BTD + (norm(c, out, p["post_attn_norm"]) if c.sandwich_norms else out)
     x = norm(c, h_BTD, p["mlp_norm"])
@@ -545,6 +553,7 @@ class _Block:
     masks: tuple
     ropes: tuple
     variant_L: tuple[int, ...]
+    rows: PackedRows | None = None     # the positions the position-wise parts compute (None: all)
 
 
 def _block_shape(config: ModelConfig, tokens_BT, inputs_BTD):
@@ -666,7 +675,7 @@ def _run_layer(config: ModelConfig, block: _Block, lp, h_BTD, k_BKSH, v_BKHS, ma
     else:
         past = (k_BKSH, v_BKHS, block.lengths_B)
     return _layer(config, lp, h_BTD, *cos_sin, past, mask, block.write_at_B if block.write_first else None,
-                  block.offset)
+                  block.offset, block.rows)
 
 
 def _scan_variant_picker(block: _Block, B: int, T: int):
@@ -696,7 +705,7 @@ def _scan_variant_picker(block: _Block, B: int, T: int):
 def _scanned_layers(config: ModelConfig, layers, h_BTD, cache, block: _Block, collect):
     """The stacked layers under one `lax.scan`: (output, {layer: its output for layers in
     ``collect``}, k_buf, v_buf: the cache's buffers with the block written, None without a cache)."""
-    B, T = h_BTD.shape[:2]
+    B, T = h_BTD.shape[:2] if block.rows is None else (block.rows.batch, block.rows.width)
     pick, index_L = _scan_variant_picker(block, B, T)
 
     def body(h, xs):
@@ -770,21 +779,30 @@ class Llama:
         return KVCache.zeros(c.num_layers, batch_size, c.num_kv_heads, capacity, c.head_dim,
                              c.jnp_dtype, per_layer=not c.scan_layers)
 
-    def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
-        """Logits [B, T, V] (float32) and the updated cache; see `hidden_states`."""
-        h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree)
-        return self.logits_from_hidden(params, h), cache
+    def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None, rows: PackedRows | None = None):
+        """Logits [B, T, V] (float32) and the updated cache; see `trunk`. With ``rows``
+        (`specjax.models.packing`): only the listed positions are computed, the others' logits
+        are zeros."""
+        if rows is None:
+            h, cache = self.hidden_states(params, tokens_BT, cache, num_valid_B, tree)
+            return self.logits_from_hidden(params, h), cache
+        h, _, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree, rows=rows)
+        return rows.unpack(self.logits_from_hidden(params, self.final_norm(params, h))), cache
 
     def apply_with_features(self, params, tokens_BT, cache, num_valid_B=None, tree=None,
-                            layers: tuple[int, ...] = (-1,)):
+                            layers: tuple[int, ...] = (-1,), rows: PackedRows | None = None):
         """`apply` plus the hidden features a draft head reads: (logits [B, T, V], features
         [B, T, len(layers) * D], cache). Features are the residual stream after each listed
         layer (0-based; -1 = the last layer's output before the final norm), concatenated in
         the order given, in the model's dtype. One forward: the same program as `apply` with
-        the chosen layers' outputs kept."""
-        h, feats, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree, collect=layers)
-        h = self.final_norm(params, h)
-        return self.logits_from_hidden(params, h), jnp.concatenate(feats, axis=-1), cache
+        the chosen layers' outputs kept. ``rows`` as in `apply` (unused positions' features are
+        zeros too)."""
+        h, feats, cache = self.trunk(params, tokens_BT, cache, num_valid_B, tree, collect=layers, rows=rows)
+        logits = self.logits_from_hidden(params, self.final_norm(params, h))
+        feats = jnp.concatenate(feats, axis=-1)
+        if rows is not None:
+            logits, feats = rows.unpack(logits), rows.unpack(feats)
+        return logits, feats, cache
 
     # -- parameters -----------------------------------------------------------------------
     def init_params(self, key) -> dict:
@@ -870,7 +888,7 @@ class Llama:
         return norm(self.config, h_BTD, params["final_norm"])
 
     def trunk(self, params, tokens_BT, cache, num_valid_B=None, tree=None, collect: tuple[int, ...] = (),
-              inputs_BTD=None):
+              inputs_BTD=None, rows: PackedRows | None = None):
         """The decoder layers: (last layer's output [B, T, D] before the final norm, the outputs
         of the layers in ``collect`` (0-based, -1 = last; a tuple of [B, T, D]), updated cache).
         ``inputs_BTD`` replaces the token embedding as the first layer's input (a draft head's
@@ -882,6 +900,10 @@ class Llama:
         the tree's visibility (`tree_attention_mask`), entries written at slots
         ``lengths_B + tree.offset + t`` and ``lengths_B`` returned unchanged (tentative entries,
         committed by `KVCache.commit_path`). Capacity is the caller's to check.
+
+        With ``rows`` (a `PackedRows` over [B, T], chains only): the position-wise parts run on
+        the listed positions, and the output and the collected layers are packed, [1, N, D]
+        (``rows.unpack`` gives [B, T, D] with zeros at the other positions).
         """
         c = self.config
         self.check_params(params)
@@ -889,8 +911,15 @@ class Llama:
         collect = _layer_indices(c, collect)
         if tree is not None:
             _check_tree(tree, cache, num_valid_B, B, T)
+        if rows is not None:
+            if tree is not None:
+                raise ValueError("rows= packs a chain block's positions; a tree block (tree=) is computed whole")
+            if (rows.batch, rows.width) != (B, T):
+                raise ValueError(f"rows= packs a [{rows.batch}, {rows.width}] block, the tokens are [{B}, {T}]")
         h = _embed(c, params, tokens_BT, inputs_BTD)
         block = _block(c, cache, tree, B, T)
+        if rows is not None:
+            h, block = rows.pack(h), dataclasses.replace(block, rows=rows)
         layers = _scanned_layers if c.scan_layers else _unrolled_layers
         h, collected, k_buf, v_buf = layers(c, params["layers"], h, cache, block, collect)
         feats = tuple(collected[i] for i in collect)
