@@ -3,7 +3,7 @@
     python -m experiments.row_budget.cost [--batch_sizes=4,16] [--widths=1.5,2,2.5,3] [--out=...]
 
 SmolLM2-135M-Instruct in the main command's CPU layout ("packed": the panel matmul), the shipped
-draft head, greedy, held-out Spec-Bench prompts. Per batch size B: the median wall time of one
+draft head, greedy, the B shortest of 32 held-out Spec-Bench prompts. Per batch size B: the median wall time of one
 engine round (`Engine.round_times`: donated state, the candidates taken in turn) of target-only
 decoding (gamma 0), a dense chain of gamma 3 (every row scores 4 positions) and a row budget of
 gamma 3 at each width (`specjax.RowBudget`: width x B positions in all, packed in the target's
@@ -33,7 +33,7 @@ def measure() -> list[dict]:
     from experiments.lib import toolkit, workload
     build.tune_xla_cpu()
     c = toolkit.load_config(toolkit.REPO / "experiments" / "bench_speed" / "config.py")
-    c.update(num_prompts=16, layers="packed")
+    c.update(num_prompts=32, layers="packed")
     w = workload.load(ml_collections.ConfigDict(c.to_dict()), "/tmp/specjax-row-budget")
     drafter, dparams = workload.drafter(w, "head", c)
     params = decoding.EngineParams(target=w.params, draft=dparams)
@@ -47,7 +47,9 @@ def measure() -> list[dict]:
     records = []
     with toolkit.CompileLog() as log:
         for B in (int(b) for b in BATCH_SIZES.value):
-            batch = decoding.make_batch([list(p.ids) for p in prompts[:B]], cfg, jax.random.key(0), capacity=512)
+            rows = [list(p.ids) for p in prompts[:B]]            # the B shortest
+            capacity = -(-cfg.slots_needed(max(len(r) for r in rows)) // 64) * 64
+            batch = decoding.make_batch(rows, cfg, jax.random.key(0), capacity=capacity)
             round_s = engine.round_times(params, greedy, batch, repeats=REPEATS.value)
             names = ["gamma 0", f"gamma {G}"] + [str(b) for b in budgets]
             # the verification pass alone: dense [B, G + 1] against each budget's packed slots
