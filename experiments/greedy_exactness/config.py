@@ -73,10 +73,11 @@ def get_config(variant: str = ""):
 
 
 def drafter_specs(c) -> list[tuple[str, object]]:
-    """[(kind, gamma or tree)] of ``c.drafters`` ("kind:gamma" or "kind:<tree>", the tree as
-    `specjax.trees.parse_tree` reads it, e.g. "early_exit:branching:2,2,1"); ValueError naming
-    the setting for a bad one."""
-    from specjax import trees
+    """[(kind, gamma, tree or policy)] of ``c.drafters`` ("kind:gamma", "kind:<tree>", the tree as
+    `specjax.trees.parse_tree` reads it, e.g. "early_exit:branching:2,2,1", or "kind:budget:G,W":
+    every round a row budget, `specjax.RowBudget(G, W)`, the rows' gammas 0..G in one packed
+    pass); ValueError naming the setting for a bad one."""
+    from specjax import decoding, trees
     from specjax import drafters
 
     kinds = [k for k in drafters.drafter_kinds() if k != drafters.TARGET_ONLY]
@@ -85,6 +86,14 @@ def drafter_specs(c) -> list[tuple[str, object]]:
         kind, _, rest = spec.partition(":")
         if kind in kinds and rest.isdigit() and int(rest) >= 1:
             out.append((kind, int(rest)))
+            continue
+        if kind in kinds and rest.startswith("budget:"):
+            try:
+                g, w = rest[len("budget:"):].split(",")
+                out.append((kind, decoding.AdaptiveGamma(gammas=(decoding.RowBudget(int(g), float(w)),))))
+            except ValueError as e:
+                raise ValueError(f"config.drafters: {spec!r} is not kind:budget:G,W (a row budget: gamma G >= 1, "
+                                 f"W positions per row, 1 < W <= G + 1): {e}") from None
             continue
         try:
             tree = trees.parse_tree(rest)

@@ -81,11 +81,14 @@ def main(c):
                 kind, w.target, w.params, early_exit_layers=c.early_exit_layers, draft_model=draft_model,
                 max_ngram=g.max_ngram, min_ngram=g.min_ngram, target_name=w.name, **c.drafter_settings.to_dict())
             t0 = time.time()
-            block = decoding.GenerationConfig(max_new_tokens=1, gamma=gamma, block_tokens=block_tokens).target_block or 0
+            budgets = isinstance(gamma, decoding.AdaptiveGamma)     # a row budget's pass is packed, never padded
+            block = 0 if budgets else decoding.GenerationConfig(max_new_tokens=1, gamma=gamma,
+                                                                block_tokens=block_tokens).target_block or 0
             reports = decoding.greedy_check(w.target, drafter, decoding.EngineParams(target=w.params, draft=dparams),
                                             prompts, c.max_new_tokens, gamma, references=references(block),
                                             batch_size=B, pad_multiple=c.pad_multiple, block_tokens=block, eps=eps)
-            label = gamma if isinstance(gamma, int) else gamma.describe()
+            label = (gamma if isinstance(gamma, int) else gamma.describe() if hasattr(gamma, "describe")
+                     else "adaptive " + ", ".join(str(g) for g in gamma.gammas))
             for p, r in zip(w.prompts, reports):
                 jl.write("prompt", drafter=kind, gamma=label, batch_size=B, question_id=p.question_id,
                          category=p.category, ok=r.ok, tokens_compared=r.tokens_compared, near_ties=r.near_ties,
