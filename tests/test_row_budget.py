@@ -5,6 +5,8 @@ pass really packs the rows' positions (`specjax.models.PackedRows`).
 The distribution of sampled row-budget rounds is tested with the other engine configurations
 in tests/test_engine_distribution.py (chi-square, with a negative control for the cut).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +115,21 @@ def test_greedy_budget_rounds_equal_target_only():
     # the packed passes scored at most the wider budget's slots per round (12 for 4 rows), not
     # the widest row's block (16)
     assert np.asarray(m.scored_B).sum() <= RowBudget(3, 3.0).slots(4) * int(np.asarray(m.rounds_B).max())
+
+
+class _NoRowsTarget:
+    """A target model whose apply takes no ``rows``: it cannot score a packed block."""
+    vocab_size = 61
+
+    def init_cache(self, batch_size, capacity):
+        return None
+
+    def apply(self, params, tokens_BT, cache, num_valid_B=None, tree=None):
+        raise AssertionError("not called")
+
+
+def test_a_target_without_packed_passes_is_named():
+    config = decoding.GenerationConfig(max_new_tokens=4, gamma=AdaptiveGamma(gammas=(0, RowBudget(3, 2.0))))
+    with pytest.raises(ValueError, match="the target model _NoRowsTarget takes no rows"):
+        decoding.Engine(_NoRowsTarget(), drafters.NGramDrafter(61), config)
+    decoding.Engine(_NoRowsTarget(), drafters.NGramDrafter(61), dataclasses.replace(config, gamma=3))     # fine without budgets

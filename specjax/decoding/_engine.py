@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Any, Iterator
 
@@ -223,6 +224,9 @@ class Engine:
         if caps.regimes > 1 and not all(callable(getattr(self.drafter, a, None)) for a in ("regime_B", "for_regime")):
             raise ValueError(f"the drafter declares {caps.regimes} regimes (capabilities.regimes) but lacks regime_B "
                              f"or for_regime (see the drafter protocol: draft sources)")
+        if self.config.has_budgets and "rows" not in inspect.signature(self.target.apply).parameters:
+            raise ValueError(f"row budgets score only the positions each row uses (apply(..., rows=), "
+                             f"`models.PackedRows`); the target model {type(self.target).__name__} takes no rows")
         if self.feature_layers and not hasattr(self.target, "apply_with_features"):
             raise ValueError(f"the drafter reads the target's hidden features (layers {self.feature_layers}) "
                              f"but the target model {type(self.target).__name__} cannot return them")

@@ -277,7 +277,6 @@ class RoundPipeline:
 
     def _finish(self, state, proposal, verdict: Verdict, prop: Proposal, *, bad_path_BA1, bad_q_B, scored,
                 next_key_B, commit_caches, f_path_BA1F):
-        # ``scored``: target positions each row's pass scored (an int, or int [B] with row budgets)
         """The end of every round, chain or tree: how many of the verified tokens each row commits
         (`_truncate`), the caches cut to the committed prefix (``commit_caches(n_commit_B,
         new_L_B) -> (target_cache, draft_state)``), the tokens and features written, the
@@ -287,7 +286,9 @@ class RoundPipeline:
         ``n_acc_B`` 0 for a bad-q row), ``bad_path_BA1`` the unusable target positions along
         it, ``tested_BA`` / ``tested_accept_BA`` (what adaptive gamma learns from:
         E_{x~q}[min(1, p(x)/q(x))] = sum_x min(p, q), Leviathan et al. 2023, Def. 3.1),
-        ``f_path_BA1F`` the target's features along the path (None without a feature head)."""
+        ``f_path_BA1F`` the target's features along the path (None without a feature head),
+        ``scored`` the target positions each row's pass scored (an int, or int [B] in a
+        row-budget round)."""
         committed_BA1 = verdict.committed_BA1
         n_commit_B, status_B, done_B, live_B = self._truncate(state, verdict.n_acc_B, committed_BA1, bad_path_BA1)
         L_B = state.lengths_B

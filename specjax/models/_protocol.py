@@ -29,6 +29,10 @@ A *model* is a frozen, hashable object (it is passed to `jax.jit` as a static ar
     one depth per call). The entries are *tentative*: ``lengths_B`` is returned unchanged, so
     a node's slot is not its position until it is committed. Capacity: the block's last slot,
     ``lengths_B + W - 1``, must fit.
+  - ``rows`` (optional; a `specjax.models.PackedRows`, chains only): compute only the listed
+    positions of the block, each row's first ones (row-budget rounds, a gamma per row); the
+    others' logits are zeros and their entries garbage past the row's used positions. A model
+    whose ``apply`` takes no ``rows`` serves every round but row budgets (the engine says so).
 * ``init_cache(batch_size, capacity) -> cache`` with ``lengths_B`` zeros.
 
 The cache of a tree-capable model also has ``commit_path(offsets_BA, num_B) -> cache``: slot
