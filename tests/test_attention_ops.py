@@ -74,12 +74,13 @@ def test_causal_chunks_are_the_causal_rule(chunk, softcap):
     k_new, v_new = jax.random.normal(ks[1], (B, T_, K, H)) * 2, jax.random.normal(ks[2], (B, T_, K, H))
     one = attn.AttentionSpec(scale=H ** -0.5, softcap=softcap, causal_chunk=0)
     chunked = attn.AttentionSpec(scale=H ** -0.5, softcap=softcap, causal_chunk=chunk)
-    f = lambda spec: lambda *a: attn.reference_attention(*a, None, None, spec)  # noqa: E731
+    # jitted: one program per computation (op by op, every chunk's shapes compile their own kernels)
+    f = lambda spec: jax.jit(lambda *a: attn.reference_attention(*a, None, None, spec))  # noqa: E731
     np.testing.assert_allclose(np.asarray(f(chunked)(q, k_new, v_new)), np.asarray(f(one)(q, k_new, v_new)),
                                atol=ATOL)
     w = jax.random.normal(jax.random.key(5), (B, T_, N * H))
-    g1 = jax.grad(lambda *a: jnp.sum(f(one)(*a) * w), argnums=(0, 1, 2))(q, k_new, v_new)
-    g2 = jax.grad(lambda *a: jnp.sum(f(chunked)(*a) * w), argnums=(0, 1, 2))(q, k_new, v_new)
+    g1 = jax.jit(jax.grad(lambda *a: jnp.sum(f(one)(*a) * w), argnums=(0, 1, 2)))(q, k_new, v_new)
+    g2 = jax.jit(jax.grad(lambda *a: jnp.sum(f(chunked)(*a) * w), argnums=(0, 1, 2)))(q, k_new, v_new)
     for a, b in zip(g2, g1):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
     full = attn.reference_attention(q, k_new, v_new, None, (jnp.ones((B, T_, 0), bool),
@@ -113,8 +114,8 @@ def test_training_time_test_equals_its_dense_masks(blocks, hides_first, softcap)
     args = (q, k_new, v_new, k_past, v_past)
     np.testing.assert_allclose(np.asarray(fast(*args)), np.asarray(dense(*args)), atol=ATOL)
     w = jax.random.normal(jax.random.key(9), (B, T, N * H))
-    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
-    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    g_fast = jax.jit(jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4)))(*args)
+    g_dense = jax.jit(jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(g_fast, g_dense):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
     causal = attn.reference_attention(q, k_new, v_new, (k_past, v_past, jnp.full((B,), blocks * T)), None, spec)
@@ -164,8 +165,8 @@ def test_training_time_test_at_origins_is_the_full_rule_gathered(blocks, hides_f
     np.testing.assert_allclose(got, want, atol=ATOL)
     np.testing.assert_allclose(got, np.asarray(dense(*args)), atol=ATOL)
     w = jax.random.normal(jax.random.key(9), (B, Q, N * H))
-    g_fast = jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
-    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4))(*args)
+    g_fast = jax.jit(jax.grad(lambda *a: jnp.sum(fast(*a) * w), argnums=(0, 1, 2, 3, 4)))(*args)
+    g_dense = jax.jit(jax.grad(lambda *a: jnp.sum(dense(*a) * w), argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(g_fast, g_dense):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL)
     with pytest.raises(ValueError, match="whole blocks of Q"):
