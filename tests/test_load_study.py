@@ -1,5 +1,5 @@
 """CI smoke test of experiments/load_study: the tiny variant at 2 slots, target-only,
-fixed-gamma prompt lookup and load-aware prompt lookup with row budgets (a gamma per row), all at once and at half the saturated
+and load-aware prompt lookup with row budgets (a gamma per row), all at once and at half the saturated
 rate with Poisson and bursty arrivals, through the resizing scheduler, and the load-aware mode
 on the live scheduler, submitted directly and over HTTP (streamed /v1/completions calls to
 `specjax serve`'s application on 127.0.0.1); one record per run with every request, greedy tokens equal to
@@ -23,7 +23,7 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     load_run.main(c)
     recs = toolkit.read_jsonl(out)
     loads = [x for x in recs if x["kind"] == "load"]
-    modes = ("target-only", "prompt lookup, gamma 3", "load-aware prompt lookup, row budgets")
+    modes = ("target-only", "load-aware prompt lookup, row budgets")
     assert [(x["slots"], x["mode"], x["arrivals"]) for x in loads] == [
         (s, m, k) for s in (2,) for m in modes for k in ("all at once", "poisson", "bursty")]
     for x in loads:
@@ -39,7 +39,7 @@ def test_load_study_tiny(tmp_path, monkeypatch):
     for x in loads:
         if x["arrivals"] != "all at once":
             assert np.isclose(x["rate"], 0.5 * caps[x["slots"]])
-    spec = next(x for x in loads if x["mode"] == "prompt lookup, gamma 3")
+    spec = next(x for x in loads if x["mode"] == "load-aware prompt lookup, row budgets")
     assert spec["proposed"] > 0
     cal = [x for x in recs if x["kind"] == "calibration"]
     assert [(x["slots"], sorted(x["round_time_s"])) for x in cal] == [(2, ["1", "2"])]
@@ -73,7 +73,7 @@ def test_resume_keeps_finished_groups_and_drops_a_torn_last_line(tmp_path):
     load = lambda mode, kind: {"kind": "load", "slots": 2, "mode": mode, "arrivals": kind}     # noqa: E731
     kinds = ["all at once"] + [k for k in c.arrivals for _ in c.loads]
     recs = [setup, {"kind": "capacity", "slots": 2}] + [load("target-only", k) for k in kinds] + \
-        [load("prompt lookup, gamma 3", kinds[0])]
+        [load("load-aware prompt lookup, row budgets", kinds[0])]
     partial = tmp_path / "results.jsonl.partial"
     partial.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"kind": "lo')
     keep = load_run._resumable(c)
