@@ -1,9 +1,7 @@
 """Decoding: the engine (target-only and speculative decoding, one round, jitted end to end)
-and the one request path from prompts to completions. `adaptive` (the adaptive-gamma policy) and
-`rounds` (one draft-verify round: `RoundPipeline`, `cap_verdict`) are importable as modules."""
+and the one request path from prompts to completions."""
 
 from specjax.decoding import _adaptive as adaptive
-from specjax.decoding import _round as rounds
 from specjax.decoding._adaptive import AdaptiveGamma, RowBudget
 from specjax.decoding._batched import (MAX_CACHE_BYTES, BatchedResult, BatchReport, cache_bytes_per_row,
                                        generate_batched, plan_batches)
@@ -15,7 +13,7 @@ from specjax.decoding._request import (REQUEST_ID_LIMIT, Completion, Generator, 
                                        encode_prompt, make_batch, request_keys, timing_summary, token_ids)
 
 __all__ = [
-    "AdaptiveGamma", "RowBudget", "adaptive", "rounds", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
+    "AdaptiveGamma", "RowBudget", "adaptive", "EOS", "MAX_TOKENS", "NAN_LOGITS", "PAD_ID", "RUNNING", "STATUS_NAMES",
     "Batch", "Commit", "Engine", "EngineParams", "GenerateOutput", "GenerationConfig", "LoopState", "Metrics",
     "Prefill", "StreamEvent", "NEAR_TIE_EPS", "RowReport", "greedy_check", "reference_greedy",
     "MAX_CACHE_BYTES", "BatchedResult", "BatchReport", "cache_bytes_per_row", "generate_batched",

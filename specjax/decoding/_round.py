@@ -64,26 +64,6 @@ def _along(pos_BA1, x_BT):
     return jnp.take_along_axis(x_BT, pos_BA1.reshape(pos_BA1.shape + (1,) * (x_BT.ndim - 2)), axis=1)
 
 
-def cap_verdict(verdict: Verdict, limit_B) -> Verdict:
-    """A chain verdict cut at each row's own gamma ``limit_B`` (a row-budget round,
-    `_adaptive.RowBudget`): exactly the verdict of a round in which row b drafted ``limit_B[b]``
-    tokens. Token verification decides position j from the draft and p, q at j alone, so the
-    decisions before a row's gamma are that round's. Where the verifier reached the cut (the
-    row's first ``limit_B`` drafts all accepted), its token there, the draft accepted or the
-    residual's draw, is distributed as p at the cut given the prefix (speculative sampling of one
-    position returns p; Leviathan et al. 2023, Appendix A.1): the token a round of gamma
-    ``limit_B`` draws from p after an all-accepted draft. So the cut keeps it, drops everything
-    after, and counts a degenerate residual only where the row's own token came from one (a
-    rejection at or before the cut). Tested positions stop at the cut. Not for the block
-    verifier, whose decisions read the whole block (`GenerationConfig` refuses the pair)."""
-    j_A1 = jnp.arange(verdict.committed_BA1.shape[1])[None]
-    return dataclasses.replace(
-        verdict, n_acc_B=jnp.minimum(verdict.n_acc_B, limit_B),
-        committed_BA1=jnp.where(j_A1 > limit_B[:, None], verify_lib.PAD_TOKEN, verdict.committed_BA1),
-        degenerate_B=jnp.where(verdict.n_acc_B > limit_B, 0, verdict.degenerate_B),
-        tested_BA=verdict.tested_BA & (j_A1[:, :-1] < limit_B[:, None]))
-
-
 @dataclasses.dataclass(frozen=True)
 class RoundPipeline:
     """One round for a target, a drafter (None: target-only) and a generation config: `run`."""
@@ -228,8 +208,6 @@ class RoundPipeline:
                                                                                 p[None])))(
             verify_key_B, prop.draft, q_BXV, p_BTV)
         verdict = strategy.verdict(res, prop, q_BXV, p_BTV)
-        if prop.limit_B is not None:
-            verdict = cap_verdict(verdict, prop.limit_B)
         if p_BTV.shape[1] == 1:      # nothing drafted: no q to reject
             return verdict
         fresh_B = _fresh_tokens(sampling, verify_key_B, p_BTV[:, 0], bad_q_B)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from specjax import models
 from specjax import trees as trees_lib
+from specjax import verify as verify_lib
 from specjax.decoding._adaptive import RowBudget
 from specjax.decoding._state import LoopState
 from specjax.drafters import DraftContext
@@ -111,12 +112,32 @@ class ChainRound:
                 pipe.drafter.commit(prop.draft_state, new_L_B) if self.gamma > 0 else prop.draft_state)
 
 
+def cap_verdict(verdict: Verdict, limit_B) -> Verdict:
+    """A chain verdict cut at each row's own gamma ``limit_B`` (a row-budget round,
+    `RowBudget`): exactly the verdict of a round in which row b drafted ``limit_B[b]``
+    tokens. Token verification decides position j from the draft and p, q at j alone, so the
+    decisions before a row's gamma are that round's. Where the verifier reached the cut (the
+    row's first ``limit_B`` drafts all accepted), its token there, the draft accepted or the
+    residual's draw, is distributed as p at the cut given the prefix (speculative sampling of one
+    position returns p; Leviathan et al. 2023, Appendix A.1): the token a round of gamma
+    ``limit_B`` draws from p after an all-accepted draft. So the cut keeps it, drops everything
+    after, and counts a degenerate residual only where the row's own token came from one (a
+    rejection at or before the cut). Tested positions stop at the cut. Not for the block
+    verifier, whose decisions read the whole block (`GenerationConfig` refuses the pair)."""
+    j_A1 = jnp.arange(verdict.committed_BA1.shape[1])[None]
+    return dataclasses.replace(
+        verdict, n_acc_B=jnp.minimum(verdict.n_acc_B, limit_B),
+        committed_BA1=jnp.where(j_A1 > limit_B[:, None], verify_lib.PAD_TOKEN, verdict.committed_BA1),
+        degenerate_B=jnp.where(verdict.n_acc_B > limit_B, 0, verdict.degenerate_B),
+        tested_BA=verdict.tested_BA & (j_A1[:, :-1] < limit_B[:, None]))
+
+
 @dataclasses.dataclass(frozen=True)
 class BudgetRound(ChainRound):
     """A chain round with a gamma per row (`_adaptive.RowBudget`): the drafter drafts the budget's
     gamma for every row, the target scores only each row's root and its first ``limit_B[b]``
     drafts (`models.PackedRows` in the budget's slots), and the pipeline cuts each row's verdict
-    at its own gamma (`_round.cap_verdict`). ``limit_B``: the rows' gammas (`_adaptive.allocate`)."""
+    at its own gamma (`cap_verdict`). ``limit_B``: the rows' gammas (`_adaptive.allocate`)."""
     budget: Any = None
     limit_B: Any = None
 
@@ -125,6 +146,9 @@ class BudgetRound(ChainRound):
         B = self.limit_B.shape[0]
         rows = models.PackedRows.leading(self.limit_B + 1, self.gamma + 1, self.budget.slots(B))
         return dataclasses.replace(prop, proposed_B=self.limit_B, rows=rows, limit_B=self.limit_B)
+
+    def verdict(self, res, prop: Proposal, q_BGV, p_BG1V) -> Verdict:
+        return cap_verdict(super().verdict(res, prop, q_BGV, p_BG1V), self.limit_B)
 
 
 @dataclasses.dataclass(frozen=True)
