@@ -11,13 +11,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # XLA CPU options for subprocesses of the tests (and, through tests/conftest.py, the test
 # processes themselves): the backend's code generation turned down, and fusions emitted by XLA's
 # older LLVM IR emitters instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`),
-# whose pipeline costs far more than these tiny programs' execution (times: the README's tests
-# row). The optimized HLO (SPMD partitioning, copy insertion) is the
+# whose pipeline costs far more than these tiny programs' execution, and the LLVM module compiled
+# in one piece (`--xla_cpu_parallel_codegen_split_count=1`: with every core running a test, the
+# split for parallel code generation only adds work; times: the README's tests row). The optimized HLO (SPMD partitioning, copy insertion) is the
 # same up to a few fusion decisions; float rounding differs a little (a tiny Llama's logits by up
 # to ~5e-6 relative here), so a test that uses it compares exactly only with programs compiled
 # the same way, and otherwise within a tolerance (each test's docstring says which).
 FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                          "--xla_cpu_use_fusion_emitters=false")
+                          "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 
 
 def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records_file: str = "results.jsonl"):

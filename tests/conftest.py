@@ -27,19 +27,28 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# XLA's backend code generation turned down for the whole run (and the subprocesses tests start),
-# as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: LLVM's work cut and fusions emitted by XLA's older
-# IR emitters; the optimized HLO is the same up to a few fusion decisions, so float rounding
-# differs a little from a user's build and every exact comparison in the suite is between
-# programs compiled with the same options; the real model's decode steps run a little slower
-# unoptimized, and compilation, most of the suite's time, much faster (times: the README's tests
-# row). SPECJAX_TEST_XLA=full keeps XLA's defaults.
-if os.environ.get("SPECJAX_TEST_XLA", "fast") != "full":
+# XLA's backend code generation turned down for the tests of tiny models (and the subprocesses
+# tests start), as `_bench_run.FAST_COMPILE_XLA_FLAGS` says: LLVM's work cut (JAX's
+# `jax_disable_most_optimizations`, which sets XLA's backend optimization level 0 and no expensive
+# LLVM passes per compilation), fusions emitted by XLA's older IR emitters and the LLVM module
+# compiled in one piece (no split for parallel code generation: both cores run workers); the optimized HLO is
+# the same up to a few fusion decisions, so float rounding differs a little from a user's build and
+# every exact comparison in a test is between programs compiled with the same options. Compilation
+# is most of a tiny model's test time; the real SmolLM2's programs (scanned layers: the backend's
+# work is nearly the same either way) run several times slower unoptimized, so the tests marked
+# `real_model` compile with the backend's default optimization (`pytest_runtest_setup` below;
+# times: the README's tests row). SPECJAX_TEST_XLA=full keeps XLA's defaults everywhere.
+FAST_XLA = os.environ.get("SPECJAX_TEST_XLA", "fast") != "full"
+if FAST_XLA:
     from _bench_run import FAST_COMPILE_XLA_FLAGS  # noqa: E402
 
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
     _have = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+    # `jax_disable_most_optimizations` holds the other two of FAST_COMPILE_XLA_FLAGS
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(
-        f for f in FAST_COMPILE_XLA_FLAGS.split() if f.split("=", 1)[0] not in _have)]).strip()
+        f for f in FAST_COMPILE_XLA_FLAGS.split()
+        if f.split("=", 1)[0] not in _have | {"--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes"})]
+    ).strip()
 
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
@@ -105,6 +114,14 @@ def pytest_configure(config):
         config.option.loadscopereorder = False     # keep the order pytest_collection_modifyitems makes
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test compiles with the optimization its model wants (see FAST_XLA above); set before
+    the test's fixtures, so a module's shared references compile as its tests do."""
+    if FAST_XLA:
+        jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("real_model") is None)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -115,3 +132,32 @@ def pytest_collection_modifyitems(config, items):
         cost = {f: FILE_SECONDS.get(f.rpartition("/")[2], FILE_SECONDS_PER_TEST * n) for f, n in per_test.items()}
         order = {id(item): -cost[f] for item, f in zip(items, files)}
         items.sort(key=lambda item: order[id(item)])      # stable: each file's tests keep their order
+
+
+# SPECJAX_TEST_PROFILE=DIR: each test's seconds spent tracing, lowering and compiling JAX programs in
+# this process (JAX's monitoring events; subprocesses the test starts are not counted), one JSONL
+# file per worker, to tell compilation from execution when trimming the suite.
+_PROFILE_DIR = os.environ.get("SPECJAX_TEST_PROFILE")
+if _PROFILE_DIR:
+    import json
+    import time
+
+    _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                       "/jax/core/compile/backend_compile_duration")
+    _compile_s = collections.Counter()
+
+    def _on_duration(event, duration, **_):
+        if event in _COMPILE_EVENTS:
+            _compile_s[event.rpartition("/")[2]] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _compile_s.clear()
+        start = time.perf_counter()
+        yield
+        os.makedirs(_PROFILE_DIR, exist_ok=True)
+        with open(os.path.join(_PROFILE_DIR, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
+                                **{k: round(v, 3) for k, v in _compile_s.items()}}) + "\n")

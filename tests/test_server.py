@@ -33,9 +33,11 @@ PROMPTS = ["Name three primary colors.", "What is 7 times 8?", "Write a haiku ab
 def server():
     c = config_files.with_drafter_keys(serve_config.get_config())
     # buckets "": every round at 2 rows (one set of programs to compile; the batch sizes are
-    # tested on a tiny model in tests/test_serving_live.py and tests/test_buckets.py)
+    # tested on a tiny model in tests/test_serving_live.py and tests/test_buckets.py); scanned
+    # layers: XLA compiles one layer instead of 30 (the unrolled layers and the CPU kernel of the
+    # default profile: tests/test_kernels.py and tests/test_cli.py on the same model)
     c.update(port=0, slots=2, max_queue=8, max_prompt_tokens=256, max_new_tokens=MAX_NEW,
-             compilation_cache_dir="", buckets="")
+             compilation_cache_dir="", buckets="", scan_layers=True)
     job = serve.serve_job(c)
     live, app, name = serve.build_server(job)
     url, stop = serve.start_in_thread(app)
