@@ -21,6 +21,14 @@ FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable
                           "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 
 
+
+def default_xla_env(**extra) -> dict:
+    """This process's environment without the suite's fast compilation (XLA_FLAGS and JAX's
+    JAX_DISABLE_MOST_OPTIMIZATIONS, tests/conftest.py): a subprocess compiles as a user's build does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
+    return {**env, **extra}
+
+
 def run_module(module: str, args, out: pathlib.Path, timeout: int = 300, records_file: str = "results.jsonl"):
     """(out, JSONL records of out/records_file, stdout) of ``python -m module *args --config.out=out``,
     compiled fast (XLA's backend optimisation turned down: the numbers of these runs mean nothing)."""

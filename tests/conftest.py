@@ -86,23 +86,27 @@ REAL_MODEL_FIXTURES = frozenset({"gguf_path", "real", "real_refs", "sj", "hf"})
 # longest first, so that the run ends on short files and both workers finish together. xdist
 # would otherwise start with the files of most tests and end with the one-test files, which are
 # the long subprocess runs (each worker also holds up to 3 such files queued at the end).
-# The weights are each file's relative cost (its CPU seconds alone, in one process, when the
-# table was made); a file not listed weighs FILE_SECONDS_PER_TEST per test. Only the order
+# The weights are each file's relative cost (its worker-seconds in a profiled run of the suite,
+# SPECJAX_TEST_PROFILE below and experiments/suite_time); a file not listed weighs
+# FILE_SECONDS_PER_TEST per test. Only the order
 # depends on them: a stale weight costs balance, never a result.
 FILE_SECONDS = {
-    "test_engine_tree.py": 96, "test_families.py": 95, "test_tree_verify.py": 92, "test_engine_real.py": 91,
-    "test_distill.py": 86, "test_gguf_parity.py": 86, "test_long_prompt.py": 79, "test_heads_train.py": 79,
-    "test_kernels.py": 77, "test_block_step_bitwise.py": 69, "test_datagen.py": 64, "test_heads_engine.py": 61,
-    "test_cli_commands.py": 60, "test_heads_sampling.py": 59, "test_sampled_exactness.py": 57,
-    "test_distill_study.py": 53, "test_heads_greedy.py": 52, "test_multiprocess.py": 50,
-    "test_distill_resume.py": 46, "test_aot.py": 43, "test_eagle3_formats.py": 43, "test_sharded_engine.py": 40,
-    "test_engine_distribution.py": 40, "test_sharded_train.py": 38, "test_cpu_levers.py": 38,
-    "test_heads_hybrid.py": 36, "test_learning_curve.py": 35, "test_bench_speed.py": 34, "test_serving.py": 34,
-    "test_heads_features.py": 33, "test_bad_input_round4_cli.py": 32, "test_engine_edges.py": 31,
-    "test_attention_ops.py": 31, "test_cli.py": 27, "test_theory_temperature.py": 27, "test_llama_cache.py": 27,
-    "test_bad_input_distill.py": 26, "test_tokenizer.py": 24, "test_engine_greedy.py": 24,
-    "test_tree_attention.py": 24, "test_checkpoint_faults.py": 22, "test_greedy_bf16.py": 21,
-    "test_load_study.py": 20, "test_hf_parity.py": 20, "test_server.py": 90, "test_pallas_attention.py": 60, "test_serving_live.py": 15,
+    "test_heads_train.py": 143, "test_server.py": 119, "test_constraints.py": 105, "test_families.py": 88,
+    "test_kernels.py": 86, "test_distill.py": 81, "test_block_step_bitwise.py": 80, "test_gguf_parity.py": 79,
+    "test_long_prompt.py": 79, "test_pallas_attention.py": 76, "test_sampling_penalties.py": 76,
+    "test_tree_verify.py": 76, "test_heads_sampling.py": 71, "test_engine_tree.py": 71, "test_heads_engine.py": 70,
+    "test_heads_greedy.py": 70, "test_sampled_exactness.py": 67, "test_parallel_drafter.py": 66,
+    "test_cli_commands.py": 62, "test_engine_real.py": 54, "test_eagle3_formats.py": 54, "test_multiprocess.py": 53,
+    "test_aot.py": 48, "test_engine_distribution.py": 48, "test_datagen.py": 44, "test_load_study.py": 44,
+    "test_sharded_train.py": 44, "test_sharded_engine.py": 43, "test_distill_resume.py": 42,
+    "test_distill_study.py": 39, "test_buckets.py": 38, "test_cpu_levers.py": 38, "test_bench_speed.py": 36,
+    "test_heads_hybrid.py": 35, "test_serving.py": 34, "test_suffix.py": 34, "test_cli.py": 33,
+    "test_llama_cache.py": 29, "test_learning_curve.py": 29, "test_sampling_rows.py": 29, "test_attention_ops.py":
+    29, "test_serving_live.py": 28, "test_bad_input_round4_cli.py": 28, "test_heads_features.py": 27,
+    "test_engine_edges.py": 24, "test_theory_temperature.py": 23, "test_greedy_bf16.py": 22,
+    "test_engine_greedy.py": 22, "test_tree_attention.py": 20, "test_bad_input.py": 20, "test_bad_input_distill.py":
+    20, "test_bad_input_round4_data.py": 19, "test_checkpoint_faults.py": 17, "test_packed_rows.py": 16,
+    "test_bench_gpu.py": 15,
 }
 FILE_SECONDS_PER_TEST = 0.5
 

@@ -42,6 +42,7 @@ from specjax import models, trees
 from specjax.models import TreeBlock
 from specjax.models.hf_loader import config_from_hf
 
+from _bench_run import default_xla_env
 from _hf_tiny import FAMILY_KINDS, family_config
 
 KINDS = ("llama", "qwen2") + FAMILY_KINDS
@@ -369,7 +370,7 @@ def test_tree_block_equals_steps_float32():
     Compiled with XLA's default options, as `specjax generate` compiles, in a subprocess: the
     suite's fast compilation (`FAST_COMPILE_XLA_FLAGS`) has XLA:CPU compute RoPE's cos and sin
     of the same positions to different bits in the tree's program and the steps'."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = default_xla_env()
     kinds = ("llama", "gemma2", "mixtral")
     r = subprocess.run([sys.executable, "-c", _TREE_FLOAT32, *kinds], capture_output=True, text=True, env=env,
                        cwd=pathlib.Path(__file__).resolve().parents[1], timeout=600)

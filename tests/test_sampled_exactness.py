@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from _bench_run import default_xla_env
 from experiments.lib import toolkit
 from experiments.sampled_exactness import run
 
@@ -36,8 +37,7 @@ def test_chi_square_of_exact_counts_is_zero_and_of_wrong_counts_large():
 
 def test_speculative_sampling_matches_the_target_and_the_control_fails(tmp_path):
     out = tmp_path / "results.jsonl"
-    # XLA's defaults (the suite's fast compilation is in these two variables, tests/conftest.py)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
+    env = default_xla_env()
     env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "experiments.sampled_exactness.run",
                         "--config=experiments/sampled_exactness/config.py:ci", f"--config.out={out}"],
