@@ -1,13 +1,14 @@
 """Where the test suite's time goes, from a profiled run.
 
     SPECJAX_TEST_PROFILE=/tmp/prof python -m pytest -q -n 2 --dist loadfile tests
-    python -m experiments.suite_time.report /tmp/prof experiments/suite_time/results/<name>
+    python -m experiments.suite_time.report /tmp/prof experiments/suite_time/results/<name> <commit>
 
 `tests/conftest.py` writes one JSONL line per test and worker (SPECJAX_TEST_PROFILE): the test's
 wall seconds in its worker (setup, call and teardown) and the seconds JAX spent tracing
 (`jaxpr_trace_duration`), lowering (`jaxpr_to_mlir_module_duration`) and compiling
 (`backend_compile_duration`) in that process; subprocesses a test starts count in its wall time
-only. This writes `<out>.jsonl` (one record per test file, with the run's provenance),
+only. This writes `<out>.jsonl` (one record per test file, with the commit the suite ran at and
+the report's provenance),
 `<out>.md` (the table) and `<out>.png` (the files that take most, stacked by kind).
 """
 
@@ -80,15 +81,15 @@ def plot(records: list[dict], path: str, top: int = 25) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 3:
-        raise SystemExit("usage: python -m experiments.suite_time.report PROFILE_DIR OUT_PREFIX")
+    if len(argv) != 4:
+        raise SystemExit("usage: python -m experiments.suite_time.report PROFILE_DIR OUT_PREFIX SUITE_COMMIT")
     from experiments.lib import toolkit
     records = per_file(argv[1])
     prov = toolkit.provenance("experiments.suite_time.report", with_backend=False)
     os.makedirs(os.path.dirname(os.path.abspath(argv[2])), exist_ok=True)
     with open(argv[2] + ".jsonl", "w") as f:
         for r in records:
-            f.write(json.dumps({**r, "provenance": prov}) + "\n")
+            f.write(json.dumps({**r, "suite_commit": argv[3], "provenance": prov}) + "\n")
     with open(argv[2] + ".md", "w") as f:
         f.write(render(records))
     plot(records, argv[2] + ".png")
