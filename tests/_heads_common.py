@@ -259,24 +259,30 @@ def _assert_target_tokens(out):
 
 
 @functools.cache
-def _run_head(kind, mode, gamma, scan=False, round_times=None):
-    """Greedy `Engine.run` of a head drafter on PROMPTS (memoised)."""
+def _head_engine(kind, mode, gamma, scan=False):
+    """(engine, params, batch) of a head drafter on PROMPTS (memoised)."""
     model, tp = _target(scan)
     dr, hp = _head(kind, mode, scan)
     eng = decoding.Engine(model, dr, _gen(ADAPTIVE if gamma == "adaptive" else gamma))
-    batch = decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
-    return eng.run(decoding.EngineParams(target=tp, draft=hp), GREEDY, batch, round_time_s=round_times)
+    return eng, decoding.EngineParams(target=tp, draft=hp), decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
 
 
-# (kind, target layout scan?, gamma, head params, adaptive round times)
+@functools.cache
+def _run_head(kind, mode, gamma, scan=False, round_times=None):
+    """Greedy `Engine.run` of a head drafter on PROMPTS (memoised)."""
+    eng, ep, batch = _head_engine(kind, mode, gamma, scan)
+    return eng.run(ep, GREEDY, batch, round_time_s=round_times)
+
+
+# (kind, target layout scan?, gamma, head params, adaptive round times): one compiled adaptive
+# program per kind (weights and round-time tables are arguments)
 GREEDY_CASES = [
-    ("medusa", False, "adaptive", "random", MIXED),
-    ("medusa", False, "adaptive", "random", PIN_G1),
-    ("eagle3_reduced", True, "adaptive", "random", MIXED),
-    ("eagle3_reduced", True, "adaptive", "random", PIN_G1),
-    ("eagle3_reduced", True, "adaptive", "good", PIN_G1),
-    ("eagle3_reduced", True, "adaptive", "good", PIN_G3),
-    ("eagle3_norm", False, "adaptive", "random", PIN_G1),
+    ("medusa", True, "adaptive", "random", MIXED),
+    ("medusa", True, "adaptive", "random", PIN_G1),
+    ("eagle3_norm", True, "adaptive", "random", MIXED),
+    ("eagle3_norm", True, "adaptive", "random", PIN_G1),
+    ("eagle3_norm", True, "adaptive", "good", PIN_G1),
+    ("eagle3_norm", True, "adaptive", "good", PIN_G3),
 ]
 
 
@@ -330,13 +336,23 @@ def _assert_committed_features(rounds, final, layers):
             np.testing.assert_allclose(feats[b, :L[b] - 1], ref[b, :L[b] - 1], rtol=1e-4, atol=1e-4)
 
 
+HEAD_TREES = {"static-2x2x1": trees.TreeShape.from_branching((2, 2, 1)),
+              "dynamic-k2-d3-n6": trees.DynamicTree(depth=3, topk=2, node_budget=6)}
+
+
+# One cache capacity for the EAGLE engines of every gamma and tree (the one the largest tree
+# needs), so that their state shapes, and the programs that take only the state (`init`, the
+# fresh-prefill reference, the head's own forwards), are the same.
+EAGLE_CAPACITY = max(_gen(g).slots_needed(max(map(len, PROMPTS))) for g in (3, *HEAD_TREES.values()))
+
+
 @functools.cache
 def _eagle_setup(mode, gamma=3):
     model, tp = _target()
     dr, hp = _head("eagle", mode)
     eng = decoding.Engine(model, dr, _gen(gamma))
     ep = decoding.EngineParams(target=tp, draft=hp)
-    return eng, ep, decoding.make_batch(PROMPTS, eng.config, jax.random.key(2))
+    return eng, ep, decoding.make_batch(PROMPTS, eng.config, jax.random.key(2), capacity=EAGLE_CAPACITY)
 
 
 @functools.cache
@@ -394,10 +410,6 @@ def _kept_slots_vs_fresh(hc, ep, capacity, st):
     return worst
 
 
-HEAD_TREES = {"static-2x2x1": trees.TreeShape.from_branching((2, 2, 1)),
-              "dynamic-k2-d3-n6": trees.DynamicTree(depth=3, topk=2, node_budget=6)}
-
-
 DV = 5
 
 
@@ -414,7 +426,7 @@ D_NEW = 4
 D_GAMMA = 2
 
 
-D_BATCH = 30_000
+D_BATCH = 10_000              # rows per distribution run: power in test_heads_sampling's docstring
 
 
 D_SEED = 2025
@@ -548,19 +560,25 @@ def _packed_target():
 
 
 def _propose_once(drafter, hp, model, tp, samp, gamma=2, seed=7):
-    """(tokens, q) of one jitted `propose` after `init` on a random 9-token context with the
-    target's true features (those the engine would hand the head)."""
+    """(tokens, q) of one `propose` after `init` on a random 9-token context with the target's
+    true features (those the engine would hand the head), both in one jitted program (op by
+    op, `init` dispatched and compiled dozens of small programs)."""
     rng = np.random.default_rng(seed)
     cap, ctx = 16, 9
     toks = jnp.asarray(rng.integers(0, V, (2, cap)), jnp.int32)
     lengths = jnp.asarray([ctx, ctx - 3], jnp.int32)
     layers = drafter.feature_layers
     _, feats = _jit_features(models.Llama(CFG))(_target()[1], toks, None, layers=layers)[:2]
-    state = drafter.init(hp, toks[:, :ctx], lengths, cap, features_BPF=feats[:, :ctx])
-    ctxt = drafters.DraftContext(tokens_BS=toks, lengths_B=lengths, features=feats,
-                                 target_cache=model.init_cache(2, cap).rollback(lengths - 1))
     keys = decoding.request_keys(jax.random.key(seed), [0, 1])
-    return jax.jit(lambda p, st, c, k: drafter.propose(p, st, c, k, gamma, samp)[:2])(hp, state, ctxt, keys)
+
+    @jax.jit
+    def once(p, toks, lengths, feats, keys):
+        state = drafter.init(p, toks[:, :ctx], lengths, cap, features_BPF=feats[:, :ctx])
+        ctxt = drafters.DraftContext(tokens_BS=toks, lengths_B=lengths, features=feats,
+                                     target_cache=model.init_cache(2, cap).rollback(lengths - 1))
+        return drafter.propose(p, state, ctxt, keys, gamma, samp)[:2]
+
+    return once(hp, toks, lengths, feats, keys)
 
 
 # Rows 0 and 2 repeat themselves from the start (prompt lookup drafts them at once), rows 1

@@ -129,7 +129,9 @@ def parity_cases(model, params, ref_model, seed: int = 0):
     """(case, reference logits, specjax logits) for every case of the family parity checks, each
     against transformers' full forward of the same sequence: a ragged prefill of two prompts past
     the window (17 and 9 tokens), four cached one-token steps, a 5-token verification block, a
-    rollback to 2 of its tokens, then a (2, 2) token tree (root + 6 nodes) after it."""
+    rollback to 2 of its tokens, then a (2, 2) token tree (root + 6 nodes) after it. The specjax
+    side is one compiled program per model (the steps a `lax.scan` over the cache the prefill
+    returned)."""
     import jax
     import jax.numpy as jnp
     from specjax import trees
@@ -139,35 +141,45 @@ def parity_cases(model, params, ref_model, seed: int = 0):
     steps, block = rng.integers(0, VOCAB, (2, 4)), rng.integers(0, VOCAB, (2, 5))
     shape = trees.TreeShape.from_branching((2, 2))
     nodes, roots = rng.integers(0, VOCAB, (2, shape.num_nodes)), rng.integers(0, VOCAB, 2)
-    ref = lambda seq: hf_logits(ref_model, np.asarray(seq)[None])[0]     # noqa: E731
-    step = jax.jit(model.apply)
+    parents = jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (2, shape.num_nodes))
+    tree = TreeBlock(rel_positions_BT=jnp.broadcast_to(jnp.asarray((0,) + shape.depths, jnp.int32),
+                                                       (2, shape.num_nodes + 1)),
+                     visible_BTW=trees.ancestor_mask(parents, jnp.ones((2, shape.num_nodes), bool), shape.max_depth))
+
+    @jax.jit
+    def run(params, tokens, lengths, steps_TB, block, tree_tokens, tree):
+        prefill, cache = model.apply(params, tokens, model.init_cache(2, 48), lengths)
+
+        def one_step(cache, tok_B):
+            logits, cache = model.apply(params, tok_B[:, None], cache)
+            return cache, logits[:, 0]
+        cache, step_logits = jax.lax.scan(one_step, cache, steps_TB)
+        block_logits, block_cache = model.apply(params, block, cache)
+        cache = block_cache.replace(lengths_B=cache.lengths_B + 2)          # rollback: keep 2 of the 5
+        tree_logits, _ = model.apply(params, tree_tokens, cache, None, tree)
+        return prefill, step_logits, block_logits, tree_logits
+
     tokens, lengths = right_padded(prompts)
-    logits, cache = step(params, jnp.asarray(tokens), model.init_cache(2, 48), jnp.asarray(lengths))
+    out = run(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(steps.T), jnp.asarray(block),
+              jnp.asarray(np.concatenate([roots[:, None], nodes], axis=1)), tree)
+    prefill, step_logits, block_logits, tree_logits = (np.asarray(x) for x in out)
+    ref = lambda seq: hf_logits(ref_model, np.asarray(seq)[None])[0]     # noqa: E731
     seqs = [list(map(int, p)) for p in prompts]
     for b in range(2):
-        yield "ragged prefill", ref(seqs[b]), np.asarray(logits[b, :lengths[b]])
+        yield "ragged prefill", ref(seqs[b]), prefill[b, :lengths[b]]
     for t in range(steps.shape[1]):
-        logits, cache = step(params, jnp.asarray(steps[:, t:t + 1]), cache)
         for b in range(2):
             seqs[b].append(int(steps[b, t]))
-            yield "cached one-token step", ref(seqs[b])[-1:], np.asarray(logits[b])
-    logits, block_cache = step(params, jnp.asarray(block), cache)
+            yield "cached one-token step", ref(seqs[b])[-1:], step_logits[t, b][None]
     for b in range(2):
-        yield "5-token verification block", ref(seqs[b] + block[b].tolist())[-block.shape[1]:], np.asarray(logits[b])
-    cache = block_cache.replace(lengths_B=cache.lengths_B + 2)          # rollback: keep 2 of the 5
-    for b in range(2):
+        yield "5-token verification block", ref(seqs[b] + block[b].tolist())[-block.shape[1]:], block_logits[b]
         seqs[b] += block[b, :2].tolist()
-    parents = jnp.broadcast_to(jnp.asarray(shape.parents, jnp.int32), (2, shape.num_nodes))
-    visible = trees.ancestor_mask(parents, jnp.ones((2, shape.num_nodes), bool), shape.max_depth)
-    rel = jnp.broadcast_to(jnp.asarray((0,) + shape.depths, jnp.int32), (2, shape.num_nodes + 1))
-    logits, _ = step(params, jnp.asarray(np.concatenate([roots[:, None], nodes], axis=1)), cache, None,
-                     TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
     for b in range(2):
         prefix = seqs[b] + [int(roots[b])]
-        yield "tree block (after a rollback)", ref(prefix)[-1:], np.asarray(logits[b, :1])
+        yield "tree block (after a rollback)", ref(prefix)[-1:], tree_logits[b, :1]
         for n in range(shape.num_nodes):
             path, m = [], n
             while m >= 0:
                 path.append(int(nodes[b, m]))
                 m = shape.parents[m]
-            yield "tree block (after a rollback)", ref(prefix + path[::-1])[-1:], np.asarray(logits[b, n + 1:n + 2])
+            yield "tree block (after a rollback)", ref(prefix + path[::-1])[-1:], tree_logits[b, n + 1:n + 2]

@@ -38,10 +38,12 @@ def deadline(seconds: int):
 
 
 def _cfg(env, **over):
+    """The toy config with one sequence width (64, every toy sequence fits): one train-step program
+    per run instead of two."""
     c = toy.config(target_dir=env["target_dir"], data_path=over.pop("data_path", env["data_path"]),
                    data_root=env["data_root"], budget=over.pop("budget", 1200), checkpoint_every=1,
                    export_dir=over.pop("export_dir", ""))
-    return distill.with_overrides(c, over)
+    return distill.with_overrides(c, {"data.widths": (64,), **over})
 
 
 def _steps_on_disk(workdir) -> list[int]:
@@ -119,9 +121,10 @@ def test_a_torn_metrics_line_is_set_aside_on_resume_and_rewound_steps_are_marked
     line in metrics.jsonl; before, every later run on the workdir failed parsing it. Now the next
     run keeps the complete records, sets the torn bytes aside (named in the log and in a
     `torn_metrics` event) and resumes; the steps logged after the last checkpoint (6, 7) run
-    again after a `rewind` event. Every line of the file is JSON again."""
+    again after a `rewind` event. Every line of the file is JSON again. (On-policy data off: no
+    draft generation; a resume that reads an on-policy set back is tests/test_distill_resume.py's.)"""
     work = tmp_path / "work"
-    c = _cfg(toy_env, **{"checkpoint_every": 5, "budget_tokens": 3000})
+    c = _cfg(toy_env, **{"checkpoint_every": 5, "budget_tokens": 3000, "data.draft_weight": 0.0})
     with deadline(120):
         distill.train(c, work, log=lambda s: None, stop_after_steps=7)
     metrics = work / "metrics.jsonl"

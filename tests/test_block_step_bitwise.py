@@ -28,7 +28,7 @@ it on this CPU: its blocks and steps differ in the last bit of some logits.
 
 from __future__ import annotations
 
-import os
+import functools
 import pathlib
 import subprocess
 import sys
@@ -65,12 +65,36 @@ def _config(kind: str, **layout):
     return config_from_hf(cfg).replace(**{**PROFILE, **layout})
 
 
+def _params(model, seed: int, matrix_scale: float = 1.0) -> dict:
+    """Random parameters in the model's layout, drawn in NumPy (nothing to compile: drawn with
+    jax.random, op by op, they were a compiled program per operation and shape, and in the
+    float32 subprocess below as long to compile as the model): normal(0.02) weights and biases,
+    the weight matrices times ``matrix_scale``, unit norms (`llama.param_specs`' canonical form,
+    then `prepare_params`)."""
+    from specjax.models import llama as llama_lib
+    rng = np.random.default_rng(seed)
+
+    def draw(specs: dict, stacked: int) -> dict:
+        out = {}
+        for name, spec in specs.items():
+            if isinstance(spec, dict):
+                out[name] = draw(spec, 1)         # the layers: a leading layer axis
+                continue
+            shape, _, kind = spec
+            if kind in ("ones", "zeros"):
+                x = np.full(shape, 1.0 if kind == "ones" else 0.0, np.float32)
+            else:
+                scale = matrix_scale if len(shape) - stacked > 1 else 1.0
+                x = 0.02 * scale * rng.standard_normal(shape, np.float32)
+            out[name] = x.astype(model.config.jnp_dtype)
+        return out
+    return model.prepare_params(draw(llama_lib.param_specs(model.config), 0))
+
+
 def _model(kind: str, **layout):
     model = models.Llama(_config(kind, **layout))
-    params = model.init_params(jax.random.key(len(kind)))
     # weights well above the init's 0.02, so that bf16 rounding has something to round
-    params = jax.tree.map(lambda x: (x.astype(jnp.float32) * (1.0 if x.ndim == 1 else 8.0)).astype(x.dtype), params)
-    return model, params
+    return model, _params(model, len(kind), matrix_scale=8.0)
 
 
 def _prefilled(model, params, B: int):
@@ -103,23 +127,27 @@ def _prefilled(model, params, B: int):
 
 def _steps(apply, params, tokens_BT, cache, width: int):
     """One-token steps as the engine runs them with a padded block: each a pass of ``width``
-    tokens (the token repeated), row 0 kept, the cache cut back to one new entry."""
+    tokens (the token repeated), row 0 kept, the cache cut back to one new entry. (Inputs built
+    and outputs sliced on the host: only ``apply`` is compiled.)"""
+    tokens_BT = np.asarray(tokens_BT)
     out = []
     for t in range(tokens_BT.shape[1]):
-        block = jnp.repeat(tokens_BT[:, t:t + 1], width, axis=1)
-        before = cache.lengths_B
+        block = jnp.asarray(np.repeat(tokens_BT[:, t:t + 1], width, axis=1))
+        before = np.asarray(cache.lengths_B)
         logits, cache = apply(params, block, cache)
         cache = cache.rollback(before + 1)
-        out.append(logits[:, :1])
-    return jnp.concatenate(out, axis=1), cache
+        out.append(np.asarray(logits)[:, :1])
+    return np.concatenate(out, axis=1), cache
 
 
 def _committed(cache, lengths):
-    """Each row's committed K and V entries (slots below its length), every layer."""
+    """Each row's committed K and V entries (slots below its length), every layer (sliced on the
+    host)."""
     out = []
     for k, v in zip(cache.k, cache.v):
+        k, v = np.asarray(k), np.asarray(v)
         for b, n in enumerate(np.asarray(lengths)):
-            out += [np.asarray(k[b, :, :n]), np.asarray(v[b, :, :, :n])]
+            out += [k[b, :, :n], v[b, :, :, :n]]
     return out
 
 
@@ -155,37 +183,48 @@ def test_block_equals_steps_with_separate_projections(B):
     _tree(model, params, cache, "llama", apply)
 
 
+def _tokens(seed: int, shape, vocab: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
 def _chain(model, params, cache, kind, apply):
     B = cache.batch_size
-    block = jax.random.randint(jax.random.key(3), (B, WIDTH), 0, model.vocab_size)
-    logits_block, cache_block = apply(params, block, cache)
+    block = _tokens(3, (B, WIDTH), model.vocab_size)
+    logits_block, cache_block = apply(params, jnp.asarray(block), cache)
+    logits_block = np.asarray(logits_block)
     logits_steps, cache_steps = _steps(apply, params, block, cache, width=block.shape[1])
-    assert np.array_equal(np.asarray(logits_block), np.asarray(logits_steps)), \
-        f"{kind}: {int(jnp.sum(logits_block != logits_steps))} of {logits_steps.size} logits differ"
+    assert np.array_equal(logits_block, logits_steps), \
+        f"{kind}: {int(np.sum(logits_block != logits_steps))} of {logits_steps.size} logits differ"
     for a, b in zip(_committed(cache_block, cache_block.lengths_B), _committed(cache_steps, cache_block.lengths_B)):
         assert np.array_equal(a, b)
 
 
-def _tree(model, params, cache, kind, apply=None):
-    apply = apply or jax.jit(model.apply)
-    B = cache.batch_size
+@functools.lru_cache(maxsize=None)
+def _tree_block(B: int) -> TreeBlock:
+    """The tree block of PARENTS for B rows (`trees.ancestor_mask`), built once per batch size."""
     N = len(PARENTS)
-    nodes = jax.random.randint(jax.random.key(5), (B, N), 0, model.vocab_size)
-    root = jax.random.randint(jax.random.key(6), (B, 1), 0, model.vocab_size)
     parents = jnp.broadcast_to(jnp.asarray(PARENTS, jnp.int32), (B, N))
     depth = [0] * N
     for i, p in enumerate(PARENTS):
         depth[i] = 1 if p < 0 else depth[p] + 1
     visible = trees.ancestor_mask(parents, jnp.ones((B, N), bool), max(depth))
     rel = jnp.broadcast_to(jnp.asarray([0] + depth, jnp.int32), (B, N + 1))
-    logits_tree, _ = apply(params, jnp.concatenate([root, nodes], axis=1), cache,
-                           tree=TreeBlock(rel_positions_BT=rel, visible_BTW=visible))
+    return TreeBlock(rel_positions_BT=rel, visible_BTW=visible)
+
+
+def _tree(model, params, cache, kind, apply=None):
+    apply = apply or jax.jit(model.apply)
+    B = cache.batch_size
+    N = len(PARENTS)
+    nodes = _tokens(5, (B, N), model.vocab_size)
+    root = _tokens(6, (B, 1), model.vocab_size)
+    logits_tree, _ = apply(params, jnp.asarray(np.concatenate([root, nodes], axis=1)), cache, tree=_tree_block(B))
     path = [0, 2, 3, 4, 5]           # block rows of the root and nodes 1-4 (node 0 is a sibling branch)
-    tokens = jnp.concatenate([root, nodes[:, 1:2], nodes[:, 2:3], nodes[:, 3:4], nodes[:, 4:5]], axis=1)
+    tokens = np.concatenate([root, nodes[:, 1:2], nodes[:, 2:3], nodes[:, 3:4], nodes[:, 4:5]], axis=1)
     logits_steps, _ = _steps(apply, params, tokens, cache, width=WIDTH)
-    got = logits_tree[:, jnp.asarray(path)]
-    assert np.array_equal(np.asarray(got), np.asarray(logits_steps)), \
-        f"{kind}: {int(jnp.sum(got != logits_steps))} of {logits_steps.size} logits differ"
+    got = np.asarray(logits_tree)[:, path]
+    assert np.array_equal(got, logits_steps), \
+        f"{kind}: {int(np.sum(got != logits_steps))} of {logits_steps.size} logits differ"
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,7 +304,7 @@ def test_write_then_attend_computes_the_same_attention(kind):
     RoPE, biases), a prefill, a chain block and a tree block at batch 2 (rows at different
     lengths), logits within float32 rounding and the same committed cache entries."""
     first = models.Llama(_config(kind, dtype="float32"))
-    params = first.init_params(jax.random.key(len(kind)))
+    params = _params(first, len(kind))
     after = models.Llama(first.config.replace(write_then_attend=False))
     assert first.config.write_then_attend and not after.config.write_then_attend
     lengths = jnp.asarray([181, 122], jnp.int32)

@@ -6,8 +6,8 @@
    lists are refused by name.
 2. A scheduler that resizes its batch as requests come and go gives each request exactly what
    it gets alone (tokens, status, counters): greedy and T = 1 on the tabular toy, greedy on a
-   tiny Llama pair with real caches (its greedy margins are far above batch-shape rounding,
-   tests/_multiprocess_common.py).
+   tiny Llama pair with real caches, finished rows refilled while others run (its greedy
+   margins are far above batch-shape rounding, tests/_multiprocess_common.py).
 3. Adaptive gamma follows the batch size: with round times that make speculation free at one
    row and ruinous at more, rounds at one row draft and rounds at more run gamma 0 (up to the
    policy's probes), and greedy output is still the target's.
@@ -75,19 +75,21 @@ def _row(tree, axis_of, i):
 
 
 def test_resize_moves_rows_whole_and_refuses_bad_row_lists():
+    """2 rows to 4, the rows swapped (old rows 1 and 0 to 0 and 1) and two empty rows: the
+    sizes, capacity and padding of the real-cache scheduler test below, whose programs these are."""
     engine, params = _llama()
-    prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [5, 3]]
-    state = engine.empty_state(params, 3, 48, key=KEY)
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6]]
+    state = engine.empty_state(params, 2, 48, key=KEY)
     for s, p in enumerate(prompts):
         state = engine.refill(params, state, s, decoding.make_batch([p], engine.config, KEY, request_ids=[s],
                                                                     pad_multiple=PAD, capacity=48))
     for _ in range(2):
         state, _ = engine.step(params, GREEDY, state)
     old = jax.tree.map(jnp.copy, state)             # the step below donates what it is given
-    new = engine.resize(state, [2, 0, None, -1])
+    new = engine.resize(state, [1, 0, None, -1])
     a = lambda x: np.asarray(x)                    # noqa: E731
     assert new.tokens_BS.shape[0] == 4
-    for n, o in ((0, 2), (1, 0)):
+    for n, o in ((0, 1), (1, 0)):
         assert np.array_equal(a(new.tokens_BS)[n], a(old.tokens_BS)[o]) and a(new.lengths_B)[n] == a(old.lengths_B)[o]
         assert not a(new.done_B)[n] and a(new.metrics.rounds_B)[n] == a(old.metrics.rounds_B)[o]
         assert np.array_equal(a(jax.random.key_data(new.key_B))[n], a(jax.random.key_data(old.key_B))[o])
@@ -102,21 +104,22 @@ def test_resize_moves_rows_whole_and_refuses_bad_row_lists():
     # the moved rows go on as they would have: one more round, the same tokens
     cont_old = engine.step(params, GREEDY, jax.tree.map(jnp.copy, old))[0]
     cont_new = engine.step(params, GREEDY, new)[0]
-    for n, o in ((0, 2), (1, 0)):
+    for n, o in ((0, 1), (1, 0)):
         assert np.array_equal(a(cont_new.tokens_BS)[n], a(cont_old.tokens_BS)[o])
         assert a(cont_new.lengths_B)[n] == a(cont_old.lengths_B)[o] > a(old.lengths_B)[o]
     state = old
-    for rows, match in (([0, 0], "distinct"), ([3], "distinct"), ([], "at least one row"), ([-2], "distinct")):
+    for rows, match in (([0, 0], "distinct"), ([2], "distinct"), ([], "at least one row"), ([-2], "distinct")):
         with pytest.raises(ValueError, match=match):
             engine.resize(state, rows)
 
 
 def test_resize_sets_the_new_sizes_round_times():
+    """1 row to 4 (the adaptive scheduler test's first state and growth: the same programs)."""
     engine, params = _toy(adaptive_gammas=(0, 1, 3))
-    state = engine.empty_state(params, 2, CAPACITY, round_time_s=(1.0, 2.0, 3.0), key=KEY)
-    small = engine.resize(state, [1], round_time_s=(1.0, 1.1, 1.2))
-    assert np.allclose(np.asarray(small.policy.round_time_RZ), [[1.0, 1.1, 1.2]])
-    assert np.array_equal(np.asarray(small.policy.alpha_R), np.asarray(state.policy.alpha_R))
+    state = engine.empty_state(params, 1, CAPACITY, round_time_s=(1.0, 2.0, 3.0), key=KEY)
+    big = engine.resize(state, [0, None, None, None], round_time_s=(1.0, 1.1, 1.2))
+    assert np.allclose(np.asarray(big.policy.round_time_RZ), [[1.0, 1.1, 1.2]])
+    assert np.array_equal(np.asarray(big.policy.alpha_R), np.asarray(state.policy.alpha_R))
 
 
 # ----------------------------------------------------------------------------- Buckets
@@ -141,13 +144,15 @@ def test_buckets_sizes_and_their_errors():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_resizing_scheduler_gives_each_request_what_it_gets_alone(temperature):
+    """Batch sizes 1 and 4 (two sizes: every resize and refill path, fewer programs than the
+    powers of 2, whose sizes test_buckets_sizes_and_their_errors checks): grown, drained, grown again."""
     engine, params = _toy()
     samp = GREEDY if temperature == 0 else T1
     requests = _requests(PROMPTS, ARRIVALS)
-    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=CAPACITY, buckets="powers").run(
+    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=CAPACITY, buckets=(1, 4)).run(
         requests, samp, KEY, warmup=False)
     s = out.summary
-    assert set(s["rounds_per_size"]) >= {1, 4} and s["resizes"] >= 3, s
+    assert set(s["rounds_per_size"]) == {1, 4} and s["resizes"] >= 3, s
     assert sorted(r.id for r in out.results) == [r.id for r in requests]
     for req, r in zip(requests, out.results):
         tokens, status, counters = _alone(engine, params, samp, req, CAPACITY)
@@ -156,26 +161,35 @@ def test_a_resizing_scheduler_gives_each_request_what_it_gets_alone(temperature)
 
 
 def test_a_resizing_scheduler_on_real_caches():
+    """Real caches (target per layer, draft stacked: both row layouts of `Engine.refill` and
+    `Engine.resize`), batch sizes 2 and 4: five requests at once through 4 rows (the fifth
+    refills a finished request's row: a refilled row's caches hold only its own prompt and
+    tokens), the batch shrinks to 2 rows as they drain, two more much later (refilling finished
+    rows). Every request gets the tokens, status and counters it gets alone."""
     engine, params = _llama()
     rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(0, 96, n)] for n in (3, 9, 5, 12, 1, 6)]
-    requests = _requests(prompts, [0.0] * 4 + [1000.0] * 2)
-    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=48, buckets=(1, 2)).run(
+    prompts = [[int(t) for t in rng.integers(0, 96, n)] for n in (3, 9, 5, 12, 1, 6, 4)]
+    requests = _requests(prompts, [0.0] * 5 + [1000.0] * 2)
+    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=48, buckets=(2,)).run(
         requests, GREEDY, KEY, warmup=False)
-    assert out.summary["resizes"] >= 2 and len(out.summary["rounds_per_size"]) >= 2
+    assert out.summary["resizes"] >= 2 and set(out.summary["rounds_per_size"]) == {2, 4}
+    # the fifth waited for a row to finish
+    assert min(r.finished_s for r in out.results[:4]) <= out.results[4].admitted_s
     for req, r in zip(requests, out.results):
-        assert r.tokens == _alone(engine, params, GREEDY, req, 48)[0], req.id
+        tokens, status, counters = _alone(engine, params, GREEDY, req, 48)
+        assert r.tokens == tokens and r.status == status, req.id
+        assert {k: r.counters[k] for k in counters} == counters, req.id
 
 
 def test_adaptive_gamma_follows_the_batch_size():
-    """Round times: free speculation at one row, 100x a plain round at 2 and 4 rows. Rounds at one
-    row then run the largest gamma; rounds at more rows gamma 0, except the policy's probes (one
-    every `probe_every` rounds at gamma 0, at the smallest positive gamma)."""
+    """Batch sizes 1 and 4. Round times: free speculation at one row, 100x a plain round at 4
+    rows. Rounds at one row then run the largest gamma; rounds at more rows gamma 0, except the
+    policy's probes (one every `probe_every` rounds at gamma 0, at the smallest positive gamma)."""
     gammas = (0, 1, 3)
     engine, params = _toy(adaptive_gammas=gammas)
-    times = {1: [1.0, 1.0, 1.0], 2: [1.0, 100.0, 100.0], 4: [1.0, 100.0, 100.0]}
+    times = {1: [1.0, 1.0, 1.0], 4: [1.0, 100.0, 100.0]}
     requests = _requests(PROMPTS, ARRIVALS)
-    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=CAPACITY, buckets="powers",
+    out = serving.Scheduler(engine, params, slots=4, pad_multiple=PAD, capacity=CAPACITY, buckets=(1, 4),
                             round_time_s=times).run(requests, GREEDY, KEY, warmup=False)
     s = out.summary
     at_one = s["rounds_per_size"].get(1, 0)
@@ -198,7 +212,9 @@ def test_rows_are_priced_by_their_own_acceptance():
     a_B = adaptive.row_alphas(policy, state, jnp.asarray([0, 90, 5]), jnp.asarray([0, 100, 50]), jnp.zeros(3, jnp.int32))
     assert np.allclose(np.asarray(a_B), [0.5, (90 + 4) / 108, (5 + 4) / 58])
     # gamma 1 costs 1.5 rounds: worth it only where the rows commit > 1.5 tokens each on average
-    choose = lambda a, active: int(adaptive.choose(policy, state, 0, jnp.asarray(a), jnp.asarray(active))[0])  # noqa: E731
+    # (jitted: one program for every call; op by op, each operation compiles its own)
+    choose_jit = jax.jit(lambda a, active: adaptive.choose(policy, state, 0, a, active)[0])
+    choose = lambda a, active: int(choose_jit(jnp.asarray(a), jnp.asarray(active)))  # noqa: E731
     assert choose([0.9, 0.1], [True, False]) == 1          # E = 1.9 at gamma 1: 1.5 / 1.9 < 1
     assert choose([0.9, 0.1], [False, True]) == 0          # E = 1.1: 1.5 / 1.1 > 1
     assert choose([0.9, 0.3], [True, True]) == 1           # 1.5 / 3.2 < 1 / 2

@@ -253,6 +253,10 @@ def test_distill_resumes_from_the_previous_step_over_a_byte_flipped_checkpoint(t
     c = toy.config(target_dir=toy.write_target(tmp_path / "target"), data_path=toy.write_data(tmp_path / "d.jsonl"),
                    data_root=tmp_path / "data_root", budget=2600, checkpoint_every=every, export_dir="")
     c.keep_checkpoints = 2
+    # On-policy data off (no draft generation; a resume that reads an on-policy set back is
+    # tests/test_distill_resume.py's): the fixed toy set only, in one sequence width (64, every toy
+    # sequence fits: one train-step program, not two).
+    distill.with_overrides(c, {"data.draft_weight": 0.0, "data.widths": (64,)})
     work = tmp_path / "run"
     distill.train(c, work, stop_after_steps=3 * every)
     ck = work / "checkpoints"

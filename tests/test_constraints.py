@@ -61,7 +61,10 @@ def _texts(depth):
 CONTINUATIONS = sorted(_texts(4))
 
 
+@functools.lru_cache(maxsize=None)
 def _viable(pattern, text):
+    """Some continuation of at most 4 tokens makes ``text`` a full match (memoised: the random
+    paths below revisit the same short texts)."""
     return any(re.fullmatch(pattern, text + u) for u in CONTINUATIONS)
 
 
@@ -69,6 +72,10 @@ def _viable(pattern, text):
 def test_the_automaton_allows_exactly_the_viable_tokens(pattern):
     auto = constraints.compile_regex(pattern, TOKENS, [STOP])
     assert auto.class_V.shape == (len(TOKENS),) and auto.start == 0
+    ids = [i for i, t in enumerate(TOKENS) if t]
+    for seq in itertools.product(ids, repeat=3):       # `matches` on every 3-token sequence
+        spelled = "".join(TOKENS[i].decode() for i in seq)
+        assert auto.matches(list(seq)) == bool(re.fullmatch(pattern, spelled)), (pattern, seq)
     rng = np.random.default_rng(0)
     for _ in range(200):
         state, text = auto.start, ""
@@ -85,10 +92,6 @@ def test_the_automaton_allows_exactly_the_viable_tokens(pattern):
             text += TOKENS[t].decode()
             state = auto.step(state, t)
             assert state >= 0
-        ids = [i for i, t in enumerate(TOKENS) if t]
-        for seq in itertools.product(ids, repeat=3):
-            spelled = "".join(TOKENS[i].decode() for i in seq)
-            assert auto.matches(list(seq)) == bool(re.fullmatch(pattern, spelled)), (pattern, seq)
 
 
 def test_a_stop_token_ends_a_match_only_when_it_is_complete():
@@ -130,9 +133,11 @@ def test_a_json_schema_on_the_smollm2_vocabulary(smollm2_tokens):
         constraints.compile_regex("(unclosed", token_bytes, tok.stop_token_ids)
     with pytest.raises(constraints.ConstraintError, match="max_states=10"):
         constraints.compile_json_schema(SCHEMA, token_bytes, tok.stop_token_ids, max_states=10)
-    # a pattern whose automaton would need states x vocabulary tables of gigabytes: refused first
-    with pytest.raises(constraints.ConstraintError, match="character automaton has .* more than max_states=1024"):
-        constraints.compile_regex("[a-z]{0,5000}", token_bytes, tok.stop_token_ids)
+    # a pattern whose character automaton has more states than max_states (1101 > 1024): refused on
+    # that count, before the token walk whose tables are states x vocabulary (a larger repeat count
+    # takes the same path; interegular's reduction alone grows faster than linearly in it)
+    with pytest.raises(constraints.ConstraintError, match="character automaton has 1101 states, more than max_states=1024"):
+        constraints.compile_regex("[a-z]{0,1100}", token_bytes, tok.stop_token_ids)
 
 
 def test_stack_places_each_rows_automaton():
@@ -205,7 +210,13 @@ def _filters(s: dict) -> sampling.SamplingConfig:
     return sampling.SamplingConfig.rows([s.get("temperature", 1.0)], [s.get("top_k", 0)], [s.get("top_p", 1.0)])
 
 
+_PROBS = jax.jit(sampling.probabilities)      # one compiled program for every law below
+
+
 def _exact_law(target, s: dict) -> np.ndarray:
+    """P(continuation) of every N_NEW-token sequence (base-V index, first token most significant)
+    under the constrained target with the settings ``s`` (`_transform_np`, then `probabilities`
+    with the row's temperature and filters)."""
     table = np.asarray(target)
     seqs = list(itertools.product(range(V), repeat=N_NEW))
     rows = []
@@ -213,7 +224,7 @@ def _exact_law(target, s: dict) -> np.ndarray:
         full = list(PROMPT) + list(seq)
         for i in range(len(PROMPT), len(full)):
             rows.append(_transform_np(table[full[i - 2], full[i - 1]], full[len(PROMPT):i], s))
-    probs = np.asarray(sampling.probabilities(jnp.asarray(np.stack(rows), jnp.float32)[None], _filters(s)))[0]
+    probs = np.asarray(_PROBS(jnp.asarray(np.stack(rows), jnp.float32)[None], _filters(s)))[0]
     law = np.ones(len(seqs))
     for j, seq in enumerate(seqs):
         for i, y in enumerate(seq):
@@ -225,6 +236,21 @@ def _exact_law(target, s: dict) -> np.ndarray:
 def tables():
     target = random_table(jax.random.key(10), V, peak=2.0)
     return target, target + random_table(jax.random.key(11), V, peak=1.0)
+
+
+@pytest.fixture(scope="module")
+def exact_law(tables):
+    """`_exact_law` on the target table, memoised per settings: a group's law serves its chain
+    and its tree test, the unconstrained group's the power test, and the third group's the
+    enumeration of one round."""
+    memo = {}
+
+    def law(s: dict) -> np.ndarray:
+        key = repr(sorted(s.items()))
+        if key not in memo:
+            memo[key] = _exact_law(tables[0], s)
+        return memo[key]
+    return law
 
 
 def _engine(gamma, drafter=None, max_new=N_NEW):
@@ -259,7 +285,7 @@ def _pvalue(law, gen_BN):
 
 @pytest.mark.parametrize("kind", list(SPECULATION))
 @pytest.mark.parametrize("group", range(len(GROUPS)))
-def test_each_constrained_group_follows_its_own_law(tables, generated, kind, group):
+def test_each_constrained_group_follows_its_own_law(exact_law, generated, kind, group):
     gen = generated[kind][group::len(GROUPS)]
     s = GROUPS[group]
     if "pattern" in s:
@@ -270,16 +296,19 @@ def test_each_constrained_group_follows_its_own_law(tables, generated, kind, gro
             for t in row:
                 assert t in table[state], (pat, row)
                 state = table[state][t]
-    p, impossible, cells = _pvalue(_exact_law(tables[0], s), gen)
+    p, impossible, cells = _pvalue(exact_law(s), gen)
     print(f"\n[{kind} {s}] p={p:.3g} (alpha per test {PER_TEST_ALPHA:.2g}) cells={cells}")
     assert impossible == 0 and cells >= 5          # (ab|c)+ spells 21 six-token prefixes
     assert p > PER_TEST_ALPHA, f"{kind} {s}: chi-square p={p:.3g} rejects exactness"
 
 
-def test_the_test_tells_a_constraint_apart(tables, generated):
+def test_the_test_tells_a_constraint_apart(exact_law, generated):
     """Power: the first pattern's rows against the unconstrained law are rejected."""
-    p, _, _ = _pvalue(_exact_law(tables[0], {}), generated["chain"][0::len(GROUPS)])
+    p, _, _ = _pvalue(exact_law({}), generated["chain"][0::len(GROUPS)])
     assert p < PER_TEST_ALPHA
+
+
+DRAFT_ROWS = 64     # the rows of the greedy and the draft-masking tests (one batch shape for both)
 
 
 def _greedy_np(target, s, n):
@@ -294,20 +323,25 @@ def _greedy_np(target, s, n):
                                    trees.DynamicTree(depth=3, topk=2, node_budget=5)],
                          ids=["target-only", "chain", "tree", "dynamic-tree"])
 def test_greedy_rows_under_constraints_equal_the_masked_greedy_decode(tables, gamma):
+    """Four greedy settings, repeated over DRAFT_ROWS rows: the batch of
+    `test_the_draft_is_masked_on_its_path` (same engine, same config layout), so a chain's and a
+    static tree's program serve both tests."""
     n = 12
-    groups = [dict(temperature=0.0, pattern="(a[bc]|c)*"), dict(temperature=0.0, pattern="(ab|c)+"),
-              dict(temperature=0.0, pattern="(ab|c)+", frequency_penalty=0.9), dict(temperature=0.0)]
+    settings = [dict(temperature=0.0, pattern="(a[bc]|c)*"), dict(temperature=0.0, pattern="(ab|c)+"),
+                dict(temperature=0.0, pattern="(ab|c)+", frequency_penalty=0.9), dict(temperature=0.0)]
+    groups = [settings[i % len(settings)] for i in range(DRAFT_ROWS)]
     out = _generate(_engine(gamma, max_new=n), decoding.EngineParams(target=tables[0], draft=tables[1]),
                     _config(groups, _automata()), len(groups))
     got = out.generated()
-    for i, s in enumerate(groups):
-        assert got[i] == _greedy_np(tables[0], s, n), (i, s)
+    want = [_greedy_np(tables[0], s, n) for s in settings]
+    for i in range(len(groups)):
+        assert got[i] == want[i % len(settings)], (i, groups[i])
     assert got[0] != got[3] and got[1] != got[3], "the constraints changed nothing: the test would not see them"
 
 
 @pytest.mark.parametrize("gamma", [3, trees.TreeShape.from_branching((2, 2))], ids=["chain", "tree"])
 def test_the_draft_is_masked_on_its_path(tables, gamma):
-    rows, n = 64, 12
+    rows, n = DRAFT_ROWS, 12
     groups = [dict(pattern="(ab|c)+")] * rows
     params = decoding.EngineParams(target=tables[0], draft=tables[0])
     depth = gamma if isinstance(gamma, int) else gamma.max_depth
@@ -349,18 +383,20 @@ def test_a_rows_state_survives_a_new_table_layout(tables):
 
 
 @pytest.mark.parametrize("verifier", ["token"])
-def test_one_round_is_exact_by_enumeration(tables, verifier):
+def test_one_round_is_exact_by_enumeration(tables, exact_law, verifier):
     """Exact enumeration (no sampling): the target's and the draft's distributions at every
     position of every 2-token draft block come from `probabilities` under one config mixing a
     pattern, penalties and a logit bias, moved along the block by `at_block`; the law of the
     3 tokens one verification round and then target-only sampling commit equals the constrained
-    target's law from the NumPy transcription, within 1e-6. (The token verifier; every verifier's
-    exactness for arbitrary prefix-dependent p and q: tests/test_verify_exhaustive.py.)"""
+    target's law from the NumPy transcription (the first 3 tokens' marginal of `_exact_law`),
+    within 1e-6. (The token verifier; every verifier's exactness for arbitrary prefix-dependent p
+    and q: tests/test_verify_exhaustive.py.)"""
     import _tabular as tab
     from specjax import verify
     s = dict(pattern="(a[bc]|c)*", repetition_penalty=1.4, presence_penalty=0.3, logit_bias={2: -0.7})
     cfg = _config([s], _automata())
     tables_np = [np.asarray(t) for t in tables]
+    gamma = 2
 
     @jax.jit
     def block_probs(toks_1S, prefix_1X, logits_1TV):
@@ -370,26 +406,18 @@ def test_one_round_is_exact_by_enumeration(tables, verifier):
     def tree(table):
         @functools.lru_cache(maxsize=None)
         def dist(prefix: tuple) -> np.ndarray:
-            full = list(PROMPT) + list(prefix)            # row t: the logits after full[:len(PROMPT) + t]
+            # a block of gamma drafted tokens, the prefix padded with token 0: row len(prefix) reads
+            # the prefix only (one compiled program for every prefix length)
+            full = list(PROMPT) + list(prefix) + [0] * (gamma - len(prefix))
             logits = np.stack([table[full[i - 2], full[i - 1]] for i in range(len(PROMPT), len(full) + 1)])
-            p = block_probs(jnp.asarray([full + [0]], jnp.int32), jnp.asarray([list(prefix)], jnp.int32).reshape(1, -1),
+            p = block_probs(jnp.asarray([full + [0]], jnp.int32), jnp.asarray([full[len(PROMPT):]], jnp.int32),
                             jnp.asarray(logits)[None])
-            return np.nan_to_num(np.asarray(p)[0, -1]).astype(np.float32)
+            return np.nan_to_num(np.asarray(p)[0, len(prefix)]).astype(np.float32)
         return dist
 
-    gamma = 2
-    ver = verify.get_verifier("chain", verifier, greedy=False)
+    ver = jax.jit(verify.get_verifier("chain", verifier, greedy=False))
     law, target, _ = tab.exact_round_then_target(ver, verifier, tree(tables_np[0]), tree(tables_np[1]), V, gamma)
-    seqs = list(itertools.product(range(V), repeat=gamma + 1))
-    want = []
-    for seq in seqs:
-        prob, full = 1.0, list(PROMPT)
-        for y in seq:
-            x = _transform_np(tables_np[0][full[-2], full[-1]], full[len(PROMPT):], s)
-            probs = np.asarray(sampling.probabilities(jnp.asarray(x, jnp.float32)[None, None], _filters(s)))[0, 0]
-            prob *= float(np.nan_to_num(probs)[y])
-            full.append(y)
-        want.append(prob)
+    want = exact_law(s).reshape(V ** (gamma + 1), -1).sum(1)      # first token most significant
     np.testing.assert_allclose(target, want, atol=1e-6)
     np.testing.assert_allclose(law, want, atol=1e-6)
     assert np.count_nonzero(np.asarray(want) > 0) < len(want)        # the pattern rules sequences out
@@ -403,10 +431,10 @@ def test_a_refused_token_leaves_no_distribution():
     st = constraints.stack([auto, auto, None, auto], V, 8, 4)
     cfg = sampling.SamplingConfig.rows([1.0, 0.0, 1.0, 0.0], constraint=st)
     cfg = cfg.replace(fsm_state=jnp.asarray([sampling.DEAD_STATE, sampling.DEAD_STATE, -1, 0], jnp.int32))
-    logits = jnp.asarray([[0.1, 0.5, 0.2]] * 4, jnp.float32)
-    p = np.asarray(sampling.probabilities(logits, cfg))
+    logits = np.asarray([[0.1, 0.5, 0.2]] * 4, np.float32)
+    p = np.asarray(_PROBS(jnp.asarray(logits), cfg))
     assert np.isnan(p[0]).all() and np.isnan(p[1]).all()
-    np.testing.assert_allclose(p[2], np.asarray(jax.nn.softmax(logits[2])), rtol=1e-6)
+    np.testing.assert_allclose(p[2], np.exp(logits[2]) / np.exp(logits[2]).sum(), rtol=1e-6)
     assert p[3].tolist() == [0.0, 0.0, 1.0]           # start: "a" or "c"; greedy picks c (0.2 > 0.1)
 
 

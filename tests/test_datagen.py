@@ -29,21 +29,33 @@ def batched_run(tiny_generator, tmp_path_factory):
 
 
 def _config(c, **kw):
-    """13 Spec-Bench prompts (two of them ~700 tokens) and 6 Magpie requests, 5 requests a shard,
-    batches and slot groups of 4 rows. Compilation is most of this file's time, one set of programs
-    per (stage sampling, rows, width, capacity): every stage generates 5 tokens (one engine config
-    for all of them), and widths and capacities round up to 256 tokens, so the short prompts (all
-    but the two long ones) share one width and the slot-refilling path refills slots within it
-    (a group of 5 requests on 4 slots); the long prompts are prefilled in chunks of 256 (3 and 4)."""
+    """13 Spec-Bench prompts (two of them ~700 tokens), 5 Magpie requests and 4 follow-up turns,
+    5 requests a shard, batches of 4 rows. Compilation is most of this file's time, one set of
+    programs per (stage sampling, rows, width, capacity): every stage generates 5 tokens (one
+    engine config for all of them); the Magpie requests are one shard (no lone request of their
+    sampling on a slot of its own); the follow-up turns are sampled with the answers' top-p (0.95;
+    configs/data.py's have none), so their batch of 4 short prompts runs the answers' programs;
+    widths and capacities round up to 256 tokens, so the short prompts (all but the two long
+    ones) share one width; the long prompts are prefilled in chunks of 256 (3 and 4). The
+    slot-refilling run (`_refill_config`) differs in its slots and widths only."""
     c = c.copy_and_resolve_references()
     c.spec_bench_per_category = 1
     c.batch_size, c.shard_requests, c.pad_multiple, c.prefill_chunk = 4, 5, 256, 256
-    c.magpie.requests, c.magpie.max_new_tokens = 6, 5
+    c.magpie.requests, c.magpie.max_new_tokens = 5, 5
     c.responses.max_new_tokens = 5
-    c.followup.requests, c.followup.max_new_tokens, c.followup.response.max_new_tokens = 3, 5, 5
+    c.followup.requests, c.followup.max_new_tokens, c.followup.response.max_new_tokens = 4, 5, 5
+    c.followup.top_p = c.responses.top_p
     for k, v in kw.items():
         c[k] = v
     return distill.data_config(c)
+
+
+def _refill_config(c, **kw):
+    """`_config` with slot refilling (3 rounds per host trip) on 2 slots and widths rounded to 512:
+    a shard's short prompts are one group (up to 5 requests on the 2 slots: slots are refilled)
+    and its long prompt another (width 1024 for both long prompts). 2 slots and one long width,
+    instead of 4 slots and widths of 256, 768 and 1024, leave fewer (rows, width) to compile."""
+    return _config(c, refill_rounds=3, batch_size=2, pad_multiple=512, **kw)
 
 
 def _manifests(d):
@@ -55,7 +67,7 @@ def test_stages_shards_and_report(batched_run):
     workdir, report = batched_run
     corpus = [json.loads(line) for line in (workdir / "corpus.jsonl").read_text().splitlines()]
     total = report["corpus"]["total"]
-    assert total["offered"] == 13 + 6 and total["kept"] == len(corpus) >= 13 - total["leaks"]
+    assert total["offered"] == 13 + 5 and total["kept"] == len(corpus) >= 13 - total["leaks"]
     assert {r["source"] for r in report["corpus"]["rows"]} >= {"spec_bench_train", "magpie"}
     assert total["offered"] == sum(total[k] for k in ("rejected", "exact_duplicates", "near_duplicates", "leaks",
                                                         "kept"))
@@ -72,7 +84,7 @@ def test_stages_shards_and_report(batched_run):
     assert (workdir / "REPORT.md").read_text().startswith("# Data engine report")
     _assert_generation_recorded(workdir, report, rows=4)
     # shards from before entries recorded their generation are counted apart
-    m = json.loads((workdir / "instructions" / "manifest.json").read_text())
+    m = json.loads((workdir / "responses_greedy" / "manifest.json").read_text())     # several shards (5 a shard)
     first = sorted(m["shards"])[0]
     del m["shards"][first]["generation"]
     second = sorted(m["shards"])[1]
@@ -97,13 +109,15 @@ def _assert_generation_recorded(workdir, report, rows):
 
 @pytest.mark.parametrize("refill_rounds", [0, 3])
 def test_resume_gives_the_same_shards(tiny_generator, batched_run, tmp_path, monkeypatch, refill_rounds):
-    """Length-sorted batches (refill_rounds 0) and slot refilling (3 rounds per host trip):
-    a run killed mid-stage and resumed writes the shards of an uninterrupted run, the shared
-    length-sorted one (`batched_run`): for slot refilling, every shard of the resumed run is
-    also one of the other path, so both generation paths write the same shards (each request
-    keyed by its id)."""
+    """Length-sorted batches (refill_rounds 0) and slot refilling (`_refill_config`: 2 slots,
+    widths of 512 where the batches have 4 rows and widths of 256): a run killed mid-stage and
+    resumed writes the shards of an uninterrupted run, the shared length-sorted one
+    (`batched_run`): for slot refilling, every shard of the resumed run is also one of the other
+    path, so both generation paths (and both row counts and paddings) write the same shards (each
+    request keyed by its id)."""
     c, gen = tiny_generator
-    cfg = _config(c, refill_rounds=refill_rounds)
+    rows = 2 if refill_rounds else 4
+    cfg = _refill_config(c) if refill_rounds else _config(c, refill_rounds=0)
     whole = batched_run[0]
     # A run that dies in its third call of generation ...
     resumed = tmp_path / "resumed"
@@ -135,7 +149,7 @@ def test_resume_gives_the_same_shards(tiny_generator, batched_run, tmp_path, mon
     (d / "manifest.json").write_text(json.dumps(m))
     logs = []
     report = distill.generate_data(cfg, gen, resumed, progress=False, log=logs.append)
-    _assert_generation_recorded(resumed, report, rows=4)
+    _assert_generation_recorded(resumed, report, rows=rows)
     assert (d / (last + ".unlisted")).is_file() and any("set aside" in s for s in logs)
     a, b = _manifests(whole), _manifests(resumed)
     assert {s: {k: v["sha256"] for k, v in e.items()} for s, e in a.items()} == \

@@ -161,20 +161,26 @@ def test_train_step_lowers_the_divergence_and_never_touches_the_target(toy_pair,
     state, frozen = distill.init_state(params, choice.trainable, opt, jax.random.key(1))
     head = distill.teacher_head(target, tparams, head_ids)
     step = distill.make_train_step(draft, distill.LossSpec(name), opt)
-    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(32, 64))
+    # One batch width (the batch shape does not matter here): one compiled step per case.
+    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(64,))
     fixed = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
     spec = distill.LossSpec(name)
-    loss0 = float(distill.loss_fn(state.params, frozen, head, fixed, draft=draft, spec=spec)[0])
+
+    @jax.jit          # the loss, and its gradients with respect to the teacher's head and states
+    def loss_and_teacher_grads(params, h, th):
+        f = lambda h, th: distill.loss_fn(params, frozen, h, {**fixed, "teacher_hidden": th},   # noqa: E731
+                                          draft=draft, spec=spec)[0]
+        return f(h, th), jax.grad(f, argnums=(0, 1))(h, th)
+
+    loss0 = float(loss_and_teacher_grads(state.params, head, fixed["teacher_hidden"])[0])
     for i in range(40):
         state, aux = step(state, frozen, head, {k: jnp.asarray(v) for k, v in plan.batch(i).items()})
         assert np.isfinite(aux["loss"])
-    loss1 = float(distill.loss_fn(state.params, frozen, head, fixed, draft=draft, spec=spec)[0])
+    loss1, (g_head, g_hidden) = loss_and_teacher_grads(state.params, head, fixed["teacher_hidden"])
+    loss1 = float(loss1)
     assert loss1 < 0.85 * loss0, (name, loss0, loss1)   # 40 steps: fkl ~-40%, tvd ~-20%
     # The target is frozen: no gradient reaches the teacher's head or states, and its params
     # are unchanged (they are not part of the train state at all).
-    g_head, g_hidden = jax.grad(
-        lambda h, th: distill.loss_fn(state.params, frozen, h, {**fixed, "teacher_hidden": th},
-                                      draft=draft, spec=spec)[0], argnums=(0, 1))(head, fixed["teacher_hidden"])
     assert not np.asarray(g_head).any() and not np.asarray(g_hidden).any()
     jax.tree.map(np.testing.assert_array_equal, tparams_before, jax.tree.map(np.array, tparams))
     assert set(state.params) == set(choice.trainable)
@@ -186,7 +192,7 @@ def test_gradient_accumulation_matches_one_big_batch(toy_pair):
     choice = distill.DraftChoice(layers=(0,))
     draft, params = distill.build_draft(choice, target, tparams, key=jax.random.key(0))
     head = distill.teacher_head(target, tparams)
-    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(32, 64))
+    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(64,))       # one batch shape
     b0, b1 = ({k: jnp.asarray(v) for k, v in plan.batch(i).items()} for i in (0, 1))
     spec = distill.LossSpec("fkl")
     acc, _ = distill.make_optimizer(learning_rate=1e-2, warmup_steps=0, total_updates=5, accumulate=2)
@@ -238,37 +244,44 @@ def _run_engine(target, tparams, drafter, dparams, prompts, max_new, gamma, samp
     return decoding.Engine(target, drafter, config).run(decoding.EngineParams(tparams, dparams), samp, batch)
 
 
-def _target_only_and_speculative(target, tparams, drafter, dparams, prompts, max_new, gamma, samp):
-    """(target-only output, speculative output) of the engine on the same batch and keys."""
-    return [_run_engine(target, tparams, d, dparams, prompts, max_new, gamma, samp) for d in (None, drafter)]
+# The prompts and length of the two greedy tests below: their target-only run is one program and
+# one output (`target_greedy`).
+GREEDY_PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 31, 32, 33, 34, 35, 36]]
+GREEDY_N, GREEDY_GAMMA = 40, 3
 
 
-def test_reduced_head_draft_in_the_engine_greedy_equals_target_only(toy_pair):
+@pytest.fixture(scope="module")
+def target_greedy(toy_pair):
+    """The target-only greedy output on GREEDY_PROMPTS (the speculative runs' batch and keys)."""
+    return _run_engine(toy_pair["target"], toy_pair["params"], None, None, GREEDY_PROMPTS, GREEDY_N, GREEDY_GAMMA,
+                       sampling.SamplingConfig.greedy_config())
+
+
+def test_reduced_head_draft_in_the_engine_greedy_equals_target_only(toy_pair, target_greedy):
     target, tparams = toy_pair["target"], toy_pair["params"]
     ids = np.sort(np.random.default_rng(2).choice(64, 24, replace=False))
     choice = distill.DraftChoice(layers=(0, 2), head_vocab=24)
     draft, dparams = distill.build_draft(choice, target, tparams, key=jax.random.key(0), head_ids=ids)
-    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3], [11]]
     greedy = sampling.SamplingConfig.greedy_config()
-    ref, spec = _target_only_and_speculative(target, tparams, ModelDrafter(draft), dparams, prompts, 24, 3, greedy)
-    assert ref.generated() == spec.generated()
+    spec = _run_engine(target, tparams, ModelDrafter(draft), dparams, GREEDY_PROMPTS, GREEDY_N, GREEDY_GAMMA, greedy)
+    assert target_greedy.generated() == spec.generated()
     # And at temperature 1 the draft's q is a distribution over the head only (the speculative
     # run alone: a target-only run at T = 1 would be one more compiled program, unused).
     t1 = sampling.SamplingConfig.make(temperature=1.0)
-    out = _run_engine(target, tparams, ModelDrafter(draft), dparams, prompts, 24, 3, t1)
+    out = _run_engine(target, tparams, ModelDrafter(draft), dparams, GREEDY_PROMPTS, GREEDY_N, GREEDY_GAMMA, t1)
     assert int(out.metrics.summary()["invalid_draft_rounds"]) == 0
 
 
-def test_greedy_accepted_per_pass_matches_the_engine(toy_pair):
+def test_greedy_accepted_per_pass_matches_the_engine(toy_pair, target_greedy):
     """The teacher-forced simulation used during training evaluation gives the engine's own
     count of committed tokens per target pass on the target's greedy continuation."""
     target, tparams = toy_pair["target"], toy_pair["params"]
     choice = distill.DraftChoice(layers=(0,))
     draft, dparams = distill.build_draft(choice, target, tparams, key=jax.random.key(0))
-    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [30, 31, 32, 33, 34, 35, 36]]
+    prompts, N, gamma = GREEDY_PROMPTS, GREEDY_N, GREEDY_GAMMA
     greedy = sampling.SamplingConfig.greedy_config()
-    N, gamma = 40, 3
-    ref, spec = _target_only_and_speculative(target, tparams, ModelDrafter(draft), dparams, prompts, N, gamma, greedy)
+    ref = target_greedy
+    spec = _run_engine(target, tparams, ModelDrafter(draft), dparams, prompts, N, gamma, greedy)
     m = jax.device_get(spec.metrics)
     # the draft's teacher-forced greedy choices on every row at once (right-padded: causal, the
     # padding comes after the positions read; one compiled program)
@@ -301,10 +314,15 @@ def test_evaluate_scores_exactly_the_continuation_positions(toy_pair, head_vocab
     a_sum = g_sum = n = 0.0
     committed = {1: 0, 3: 0}
     passes = {1: 0, 3: 0}
+
+    @jax.jit          # (one program per batch width: op by op, each op compiled on its own)
+    def p_and_q(dparams, tokens, hidden):
+        return (jax.nn.softmax(jnp.einsum("btd,vd->btv", hidden, full_head), -1),
+                jax.nn.softmax(draft.apply(dparams, tokens, None)[0], -1))
+
     for i in range(plan.batches_per_epoch):
         b = plan.batch(i)
-        p = np.asarray(jax.nn.softmax(jnp.einsum("btd,vd->btv", b["teacher_hidden"], full_head), -1))
-        q = np.asarray(jax.nn.softmax(draft.apply(dparams, jnp.asarray(b["tokens"]), None)[0], -1))
+        p, q = (np.asarray(x) for x in p_and_q(dparams, jnp.asarray(b["tokens"]), jnp.asarray(b["teacher_hidden"])))
         m = b["mask"] > 0
         a_sum += float(np.minimum(p, q).sum(-1)[m].sum())
         agree = p.argmax(-1) == q.argmax(-1)
@@ -342,11 +360,13 @@ def test_generate_does_not_depend_on_batching(toy_pair):
     prompts = [[1, 2, 3], [4] * 9, [5, 6], [7, 8, 9, 10, 11]]
     t1 = sampling.SamplingConfig.make(temperature=1.0)
     kw = dict(key=jax.random.key(3), sampling=t1, max_new_tokens=12, samples_per_prompt=2)
-    a = distill.generate(target, tparams, prompts, batch_size=4, width_multiple=8, slots=False, **kw)
-    b = distill.generate(target, tparams, prompts, batch_size=3, width_multiple=16, slots=False, **kw)
+    # All 8 requests in one batch, padded to 16.
+    a = distill.generate(target, tparams, prompts, batch_size=8, width_multiple=16, slots=False, **kw)
+    # Batches of 4 requests (sorted by prompt length): other rows beside each request.
+    b = distill.generate(target, tparams, prompts, batch_size=4, width_multiple=16, slots=False, **kw)
     assert [x.tolist() for x in a.tokens] == [x.tolist() for x in b.tokens]
     # The slot-refilling scheduler (per-width groups of slots: widths 8 and 16, 2 slots each; 6
-    # requests refill the first) gives the same data.
+    # requests refill the first: other rows, other padding) gives the same data.
     c = distill.generate(target, tparams, prompts, batch_size=2, width_multiple=8, slots=True, **kw)
     assert [x.tolist() for x in a.tokens] == [x.tolist() for x in c.tokens]
     assert a.prompt_lengths.tolist() == [3, 3, 9, 9, 2, 2, 5, 5]
@@ -411,20 +431,29 @@ def test_loss_spec_and_draft_choice_errors():
             vocab_size=8, hidden_size=4, num_layers=2, num_heads=1, num_kv_heads=1, head_dim=4, ffn_size=8), [2])
 
 
+# The two training runs with on-policy data below: a budget, a batch shape (one width: one compiled
+# step and one teacher program) and an on-policy refresh (prompts, new tokens, batch: 8 x 16 in one
+# batch) in common.
+ON_POLICY_BUDGET = 1500
+ON_POLICY_WIDTHS = (64,)
+ON_POLICY_REFRESH = (8, 16, 8)
+
+
 def test_on_policy_mixture_run(toy_pair, tmp_path):
     """A run mixing fixed data with the draft's own generations: refreshed every 4 steps from
-    the current draft, cached in the workdir, teacher states from the target."""
+    the current draft, cached in the workdir, teacher states from the target. (The budget, batch
+    shape and refresh size of test_metrics_read_one_step_late_are_the_same_records: the same
+    compiled programs.)"""
     c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"], data_root=tmp_path / "cache",
-                   budget=3000)
+                   budget=ON_POLICY_BUDGET)
     c.data.draft_weight = 1.0
     c.data.draft_refresh_every = 4
-    c.data.draft_prompts = 6
-    c.data.draft_max_new_tokens = 10
-    c.data.gen_batch_size = 4
+    c.data.draft_prompts, c.data.draft_max_new_tokens, c.data.gen_batch_size = ON_POLICY_REFRESH
+    c.data.widths = ON_POLICY_WIDTHS
     data = toy_pair["data"]
     c.data.max_prompt_tokens = int(np.median(data.seqs.prompt_lengths))     # leaves some sequences out
     summary = distill.train(c, tmp_path / "work", log=lambda *_: None)
-    assert summary["tokens"] >= 3000
+    assert summary["tokens"] >= ON_POLICY_BUDGET
     # One pass over the fixed data as trained on (long prompts left out) is reported; on-policy
     # data has no fixed size.
     used = sum(int(n) for n, p in zip(data.counts, data.seqs.prompt_lengths) if p <= c.data.max_prompt_tokens)
@@ -437,16 +466,19 @@ def test_on_policy_mixture_run(toy_pair, tmp_path):
     n_draft = sum(r["source"] == "draft" for r in train)
     assert len(refreshes) == len({(r["step"] - 1) // 4 for r in train if r["source"] == "draft"}) >= 2
     assert n_draft > len(train) // 4
-    # The cached on-policy sets: prompts from the training data, 10 generated tokens each (or EOS),
+    # The cached on-policy sets: prompts from the training data, 16 generated tokens each (or EOS),
     # and the teacher states are the target's.
     prompts = {tuple(t[:p].tolist()) for t, p in zip(toy_pair["data"].seqs.tokens, toy_pair["data"].seqs.prompt_lengths)}
     d0 = sorted((tmp_path / "work" / "onpolicy").iterdir())[0]
     data = distill.TeacherData.load(d0, 64)
-    assert len(data.seqs) == 6
+    n_prompts, max_new, _ = ON_POLICY_REFRESH
+    assert len(data.seqs) == n_prompts
     for t, p in zip(data.seqs.tokens, data.seqs.prompt_lengths):
-        assert tuple(t[:p].tolist()) in prompts and len(t) - p <= 10
+        assert tuple(t[:p].tolist()) in prompts and len(t) - p <= max_new
     t0 = data.seqs.tokens[0]
-    h = np.asarray(toy_pair["target"].hidden_states(toy_pair["params"], jnp.asarray(t0)[None], None)[0][0])
+    target = toy_pair["target"]
+    hidden = jax.jit(lambda p, t: target.hidden_states(p, t, None)[0])       # (one program, not op by op)
+    h = np.asarray(hidden(toy_pair["params"], jnp.asarray(t0)[None])[0])
     P = int(data.seqs.prompt_lengths[0])
     np.testing.assert_allclose(np.asarray(data.hidden[:data.counts[0]]), h[P - 1:P - 1 + data.counts[0]],
                                rtol=1e-4, atol=1e-4)
@@ -464,7 +496,7 @@ def test_fresh_draft_shares_the_embedding_and_learns(toy_pair):
     state, frozen = distill.init_state(params, choice.trainable, opt, jax.random.key(1))
     head = distill.teacher_head(target, tparams)
     step = distill.make_train_step(draft, distill.LossSpec("fkl"), opt)
-    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(32, 64))
+    plan = distill.BatchPlan(data, seed=0, tokens_per_batch=256, widths=(64,))       # one compiled step
     b0 = {k: jnp.asarray(v) for k, v in plan.batch(0).items()}
     spec = distill.LossSpec("fkl")
     loss0 = float(distill.loss_fn(state.params, frozen, head, b0, draft=draft, spec=spec)[0])
@@ -482,11 +514,12 @@ def test_metrics_read_one_step_late_are_the_same_records(toy_pair, tmp_path):
     runs = {}
     for lag in (0, 1):
         c = toy.config(target_dir=toy_pair["target_dir"], data_path=toy_pair["data_path"],
-                       data_root=tmp_path / "cache", budget=1500, checkpoint_every=4)
+                       data_root=tmp_path / "cache", budget=ON_POLICY_BUDGET, checkpoint_every=4)
         c.metrics_lag = lag
         # configs/distill.py's on-policy share stays; its refresh made small (8 prompts x 16 tokens,
         # one batch: not 48 x 128 in two)
-        c.data.draft_prompts, c.data.draft_max_new_tokens, c.data.gen_batch_size = 8, 16, 8
+        c.data.draft_prompts, c.data.draft_max_new_tokens, c.data.gen_batch_size = ON_POLICY_REFRESH
+        c.data.widths = ON_POLICY_WIDTHS
         work = tmp_path / f"work{lag}"
         distill.train(c, work, log=lambda *_: None)
         recs = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]

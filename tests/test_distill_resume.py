@@ -1,11 +1,14 @@
 """Restartable distillation: a run killed with SIGKILL mid-run resumes to the same draft as an
 uninterrupted run, and damaged or partial newest checkpoints are reported and skipped.
 
-The CLI test runs `python -m specjax.distill` as a user would (subprocesses, async checkpoint
-saves on; all three compile with XLA's backend code generation turned down,
-`_bench_run.FAST_COMPILE_XLA_FLAGS`, so the killed, resumed and reference runs compare like for
-like); the damage test runs `specjax.distill.train` in-process on the toy target of
-tests/_distill_toy.py; the `Checkpointer.restore_latest` tests use a small pytree.
+The uninterrupted reference is one in-process `specjax.distill.train` of the CLI test's config
+(module fixture `reference`) on the toy target of tests/_distill_toy.py. The CLI test kills
+`python -m specjax.distill` as a user would (a subprocess, async checkpoint saves on; it
+inherits this process's XLA options, tests/conftest.py: backend code generation turned down, so
+it and the in-process runs compile alike and share one compilation cache) and resumes it with
+the same command line through `cli.dispatch` in this process; the damage test runs
+`specjax.distill.train` in-process on the same config, falls back over a damaged and a partial
+checkpoint and ends on the same draft; the `Checkpointer.restore_latest` tests use a small pytree.
 """
 import json
 import os
@@ -22,10 +25,9 @@ import numpy as np
 import pytest
 
 from specjax import checkpoint as ckpt_lib
-from specjax import distill
+from specjax import cli, distill
 
 import _distill_toy as toy
-from _bench_run import FAST_COMPILE_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,16 +36,19 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # of a deliberately failing restore.
 failing_restores = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-# ~170 loss tokens per toy step: ~88 steps, of which the killed run does only the first ~10
-# (killed before half the budget: ~33 steps of margin after the checkpoint it waits for).
-CLI_BUDGET = 15_000
+# ~110 loss tokens per toy step (one sequence width, below): ~55 steps, of which the killed run
+# does only the first ~5 (killed before half the budget: ~20 steps of margin after the checkpoint
+# it waits for).
+CLI_BUDGET = 6_000
 CLI_EVERY = 5
-KILL_AT = 10          # SIGKILL once a checkpoint of at least this step is on disk
+KILL_AT = 5           # SIGKILL once a checkpoint of at least this step is on disk
 # The toy config keeps configs/distill.py's on-policy share (draft_weight 0.3): its one refresh
 # (the draft's continuations, cached in the workdir: the resumed run must read the killed run's
 # set back) is made small, 8 prompts x 16 new tokens in one batch, instead of 48 x 128 in two
-# batches (two generation programs and ~2.5 s per run).
-ONPOLICY = {"data.draft_prompts": 8, "data.draft_max_new_tokens": 16, "data.gen_batch_size": 8}
+# batches (two generation programs and ~2.5 s per run). One sequence width (64: every toy
+# sequence fits) makes one train-step program per run instead of two.
+OVERRIDES = {"data.draft_prompts": 8, "data.draft_max_new_tokens": 16, "data.gen_batch_size": 8,
+            "data.widths": (64,)}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,25 @@ def toy_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill_resume")
     return dict(root=root, target_dir=toy.write_target(root / "target"),
                 data_path=toy.write_data(root / "data.jsonl"), data_root=root / "data_root")
+
+
+def _toy_args(toy_run, export_dir) -> dict:
+    return dict(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"], data_root=toy_run["data_root"],
+                budget=CLI_BUDGET, checkpoint_every=CLI_EVERY, export_dir=export_dir)
+
+
+def _config(toy_run, export_dir):
+    """The CLI test's config, in-process (the test passes the same settings as flags)."""
+    return distill.with_overrides(toy.config(**_toy_args(toy_run, export_dir)), OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def reference(toy_run, tmp_path_factory):
+    """An uninterrupted in-process run of `_config` (it also writes the shared data cache that the
+    later runs read): the draft that every interrupted run below must end on, byte for byte."""
+    root = tmp_path_factory.mktemp("reference")
+    summary = distill.train(_config(toy_run, root / "export"), root / "run")
+    return dict(workdir=root / "run", export=root / "export", summary=summary)
 
 
 def _metrics(workdir) -> list[dict]:
@@ -77,49 +101,35 @@ def _stop(proc) -> None:
 
 # ----------------------------------------------------------------------------- SIGKILL and resume (CLI)
 
-def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_XLA_FLAGS]).strip())
+def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, reference, tmp_path, capsys):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")       # this process's XLA options (tests/conftest.py)
 
-    def command(workdir, export_dir):
-        # Identical configs apart from where the run and its draft go (same data cache).
-        return [sys.executable, "-m", "specjax.distill", f"--config={REPO / 'configs' / 'distill.py'}",
-                f"--workdir={workdir}",
-                *toy.cli_flags(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
-                               data_root=toy_run["data_root"], budget=CLI_BUDGET, checkpoint_every=CLI_EVERY,
-                               export_dir=export_dir),
-                *(f"--config.{k}={v}" for k, v in ONPOLICY.items())]
+    def args(workdir, export_dir):
+        # `_config` as command-line flags: the reference's config apart from where the run and its
+        # draft go (same data cache).
+        flags = {**toy.overrides(**_toy_args(toy_run, export_dir)), **OVERRIDES}
+        return [f"--config={REPO / 'configs' / 'distill.py'}", f"--workdir={workdir}",
+                *(f"--config.{k}={v}" for k, v in flags.items())]
 
-    def start(workdir, export_dir, log_name):
-        log = open(tmp_path / log_name, "w")
-        return subprocess.Popen(command(workdir, export_dir), cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT), log
+    def log_tail():
+        return (tmp_path / "killed.log").read_text()[-4000:]
 
-    def log_tail(name):
-        return (tmp_path / name).read_text()[-4000:]
-
-    killed_dir, ref_dir = tmp_path / "killed", tmp_path / "reference"
-    killed_export, ref_export = tmp_path / "killed_export", tmp_path / "reference_export"
-    procs, logs = [], []
+    killed_dir, killed_export = tmp_path / "killed", tmp_path / "killed_export"
+    ref_dir, ref_export = reference["workdir"], reference["export"]
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specjax.distill", *args(killed_dir, killed_export)], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        proc, log = start(killed_dir, killed_export, "killed.log")
-        procs.append(proc), logs.append(log)
-        ref = None
         deadline = time.monotonic() + 150
         while True:
             steps = _steps_on_disk(killed_dir / "checkpoints")
-            if steps and ref is None:
-                # The data cache is written before the first step: the uninterrupted reference run can
-                # start now and share it (concurrent first writers of the cache would race).
-                ref, log = start(ref_dir, ref_export, "reference.log")
-                procs.append(ref), logs.append(log)
             if steps and steps[-1] >= KILL_AT:
                 proc.send_signal(signal.SIGKILL)
                 break
             assert proc.poll() is None, (
                 f"the run ended (rc {proc.returncode}) before a checkpoint of step {KILL_AT}: increase CLI_BUDGET "
-                f"if it finished\n{log_tail('killed.log')}")
-            assert time.monotonic() < deadline, f"no checkpoint of step {KILL_AT} in time\n{log_tail('killed.log')}"
+                f"if it finished\n{log_tail()}")
+            assert time.monotonic() < deadline, f"no checkpoint of step {KILL_AT} in time\n{log_tail()}"
             time.sleep(0.02)
         proc.wait(60)
         # Really killed mid-run: no summary, no draft, far from the end of the budget.
@@ -131,25 +141,24 @@ def test_cli_killed_mid_run_resumes_to_the_same_draft(toy_run, tmp_path):
         at_kill = _steps_on_disk(killed_dir / "checkpoints")
         assert at_kill and at_kill[-1] >= KILL_AT
 
-        # The same command again resumes and runs to the end.
-        resumed = subprocess.run(command(killed_dir, killed_export), cwd=REPO, env=env, capture_output=True,
-                                 text=True, timeout=300)
-        assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-3000:]}"
-        assert ref.wait(300) == 0, log_tail("reference.log")
+        # The same command again resumes and runs to the end (in this process: `python -m
+        # specjax.distill ARGS` is `cli.dispatch(["specjax", "distill", *ARGS])`).
+        capsys.readouterr()
+        rc = cli.dispatch(["specjax", "distill", *args(killed_dir, killed_export)])
+        resumed = capsys.readouterr()
+        assert rc == 0, f"{resumed.out[-3000:]}\n{resumed.err[-3000:]}"
     finally:
-        for p in procs:
-            _stop(p)
-        for f in logs:
-            f.close()
+        _stop(proc)
+        log.close()
 
     resumes = _events(killed_dir, "resume")
     # From the newest checkpoint on disk at the kill.
     assert len(resumes) == 1 and resumes[0]["step"] == at_kill[-1] and resumes[0]["step"] % CLI_EVERY == 0
-    assert f"resumed from step {resumes[0]['step']}" in resumed.stdout
+    assert f"resumed from step {resumes[0]['step']}" in resumed.out
     # A SIGKILL during an asynchronous save leaves only a temporary directory, never a listed step
     # that fails to read.
     assert _events(killed_dir, "unreadable_checkpoint") == []
-    assert "unreadable" not in resumed.stdout
+    assert "unreadable" not in resumed.out
     # The resumed process started right after the checkpoint (it did not redo the steps before it).
     # Steps the killed run logged after that checkpoint run again, after a `rewind` marker.
     recs = _metrics(killed_dir)
@@ -184,14 +193,12 @@ def _truncate_array_data(step_dir: pathlib.Path) -> int:
 
 
 @failing_restores
-def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run, tmp_path, capsys):
-    budget, every = 4500, 4          # ~30 steps
+def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run, reference, tmp_path, capsys):
+    budget, every = CLI_BUDGET, CLI_EVERY          # the reference's config (~55 steps)
 
     def cfg(export_dir):
-        c = toy.config(target_dir=toy_run["target_dir"], data_path=toy_run["data_path"],
-                       data_root=toy_run["data_root"], budget=budget, checkpoint_every=every, export_dir=export_dir)
+        c = _config(toy_run, export_dir)
         c.keep_checkpoints = 3
-        distill.with_overrides(c, ONPOLICY)
         return c
 
     work = tmp_path / "run"
@@ -233,11 +240,12 @@ def test_damaged_and_partial_newest_checkpoints_are_reported_and_skipped(toy_run
     assert steps[-1] == final["steps"] and len(steps) <= 3
     assert json.loads((ck / str(steps[-1]) / "meta" / "metadata").read_text())["tokens"] == final["tokens"]
 
-    # Falling back two steps changes nothing: the same draft as an uninterrupted run.
-    ref = distill.train(cfg(tmp_path / "ref_export"), tmp_path / "ref")
+    # Falling back two steps changes nothing: the same draft as the uninterrupted run (`reference`,
+    # the same config but the number of checkpoints kept, which does not change the training).
+    ref = reference["summary"]
     assert ref["steps"] == final["steps"] and ref["export"]["sha256"] == final["export"]["sha256"]
     assert (tmp_path / "export" / "draft.safetensors").read_bytes() == \
-        (tmp_path / "ref_export" / "draft.safetensors").read_bytes()
+        (reference["export"] / "draft.safetensors").read_bytes()
 
 
 # ----------------------------------------------------------------------------- Checkpointer.restore_latest

@@ -16,6 +16,7 @@
 * Bad d2t / t2d are refused naming the file.
 """
 import collections
+import functools
 import json
 
 import jax
@@ -173,20 +174,36 @@ def reference_logits(directory, hf_target, tokens, second_row=None):
         return logits1.numpy(), head(h2)[0].numpy(), token
 
 
-def specjax_logits(drafter, hp, target, tp, tokens, token2):
-    """The same through specjax's head: slot s holds (x_s, feature of s - 1); slot s + 1 is the
-    reference's entry s. Then the drafting step (no target feature) on `token2`."""
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _specjax_logits(drafter, hp, target, tp, toks_1N, token2_11):
     head = drafter.model
-    n = len(tokens)
-    toks = jnp.asarray(tokens, jnp.int32)[None]
-    _, f_1NF, _ = target.apply_with_features(tp, toks, target.init_cache(1, 64), layers=drafter.feature_layers)
+    n = toks_1N.shape[1]
+    _, f_1NF, _ = target.apply_with_features(tp, toks_1N, target.init_cache(1, 64), layers=drafter.feature_layers)
     cache = head.init_cache(1, 64)
     cache = cache.replace(true_BSF=jnp.zeros((1, 64, f_1NF.shape[-1])).at[:, :n].set(f_1NF),
                           true_len_B=jnp.asarray([n], jnp.int32))
-    s1, ids, cache = head.apply_support(hp, toks, cache)
+    s1, ids, cache = head.apply_support(hp, toks_1N, cache)
     cache = cache.replace(true_BSF=None, drafting=True)
-    s2, _, _ = head.apply_support(hp, jnp.asarray([[token2]], jnp.int32), cache)
-    return np.asarray(s1[0, 1:]), np.asarray(s2[0, 0]), np.asarray(ids)
+    s2, _, _ = head.apply_support(hp, token2_11, cache)
+    return s1[0, 1:], s2[0, 0], ids
+
+
+def specjax_logits(drafter, hp, target, tp, tokens, token2):
+    """The same through specjax's head: slot s holds (x_s, feature of s - 1); slot s + 1 is the
+    reference's entry s. Then the drafting step (no target feature) on `token2`. One jitted
+    program per (drafter, target, prompt length)."""
+    out = _specjax_logits(drafter, hp, target, tp, jnp.asarray(tokens, jnp.int32)[None],
+                          jnp.asarray([[token2]], jnp.int32))
+    return tuple(np.asarray(x) for x in out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _train_forward_scores(target, hc, tp, hp, seq_1S):
+    """The trainer's cache-free forward (training-time test, two steps) on ``seq``: each step's
+    head scores at every position."""
+    _, feats, _ = target.apply_with_features(tp, seq_1S, None, layers=hc.feature_layers)
+    steps = drafters.eagle_train_forward(hc, hp, seq_1S, feats, 2, with_logits=False)
+    return [drafters.head_scores(hc, hp, h)[0] for h, _ in steps]
 
 
 LAYERS = {"eagle": dict(heads=4, kv_heads=2, head_dim=8, ffn=64, theta=10000.0),       # the target's dimensions
@@ -218,13 +235,10 @@ def test_reference_forward_matches(target, tmp_path, layout):
     # The trainer's cache-free forward (training-time test) computes the same: step 1 at every
     # position, and step 2 from the last origin (its token: the drafted one).
     seq = jnp.asarray(tokens + [token2], jnp.int32)[None]
-    _, feats, _ = target["model"].apply_with_features(target["params"], seq, None, layers=hc.feature_layers)
-    steps = drafters.eagle_train_forward(hc, hp, seq, feats, 2, with_logits=False)
+    step1, step2 = jax.device_get(_train_forward_scores(target["model"], hc, target["params"], hp, seq))
     n = len(tokens)
-    np.testing.assert_allclose(np.asarray(drafters.head_scores(hc, hp, steps[0][0])[0][0, 1:n]), ref1,
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(drafters.head_scores(hc, hp, steps[1][0])[0][0, n - 1]), ref2,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step1[0, 1:n], ref1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(step2[0, n - 1], ref2, rtol=1e-5, atol=1e-5)
     # specjax's export in the other layout: the reference reads it and agrees again.
     other = "speculators" if layout == "eagle" else "eagle"
     own = {k: hp[k] for k in hc.own_param_names}
@@ -279,7 +293,7 @@ def test_trained_head_exports_and_reimports_identically(target, tmp_path):
     assert hc.feature_layers == (1, 2, 3)                 # the published default triple for 7 layers
     obj = distill.HeadObjective(hc, model, ttt_steps=2)
     head_ids = np.arange(48) * 2                          # the even tokens
-    own = drafters.init_head_params(hc, jax.random.key(0), head_ids=head_ids)
+    own = jax.jit(lambda k: drafters.init_head_params(hc, k, head_ids=head_ids))(jax.random.key(0))   # one program
     opt, _ = distill.make_optimizer(learning_rate=3e-3, warmup_steps=0, total_updates=10)
     state, frozen = distill.init_state(own, obj.trainable, opt, jax.random.key(1))
     frozen = {**frozen, "target": params}
@@ -367,59 +381,78 @@ def test_bad_vocabulary_maps_are_refused_naming_the_file(target, tmp_path):
         drafters.read_eagle3(tmp_path / "variant", model.config)
 
 
-def _drafting_setup(target, tmp_path):
+@pytest.fixture(scope="module")
+def drafting(target, tmp_path_factory):
     """An imported head (a reversed draft vocabulary of 40 tokens) after its prefill on two
-    prompts, and the context of its first round."""
+    prompts, and the context of its first round (each step one jitted program)."""
     model, params = target["model"], target["params"]
-    d = write_head(tmp_path / "h", "eagle", LAYERS["speculators"], np.arange(60, 20, -1), capture=[0, 2, 5], seed=5)
+    d = write_head(tmp_path_factory.mktemp("drafting") / "h", "eagle", LAYERS["speculators"], np.arange(60, 20, -1),
+                   capture=[0, 2, 5], seed=5)
     drafter, hp = drafters.load_eagle3(d, model, params)
     cap = 32
     tokens, lengths = _hf_tiny.right_padded([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45, 46, 47, 48]])
     tokens_BS = jnp.zeros((2, cap), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-    _, f_BLF, _ = model.apply_with_features(params, tokens_BS, None, layers=drafter.feature_layers)
+    _, f_BLF, _ = jax.jit(model.apply_with_features, static_argnames="layers")(params, tokens_BS, None,
+                                                                               layers=drafter.feature_layers)
     lengths = jnp.asarray(lengths)
-    state = drafter.init(hp, jnp.asarray(tokens), lengths, cap, features_BPF=f_BLF[:, :tokens.shape[1]])
+    P = tokens.shape[1]
+    state = jax.jit(lambda hp, t, n, f: drafter.init(hp, t, n, cap, features_BPF=f[:, :P]))(
+        hp, jnp.asarray(tokens), lengths, f_BLF)
     ctx = drafters.DraftContext(tokens_BS=tokens_BS, lengths_B=lengths, target_cache=None, features=f_BLF)
     return drafter, hp, state, ctx
 
 
-def test_proposals_are_drawn_from_q_over_the_draft_vocabulary(target, tmp_path):
+def test_proposals_are_drawn_from_q_over_the_draft_vocabulary(drafting):
     """Sampled drafting: q is the distribution each proposal was drawn from: the head's softmax
     (after the sampling settings) over its draft vocabulary, placed at the rows' target tokens
     (d2t), zero elsewhere; every proposal is a draft-vocabulary token."""
-    drafter, hp, state, ctx = _drafting_setup(target, tmp_path)
+    drafter, hp, state, ctx = drafting
     samp = sampling.SamplingConfig.make(temperature=0.7, top_k=10)
-    toks, q_BGV, _ = jax.jit(lambda p, s, c, k: drafter.propose(p, s, c, k, 3, samp))(
-        hp, state, ctx, jax.random.split(jax.random.key(1), 2))
+
+    @jax.jit          # one program: the proposals, and the first step's scores by the catch-up alone
+    def run(hp, state, ctx, keys):
+        toks, q_BGV, _ = drafter.propose(hp, state, ctx, keys, 3, samp)
+        scores_BU, got_ids, _ = drafter._catch_up_support(hp, drafter._with_features(state, ctx), ctx)
+        return toks, q_BGV, got_ids, sampling.probabilities(scores_BU, samp)
+
+    toks, q, got_ids, first = jax.device_get(run(hp, state, ctx, jax.random.split(jax.random.key(1), 2)))
     ids = np.arange(60, 20, -1)
-    q = np.asarray(q_BGV)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
     off = np.setdiff1d(np.arange(V), ids)
-    assert (q[..., off] == 0).all() and np.isin(np.asarray(toks), ids).all()
-    assert (q[np.arange(2)[:, None], np.arange(3)[None], np.asarray(toks)] > 0).all()
-    scores_BU, got_ids, _ = drafter._catch_up_support(hp, drafter._with_features(state, ctx), ctx)
-    np.testing.assert_array_equal(np.asarray(got_ids), ids)
+    assert (q[..., off] == 0).all() and np.isin(toks, ids).all()
+    assert (q[np.arange(2)[:, None], np.arange(3)[None], toks] > 0).all()
+    np.testing.assert_array_equal(got_ids, ids)
     want = np.zeros((2, V), np.float32)
-    want[:, ids] = np.asarray(sampling.probabilities(scores_BU, samp))
+    want[:, ids] = first
     np.testing.assert_allclose(q[:, 0], want, rtol=1e-5, atol=1e-7)
+
+
+@functools.cache
+def _chain_fns(drafter):
+    """(the catch-up's root distribution and cache, one chain step's logits): jitted once per drafter."""
+    @jax.jit
+    def catch_up(hp, state, ctx):
+        root_BV, cache = drafter._catch_up(hp, drafter._with_features(state, ctx), ctx)
+        return jax.nn.softmax(root_BV, -1), cache.replace(true_BSF=None, drafting=True)
+    return catch_up, jax.jit(lambda p, t, c: drafter.model.apply(p, t, c))
 
 
 @pytest.mark.parametrize("shape", [trees.DynamicTree(depth=3, topk=2, node_budget=6),
                                    trees.TreeShape.from_branching((2, 2, 1))], ids=["dynamic", "static"])
-def test_tree_nodes_score_as_the_chain_along_their_path(target, tmp_path, shape):
+def test_tree_nodes_score_as_the_chain_along_their_path(drafting, shape):
     """An imported head drafting a token tree (EAGLE-2's dynamic tree, a static one): each
     node's distribution equals what the head gives drafting the node's path as a chain, one
     token at a time in feature space (a tree call reads its parent's output at its path's
     position, and no node sees slot 0)."""
-    drafter, hp, state, ctx = _drafting_setup(target, tmp_path)
+    drafter, hp, state, ctx = drafting
     greedy = sampling.SamplingConfig.greedy_config()
     draft, q_BN1V, _ = jax.jit(lambda p, s, c, k: drafter.propose_tree(p, s, c, k, shape, greedy, "deterministic"))(
         hp, state, ctx, jax.random.split(jax.random.key(0), 2))
-    root_BV, cache = drafter._catch_up(hp, drafter._with_features(state, ctx), ctx)
-    np.testing.assert_allclose(np.asarray(q_BN1V[:, 0]), np.asarray(jax.nn.softmax(root_BV, -1)), rtol=2e-5, atol=2e-6)
+    catch_up, step = _chain_fns(drafter)
+    root_p, chain_cache = catch_up(hp, state, ctx)
+    np.testing.assert_allclose(np.asarray(q_BN1V[:, 0]), np.asarray(root_p), rtol=2e-5, atol=2e-6)
     toks, parents, valid = (np.asarray(x) for x in (draft.tokens_BN, draft.parents_BN, draft.valid_BN))
     B, N = toks.shape
-    step = jax.jit(lambda p, t, c: drafter.model.apply(p, t, c))
     checked = 0
     for b in range(B):
         paths = []
@@ -428,7 +461,7 @@ def test_tree_nodes_score_as_the_chain_along_their_path(target, tmp_path, shape)
         for n in range(N):
             if not valid[b, n] or np.asarray(q_BN1V[b, n + 1]).sum() == 0:     # leaves are never forwarded
                 continue
-            c = cache.replace(true_BSF=None, drafting=True)
+            c = chain_cache
             for j in paths[n]:
                 col = np.zeros((B, 1), np.int32)
                 col[b, 0] = toks[b, j]

@@ -441,7 +441,8 @@ def test_nan_after_a_rejected_draft_does_not_stop_the_row(env):
 
 # ----------------------------------------------------------------------------- ModelDrafter cache
 
-ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 2, 4), probe_every=2)
+ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 3), probe_every=2)
+ADAPTIVE_TIMES = (1.0, 1.9, 3.7)          # drafting dear at the prior: gamma 0 first, then probes
 
 
 @pytest.mark.parametrize("gamma", [3, ADAPTIVE], ids=["fixed_gamma3", "adaptive_with_gamma0"])
@@ -453,7 +454,7 @@ def test_model_drafter_cache_follows_committed_prefix(env, gamma):
     (then probe gamma 1): after those rounds the drafter must catch up on ALL the tokens
     committed meanwhile, otherwise it proposes continuations of a stale prefix."""
     config = decoding.GenerationConfig(MAX_NEW, gamma=gamma)
-    rt = None if isinstance(gamma, int) else jnp.asarray([1.0, 1.9, 2.8, 4.6], jnp.float32)
+    rt = None if isinstance(gamma, int) else jnp.asarray(ADAPTIVE_TIMES, jnp.float32)
     drafter = drafters.ModelDrafter(TabularModel(V))
     snaps = run_rounds(env["table"], config, drafter, env["table"], round_time_s=rt)
     check_invariants(snaps, env["plens"], env["refs"], draft_exact=False)
@@ -535,7 +536,7 @@ def pair(request, env):
         config = decoding.GenerationConfig(MAX_NEW, gamma=ADAPTIVE)
         params = decoding.EngineParams(target=env["table"], draft=random_table(jax.random.key(7), V, peak=2.0))
         return (decoding.Engine(TARGET, drafter, config), params, GREEDY, batch_for(config),
-                (1.0, 1.9, 2.8, 4.6))
+                ADAPTIVE_TIMES)
     config = decoding.GenerationConfig(MAX_NEW, gamma=3)
     params = decoding.EngineParams(target=progression_table(seed=3, margin=1.0),
                                    draft=random_table(jax.random.key(4), V, peak=1.5))
@@ -630,12 +631,13 @@ def test_step_by_hand_equals_run(pair):
 
 def test_round_times_measures_each_gamma_and_feeds_run(env):
     """`round_times` (adaptive gamma's calibration): one positive time per configured gamma,
-    and the times it returns are accepted by `run`."""
-    config = decoding.GenerationConfig(MAX_NEW, gamma=decoding.AdaptiveGamma(gammas=(0, 2)))
+    and the times it returns are accepted by `run` (the engine of the `pair` fixture's adaptive
+    case: its `run` program)."""
+    config = decoding.GenerationConfig(MAX_NEW, gamma=ADAPTIVE)
     engine = decoding.Engine(TARGET, drafters.ModelDrafter(TabularModel(V)), config)
     params = decoding.EngineParams(target=env["table"], draft=env["table"])
     times = engine.round_times(params, GREEDY, batch_for(config), repeats=1)
-    assert len(times) == 2 and all(t > 0 for t in times)
+    assert len(times) == len(ADAPTIVE.gammas) and all(t > 0 for t in times)
     out = engine.run(params, GREEDY, batch_for(config), round_time_s=times)
     assert out.generated() == [r[:MAX_NEW] for r in env["refs"]]
     with pytest.raises(ValueError, match="round_time_s"):
@@ -690,7 +692,7 @@ class TargetCacheDrafter:
 @pytest.mark.parametrize("gamma", [GAMMA, ADAPTIVE], ids=["fixed_gamma4", "adaptive_with_gamma0"])
 def test_drafter_reads_target_cache_through_context(env, gamma):
     config = decoding.GenerationConfig(MAX_NEW, gamma=gamma)
-    rt = None if isinstance(gamma, int) else (1.0, 1.9, 2.8, 4.6)
+    rt = None if isinstance(gamma, int) else ADAPTIVE_TIMES
     snaps, seen = run_rounds(env["table"], config, TargetCacheDrafter(V), env["table"], round_time_s=rt,
                              extra_snap=lambda s: jax.tree.map(_np, s.draft_state))
     check_invariants(snaps, env["plens"], env["refs"])
@@ -765,9 +767,12 @@ def test_engine_rejects_ids_outside_the_target_vocabulary(env, prompts):
                  lambda: next(engine.stream(params, GREEDY, batch))):
         with pytest.raises(ValueError, match="outside"):
             call()
-    # an id beyond a row's length is padding, whose outputs are never used: accepted
+    # an id beyond a row's length is padding, whose outputs are never used: accepted, the same
+    # tokens as the prompt [1] padded to the same width and capacity (one compiled program)
     padded = dataclasses.replace(batch_for(CFG_G0, [[1, V]]), prompt_lengths_B=jnp.asarray([1], jnp.int32))
-    assert engine.run(params, GREEDY, padded).generated() == engine.run(params, GREEDY, batch_for(CFG_G0, [[1]])).generated()
+    plain = batch_for(CFG_G0, [[1]], pad_multiple=2, capacity=padded.capacity)
+    assert plain.prompt_BP.shape == padded.prompt_BP.shape
+    assert engine.run(params, GREEDY, padded).generated() == engine.run(params, GREEDY, plain).generated()
 
 
 @pytest.mark.parametrize("lengths", [[0], [3], [1, 1]], ids=["zero", "wider_than_padding", "wrong_count"])

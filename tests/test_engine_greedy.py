@@ -4,8 +4,8 @@ At temperature 0, speculative decoding (`Engine.run` with a drafter) must return
 tokens (and statuses) of target-only decoding (an `Engine` with gamma = 0), for every row,
 whatever the drafter proposes: a draft table close to the target's, an independent one that
 disagrees often, prompt lookup (n-gram), and the target itself (everything accepted). Fixed
-gamma 1..4 and `AdaptiveGamma` (with gamma 0 in its set); 'token' and 'block' verifier configs
-(greedy always verifies greedily). Batch 1 and batch 4 with mixed prompt lengths.
+gamma 1..4 with each drafter and `AdaptiveGamma` (with gamma 0 in its set); 'token' and 'block'
+verifier configs (greedy always verifies greedily). Batch 1 and batch 4 with mixed prompt lengths.
 
 Compile budget: one compiled loop per (batch, drafter class, gamma setting, verifier config);
 the close / disagreeing / self drafts are the same `ModelDrafter` with different params, so
@@ -27,7 +27,7 @@ V = 8
 MAX_NEW = 24
 PROMPTS_B4 = [[5], [1, 2, 3, 4], [7, 0, 3, 3, 1, 6], [2, 2]]
 PROMPTS_B1 = [PROMPTS_B4[2]]           # the longest one: same padded width and capacity
-ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 2, 4), probe_every=3)
+ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 3), probe_every=3)     # gamma 0 and two block sizes
 GREEDY = sampling.SamplingConfig.make(0.0)
 
 TARGET = TabularModel(V)
@@ -139,12 +139,17 @@ def _assert_same_as_ar(out, ref):
     assert (a[:, w:] == decoding.PAD_ID).all() and (b[:, w:] == decoding.PAD_ID).all()
 
 
-# (batch, drafter kind, gamma, verifier config); ModelDrafter cases run all three tables.
+# (batch, drafter kind, gamma, verifier config); ModelDrafter cases run all three tables. Every
+# fixed gamma 1..4 runs with each drafter (a gamma is a static size of the same loop: each one
+# once per drafter, with either verifier config), gamma 1 (a single draft) and 4 and the adaptive
+# policy with each drafter and the token verifier; the block verifier with both drafters; batch 1
+# with both drafters and the adaptive policy.
 CASES = (
-    [("b4", d, g, "token") for d in ("model", "ngram") for g in (1, 2, 3, 4, ADAPTIVE)]
+    [("b4", "model", g, "token") for g in (1, 3, 4, ADAPTIVE)]
+    + [("b4", "ngram", g, "token") for g in (1, 4, ADAPTIVE)]
     + [("b4", "model", 2, "block"), ("b4", "model", 4, "block"), ("b4", "model", ADAPTIVE, "block"),
        ("b4", "ngram", 3, "block")]
-    + [("b1", "model", g, "token") for g in (1, 3, ADAPTIVE)] + [("b1", "ngram", 2, "block")]
+    + [("b1", "model", g, "token") for g in (3, ADAPTIVE)] + [("b1", "ngram", 2, "block")]
 )
 
 
@@ -183,7 +188,7 @@ def test_acceptance_ordering_by_draft_quality(env):
 
 
 def test_batch_one_equals_its_row_in_batch_four(env):
-    for gamma in (1, 3):
+    for gamma in (3, ADAPTIVE):
         b1 = _spec(env, "b1", "close", gamma).generated()[0]
         b4 = _spec(env, "b4", "close", gamma).generated()[2]
         assert b1 == b4
@@ -205,7 +210,7 @@ def test_greedy_with_eos_equals_autoregressive(env):
 def test_adaptive_uses_several_gammas_and_stays_exact(env):
     out = _spec(env, "b4", "disagree", ADAPTIVE)
     k = np.asarray(out.metrics.gamma_rounds_Z)
-    print("\nadaptive gamma rounds (0,1,2,4):", k)
+    print("\nadaptive gamma rounds (0,1,3):", k)
     assert (k > 0).sum() >= 2, "the policy should switch gamma on a poor draft"
     _assert_same_as_ar(out, _ar(env, "b4"))
 
@@ -216,11 +221,11 @@ def test_adaptive_self_draft_accepts_everything_after_gamma_zero_rounds(env):
     probes then try gamma 1). The draft cache has to catch up on every token committed while
     it was not called; a drafter that only ingests the 1-2 newest tokens falls behind for good
     and proposes continuations of a stale prefix."""
-    out = _spec(env, "b1", "self", ADAPTIVE, round_time_s=(1.0, 1.9, 2.8, 4.6))
+    out = _spec(env, "b1", "self", ADAPTIVE, round_time_s=(1.0, 1.9, 3.7))
     _assert_same_as_ar(out, _ar(env, "b1"))
     k = np.asarray(out.metrics.gamma_rounds_Z)
     m = out.metrics
-    print("\nadaptive gamma rounds (0,1,2,4):", k, "accepted", np.asarray(m.accepted_B),
+    print("\nadaptive gamma rounds (0,1,3):", k, "accepted", np.asarray(m.accepted_B),
           "proposed", np.asarray(m.proposed_B))
     assert k[0] >= 2 and k[1:].sum() >= 1, "precondition: gamma-0 rounds followed by positive ones"
     np.testing.assert_array_equal(np.asarray(m.proposed_B), (np.asarray(ADAPTIVE.gammas) * k).sum())

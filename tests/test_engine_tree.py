@@ -73,7 +73,9 @@ def _run(engine, prompts, sampling_cfg, draft_table=None, seed=0):
 
 # ----------------------------------------------------------------------------- greedy
 
-GREEDY_PROMPTS = [[2, 1], [0, 1, 2, 2], [1], [2, 2, 0, 1, 0]]
+# (the last two repetitive, so that the n-gram drafter finds several earlier matches; one batch
+# shape for every greedy test, so one target-only reference program)
+GREEDY_PROMPTS = [[2, 1], [0, 1, 2, 2], [1], [2, 2, 0, 1, 0], [1, 2, 0, 1, 2, 1, 1, 2, 0, 1], [0, 0, 1, 0, 0, 2, 0, 0]]
 
 
 def _greedy_reference(prompts, max_new):
@@ -87,23 +89,28 @@ def _greedy_reference(prompts, max_new):
 @pytest.mark.parametrize("tree", [BRANCHING, UNEVEN, DYNAMIC, trees.TreeShape.chain(3)],
                          ids=["branching", "uneven", "dynamic", "chain"])
 def test_greedy_tree_equals_target_only(tree):
+    """Greedy tree decoding commits target-only greedy decoding's tokens, and no round of this
+    sound drafter is discarded: the q rows verification reads are distributions under greedy
+    decoding (at T = 1: `test_tree_sampling_is_exact`; greedy rounds draft deterministic children
+    and verify with the greedy verifier whatever `tree_children` and `tree_verifier` say, so the
+    static and the dynamic trees here are every greedy case)."""
     ref = _greedy_reference(GREEDY_PROMPTS, 12)
     out = _run(_engine(tree, max_new=12), GREEDY_PROMPTS, sampling.SamplingConfig.greedy_config())
     assert out.generated() == ref
     m = out.metrics.summary()
     assert m["committed"] == sum(len(r) for r in ref)
     assert m["accepted"] > 0 and m["accepted"] < m["proposed"]
+    assert m["invalid_draft_rounds"] == 0, m
     assert m["tokens_scored_per_pass"] == tree.num_nodes + 1
 
 
 def test_greedy_ngram_tree_equals_target_only():
-    # Repetitive prompts so that several earlier matches exist.
-    prompts = [[1, 2, 0, 1, 2, 1, 1, 2, 0, 1], [0, 0, 1, 0, 0, 2, 0, 0]]
-    ref = _greedy_reference(prompts, 12)
+    ref = _greedy_reference(GREEDY_PROMPTS, 12)
     tree = trees.TreeShape.from_branching((3, 1, 1))
     engine = _engine(tree, max_new=12, drafter=drafters.NGramDrafter(V))
-    out = _run(engine, prompts, sampling.SamplingConfig.greedy_config())
+    out = _run(engine, GREEDY_PROMPTS, sampling.SamplingConfig.greedy_config())
     assert out.generated() == ref
+    assert out.metrics.summary()["accepted"] > 0        # the repetitive prompts' matches were drafted
 
 
 def test_ngram_rejects_trees_it_cannot_draft():
@@ -162,15 +169,36 @@ def _chisquare_pvalue(out, cfg):
 CFG = sampling.SamplingConfig.make(temperature=1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HalfMassTreeDrafter(drafters.ModelDrafter):
+    """Batch row 0's q rows carry half the probability mass (a repeated vocabulary-map id); the
+    other rows' are the model drafter's."""
+
+    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
+        draft, q_BN1V, state = super().propose_tree(params, state, context, key_B, tree, cfg, children)
+        return draft, q_BN1V.at[0].multiply(0.5), state
+
+
 @pytest.mark.parametrize("label,tree,children,tree_verifier", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
 def test_tree_sampling_is_exact(label, tree, children, tree_verifier):
-    out = _run(_engine(tree, children, tree_verifier), [list(PROMPT)] * BATCH, CFG)
+    """The law of the continuation is the target's (chi-square), and verification reads only
+    distributions: every tree drafter's q rows that verification reads (children drawn from q:
+    the root's, and those of nodes with a child; a leaf's row may be zeros) are distributions, so
+    no round of the sound rows (1 and up, the model drafter's q) is discarded. Row 0's q rows sum
+    to 0.5 (`_HalfMassTreeDrafter`): every round of that row is discarded (gamma = 0, counted),
+    never verified, and its tokens are still target samples (the round commits one token from
+    p_0); with deterministic children the rows are not read (each child carries its own one-hot
+    q), so nothing is discarded. (Greedy rounds: `test_greedy_tree_equals_target_only`.)"""
+    engine = _engine(tree, children, tree_verifier, drafter=_HalfMassTreeDrafter(TabularModel(V)))
+    out = _run(engine, [list(PROMPT)] * BATCH, CFG)
     m = out.metrics.summary()
     assert m["accepted"] > 0.2 * m["target_passes"], m     # the trees really are used
-    # and no round of this sound drafter was discarded at T = 1 (its q rows that verification
-    # reads are distributions): `test_tree_rounds_verify_only_distributions`' T = 1 check, here
-    # on these 20 000 rows instead of a run (and a compilation) of its own
-    assert int(jax.device_get(out.metrics).invalid_draft_rounds_B.sum()) == 0, label
+    b = jax.device_get(out.metrics)
+    assert b.invalid_draft_rounds_B[1:].sum() == 0, label
+    if children == "deterministic":
+        assert b.invalid_draft_rounds_B[0] == 0, label
+    else:
+        assert b.invalid_draft_rounds_B[0] == b.rounds_B[0] > 0 and b.accepted_B[0] == 0, label
     p = _chisquare_pvalue(out, CFG)
     assert p > PER_TEST_ALPHA, f"{label}: chi-square p = {p:.2e}"
 
@@ -338,35 +366,3 @@ def test_sampled_tree_on_llama_commits_only_in_support_tokens_with_top_k():
                 pos = len(prompt) + i - 1
                 top3 = np.argsort(-logits[pos])[:3]
                 assert tok in top3, (children, verifier, i, tok, top3)
-
-
-# ----------------------------------------------------------------------------- q rows that verification reads
-
-@dataclasses.dataclass(frozen=True)
-class _HalfMassTreeDrafter(drafters.ModelDrafter):
-    """Batch row 0's q rows carry half the probability mass (a repeated vocabulary-map id)."""
-
-    def propose_tree(self, params, state, context, key_B, tree, cfg, children):
-        draft, q_BN1V, state = super().propose_tree(params, state, context, key_B, tree, cfg, children)
-        return draft, q_BN1V.at[0].multiply(0.5), state
-
-
-@pytest.mark.parametrize("label, tree, children, tree_verifier", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
-def test_tree_rounds_verify_only_distributions(label, tree, children, tree_verifier):
-    """Every tree drafter's q rows that verification reads (children drawn from q: the root's,
-    and those of nodes with a child; a leaf's row may be zeros) are distributions: no round of a
-    sound drafter is discarded (greedy here; at T = 1 in `test_tree_sampling_is_exact`, which
-    runs the same engine on 20 000 rows). A drafter whose rows sum to 0.5 has every round of that
-    row discarded (gamma = 0, counted), never verified; with deterministic children the rows are
-    not read (each child carries its own one-hot q), so nothing is discarded."""
-    prompts = [[2, 1], [0, 1, 2, 2], [1]]
-    out = _run(_engine(tree, children, tree_verifier), prompts, sampling.SamplingConfig.make(0.0))
-    m = jax.device_get(out.metrics)
-    assert m.invalid_draft_rounds_B.sum() == 0 and m.accepted_B.sum() > 0, label
-    bad = _engine(tree, children, tree_verifier, drafter=_HalfMassTreeDrafter(TabularModel(V)))
-    m = jax.device_get(_run(bad, prompts, sampling.SamplingConfig.make(1.0)).metrics)
-    if children == "deterministic":
-        assert m.invalid_draft_rounds_B.sum() == 0
-    else:
-        assert m.invalid_draft_rounds_B[0] == m.rounds_B[0] > 0 and m.accepted_B[0] == 0
-        assert m.invalid_draft_rounds_B[1:].sum() == 0

@@ -2,10 +2,11 @@
 
 1. Greedy exactness against a cache-free target-only reference, ragged batch (prompt lengths
    1, 2, 5, 9; chunked prefill): Medusa and EAGLE at gamma 3 round by round, and Medusa and a
-   reduced-vocabulary EAGLE-3 head (stacked target layout) under `AdaptiveGamma` (0, 1, 3),
-   mixed and pinned to gamma 1 or 3 through the round-time table (the same compiled program).
-   A zero-initialised Medusa head drafts the target's own greedy choice at ``L - 2``: its
-   rounds and accepted counts are predicted exactly.
+   reduced-vocabulary EAGLE-3 head with input norms (both on the stacked target layout) under
+   `AdaptiveGamma` (0, 1, 3), mixed and pinned to gamma 1 or 3 through the round-time table
+   (the same compiled program); a run that consumes its prefill under that policy equals the
+   run without one. A zero-initialised Medusa head drafts the target's own greedy choice at
+   ``L - 2``: its rounds and accepted counts are predicted exactly.
 2. Feature rollback: after every round the features a head can read (positions < L - 1)
    equal a fresh cache-free forward over the committed tokens; the EAGLE head's cache after
    every commit equals a fresh head prefill over the committed tokens with their true
@@ -15,6 +16,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +26,8 @@ import pytest
 from specjax import decoding, drafters, trees
 from _heads_common import (ADAPTIVE, GREEDY, GREEDY_CASES, HEAD_TREES, MAX_NEW, MIXED, PIN_G1, PROMPTS, TOL,
                            _assert_committed_features, _assert_target_tokens, _eagle_setup, _eagle_stepped,
-                           _head_cache_mismatch, _head_config, _jit_apply, _medusa_stepped, _run_head, _target,
-                           _target_only)
+                           _head_cache_mismatch, _head_config, _head_engine, _jit_apply, _medusa_stepped, _run_head,
+                           _target, _target_only)
 
 
 def test_target_sequences_are_not_trivial():
@@ -41,13 +44,16 @@ def test_target_sequences_are_not_trivial():
                          ids=[f"{k}-{'scan' if s else 'unrolled'}-g{g}-{m}" + ("" if r is None else f"-rt{r}")
                               for k, s, g, m, r in GREEDY_CASES])
 def test_greedy_head_matches_target_only(kind, scan, gamma, mode, round_times):
-    """(Medusa and the plain EAGLE head at gamma 3 are checked round by round in
-    test_medusa_greedy_and_features_after_every_round and
+    """(Medusa and the plain EAGLE head at gamma 3 are checked round by round on the unrolled
+    target in test_medusa_greedy_and_features_after_every_round and
     test_eagle_greedy_and_head_cache_after_every_commit.) Gamma 1 runs as the adaptive policy
-    pinned to it (PIN_G1): the gamma-1 branch of the same compiled loop. The EAGLE-3 head here
-    has a 40-token reduced vocabulary and runs on the stacked (lax.scan) target layout, whose
-    feature collection is a separate code path; the reference is the cache-free greedy of the
-    unrolled target (same weights)."""
+    pinned to it (PIN_G1): the gamma-1 branch of the same compiled loop. Both heads run on the
+    stacked (lax.scan) target layout, whose feature collection is a separate code path; the
+    reference is the cache-free greedy of the unrolled target (same weights). The EAGLE-3 head
+    has a 40-token reduced vocabulary and input norms. (The reduced EAGLE-3 head without input
+    norms runs greedy in the engine in test_heads_engine.py::test_packed_head_drafts_as_the_plain_head
+    on the unrolled packed target, and on the stacked target in
+    test_sampling_penalties.py::test_heads_with_penalties_keep_greedy_rows_target_only.)"""
     out = _run_head(kind, mode, gamma, scan, round_times)
     _assert_target_tokens(out)
     m = out.metrics
@@ -63,6 +69,31 @@ def test_greedy_head_matches_target_only(kind, scan, gamma, mode, round_times):
         np.testing.assert_array_equal(np.asarray(m.proposed_B), gamma * rounds)
     if mode == "good":
         assert int(np.asarray(m.accepted_B).sum()) > 0, "a 'good' head must get drafts accepted"
+
+
+def test_a_run_consuming_the_prefill_under_adaptive_gamma_equals_the_run_without_it():
+    """`run(prefill=pre, consume_prefill=True)` with a feature head (the target's features and
+    the head's state donated with the cache) under adaptive gamma with 0 among its choices and
+    round times that mix gamma 0 and drafting rounds (the loop's inner gamma-0 loop and its
+    switch): the tokens and metrics of the same engine's run without a prefill (the MIXED case
+    above, memoised), every donated buffer taken (deleted, no unusable-donation warning). (At a
+    fixed gamma, against the run that keeps the prefill:
+    test_heads_engine.py::test_a_run_consuming_the_eagle_prefill_equals_the_keeping_run.)"""
+    case = ("eagle3_norm", "random", "adaptive", True)
+    eng, ep, batch = _head_engine(*case)
+    want = _run_head(*case, MIXED)
+    pre = eng.prefill(ep, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = eng.run(ep, GREEDY, batch, round_time_s=MIXED, prefill=pre, consume_prefill=True)
+    assert got.generated() == want.generated() == _target_only()[0]
+    for x, y in zip(jax.tree.leaves(got.metrics), jax.tree.leaves(want.metrics)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    k = np.asarray(got.metrics.gamma_rounds_Z)
+    assert k[0] > 0 and k[1:].sum() > 0, k
+    assert pre.features_BSF.is_deleted()
+    assert all(x.is_deleted() for x in jax.tree.leaves(pre.target_cache) if np.ndim(x) > 1)
+    assert all(x.is_deleted() for x in jax.tree.leaves(pre.draft_state) if np.ndim(x) > 1)
 
 
 def test_zero_medusa_acceptance_is_exactly_predicted():

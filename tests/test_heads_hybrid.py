@@ -69,10 +69,10 @@ def test_hybrid_rule_and_proposals():
     for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(state.draft_state)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # One row (the main command's batch, whose model branch skips the per-row select): each
-    # prompt's proposal equals the row's drafter's.
+    # prompt's proposal equals the row's drafter's (the one-row state: its row of the state above,
+    # `Engine.resize`, one small program rather than another prefill).
     for b, use in ((0, True), (1, False)):
-        one = decoding.make_batch([list(HYBRID_PROMPTS[b])], eng.config, jax.random.key(2), capacity=batch.capacity)
-        st = eng.init(ep, one)
+        st = eng.resize(state, [b])
         c1 = drafters.DraftContext(tokens_BS=st.tokens_BS, lengths_B=st.lengths_B, target_cache=st.target_cache,
                                    features=st.features_BSF)
         toks, q, _ = hybrid(ep.draft, st.draft_state, c1, keys[:1])
@@ -144,15 +144,16 @@ def test_adaptive_policy_keeps_an_estimate_per_regime():
     from specjax.decoding import adaptive
     pol = decoding.AdaptiveGamma(gammas=(0, 1, 3), window=4.0, initial_weight=2.0, hysteresis=0.0, initial_alpha=0.5)
     st = adaptive.init_policy(pol, [[1.0, 5.0, 9.0], [1.0, 1.0, 1.0]])
+    # jitted (one program each; op by op, every primitive compiles its own)
+    choose = jax.jit(lambda st, regime: adaptive.choose(pol, st, regime)[0])
+    update = jax.jit(lambda st, *a, regime: adaptive.update(pol, st, *a, regime=regime), static_argnames="regime")
     # At the prior 0.5: gamma 0 is cheapest in regime 0 (a dear draft), gamma 3 in regime 1.
-    assert int(adaptive.choose(pol, st, 0)[0]) == 0 and int(adaptive.choose(pol, st, 1)[0]) == 2
-    new = adaptive.update(pol, st, jnp.int32(2), jnp.zeros((), bool), jnp.asarray([0.0, 2.7]),
-                          jnp.asarray([0, 3]), regime=1)
+    assert int(choose(st, 0)) == 0 and int(choose(st, 1)) == 2
+    new = update(st, jnp.int32(2), jnp.zeros((), bool), jnp.asarray([0.0, 2.7]), jnp.asarray([0, 3]), regime=1)
     kept = 2.0 * 0.75 ** 3                   # the prior's 2 positions, decayed by 3 tested ones
     np.testing.assert_allclose(np.asarray(new.alpha_R), [0.5, (kept * 0.5 + 2.7) / (kept + 3)], rtol=1e-6)
     assert np.asarray(new.index_R).tolist() == [2, 2] and np.asarray(new.since_probe_R).tolist() == [0, 0]
-    new = adaptive.update(pol, new, jnp.int32(0), jnp.zeros((), bool), jnp.asarray([0.4, 0.0]),
-                          jnp.asarray([2, 0]), regime=0)
+    new = update(new, jnp.int32(0), jnp.zeros((), bool), jnp.asarray([0.4, 0.0]), jnp.asarray([2, 0]), regime=0)
     np.testing.assert_allclose(np.asarray(new.alpha_R), [(2.0 * 0.75 ** 2 * 0.5 + 0.4) / (2.0 * 0.75 ** 2 + 2),
                                                          (kept * 0.5 + 2.7) / (kept + 3)], rtol=1e-6)
     assert np.asarray(new.index_R).tolist() == [0, 2] and np.asarray(new.since_probe_R).tolist() == [1, 0]
@@ -188,7 +189,8 @@ def test_hybrid_adaptive_gamma_per_draft_source():
         chosen.append((r, int(np.argmax(np.asarray(state.metrics.gamma_rounds_Z) - before))))
         if np.asarray(state.done_B).all():
             break
-    assert decoding.GenerateOutput.from_state(state).generated() == _target_only(prompts)[0]
+    want = [_target_only(HYBRID_PROMPTS)[0][b] for b in (0, 2)]       # rows 0 and 2 of the reference
+    assert decoding.GenerateOutput.from_state(state).generated() == want
     lookup = [g for r, g in chosen if r == drafters.HybridDrafter.LOOKUP]
     model = [g for r, g in chosen if r == drafters.HybridDrafter.MODEL]
     print("\n(regime, gamma index) per round:", chosen)
@@ -201,7 +203,7 @@ def test_hybrid_adaptive_gamma_per_draft_source():
     events += list(stream)
     assert decoding.Engine._chosen_round_jit._cache_size() == compiled, "a round compiled mid-stream"
     last = events[-1].output
-    assert [sum((e.new_tokens[b] for e in events), []) for b in range(len(prompts))] == _target_only(prompts)[0]
+    assert [sum((e.new_tokens[b] for e in events), []) for b in range(len(prompts))] == want
     np.testing.assert_array_equal(np.asarray(last.metrics.gamma_rounds_Z), np.asarray(state.metrics.gamma_rounds_Z))
     np.testing.assert_allclose(np.asarray(last.policy.alpha_R), np.asarray(state.policy.alpha_R), rtol=1e-6)
     with pytest.raises(ValueError, match="per \\(regime, gamma\\)"):
@@ -221,7 +223,7 @@ def test_round_times_time_each_draft_source_on_its_own(monkeypatch):
     drafter is held to it (`for_regime`), with the caller's prefill handed over (its drafter
     relabelled: same state), regime-major; a held drafter drafts every row from its source."""
     eng, ep, batch = _hybrid_setup()
-    eng = dataclasses.replace(eng, config=_gen(decoding.AdaptiveGamma(gammas=(0, 3))))
+    eng = dataclasses.replace(eng, config=_gen(decoding.AdaptiveGamma(gammas=(0, 1))))
     calls = []
     real_init = decoding.Engine.init
 
@@ -236,8 +238,13 @@ def test_round_times_time_each_draft_source_on_its_own(monkeypatch):
     H = drafters.HybridDrafter
     assert [d for d, _ in calls] == [eng.drafter.for_regime(H.MODEL), eng.drafter.for_regime(H.LOOKUP)]
     assert all(p.drafter == d and p.draft_state is pre.draft_state for d, p in calls)
-    state = eng.init(ep, batch)
-    ctx = drafters.DraftContext(tokens_BS=state.tokens_BS, lengths_B=state.lengths_B, target_cache=None)
-    assert np.asarray(eng.drafter.regime_B(ep.draft, ctx)).tolist() == [H.LOOKUP, H.MODEL, H.LOOKUP, H.MODEL]
-    for r in (H.MODEL, H.LOOKUP):
-        assert (np.asarray(eng.drafter.for_regime(r).regime_B(ep.draft, ctx)) == r).all()
+    # the prompts as committed tokens (what `init` puts in the state's token buffer)
+    P = batch.prompt_BP.shape[1]
+    tokens_BS = jnp.full((len(HYBRID_PROMPTS), batch.capacity), decoding.PAD_ID, jnp.int32).at[:, :P].set(
+        batch.prompt_BP)
+    ctx = drafters.DraftContext(tokens_BS=tokens_BS, lengths_B=batch.prompt_lengths_B, target_cache=None)
+    regimes = jax.jit(lambda p, c: [d.regime_B(p, c) for d in (eng.drafter, eng.drafter.for_regime(H.MODEL),
+                                                                eng.drafter.for_regime(H.LOOKUP))])(ep.draft, ctx)
+    both, model_only, lookup_only = (np.asarray(r).tolist() for r in regimes)
+    assert both == [H.LOOKUP, H.MODEL, H.LOOKUP, H.MODEL]
+    assert model_only == [H.MODEL] * 4 and lookup_only == [H.LOOKUP] * 4

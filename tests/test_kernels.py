@@ -45,7 +45,8 @@ Tolerances:
   step round the attention part differently; the kernel's projections are bitwise equal).
 
 Compile budget (the file runs in about a minute on 2 cores): the kernel tests share one jitted
-`matmul` (one small program per shape); the layout tests compile one program per layout
+`matmul` (one small program per shape; the float64 comparison one program per (D, N) for all
+its row counts); the layout tests compile one program per layout
 (prefill, decode and block traced together), and each asserts whether that program calls the
 kernel; the tiny greedy tests share one set of references; the real model is loaded once for
 the module, its references are one batch of 4 and its prompts pad to one width.
@@ -124,11 +125,18 @@ def test_kernel_built_with_a_vector_body_on_avx2_cpus():
 _SHAPES_DN = [(64, 32), (64, 100), (45, 96), (45, 100)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 17, 70])
+_ROWS = (1, 2, 3, 7, 8, 9, 17, 70)
+# Every row count of one (D, N) in one program: one custom call per row count.
+_matmuls = jax.jit(lambda xs, ps, n: [kernels.matmul(x, p, n) for x, p in zip(xs, ps)], static_argnums=2)
+
+
 @pytest.mark.parametrize("d,n", _SHAPES_DN, ids=[f"D{d}-N{n}" for d, n in _SHAPES_DN])
-def test_matmul_matches_float64_reference(m, d, n):
-    x, w = _data((m,), d, n, seed=1000 * m + d + n)
-    _assert_close_to_reference(_matmul(jnp.asarray(x), kernels.pack(w), n, True), x, w)
+def test_matmul_matches_float64_reference(d, n):
+    data = [_data((m,), d, n, seed=1000 * m + d + n) for m in _ROWS]
+    ys = _matmuls([jnp.asarray(x) for x, _ in data], [kernels.pack(w) for _, w in data], n)
+    for m, y, (x, w) in zip(_ROWS, ys, data):
+        assert y.shape == (m, n), m
+        _assert_close_to_reference(y, x, w)
 
 
 @pytest.mark.parametrize("lead,d,n", [((2, 3), 64, 100), ((2, 3), 45, 32), ((1, 1, 4), 45, 96)])

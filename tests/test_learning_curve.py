@@ -22,8 +22,9 @@ def curve(tmp_path_factory):
     c.shard_dirs = tuple(dirs)
     c.out = str(root / "results" / "learning_curve.jsonl")
     c.workdir = str(root / "work")
+    # one sequence width (64: every toy sequence fits): one train-step program per point, not two
     c.set.update({"target": str(target_dir), "data_root": str(root / "cache"), "checkpoint_every": 5,
-                  "data": {"widths": (32, 64), "tokens_per_batch": 256}, "draft": {"head_vocab": 40},
+                  "data": {"widths": (64,), "tokens_per_batch": 256}, "draft": {"head_vocab": 40},
                   "head": {"feature_cache": ""}, "optim": {"learning_rate": 3e-3, "warmup_steps": 3},
                   "eval": {"data_jsonl": str(toy.write_data(root / "eval.jsonl", n=8, seed=1))}})
     recs = run.run(c, log=lambda m: None)

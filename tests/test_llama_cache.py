@@ -11,6 +11,7 @@ import pytest
 from _hf_tiny import right_padded
 from specjax.models import (KVCache, Llama, ModelConfig, canonical_params,
                             truncate_layers)
+from specjax.models.llama import param_specs
 
 BASE = ModelConfig(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
                    head_dim=8, ffn_size=64, rope_theta=10000.0, rms_eps=1e-5)
@@ -19,13 +20,26 @@ QWENISH = BASE.replace(attention_bias=True, tie_embeddings=False, arch="qwen2",
 ATOL = 3e-5
 
 
+def _canonical_weights(specs, rng):
+    """Canonical params drawn in numpy (nothing to compile): `init_params`' kinds (normal(0.02)
+    weights and biases, unit or zero norms), then every tensor of more than one axis (all but
+    the final norm) x4: bigger weights and layer norms make attention patterns non-trivial, and
+    a layout that dropped a layer norm's weight would change the logits."""
+    out = {}
+    for name, spec in specs.items():
+        if isinstance(spec, dict):
+            out[name] = _canonical_weights(spec, rng)
+            continue
+        shape, _, kind = spec
+        w = {"ones": np.ones, "zeros": np.zeros}.get(kind, lambda s: 0.02 * rng.standard_normal(s))(shape)
+        out[name] = jnp.asarray(w * 4.0 if len(shape) > 1 else w, jnp.float32)
+    return out
+
+
 def _model(config, seed=0):
     """(model, params in the model's layout): the same weights for every layout of a config."""
     model = Llama(config)
-    params = canonical_params(model.init_params(jax.random.key(seed)), config)
-    # Bigger weights than the 0.02 init make attention patterns non-trivial.
-    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
-    return model, model.prepare_params(params)
+    return model, model.prepare_params(_canonical_weights(param_specs(config), np.random.default_rng(seed)))
 
 
 def _prefill(step, model, prompts, capacity):
@@ -38,51 +52,69 @@ def _prefill(step, model, prompts, capacity):
 _FULL = {}
 
 
+def _jit_apply(model):
+    """``model.apply`` jitted (one program per model and shapes; op by op, every operation of
+    every layer compiles its own)."""
+    return _FULL.setdefault((model, "apply"), jax.jit(model.apply))
+
+
 def _fresh(model, params, seq, pad_to=16):
     """Plain causal forward of one row (right-padded to a fixed length: one compile)."""
     fn = _FULL.setdefault(model, jax.jit(lambda p, t: model.apply(p, t, None)[0]))
     seq = np.asarray(seq, np.int32)
     padded = np.zeros((1, pad_to), np.int32)
     padded[0, :len(seq)] = seq
-    return np.asarray(fn(params, jnp.asarray(padded))[0, :len(seq)])
+    return np.asarray(fn(params, jnp.asarray(padded)))[0, :len(seq)]      # sliced on the host: no slicing program
 
 
-@pytest.fixture(scope="module", params=["scan", "unrolled", "fused", "qwenish", "qwenish_fused_scan"])
+# The layouts: the per-layer cache with fused projections ("fused"), the stacked one with separate
+# projections ("scan") and with fused ones ("qwenish_fused_scan"), and the Qwen-like features
+# (biases, untied head, RoPE scaling). The per-layer cache with separate projections equals the
+# stacked one, logits and cache contents: test_scan_and_unrolled_agree.
+@pytest.fixture(scope="module", params=["scan", "fused", "qwenish", "qwenish_fused_scan"])
 def setup(request):
-    config = {"scan": BASE, "unrolled": BASE.replace(scan_layers=False),
-              "fused": BASE.replace(scan_layers=False, fuse_projections=True),
+    config = {"scan": BASE, "fused": BASE.replace(scan_layers=False, fuse_projections=True),
               "qwenish": QWENISH, "qwenish_fused_scan": QWENISH.replace(fuse_projections=True)}[request.param]
     model, params = _model(config)
     return model, params, jax.jit(model.apply)
 
 
+# Both tests below start alike (3 rows, a ragged prefill padded to 7 tokens, capacity 24, then
+# one-token steps): they share those compiled programs per layout.
+PLENS, CAPACITY = [5, 2, 7], 24
+
+
 def test_prefill_then_decode_equals_full_recompute(setup):
+    """A ragged prefill (5, 2, 7 tokens) then 6 one-token decode steps per row: every position's
+    logits equal a full causal recompute of the row's sequence."""
     model, params, step = setup
     rng = np.random.default_rng(0)
-    seq = rng.integers(0, model.vocab_size, 12)
-    want = _fresh(model, params, seq)
-    cache = model.init_cache(1, 32)
-    got = []
-    logits, cache = step(params, jnp.asarray(seq[None, :6]), cache)
-    got.append(np.asarray(logits[0]))
-    for t in range(6, 12):
-        logits, cache = step(params, jnp.asarray(seq[None, t:t + 1]), cache)
-        got.append(np.asarray(logits[0]))
-    np.testing.assert_allclose(np.concatenate(got), want, atol=ATOL, rtol=1e-4)
-    assert int(cache.lengths_B[0]) == 12
+    seqs = [rng.integers(0, model.vocab_size, n + 6) for n in PLENS]
+    logits, cache = _prefill(lambda *a: step(params, *a), model, [s[:n] for s, n in zip(seqs, PLENS)], CAPACITY)
+    logits = np.asarray(logits)                 # rows sliced on the host (eagerly, every slice compiles)
+    got = [[logits[b, :n]] for b, n in enumerate(PLENS)]
+    for t in range(6):
+        logits, cache = step(params, jnp.asarray([[s[n + t]] for s, n in zip(seqs, PLENS)]), cache)
+        logits = np.asarray(logits)
+        for b in range(3):
+            got[b].append(logits[b])
+    for b, s in enumerate(seqs):
+        np.testing.assert_allclose(np.concatenate(got[b]), _fresh(model, params, s), atol=ATOL, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(cache.lengths_B), np.asarray(PLENS) + 6)
 
 
 def test_ragged_batch_append_rollback_append(setup):
     model, params, step = setup
     rng = np.random.default_rng(1)
     V = model.vocab_size
-    plens = [5, 2, 7]
+    plens = PLENS
     prompts = [rng.integers(0, V, n) for n in plens]
-    # Ragged prefill: right-padded, num_valid_B says how many tokens each row commits.
-    logits, cache = _prefill(lambda *a: step(params, *a), model, prompts, capacity=24)
+    # Ragged prefill: right-padded, num_valid_B says how many tokens each row commits. (Outputs are
+    # sliced on the host: an eager slice of a device array compiles a program per shape.)
+    logits, cache = _prefill(lambda *a: step(params, *a), model, prompts, capacity=CAPACITY)
     np.testing.assert_array_equal(np.asarray(cache.lengths_B), plens)
     for b, p in enumerate(prompts):
-        np.testing.assert_allclose(np.asarray(logits[b, :len(p)]), _fresh(model, params, p),
+        np.testing.assert_allclose(np.asarray(logits)[b, :len(p)], _fresh(model, params, p),
                                    atol=ATOL, rtol=1e-4)
     # Append k=4 tokens per row.
     k = 4
@@ -90,27 +122,27 @@ def test_ragged_batch_append_rollback_append(setup):
     logits, cache = step(params, jnp.asarray(block), cache)
     for b, p in enumerate(prompts):
         want = _fresh(model, params, np.concatenate([p, block[b]]))[len(p):]
-        np.testing.assert_allclose(np.asarray(logits[b]), want, atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(logits)[b], want, atol=ATOL, rtol=1e-4)
     # Roll back to a different j < k per row (no copy), then append different tokens.
     keep = np.array([1, 3, 0])
     cache2 = cache.rollback(jnp.asarray(plens) + keep)
     assert cache2.k is cache.k and cache2.v is cache.v
     other = rng.integers(0, V, (3, 3))
     # Only part of the block is committed for rows 0 and 2 (like a partial accept).
-    num_valid = jnp.asarray([3, 1, 2])
-    logits, cache3 = step(params, jnp.asarray(other), cache2, num_valid)
+    num_valid = np.asarray([3, 1, 2])
+    logits, cache3 = step(params, jnp.asarray(other), cache2, jnp.asarray(num_valid, jnp.int32))
     np.testing.assert_array_equal(np.asarray(cache3.lengths_B),
-                                  np.asarray(plens) + keep + np.asarray(num_valid))
+                                  np.asarray(plens) + keep + num_valid)
     for b, p in enumerate(prompts):
         prefix = np.concatenate([p, block[b, :keep[b]]])
         want = _fresh(model, params, np.concatenate([prefix, other[b]]))[len(prefix):]
-        np.testing.assert_allclose(np.asarray(logits[b]), want, atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(logits)[b], want, atol=ATOL, rtol=1e-4)
     # And one more decode step on top of the partially committed block.
     nxt = rng.integers(0, V, (3, 1))
     logits, _ = step(params, jnp.asarray(nxt), cache3)
     for b, p in enumerate(prompts):
         seq = np.concatenate([p, block[b, :keep[b]], other[b, :int(num_valid[b])], nxt[b]])
-        np.testing.assert_allclose(np.asarray(logits[b, 0]), _fresh(model, params, seq)[-1],
+        np.testing.assert_allclose(np.asarray(logits)[b, 0], _fresh(model, params, seq)[-1],
                                    atol=ATOL, rtol=1e-4)
 
 
@@ -146,7 +178,7 @@ def test_apply_refuses_params_or_cache_of_another_layout(scan, fuse):
             other = Llama(BASE.replace(scan_layers=other_scan, fuse_projections=other_fuse))
             p = other.prepare_params(params)
             if (other_scan, other_fuse) == (scan, fuse):
-                model.apply(p, seq, None)
+                jax.eval_shape(model.apply, p, seq, None)      # accepted (traced: the check is at trace time)
                 continue
             with pytest.raises(ValueError, match=r"model\.prepare_params\(params\)"):
                 model.apply(p, seq, None)
@@ -185,14 +217,14 @@ def test_fused_projections_round_trip(config):
     """Fusing is exact (same logits), and `canonical_params` gives back the original tensors."""
     model, params = _model(config)
     seq = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 7)))
-    want, _ = model.apply(params, seq, None)
+    want, _ = _jit_apply(model)(params, seq, None)
     for scan in (True, False):
         fused = Llama(config.replace(fuse_projections=True, scan_layers=scan))
         fp = fused.prepare_params(params)
         layer = fp["layers"] if scan else fp["layers"][0]
         assert "wqkv" in layer and "w_gate_up" in layer and "wq" not in layer and "w_up" not in layer
         assert ("bqkv" in layer) == config.attention_bias
-        got, _ = fused.apply(fp, seq, None)
+        got, _ = _jit_apply(fused)(fp, seq, None)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
         back = canonical_params(fp, config)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, params)
@@ -209,7 +241,7 @@ def test_bfloat16_runs_and_is_close_to_float32():
     seq = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 10)))
     c16 = model16.init_cache(1, 16)
     assert c16.dtype == jnp.bfloat16
-    l32, _ = model32.apply(params, seq, model32.init_cache(1, 16))
+    l32, _ = _jit_apply(model32)(params, seq, model32.init_cache(1, 16))
     l16, c16 = jax.jit(model16.apply)(p16, seq[:, :7], c16)
     l16b, c16 = jax.jit(model16.apply)(p16, seq[:, 7:], c16)
     l16 = np.concatenate([np.asarray(l16), np.asarray(l16b)], axis=1)
@@ -225,13 +257,13 @@ def test_truncate_layers_is_a_smaller_model():
     assert p2["embed"] is params["embed"]
     direct = Llama(c2)
     seq = jnp.asarray([[3, 1, 4, 1, 5]])
-    got, cache = direct.apply(p2, seq, direct.init_cache(1, 8))
+    got, cache = _jit_apply(direct)(p2, seq, direct.init_cache(1, 8))
     assert cache.num_layers == 2
     # the per-layer, fused layout truncates the same way and keeps its layout
     fused = Llama(BASE.replace(scan_layers=False, fuse_projections=True))
     p2u, c2u = truncate_layers(fused.prepare_params(params), fused.config, 2)
     assert isinstance(p2u["layers"], tuple) and len(p2u["layers"]) == 2 and "wqkv" in p2u["layers"][0]
-    got_u, _ = Llama(c2u).apply(p2u, seq, None)
+    got_u, _ = _jit_apply(Llama(c2u))(p2u, seq, None)
     np.testing.assert_allclose(np.asarray(got), np.asarray(got_u), atol=1e-5)
 
 
@@ -256,9 +288,9 @@ def test_model_is_static_jit_arg_and_init_is_in_its_layout():
     axes = model.param_logical_axes()
     assert axes["layers"]["wq"] == ("layers", "embed", "heads")
     fused = Llama(BASE.replace(scan_layers=False, fuse_projections=True))
-    init = fused.init_params(jax.random.key(5))
+    init = jax.jit(fused.init_params)(jax.random.key(5))      # one program (op by op: one per tensor shape)
     assert isinstance(init["layers"], tuple) and "wqkv" in init["layers"][0]
-    fused.apply(init, seq, None)
+    _jit_apply(fused)(init, seq, None)
     axes = fused.param_logical_axes()
     assert axes["layers"][0]["wqkv"] == ("embed", "heads") and "wq" not in axes["layers"][0]
     assert jax.tree.structure(init) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)

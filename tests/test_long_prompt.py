@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decoding, models, sampling
+from specjax import decoding, drafters, models, sampling
 
 CONFIG = models.ModelConfig(vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                             head_dim=8, ffn_size=48, rope_theta=10000.0, rms_eps=1e-5, max_position=4096,
@@ -32,31 +32,48 @@ def _prompts(lengths, seed=0):
     return [rng.integers(1, CONFIG.vocab_size, n).tolist() for n in lengths]
 
 
-def test_chunked_prefill_fills_the_same_cache_as_one_call():
-    model, params = _model()
-    prompts = _prompts([1100, 700])
+def _ragged(lengths, seed=0):
+    prompts = _prompts(lengths, seed)
     P = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (P - len(p)) for p in prompts], jnp.int32)
-    valid = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    caches = {}
-    for chunk in (None, 256, 300):
-        fn = jax.jit(lambda pr, t, c, v, chunk=chunk: models.prefill(model, pr, t, c, v, chunk))
-        caches[chunk] = fn(params, tokens, model.init_cache(2, 1280), valid)
-    for chunk in (256, 300):
-        np.testing.assert_array_equal(np.asarray(caches[chunk].lengths_B), np.asarray(valid))
-        for l in range(CONFIG.num_layers):
-            for got, want in zip(caches[chunk].layer(l), caches[None].layer(l)):
-                for b, n in enumerate(np.asarray(valid)):
-                    g, w = np.asarray(got[b]), np.asarray(want[b])
-                    g, w = (g[:, :n], w[:, :n]) if g.shape[1] == 1280 else (g[..., :n], w[..., :n])
-                    np.testing.assert_allclose(g, w, atol=2e-5, err_msg=f"chunk {chunk} layer {l} row {b}")
+    return tokens, jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _assert_same_entries(got_cache, want_cache, valid, atol, what):
+    """Every layer's keys and values in each row's first ``valid`` slots agree within ``atol``
+    (only those slots are compared)."""
+    for l in range(CONFIG.num_layers):
+        for got, want in zip(got_cache.layer(l), want_cache.layer(l)):
+            got, want = np.asarray(got), np.asarray(want)
+            for b, n in enumerate(np.asarray(valid)):
+                g, w = got[b], want[b]
+                g, w = (g[:, :n], w[:, :n]) if g.shape[1] == got_cache.capacity else (g[..., :n], w[..., :n])
+                np.testing.assert_allclose(g, w, atol=atol, err_msg=f"{what} layer {l} row {b}")
+
+
+# One jitted prefill for the tests below (model, chunk and start_bound static, passed by name
+# alike so the calls share a cache entry): a program the tests share (the unrolled layout's
+# chunks of 300 over a full-capacity cache) compiles once.
+_prefill = jax.jit(models.prefill, static_argnums=0, static_argnames=("chunk", "start_bound"))
+
+
+def test_chunked_prefill_fills_the_same_cache_as_one_call():
+    """Chunks of 300 (dividing neither row, of 1,100 and 700 tokens) fill the cache of one call.
+    (Chunks of 256 in the engine: test_engine_with_a_long_prompt_matches_one_call_prefill.)"""
+    model, params = _model()
+    tokens, valid = _ragged([1100, 700])
+    one, chunked = (_prefill(model, params, tokens, model.init_cache(2, 1280), valid, chunk=chunk, start_bound=None)
+                    for chunk in (None, 300))
+    np.testing.assert_array_equal(np.asarray(chunked.lengths_B), np.asarray(valid))
+    _assert_same_entries(chunked, one, valid, 2e-5, "chunk 300")
 
 
 def test_engine_with_a_long_prompt_matches_one_call_prefill():
     """The engine's first decode logits after a chunked prefill equal those after one call, and
-    generation with chunking answers (rows of 1,500 and 40 tokens)."""
+    generation with chunking answers (rows of 700 and 40 tokens, chunks of 256: the last one
+    partial)."""
     model, params = _model()
-    prompts = _prompts([1500, 40], seed=1)
+    prompts = _prompts([700, 40], seed=1)
 
     @jax.jit          # (one program for both states: op by op, every run compiled dozens)
     def next_logits(params, state):
@@ -98,39 +115,27 @@ def test_chunked_prefill_temporaries_are_bounded_by_one_chunk():
     assert whole > 8 * chunked, (whole, chunked)
 
 
-def _ragged(lengths, seed=0):
-    prompts = _prompts(lengths, seed)
-    P = max(map(len, prompts))
-    tokens = jnp.asarray([p + [0] * (P - len(p)) for p in prompts], jnp.int32)
-    return tokens, jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-
 def test_prefill_of_a_fresh_cache_reads_only_earlier_slots_and_fills_the_same_cache():
     """``start_bound=0`` (a fresh cache): each chunk attends to the slots before it instead of
     the whole capacity. Same entries as the full-capacity prefill (masked slots weigh exactly 0,
     so only summation order differs), in both cache layouts, ragged rows, a chunk that does not
     divide the prompt; the attend limit is cleared on return. (Chunks of 300 only: the first is
     what a one-call prefill of a fresh cache runs, a plain causal forward (attend limit 0), and the
-    later ones attend to the slots before them; each layout compiles its two prefills once.)"""
+    later ones attend to the slots before them; each layout compiles its two prefills once, the
+    unrolled full-capacity one shared with test_chunked_prefill_fills_the_same_cache_as_one_call.)"""
     tokens, valid = _ragged([1100, 700])
     chunk = 300
     for scan in (False, True):
         model = models.Llama(dataclasses.replace(CONFIG, scan_layers=scan))
         params = model.init_params(jax.random.key(0))
-        full, limited = (jax.jit(lambda pr, t, c, v, b=b: models.prefill(
-            model, pr, t, c, v, chunk, start_bound=b))(params, tokens, model.init_cache(2, 1280), valid)
-            for b in (None, 0))
+        full, limited = (_prefill(model, params, tokens, model.init_cache(2, 1280), valid, chunk=chunk, start_bound=b)
+                         for b in (None, 0))
         assert limited.attend_limit is None
         np.testing.assert_array_equal(np.asarray(limited.lengths_B), np.asarray(valid))
-        for l in range(CONFIG.num_layers):
-            for got, want in zip(limited.layer(l), full.layer(l)):
-                for b, n in enumerate(np.asarray(valid)):
-                    g, w = np.asarray(got[b]), np.asarray(want[b])
-                    g, w = (g[:, :n], w[:, :n]) if g.shape[1] == 1280 else (g[..., :n], w[..., :n])
-                    np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"scan {scan} chunk {chunk} layer {l}")
+        _assert_same_entries(limited, full, valid, 1e-5, f"scan {scan} chunk {chunk}")
 
 
-def _prefill_flops(capacity, start_bound, P=1024, chunk=256):
+def _prefill_flops(capacity, start_bound, P=512, chunk=256):
     model, params = _model()
     tokens = jnp.zeros((1, P), jnp.int32)
     valid = jnp.full((1,), P, jnp.int32)
@@ -141,11 +146,11 @@ def _prefill_flops(capacity, start_bound, P=1024, chunk=256):
 
 
 def test_prefill_work_grows_with_the_prompt_not_the_capacity():
-    """XLA's cost analysis of the compiled prefill (1,024 tokens in chunks of 256): with a fresh
-    cache's bound the work is the same for a cache of 1,088 or 4,096 slots (it attends only to
-    the prompt's own causal triangle); without it the work grows with the capacity."""
-    small, big = _prefill_flops(1088, 0), _prefill_flops(4096, 0)
-    small_full, big_full = _prefill_flops(1088, None), _prefill_flops(4096, None)
+    """XLA's cost analysis of the compiled prefill (512 tokens in two chunks of 256): with a fresh
+    cache's bound the work is the same for a cache of 576 or 4,096 slots (it attends only to the
+    prompt's own causal triangle); without it the work grows with the capacity."""
+    small, big = _prefill_flops(576, 0), _prefill_flops(4096, 0)
+    small_full, big_full = _prefill_flops(576, None), _prefill_flops(4096, None)
     assert big == small, (small, big)
     assert big_full > 1.5 * small_full, (small_full, big_full)
     assert small < small_full, (small, small_full)
@@ -169,7 +174,17 @@ def test_attend_limit_is_checked():
         raise AssertionError("negative start_bound accepted")
 
 
-CONSUME_PROMPTS = [900, 60, 300]          # prompt lengths (seed 4) of the two tests below
+def _one_layer_draft(model, params):
+    """(a draft model of the target's first layer, with its embedding, final norm and head; its
+    params): the speculative engines below (the draft keeps a cache of its own)."""
+    layers = params["layers"]
+    layers = layers[:1] if isinstance(layers, (tuple, list)) else jax.tree.map(lambda x: x[:1], layers)
+    return drafters.ModelDrafter(models.Llama(model.config.replace(num_layers=1))), {**params, "layers": layers}
+
+
+# Prompt lengths (seed 4) of the three tests below. Shorter than the default prefill chunk (512):
+# reusing a prefill does not depend on how it was computed (chunked prefill is the tests above).
+CONSUME_PROMPTS = [400, 40, 150]
 
 
 def test_one_prefill_serves_every_run_on_the_batch():
@@ -177,12 +192,11 @@ def test_one_prefill_serves_every_run_on_the_batch():
     round-time calibration all start from it: the outputs equal those of runs that prefill
     themselves, and a prefill made for another batch is refused."""
     model, params = _model()
-    from specjax import drafters
-    drafter = drafters.ModelDrafter(model)
+    drafter, dparams = _one_layer_draft(model, params)
     config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
     spec = decoding.Engine(model, drafter, config)
     only = decoding.Engine(model, None, dataclasses.replace(config, gamma=0))
-    ep = decoding.EngineParams(target=params, draft=params)
+    ep = decoding.EngineParams(target=params, draft=dparams)
     # The engines, batch and sampling of test_a_run_that_consumes_its_prefill_holds_the_caches_once's
     # per-layer case: the speculative engine's prefill and its run from a kept prefill are compiled
     # once for both tests.
@@ -218,11 +232,11 @@ def test_a_run_that_consumes_its_prefill_holds_the_caches_once(per_layer):
     import warnings
     model = models.Llama(CONFIG.replace(scan_layers=not per_layer))
     params = model.init_params(jax.random.key(0))
-    from specjax import drafters
     config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
-    spec = decoding.Engine(model, drafters.ModelDrafter(model), config)
+    drafter, dparams = _one_layer_draft(model, params)
+    spec = decoding.Engine(model, drafter, config)
     only = decoding.Engine(model, None, dataclasses.replace(config, gamma=0))
-    ep = decoding.EngineParams(target=params, draft=params)
+    ep = decoding.EngineParams(target=params, draft=dparams)
     batch = decoding.make_batch(_prompts(CONSUME_PROMPTS, seed=4), config, jax.random.key(2))
     samp = sampling.SamplingConfig.make(temperature=1.0)
     cache_bytes = batch.prompt_BP.shape[0] * decoding.cache_bytes_per_row(only, batch.capacity)
@@ -253,13 +267,13 @@ def test_a_repeated_one_row_prefill_equals_prefilling_every_row(per_layer):
     """`Prefill.repeat`: n samples of one prompt from one prefill give exactly the tokens of a
     run that prefills all n rows (T = 1, every row its own key), target and draft caches both;
     a multi-row prefill or a batch of another prompt is refused."""
-    from specjax import drafters
     model = models.Llama(CONFIG.replace(scan_layers=not per_layer))
     params = model.init_params(jax.random.key(0))
     config = decoding.GenerationConfig(max_new_tokens=6, gamma=2)
-    engine = decoding.Engine(model, drafters.ModelDrafter(model), config)
-    ep = decoding.EngineParams(target=params, draft=params)
-    # Three rows of one 900-token prompt (a chunked prefill): the batch shape of CONSUME_PROMPTS, so
+    drafter, dparams = _one_layer_draft(model, params)
+    engine = decoding.Engine(model, drafter, config)
+    ep = decoding.EngineParams(target=params, draft=dparams)
+    # Three rows of one 400-token prompt: the batch shape of CONSUME_PROMPTS, so
     # the run from a prefill is the program test_a_run_that_consumes_its_prefill_holds_the_caches_once
     # compiled for this engine (and, per layer, the run without one test_one_prefill_serves_every_run_on_the_batch's).
     n = len(CONSUME_PROMPTS)

@@ -76,27 +76,39 @@ def test_block_outputs_equal_the_training_forward():
             np.testing.assert_array_equal(np.asarray(st.cache.kv.lengths_B), np.asarray(L))
 
 
-def _draws(samp, gamma=3, rows=20_000, seed=11):
-    """(tokens [rows, gamma], q [gamma, V]) of the parallel drafter on the V = 5 target: one
-    jitted propose on `rows` copies of one context, each with its own key."""
+DRAW_ROWS = 20_000
+
+
+@functools.cache
+def _draw_program(gamma):
+    """(jitted features of the V = 5 target, jitted init + propose of the parallel drafter at
+    ``gamma``, its params): the sampling settings are an argument, so every setting of one
+    structure (top-k / top-p on or off) runs the same compiled program."""
     model, tp, _ = _dist_setup()
     hc = _parallel_config(D_CFG, k=3)
-    rng = np.random.default_rng(40)
-    own = _to_device(_random_parallel_own(hc, rng))
+    own = _to_device(_random_parallel_own(hc, np.random.default_rng(40)))
     hp = drafters.head_params(hc, own, tp)
     dr = hc.spec.drafter(hc)
-    toks = jnp.asarray(np.tile(np.asarray(D_PROMPT + (0,) * 5, np.int32), (rows, 1)))
-    L = jnp.full((rows,), len(D_PROMPT), jnp.int32)
-    feats = jax.jit(lambda p, t: model.apply_with_features(p, t, None, layers=hc.feature_layers)[1])(tp, toks)
+    P = len(D_PROMPT)
+    feats = jax.jit(lambda p, t: model.apply_with_features(p, t, None, layers=hc.feature_layers)[1])
 
     @jax.jit
-    def run(hp, toks, feats, keys):
-        st = dr.init(hp, toks[:, :len(D_PROMPT)], L, toks.shape[1], features_BPF=feats[:, :len(D_PROMPT)])
+    def run(hp, toks, feats, keys, samp):
+        L = jnp.full(toks.shape[:1], P, jnp.int32)
+        st = dr.init(hp, toks[:, :P], L, toks.shape[1], features_BPF=feats[:, :P])
         ctx = drafters.DraftContext(tokens_BS=toks, lengths_B=L, features=feats, target_cache=None)
         return dr.propose(hp, st, ctx, keys, gamma, samp)[:2]
 
+    return (lambda toks: feats(tp, toks)), run, hp
+
+
+def _draws(samp, gamma=3, rows=DRAW_ROWS, seed=11):
+    """(tokens [rows, gamma], q [gamma, V]) of the parallel drafter on the V = 5 target: one
+    jitted propose on `rows` copies of one context, each with its own key."""
+    feats, run, hp = _draw_program(gamma)
+    toks = jnp.asarray(np.tile(np.asarray(D_PROMPT + (0,) * 5, np.int32), (rows, 1)))
     keys = decoding.request_keys(jax.random.key(seed), list(range(rows)))
-    t, q = run(hp, toks, feats, keys)
+    t, q = run(hp, toks, feats(toks), keys, samp)
     q = np.asarray(q, np.float64)
     np.testing.assert_allclose(q, np.broadcast_to(q[:1], q.shape), atol=1e-7)   # one context: one q per position
     return np.asarray(t), q[0]
@@ -138,19 +150,32 @@ def test_draws_follow_the_reported_q_independently():
         assert bad < DRAW_ALPHA, f"the negative control passed at positions {g}, {h} (p={bad:.3g})"
 
 
+@jax.jit
+def _target_probs(tp, seq_1S, last, samp):
+    """The V = 5 target's processed distribution after position ``last`` of a right-padded
+    sequence (cache-free and causal: the padding after it is not read)."""
+    model, _, _ = _dist_setup()
+    return sampling.probabilities(model.apply(tp, seq_1S, None)[0][0, last], samp)
+
+
 def _round_laws(samp_kw, gamma):
     """(tree_p, tree_q) of one round on the V = 5 target after D_PROMPT: p the target's
     processed distribution after each prefix (exact, cache-free), q the parallel drafter's
-    reported distribution at position len(prefix) + 1 (the same for every prefix)."""
-    model, tp, _ = _dist_setup()
+    reported distribution at position len(prefix) + 1 (the same for every prefix). The q comes
+    from `_draws` (its rows and gamma 3: test_draws_follow_the_reported_q_independently's
+    compiled program where the sampling settings have its structure; a leaf's q row is read,
+    never drawn from)."""
+    assert gamma + 1 == 3
+    _, tp, _ = _dist_setup()
     samp = sampling.SamplingConfig.make(**samp_kw)
-    _, q = _draws(samp, gamma=gamma + 1, rows=8)    # (a leaf's q row is read, never drawn from)
-    probs = jax.jit(lambda t: sampling.probabilities(model.apply(tp, t, None)[0], samp))
+    _, q = _draws(samp)
+    width = len(D_PROMPT) + gamma + 1          # every prefix padded to one width: one program
 
     @functools.cache
     def tree_p(prefix):
-        seq = jnp.asarray([list(D_PROMPT) + list(prefix)], jnp.int32)
-        return np.asarray(probs(seq)[0, -1], np.float32)
+        seq = list(D_PROMPT) + list(prefix)
+        padded = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        return np.asarray(_target_probs(tp, padded, len(seq) - 1, samp), np.float32)
 
     return tree_p, (lambda prefix: q[len(prefix)].astype(np.float32))
 
@@ -181,16 +206,16 @@ def test_one_round_with_the_drafters_q_is_exact_by_enumeration(samp_kw):
 
 
 ADAPTIVE = decoding.AdaptiveGamma(gammas=(0, 1, 4), probe_every=2)
-GREEDY_RUNS = {"chain4": 4, "adaptive": ADAPTIVE, "static-2x2x1": trees.TreeShape.from_branching((2, 2, 1)),
-               "dynamic-k2-d4-n8": trees.DynamicTree(depth=4, topk=2, node_budget=8)}
+GREEDY_RUNS = {"adaptive": ADAPTIVE, "dynamic-k2-d4-n8": trees.DynamicTree(depth=4, topk=2, node_budget=8)}
 
 
 @pytest.mark.parametrize("name", list(GREEDY_RUNS))
 def test_greedy_equals_target_only(name):
     """Greedy decoding with the parallel drafter on the tiny target (4 prompts, 16 tokens,
-    chunked prefill) gives target-only's tokens: chains of 4, adaptive gamma (0, 1, 4; round
-    times that switch between them), a static tree and an EAGLE-2 dynamic tree over its
-    block. Proposals are accepted somewhere and rejected somewhere."""
+    chunked prefill) gives target-only's tokens: adaptive gamma (0, 1, 4; round times that
+    switch between them) and an EAGLE-2 dynamic tree over its block. Proposals are accepted
+    somewhere and rejected somewhere. (Chains of the whole block, 4, and a static tree: round
+    by round in test_cache_holds_the_committed_prefix_after_every_round.)"""
     model, tp = _target()
     dr, hp, _ = _parallel_head()
     eng = decoding.Engine(model, dr, _gen(GREEDY_RUNS[name]))
@@ -202,13 +227,15 @@ def test_greedy_equals_target_only(name):
     assert 0 < int(np.sum(m.accepted_B)) < int(np.sum(m.proposed_B)), name
 
 
-@pytest.mark.parametrize("gamma", [3, trees.TreeShape.from_branching((2, 1, 1))], ids=["chain3", "tree-2x1x1"])
+@pytest.mark.parametrize("gamma", [4, trees.TreeShape.from_branching((2, 1, 1))], ids=["chain4", "tree-2x1x1"])
 def test_cache_holds_the_committed_prefix_after_every_round(gamma):
-    """Round by round (greedy, 4 prompts): after every commit the drafter's cache holds the
-    entries of the tokens committed before the round (min(L_before, L - 1); the tokens this
-    round committed are ingested, with their true features, next round) and they equal (K/V,
-    to 1e-5) a fresh prefill over the committed tokens with the target's true features; the
-    placeholders' entries are gone."""
+    """Round by round (greedy, 4 prompts, 16 tokens, chunked prefill; chains of the whole block
+    and a static tree): after every commit the drafter's cache holds the entries of the tokens
+    committed before the round (min(L_before, L - 1); the tokens this round committed are
+    ingested, with their true features, next round) and they equal (K/V, to 1e-5) a fresh
+    prefill over the committed tokens with the target's true features; the placeholders'
+    entries are gone. The tokens are target-only's, and proposals are accepted somewhere and
+    rejected somewhere."""
     model, tp = _target()
     dr, hp, hc = _parallel_head()
     eng = decoding.Engine(model, dr, _gen(gamma))
@@ -221,6 +248,8 @@ def test_cache_holds_the_committed_prefix_after_every_round(gamma):
         assert _kept_kv_vs_fresh(hc, ep, batch.capacity, st) < 1e-5
     got = [list(np.asarray(final.tokens_BS)[b, len(p):len(p) + MAX_NEW]) for b, p in enumerate(PROMPTS)]
     assert got == _target_only()[0]
+    m = final.metrics
+    assert 0 < int(np.sum(m.accepted_B)) < int(np.sum(m.proposed_B)), gamma
 
 
 def _kept_kv_vs_fresh(hc, ep, capacity, st):
@@ -263,8 +292,9 @@ def test_settings_and_inputs_are_checked(tmp_path):
     for other, said in ((CFG.replace(vocab_size=CFG.vocab_size + 3), "'vocab_size': 100"),
                         (CFG.replace(hidden_size=48, head_dim=12), "'hidden_size': 48")):
         o = Llama(other.replace(scan_layers=False))
+        abstract_params = jax.eval_shape(o.init_params, jax.random.key(0))     # (refused before they are read)
         with pytest.raises(ValueError, match=f"was made for a target with .*this target has .*{said}"):
-            drafters.load_head(par_dir, o, o.init_params(jax.random.key(0)))
+            drafters.load_head(par_dir, o, abstract_params)
 
 
 def test_export_and_reload_draft_identically(tmp_path):
@@ -285,7 +315,10 @@ def test_export_and_reload_draft_identically(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _propose(dr, hp, samp):
+@functools.cache
+def _propose_program(dr):
+    """init + propose of drafter ``dr`` on a random context, jitted (params and sampling
+    arguments: a drafter equal to ``dr`` runs the same program)."""
     model, tp = _target()
     cap, P = 16, 7
     toks = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (2, cap)), jnp.int32)
@@ -293,10 +326,13 @@ def _propose(dr, hp, samp):
     L = jnp.asarray([P, P - 2], jnp.int32)
 
     @jax.jit
-    def run(hp):
+    def run(hp, samp):
         st = dr.init(hp, toks[:, :P], L, cap, features_BPF=feats[:, :P])
         ctx = drafters.DraftContext(tokens_BS=toks, lengths_B=L, features=feats, target_cache=None)
         return dr.propose(hp, st, ctx, decoding.request_keys(jax.random.key(3), [0, 1]), 3, samp)[:2]
 
-    return run(hp)
+    return run
 
+
+def _propose(dr, hp, samp):
+    return _propose_program(dr)(hp, samp)

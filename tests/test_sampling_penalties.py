@@ -18,12 +18,15 @@
   token, for a chain, a static and a dynamic tree and target-only;
 * the draft applies the same transform on its own path: with the draft equal to the target
   every proposal of a chain and the first child at every depth of an i.i.d. tree is accepted
-  (q = p at every position, up to float rounding; 64 rows x 12 tokens); a control drafter that
-  drops the penalties loses acceptance.
+  (q = p at every position, up to float rounding; 64 rows x 12 tokens, the greedy test's prompts);
+  a control drafter that drops the penalties loses acceptance;
+* feature heads (Medusa, a reduced-vocabulary EAGLE-3 head): greedy rows with penalties commit
+  what target-only decoding commits.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -83,7 +86,23 @@ def _filters_only(s: dict) -> sampling.SamplingConfig:
 
 # ----------------------------------------------------------------------------- the transform
 
+@functools.partial(jax.jit, static_argnames="vocab")
+def _transforms(cfg, scalar, filters, tokens_BS, prompt_lengths_B, lengths_B, logits_BV, penalized_BV, ids, vocab):
+    """Everything `test_probabilities_with_penalties_match_the_definitions` compares, in one
+    compiled program (op by op, each operation of each shape compiled on its own)."""
+    h = cfg.with_history(tokens_BS, prompt_lengths_B, lengths_B, vocab)
+    hs = scalar.with_history(tokens_BS[:1], prompt_lengths_B[:1], lengths_B[:1], vocab)
+    return dict(got=sampling.probabilities(logits_BV, h), want=sampling.probabilities(penalized_BV, filters),
+                scalar=sampling.probabilities(logits_BV[:1], hs),
+                sub=sampling.probabilities(logits_BV[:, ids], h, ids),
+                full=sampling.adjusted_logits(logits_BV, h)[:, ids],
+                sub_adjusted=sampling.adjusted_logits(logits_BV[:, ids], h, ids))
+
+
 def test_probabilities_with_penalties_match_the_definitions():
+    """Per-row penalties (and a bias, filters, a greedy row) against `_penalize_np` then each row's
+    temperature and filters alone; a scalar config (`make`) with row 0's penalties; over a support
+    of token ids, the support's entries of the full-vocabulary result."""
     rng = np.random.default_rng(0)
     B, Vb = 4, 11
     logits = rng.normal(size=(B, Vb)).astype(np.float32) * 3
@@ -97,26 +116,25 @@ def test_probabilities_with_penalties_match_the_definitions():
     tokens = np.zeros((B, S), np.int32)
     for b, (p, g) in enumerate(zip(prompts, generated)):
         tokens[b, :len(p) + len(g)] = p + g
-    cfg = _rows(settings).with_history(jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts]),
-                                       jnp.asarray([len(p) + len(g) for p, g in zip(prompts, generated)]), Vb)
-    got = np.asarray(sampling.probabilities(jnp.asarray(logits), cfg))
-    for b in range(B):
-        x = _penalize_np(logits[b], prompts[b], generated[b], settings[b]).astype(np.float32)
-        want = np.asarray(sampling.probabilities(jnp.asarray(x)[None], _filters_only(settings[b])))[0]
-        np.testing.assert_allclose(got[b], want, atol=2e-6, err_msg=f"row {b}")
-    assert got[1].tolist() == np.eye(Vb)[np.argmax(_penalize_np(logits[1], prompts[1], [], settings[1]))].tolist()
+    penalized = np.stack([_penalize_np(logits[b], prompts[b], generated[b], settings[b]) for b in range(B)])
+    # each row's temperature and filters without bias or penalties (`_filters_only`, the rows at once)
+    filters = sampling.SamplingConfig.rows(*([s[k] for s in settings] for k in ("temperature", "top_k", "top_p",
+                                                                                 "min_p")))
     # a scalar config (`make`) with the same penalties as row 0
     scalar = sampling.SamplingConfig.make(1.0, repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3)
-    scalar = scalar.with_history(jnp.asarray(tokens[:1]), jnp.asarray([3]), jnp.asarray([7]), Vb)
-    np.testing.assert_allclose(np.asarray(sampling.probabilities(jnp.asarray(logits[:1]), scalar))[0], got[0],
-                               atol=1e-6)
-    # over a support of token ids: the support's entries of the full-vocabulary result
     ids = jnp.asarray([1, 2, 4, 9], jnp.int32)
-    sub = np.asarray(sampling.probabilities(jnp.asarray(logits)[:, ids], cfg, ids))
-    full = np.asarray(sampling.adjusted_logits(jnp.asarray(logits), cfg))[:, np.asarray(ids)]
-    np.testing.assert_allclose(np.asarray(sampling.adjusted_logits(jnp.asarray(logits)[:, ids], cfg, ids)), full,
-                               atol=1e-6)
-    assert sub.shape == (B, 4) and np.allclose(sub.sum(-1), 1.0, atol=1e-5)
+    out = jax.device_get(_transforms(_rows(settings), scalar, filters, jnp.asarray(tokens),
+                                     jnp.asarray([len(p) for p in prompts]),
+                                     jnp.asarray([len(p) + len(g) for p, g in zip(prompts, generated)]),
+                                     jnp.asarray(logits), jnp.asarray(penalized.astype(np.float32)), ids, vocab=Vb))
+    got = out["got"]
+    for b in range(B):
+        np.testing.assert_allclose(got[b], out["want"][b], atol=2e-6, err_msg=f"row {b}")
+    assert got[1].tolist() == np.eye(Vb)[np.argmax(_penalize_np(logits[1], prompts[1], [], settings[1]))].tolist()
+    np.testing.assert_allclose(out["scalar"][0], got[0], atol=1e-6)
+    # over a support of token ids: the support's entries of the full-vocabulary result
+    np.testing.assert_allclose(out["sub_adjusted"], out["full"], atol=1e-6)
+    assert out["sub"].shape == (B, 4) and np.allclose(out["sub"].sum(-1), 1.0, atol=1e-5)
 
 
 def test_a_config_without_penalties_is_unchanged():
@@ -127,30 +145,40 @@ def test_a_config_without_penalties_is_unchanged():
     assert sampling.SamplingConfig.make(0.7, frequency_penalty=0.1).penalized
 
 
+@functools.partial(jax.jit, static_argnames="vocab")
+def _histories(cfg, tokens_BS, prompt_lengths_B, lengths_B, drafted_BX, nodes_BN, parents_BN, vocab):
+    """`with_history`, `advance` and `at_block` (chain and tree) of one config, in one compiled
+    program (op by op, each operation of each shape compiled on its own)."""
+    h = cfg.with_history(tokens_BS, prompt_lengths_B, lengths_B, vocab)
+    step = h.advance(jnp.asarray([5, 0]), jnp.asarray([True, False]))
+    return dict(counts=h.counts, seen=h.seen, step=step.counts, chain=h.at_block(drafted_BX).counts,
+                tree=h.at_block(nodes_BN, parents_BN).counts)
+
+
 def test_history_along_a_chain_and_a_tree():
     B, S, Vb = 2, 10, 6
     tokens = jnp.asarray([[1, 2, 3, 3, 5, 0, 0, 0, 0, 0], [4, 4, 1, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
     cfg = _rows([_settings(dict(presence_penalty=0.1))] * B)
-    cfg = cfg.with_history(tokens, jnp.asarray([2, 1]), jnp.asarray([5, 3]), Vb)
-    assert np.asarray(cfg.counts).tolist() == [[0, 0, 0, 2, 0, 1], [0, 1, 0, 0, 1, 0]]
-    assert np.asarray(cfg.seen).tolist() == [[False, True, True, False, False, False],
-                                             [False, False, False, False, True, False]]
-    step = cfg.advance(jnp.asarray([5, 0]), jnp.asarray([True, False]))
-    assert np.asarray(step.counts).tolist() == [[0, 0, 0, 2, 0, 2], [0, 1, 0, 0, 1, 0]]
     drafted = jnp.asarray([[0, 0, 3], [2, 5, 2]], jnp.int32)
-    chain = np.asarray(cfg.at_block(drafted).counts)                 # [B, 4, V]
-    for b in range(B):
-        for t in range(4):
-            want = np.asarray(cfg.counts[b]) + np.bincount(np.asarray(drafted[b, :t]), minlength=Vb)
-            assert chain[b, t].tolist() == want.tolist(), (b, t)
     # a tree: node 0 and 1 children of the root, node 2 child of node 0, node 3 child of node 2
     parents = jnp.asarray([[-1, -1, 0, 2]] * B, jnp.int32)
     nodes = jnp.asarray([[1, 3, 3, 5], [0, 2, 2, 2]], jnp.int32)
-    tree = np.asarray(cfg.at_block(nodes, parents).counts)
+    h = jax.device_get(_histories(cfg, tokens, jnp.asarray([2, 1]), jnp.asarray([5, 3]), drafted, nodes, parents,
+                                  vocab=Vb))
+    assert h["counts"].tolist() == [[0, 0, 0, 2, 0, 1], [0, 1, 0, 0, 1, 0]]
+    assert h["seen"].tolist() == [[False, True, True, False, False, False],
+                                  [False, False, False, False, True, False]]
+    assert h["step"].tolist() == [[0, 0, 0, 2, 0, 2], [0, 1, 0, 0, 1, 0]]          # `advance` by [5, 0]
+    chain = h["chain"]                                                                # [B, 4, V]
+    for b in range(B):
+        for t in range(4):
+            want = h["counts"][b] + np.bincount(np.asarray(drafted[b, :t]), minlength=Vb)
+            assert chain[b, t].tolist() == want.tolist(), (b, t)
+    tree = h["tree"]
     paths = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [0, 2, 3]}          # block row -> nodes on its path
     for b in range(B):
         for t, path in paths.items():
-            want = np.asarray(cfg.counts[b]) + np.bincount(np.asarray(nodes[b])[path].astype(int), minlength=Vb)
+            want = h["counts"][b] + np.bincount(np.asarray(nodes[b])[path].astype(int), minlength=Vb)
             assert tree[b, t].tolist() == want.tolist(), (b, t)
 
 
@@ -189,6 +217,9 @@ def _generate(engine, params, cfg, prompts, seed=2024):
     return out
 
 
+_PROBS = jax.jit(sampling.probabilities)      # one compiled program for every law below
+
+
 def _exact_law(target, s: dict) -> np.ndarray:
     """P(continuation) of every 6-token sequence (base-V index, first token most significant)
     under target-only sampling with the penalties of ``s``."""
@@ -199,11 +230,25 @@ def _exact_law(target, s: dict) -> np.ndarray:
         full = list(PROMPT) + list(seq)
         for i in range(len(PROMPT), len(full)):
             rows.append(_penalize_np(table[full[i - 2], full[i - 1]], PROMPT, full[len(PROMPT):i], s))
-    probs = np.asarray(sampling.probabilities(jnp.asarray(np.stack(rows), jnp.float32)[None], _filters_only(s)))[0]
+    probs = np.asarray(_PROBS(jnp.asarray(np.stack(rows), jnp.float32)[None], _filters_only(s)))[0]
     law = np.ones(len(seqs))
     for j, seq in enumerate(seqs):
         for i, y in enumerate(seq):
             law[j] *= probs[j * N_NEW + i, y]
+    return law
+
+
+@pytest.fixture(scope="module")
+def exact_law(tables):
+    """`_exact_law` on the target table, memoised per group: a group's law serves its chain and
+    its tree test (and the repetition group's the negative control's)."""
+    memo = {}
+
+    def law(s: dict) -> np.ndarray:
+        key = repr(sorted(s.items()))
+        if key not in memo:
+            memo[key] = _exact_law(tables[0], s)
+        return memo[key]
     return law
 
 
@@ -226,21 +271,21 @@ def _pvalue(law, gen_BN):
 
 @pytest.mark.parametrize("kind", list(SPECULATION))
 @pytest.mark.parametrize("group", range(len(GROUPS)))
-def test_each_penalized_group_follows_its_own_law(tables, generated, kind, group):
+def test_each_penalized_group_follows_its_own_law(exact_law, generated, kind, group):
     gen = generated[kind][group::len(GROUPS)]
-    p, impossible, cells = _pvalue(_exact_law(tables[0], _settings(GROUPS[group])), gen)
+    p, impossible, cells = _pvalue(exact_law(_settings(GROUPS[group])), gen)
     print(f"\n[{kind} {GROUPS[group]}] p={p:.3g} (alpha per test {PER_TEST_ALPHA:.2g}) cells={cells}")
     assert impossible == 0 and cells > 20
     assert p > PER_TEST_ALPHA, f"{kind} {GROUPS[group]}: chi-square p={p:.3g} rejects exactness"
 
 
-def test_the_test_tells_a_penalty_apart(tables, generated):
+def test_the_test_tells_a_penalty_apart(exact_law, generated):
     """Power: the repetition group's tokens against the unpenalized law are rejected."""
-    p, _, _ = _pvalue(_exact_law(tables[0], _settings({})), generated["chain"][0::len(GROUPS)])
+    p, _, _ = _pvalue(exact_law(_settings({})), generated["chain"][0::len(GROUPS)])
     assert p < PER_TEST_ALPHA
 
 
-def test_a_block_scored_without_its_path_is_detected(tables, monkeypatch):
+def test_a_block_scored_without_its_path_is_detected(tables, exact_law, monkeypatch):
     """Negative control: a round that scores every block position at the committed history
     (the drafted tokens before a position left out of its penalties) fails the same test."""
     monkeypatch.setattr(sampling.SamplingConfig, "at_block", lambda self, tokens_BX, parents_BX=None: self)
@@ -248,13 +293,17 @@ def test_a_block_scored_without_its_path_is_detected(tables, monkeypatch):
     params = decoding.EngineParams(target=tables[0], draft=tables[1])
     res = _generate(_engine(3), params, _rows([_settings(GROUPS[0])] * rows), [list(PROMPT)] * rows)
     gen = np.asarray(res.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
-    p, _, _ = _pvalue(_exact_law(tables[0], _settings(GROUPS[0])), gen)
+    p, _, _ = _pvalue(exact_law(_settings(GROUPS[0])), gen)
     assert p < PER_TEST_ALPHA, p
 
 
 GREEDY = (dict(temperature=0.0, repetition_penalty=1.8), dict(temperature=0.0, frequency_penalty=1.1),
           dict(temperature=0.0, presence_penalty=0.9, repetition_penalty=1.3, logit_bias={2: 0.4}))
 GREEDY_PROMPTS = ([2, 1], [0, 1, 2, 2], [1])
+# The rows of the greedy and the draft tests: one batch shape (64 rows, GREEDY_PROMPTS in turn), so a
+# chain's and a static tree's program serve both tests.
+ROWS = 64
+ROW_PROMPTS = [list(GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)]) for i in range(ROWS)]
 
 
 def _greedy_np(target, prompt, s, n):
@@ -271,29 +320,32 @@ def _greedy_np(target, prompt, s, n):
                                    trees.DynamicTree(depth=3, topk=2, node_budget=5)],
                          ids=["target-only", "chain", "tree", "dynamic-tree"])
 def test_greedy_rows_with_penalties_equal_the_penalized_greedy_decode(tables, gamma):
+    """Every greedy setting with every prompt (rows in turn over the ROWS rows)."""
     n = 12
-    settings = [_settings(s) for s in GREEDY for _ in GREEDY_PROMPTS]
-    prompts = [list(p) for _ in GREEDY for p in GREEDY_PROMPTS]
+    combos = [(s, p) for s in GREEDY for p in GREEDY_PROMPTS]        # each prompt with each setting
+    settings = [_settings(combos[i % len(combos)][0]) for i in range(ROWS)]
+    prompts = [list(combos[i % len(combos)][1]) for i in range(ROWS)]
     engine = _engine(gamma, max_new=n)
     out = _generate(engine, decoding.EngineParams(target=tables[0], draft=tables[1]), _rows(settings), prompts)
     got = out.generated()
-    for i, (s, p) in enumerate(zip(settings, prompts)):
-        assert got[i] == _greedy_np(tables[0], p, s, n), (i, s, p)
+    want = [_greedy_np(tables[0], p, _settings(s), n) for s, p in combos]
+    for i in range(ROWS):
+        assert got[i] == want[i % len(combos)], (i, settings[i], prompts[i])
     plain = [_greedy_np(tables[0], p, _settings(dict(temperature=0.0)), n) for p in prompts]
     assert got != plain, "the penalties changed no greedy continuation: the test would not see them ignored"
 
 
 @pytest.mark.parametrize("gamma", [3, trees.TreeShape.from_branching((2, 2))], ids=["chain", "tree"])
 def test_the_draft_applies_the_same_penalties_on_its_path(tables, gamma):
-    rows, n = 64, 12
+    rows, n = ROWS, 12
     settings = [_settings(dict(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.8))] * rows
     params = decoding.EngineParams(target=tables[0], draft=tables[0])
     depth = gamma if isinstance(gamma, int) else gamma.max_depth
-    same = _generate(_engine(gamma, max_new=n), params, _rows(settings), [list(PROMPT)] * rows).metrics.summary()
+    same = _generate(_engine(gamma, max_new=n), params, _rows(settings), ROW_PROMPTS).metrics.summary()
     assert same["accepted"] == depth * same["target_passes"], same
     inner = drafters.ModelDrafter(TabularModel(V))
     control = _generate(_engine(gamma, drafter=StrippedConfigDrafter(inner, ("repetition", "presence", "frequency", "counts", "seen")), max_new=n), params, _rows(settings),
-                        [list(PROMPT)] * rows).metrics.summary()
+                        ROW_PROMPTS).metrics.summary()
     assert control["accepted"] < 0.9 * depth * control["target_passes"], control
 
 
@@ -302,10 +354,11 @@ def test_the_draft_applies_the_same_penalties_on_its_path(tables, gamma):
 def test_heads_with_penalties_keep_greedy_rows_target_only(kind, gamma):
     """Feature heads (Medusa: one draw per head, each seeing the earlier heads' tokens; an
     EAGLE-3 head over a reduced vocabulary) on the tiny Llama of `_heads_common`: greedy rows
-    with penalties commit what target-only decoding with the same rows commits."""
+    with penalties commit what target-only decoding with the same rows commits. Both on the
+    stacked (`lax.scan`) layout, so the two cases' target-only run is one compiled program."""
     from _heads_common import PROMPTS, _gen, _head, _target
-    model, tp = _target(kind != "medusa")
-    dr, hp = _head(kind, "good" if kind != "medusa" else "random", kind != "medusa")
+    model, tp = _target(True)
+    dr, hp = _head(kind, "good" if kind != "medusa" else "random", True)
     settings = [_settings(dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.02, presence_penalty=0.01))
                 ] * len(PROMPTS)
     outs = []

@@ -11,9 +11,10 @@ temperature, top-k, top-p, min-p and logit bias, in one compiled program for eve
   its own settings, by chi-square. Family: the 7 groups, family-wise false-alarm rate 1e-4, so
   1.4e-5 per test (Bonferroni); fixed seeds, a deterministic outcome.
   Power: the top-k group against the temperature-1 group's law must be rejected. Greedy rows
-  (a fifth group) equal the target's greedy continuation on every token;
-* a row of a mixed batch commits the tokens it commits decoded alone with its own settings and
-  key (a fixed gamma; the tabular models compute each row on its own).
+  (an eighth group) equal the target's greedy continuation (the table's argmax chain) on every token;
+* a row of the mixed batch above (one of each group and a greedy one) commits the tokens it
+  commits decoded alone with its own settings and key (a fixed gamma; the tabular models compute
+  each row on its own).
 """
 
 from __future__ import annotations
@@ -89,10 +90,17 @@ def test_one_trace_serves_every_mix():
 def test_min_p_and_logit_bias_against_numpy():
     """min-p keeps p(x) >= min_p max p of the temperature-scaled law; the bias adds to the logits
     first; over a support (a reduced-vocabulary draft) the bias lands on the support's token ids."""
-    logits = np.asarray(jax.random.normal(jax.random.key(2), (3, 4, 12)) * 2.0, np.float64)
+    logits = 2.0 * np.random.default_rng(2).standard_normal((3, 4, 12)).astype(np.float32).astype(np.float64)
     rows = [(0.7, 0, 1.0, 0.25, {3: 4.0, 11: -1.0}), (1.2, 0, 1.0, 0.0, {5: 100.0}), (0.0, 0, 1.0, 0.0, {2: 50.0})]
     cfg = _rows(rows)
-    got = np.asarray(jax.jit(sampling.probabilities)(jnp.asarray(logits, jnp.float32), cfg))
+    ids = np.asarray([1, 3, 4, 8, 11])
+    full = np.full(logits.shape, -np.inf)
+    full[:, :, ids] = logits[:, :, ids]
+    # one program: the config on the logits, on a support's columns, and on the logits masked to it
+    got, on_support, masked = jax.device_get(jax.jit(lambda x, sub, full, cfg, ids: (
+        sampling.probabilities(x, cfg), sampling.probabilities(sub, cfg, ids), sampling.probabilities(full, cfg)))(
+        jnp.asarray(logits, jnp.float32), jnp.asarray(logits[:, :, ids], jnp.float32), jnp.asarray(full, jnp.float32),
+        cfg, jnp.asarray(ids)))
     for i, (t, _, _, min_p, bias) in enumerate(rows):
         x = logits[i].copy()
         for tok, v in bias.items():
@@ -105,12 +113,7 @@ def test_min_p_and_logit_bias_against_numpy():
             p = np.where(p >= min_p * p.max(-1, keepdims=True), p, 0.0)
             want = p / p.sum(-1, keepdims=True)
         np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=1e-6)
-    ids = jnp.asarray([1, 3, 4, 8, 11])
-    on_support = np.asarray(sampling.probabilities(jnp.asarray(logits[:, :, np.asarray(ids)], jnp.float32), cfg, ids))
-    full = np.full(logits.shape, -np.inf)
-    full[:, :, np.asarray(ids)] = logits[:, :, np.asarray(ids)]
-    want = np.asarray(sampling.probabilities(jnp.asarray(full, jnp.float32), cfg))[:, :, np.asarray(ids)]
-    np.testing.assert_allclose(on_support, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(on_support, masked[:, :, ids], rtol=1e-6, atol=1e-7)
 
 
 def test_rows_refuse_bad_values_naming_the_row():
@@ -162,19 +165,29 @@ def _generate(tables, settings, gamma=3, request_ids=None):
     return np.asarray(out.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
 
 
-@pytest.fixture(scope="module")
-def mixed(tables):
+def _mixed_settings():
     """The groups' GROUP rows each, interleaved (row i in group i % len(GROUPS)), then GROUP // 10
     greedy rows."""
-    settings = [_row(GROUPS[i % len(GROUPS)]) for i in range(len(GROUPS) * GROUP)] + \
+    return [_row(GROUPS[i % len(GROUPS)]) for i in range(len(GROUPS) * GROUP)] + \
         [(0.0, 0, 1.0, 0.0, None)] * (GROUP // 10)
-    return _generate(tables, settings)
+
+
+@pytest.fixture(scope="module")
+def mixed(tables):
+    """[B, N_NEW] tokens of the `_mixed_settings` rows in one batch (request id = row)."""
+    return _generate(tables, _mixed_settings())
+
+
+@jax.jit
+def _table_probs(table_VVV, cfg):
+    """The next-token law of every (prev, cur) pair under a one-row config: the table's [V, V, V]
+    as [1, V * V, V] (one program for every group's settings: `rows` configs of one row share it)."""
+    return sampling.probabilities(table_VVV.reshape(1, -1, V), cfg).reshape(table_VVV.shape)
 
 
 def _pvalue(tables, gen_BN, kw):
-    cfg = _rows([_row(kw)])           # one row: the table's [V, V, V] as [1, V * V, V]
-    exact = sequence_probs(tables[0], PROMPT, N_NEW,
-                           lambda t: sampling.probabilities(t.reshape(1, -1, V), cfg).reshape(t.shape))
+    cfg = _rows([_row(kw)])
+    exact = sequence_probs(tables[0], PROMPT, N_NEW, lambda t: _table_probs(t, cfg))
     cells = list(itertools.product(range(V), repeat=N_NEW))
     probs = np.array([exact[c] for c in cells], np.float64)
     index = gen_BN @ (V ** np.arange(N_NEW - 1, -1, -1))
@@ -198,18 +211,19 @@ def test_a_group_is_not_the_other_groups_law(tables, mixed):
 
 
 def test_greedy_rows_are_the_greedy_continuation(tables, mixed):
-    """Greedy rows of the mixed batch against target-only decoding with the greedy program."""
-    engine, config = _engine(0)
-    batch = decoding.make_batch([list(PROMPT)], config, jax.random.key(2024))
-    out = engine.run(decoding.EngineParams(target=tables[0], draft=None), sampling.SamplingConfig.greedy_config(), batch)
-    greedy = np.asarray(out.tokens_BS)[:, len(PROMPT):len(PROMPT) + N_NEW]
-    assert (mixed[len(GROUPS) * GROUP:] == greedy).all()
+    """Greedy rows of the mixed batch against the target's greedy continuation (the argmax of the
+    table's logits at each (previous, current) pair, on the host)."""
+    table = np.asarray(tables[0])
+    seq = list(PROMPT)
+    for _ in range(N_NEW):
+        seq.append(int(np.argmax(table[seq[-2], seq[-1]])))
+    assert (mixed[len(GROUPS) * GROUP:] == np.asarray(seq[len(PROMPT):])).all()
 
 
-def test_a_row_commits_what_it_commits_alone(tables):
-    settings = [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 2, 1.0), (0.9, 0, 0.7)]
-    settings += [(0.9, 0, 1.0, 0.2, {2: -2.0})]
-    together = _generate(tables, settings, request_ids=[7, 8, 9, 10, 11])
-    for i, row in enumerate(settings):
-        alone = _generate(tables, [row], request_ids=[7 + i])
-        np.testing.assert_array_equal(together[i], alone[0])
+def test_a_row_commits_what_it_commits_alone(tables, mixed):
+    """Rows of the mixed batch (one of each group, and a greedy one) against the same row decoded
+    alone: its own settings and request id (so its own key), a one-row batch."""
+    settings = _mixed_settings()
+    for i in list(range(len(GROUPS))) + [len(GROUPS) * GROUP + 3]:
+        alone = _generate(tables, [settings[i]], request_ids=[i])
+        np.testing.assert_array_equal(mixed[i], alone[0], err_msg=f"row {i}: {settings[i]}")

@@ -3,8 +3,9 @@
 1. A refilled slot's output equals the request run alone (`Engine.run` on a one-row batch with
    the request's own key): greedy and temperature 1 (top-p 0.9), target-only and speculative
    (a model draft, gamma 3; n-gram), on the tabular toy (exact arithmetic, EOS so rows end at
-   different rounds) and on a tiny random Llama pair whose KV caches are real (target in the
-   per-layer layout, draft stacked: both row-scatter paths of `Engine.refill`).
+   different rounds). On a tiny random Llama pair whose KV caches are real (target in the
+   per-layer layout, draft stacked: both row-scatter paths of `Engine.refill`), a finished row
+   refilled while the others run: tests/test_buckets.py::test_a_resizing_scheduler_on_real_caches.
 2. A request's counters are its own: target passes, proposals, accepted and committed tokens
    equal those of its solo run.
 3. No request is lost or duplicated, and every result is its own, under random Poisson
@@ -26,7 +27,6 @@ from hypothesis import given, settings, strategies as st
 
 from specjax import decoding, drafters, models, sampling, serving
 
-from _multiprocess_common import tiny_pair
 from _toy import TabularModel, random_table
 
 V = 8
@@ -63,13 +63,12 @@ def _requests(prompts, arrivals=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _alone(kind: str, temperature: float, i: int, llama: bool = False):
+def _alone(kind: str, temperature: float, i: int):
     """(tokens, status, counters) of request 100 + i decoded alone by `Engine.run`."""
-    engine, params = _llama(kind) if llama else _toy(kind)
+    engine, params = _toy(kind)
     samp = GREEDY if temperature == 0 else T1
-    prompts = _llama_prompts() if llama else PROMPTS
-    batch = decoding.make_batch([prompts[i]], engine.config, KEY, request_ids=[100 + i], pad_multiple=PAD,
-                                capacity=CAPACITY if not llama else LLAMA_CAPACITY)
+    batch = decoding.make_batch([PROMPTS[i]], engine.config, KEY, request_ids=[100 + i], pad_multiple=PAD,
+                                capacity=CAPACITY)
     out = jax.device_get(engine.run(params, samp, batch))
     m = out.metrics
     counters = {"target_passes": int(m.rounds_B[0]), "proposed": int(m.proposed_B[0]),
@@ -77,9 +76,9 @@ def _alone(kind: str, temperature: float, i: int, llama: bool = False):
     return out.generated()[0], out.statuses()[0], counters
 
 
-def _check_against_alone(out, kind, temperature, llama=False):
+def _check_against_alone(out, kind, temperature):
     for r in out.results:
-        tokens, status, counters = _alone(kind, temperature, r.id - 100, llama)
+        tokens, status, counters = _alone(kind, temperature, r.id - 100)
         assert r.tokens == tokens, (r.id, r.slot)
         assert r.status == status
         for name, want in counters.items():
@@ -103,12 +102,12 @@ def test_refilled_slots_equal_requests_alone(kind, temperature):
     assert s["requests"] == len(PROMPTS)
 
 
-@pytest.mark.parametrize("kind, temperature", [("target", 0.0), ("draft", 1.0)])
-@pytest.mark.parametrize("rounds_per_sync", [2, 5])
+@pytest.mark.parametrize("kind, temperature, rounds_per_sync", [("target", 0.0, 2), ("draft", 1.0, 5)])
 def test_several_rounds_per_sync_give_each_request_what_it_gets_alone(kind, temperature, rounds_per_sync):
-    """`Scheduler(rounds_per_sync=n)` runs n rounds per host round trip (`Engine.steps`): a
-    finished row's slot idles until the call ends and is refilled after, and every request still
-    gets exactly the tokens, status and counters it gets alone."""
+    """`Scheduler(rounds_per_sync=n)` runs n rounds per host round trip (`Engine.steps`, one
+    program per n): a finished row's slot idles until the call ends and is refilled after, and
+    every request still gets exactly the tokens, status and counters it gets alone (n = 2
+    target-only greedy, n = 5 speculative at T = 1)."""
     engine, params = _toy(kind)
     sched = serving.Scheduler(engine, params, slots=3, pad_multiple=PAD, capacity=CAPACITY,
                               rounds_per_sync=rounds_per_sync)
@@ -118,41 +117,6 @@ def test_several_rounds_per_sync_give_each_request_what_it_gets_alone(kind, temp
     _check_against_alone(out, kind, temperature)
     with pytest.raises(ValueError, match="rounds_per_sync"):
         serving.Scheduler(engine, params, slots=3, rounds_per_sync=0)
-
-
-# ----------------------------------------------------------------------------- tiny Llama
-
-LLAMA_CAPACITY = 48
-
-
-@functools.lru_cache(maxsize=None)
-def _llama_prompts():
-    rng = np.random.default_rng(3)
-    return [[int(t) for t in rng.integers(0, 96, n)] for n in (3, 9, 5, 12, 1)]
-
-
-@functools.lru_cache(maxsize=None)
-def _llama(kind: str):
-    target, tp, small, sp = tiny_pair()
-    # The draft in the stacked layout (scan_layers): refill scatters both cache layouts.
-    small = models.Llama(small.config.replace(scan_layers=True))
-    sp = small.init_params(jax.random.key(1))
-    sp = jax.tree.map(lambda x: 4 * x, sp)
-    gen = decoding.GenerationConfig(max_new_tokens=12, gamma=0 if kind == "target" else 3)
-    drafter = None if kind == "target" else drafters.ModelDrafter(small)
-    return decoding.Engine(target, drafter, gen), decoding.EngineParams(target=tp, draft=None if drafter is None else sp)
-
-
-def test_llama_refilled_slots_equal_requests_alone():
-    """Real KV caches (both layouts), greedy: a row's caches after a refill hold only its own
-    prompt and its own tokens. The pair's greedy margins are far above batch-shape rounding
-    (see `tiny_pair`), so equality is exact. (Sampling is covered on the toy, whose arithmetic
-    does not depend on the batch shape.)"""
-    engine, params = _llama("draft")
-    sched = serving.Scheduler(engine, params, slots=2, pad_multiple=PAD, capacity=LLAMA_CAPACITY)
-    out = sched.run(_requests(_llama_prompts()), GREEDY, KEY, warmup=False)
-    _check_against_alone(out, "draft", 0.0, llama=True)
-    assert {r.slot for r in out.results} == {0, 1}
 
 
 # ----------------------------------------------------------------------------- random arrivals
@@ -183,7 +147,8 @@ def test_random_arrivals_lose_and_duplicate_nothing(seed, rate, slots, temperatu
 def test_virtual_clock_skips_idle_gaps():
     engine, params = _toy("target")
     requests = _requests(PROMPTS[:3], arrivals=[0.0, 1000.0, 2000.0])
-    out = serving.Scheduler(engine, params, slots=2, pad_multiple=PAD, capacity=CAPACITY).run(
+    # 3 slots: the programs of test_refilled_slots_equal_requests_alone[target-0.0]
+    out = serving.Scheduler(engine, params, slots=3, pad_multiple=PAD, capacity=CAPACITY).run(
         requests, GREEDY, KEY, warmup=True)     # compiled before the clock starts
     for r in out.results:
         assert r.queue_delay_s < 5.0            # each arrives to an empty server
@@ -194,8 +159,8 @@ def test_virtual_clock_skips_idle_gaps():
 
 def test_full_slots_queue_requests():
     """One slot, all arriving at once: each waits for the one before it (queue delay = the
-    previous one's finish time)."""
-    engine, params = _toy("target")
+    previous one's finish time). (The model draft at one slot: programs the random-arrival test compiled.)"""
+    engine, params = _toy("draft")
     out = serving.Scheduler(engine, params, slots=1, pad_multiple=PAD, capacity=CAPACITY).run(
         _requests(PROMPTS[:4]), GREEDY, KEY, warmup=False)
     res = out.results
@@ -222,12 +187,12 @@ def test_bad_requests_are_refused_before_anything_runs():
         serving.Request(1, [1], arrival_s=float("nan"))
     with pytest.raises(ValueError, match="slots"):
         serving.Scheduler(engine, params, slots=0)
-    state = engine.empty_state(params, 2, 16)
-    one = decoding.make_batch([[1, 2]], engine.config, KEY, capacity=32)
-    with pytest.raises(ValueError, match="capacity 32 differs"):
+    state = engine.empty_state(params, 3, CAPACITY)        # the 3-slot state of the tests above
+    one = decoding.make_batch([[1, 2]], engine.config, KEY, capacity=16)
+    with pytest.raises(ValueError, match="capacity 16 differs"):
         engine.refill(params, state, 0, one)
-    with pytest.raises(ValueError, match="slot 2 outside"):
-        engine.refill(params, state, 2, decoding.make_batch([[1, 2]], engine.config, KEY, capacity=16))
+    with pytest.raises(ValueError, match="slot 3 outside"):
+        engine.refill(params, state, 3, decoding.make_batch([[1, 2]], engine.config, KEY, capacity=CAPACITY))
 
 
 def test_max_rounds_bounds_each_request():

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -68,6 +69,13 @@ def _reference(own, corpus_docs, gamma, max_match, min_match):
     return out
 
 
+@functools.cache
+def _jit_propose(drafter, gamma):
+    """The drafter's proposal jitted (one program per max_match; op by op, every case would
+    dispatch each of its operations)."""
+    return jax.jit(lambda corpus, ctx: drafter.propose(corpus, None, ctx, None, gamma, None))
+
+
 def test_proposals_follow_the_rule():
     rng = np.random.default_rng(0)
     V, S, gamma = 6, 24, 4
@@ -85,7 +93,7 @@ def test_proposals_follow_the_rule():
         drafter = SuffixDrafter(V, max_match=max_match, min_match=min_match)
         ctx = drafters.DraftContext(tokens_BS=jnp.asarray(toks), lengths_B=jnp.asarray(lens, jnp.int32),
                                     target_cache=None)
-        got, q, _ = drafter.propose(cache.corpus(), None, ctx, None, gamma, None)
+        got, q, _ = _jit_propose(drafter, gamma)(cache.corpus(), ctx)
         assert np.asarray(q).sum(-1).tolist() == [[1.0] * gamma] * B
         for b in range(B):
             want = _reference(toks[b, :lens[b]].tolist(), docs, gamma, max_match, min_match)
@@ -258,8 +266,9 @@ def test_suffix_hybrid_drafts_from_the_corpus_where_it_matches_and_the_head_else
                                 lengths_B=jnp.asarray([len(row)], jnp.int32), target_cache=None)
     with_corpus = drafters.HybridParams(model=hp, lookup=cache.corpus())
     without = drafters.HybridParams(model=hp, lookup=SuffixCache(512, model.vocab_size).corpus())
-    assert int(hybrid.regime_B(with_corpus, ctx)[0]) == hybrid.LOOKUP
-    assert int(hybrid.regime_B(without, ctx)[0]) == hybrid.MODEL
+    regime = jax.jit(hybrid.regime_B)           # one program for both corpora (op by op: every operation)
+    assert int(regime(with_corpus, ctx)[0]) == hybrid.LOOKUP
+    assert int(regime(without, ctx)[0]) == hybrid.MODEL
     with pytest.raises(ValueError, match=r"give HybridParams\(model=..., lookup=...\), got dict"):
         hybrid.regime_B(hp, ctx)                 # the head's params alone: the corpus is missing
 

@@ -34,12 +34,14 @@ def test_study_configs_load():
 
 def test_studies_tiny(tmp_path, monkeypatch):
     """In-process (the suite's time budget): `experiments.theory.run.main` with the tiny config
-    and the settings the other two studies use, then every study's tables and plots."""
+    and the settings the other two studies use, then every study's tables and plots. (Target
+    passes timed for N = 1 and 3 tokens only: the cost model prices chain 2 with those two.)"""
     from experiments.theory import run as theory_run
     monkeypatch.chdir(REPO)
     out = tmp_path / "results.jsonl"
     c = toolkit.load_config("experiments/theory/config.py", "tiny")
     c.out, c.samplings, c.chains, c.verifiers = str(out), ("1:0.9",), (2,), ("token", "block")
+    c.node_counts = (1, 3)
     theory_run.main(c)
     recs = toolkit.read_jsonl(out)
     gens = [x for x in recs if x["kind"] == "generation"]

@@ -59,7 +59,7 @@ def get_config(variant: str = ""):
     c.resume = False
     if variant == "tiny":
         c.update(target="tiny", modes=("target-only", "load-aware prompt lookup, row budgets"),
-                 adaptive_gammas=(0, 1, 3), slots=(2,), num_requests=(6,), max_new_tokens=8, loads=(0.5,),
+                 adaptive_gammas=(0, 3), slots=(2,), num_requests=(6,), max_new_tokens=8, loads=(0.5,),
                  calibration_repeats=3,
                  live_slots=2, live_loads=(0.5,), live_modes=("load-aware prompt lookup, row budgets",),
                  out="/tmp/load_study/results.jsonl")
