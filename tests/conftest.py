@@ -15,9 +15,8 @@ import gc  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# Compilation dominates this suite on CPU (the head tests, then one file tests/test_heads.py: 138 s with an empty cache, 41 s
-# with a warm one, AMD EPYC, 2 cores), and many modules and subprocesses compile the same
-# programs. JAX's persistent compilation cache, in a directory that lives for one run (set
+# Compilation dominates this suite on CPU (experiments/suite_time), and many modules and
+# subprocesses compile the same programs. JAX's persistent compilation cache, in a directory that lives for one run (set
 # here before jax is imported, so subprocesses started by tests inherit it), compiles each once.
 # Point JAX_COMPILATION_CACHE_DIR elsewhere to keep a cache between runs.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -36,7 +35,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # every exact comparison in a test is between programs compiled with the same options. Compilation
 # is most of a tiny model's test time; the real SmolLM2's programs (scanned layers: the backend's
 # work is nearly the same either way) run several times slower unoptimized, so the tests marked
-# `real_model` compile with the backend's default optimization (`pytest_runtest_setup` below;
+# `real_model` compile with the backend's default optimization, except those marked
+# `fast_compile` (`pytest_runtest_setup` below;
 # times: the README's tests row). SPECJAX_TEST_XLA=full keeps XLA's defaults everywhere.
 FAST_XLA = os.environ.get("SPECJAX_TEST_XLA", "fast") != "full"
 if FAST_XLA:
@@ -114,6 +114,9 @@ FILE_SECONDS_PER_TEST = 0.5
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: loads the real SmolLM2-135M-Instruct (deselect with "
                                        "-m 'not real_model')")
+    config.addinivalue_line("markers", "fast_compile: a real_model test that still compiles with the backend's "
+                                       "optimization turned down (its matmuls are the CPU kernel's custom calls, "
+                                       "which XLA's optimization does not touch, in unrolled layers)")
     if getattr(config.option, "dist", "no") in ("loadfile", "loadscope") and not hasattr(config, "workerinput"):
         config.option.loadscopereorder = False     # keep the order pytest_collection_modifyitems makes
 
@@ -123,7 +126,8 @@ def pytest_runtest_setup(item):
     """Each test compiles with the optimization its model wants (see FAST_XLA above); set before
     the test's fixtures, so a module's shared references compile as its tests do."""
     if FAST_XLA:
-        jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("real_model") is None)
+        optimize = item.get_closest_marker("real_model") is not None and item.get_closest_marker("fast_compile") is None
+        jax.config.update("jax_disable_most_optimizations", not optimize)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,7 @@
 Both sides load the same GGUF file (transformers dequantizes it and undoes llama.cpp's Q/K
 permutation itself). Prompts are held-out Spec-Bench questions in the model's chat template
 (tokenized by transformers from the same GGUF). specjax prefills (the short prompts as one
-ragged batch) and decodes 32 steps through its KV cache, teacher-forced on transformers'
+ragged batch) and decodes 16 steps through its KV cache, teacher-forced on transformers'
 greedy tokens; transformers' reference logits are its own prefill + incremental decode.
 """
 import jax
@@ -19,7 +19,7 @@ from specjax import specbench  # noqa: E402
 from specjax.models import (gguf_loader, load, load_tokenizer, load_with_tokenizer,  # noqa: E402
                             names, resolve)
 
-N_DECODE = 32
+N_DECODE = 16
 SHORT = ("qa", "stem", "reasoning", "math")
 LONG = ("rag",)
 REL_TOL = 1e-4

@@ -462,6 +462,7 @@ def real():
     return target, params, packed, packed.prepare_params(params)
 
 
+@pytest.mark.fast_compile
 def test_real_packed_logits_match_fused(real):
     target, params, packed, pp = real
     V = target.config.vocab_size
@@ -516,6 +517,7 @@ def _real_greedy_check(real, real_refs, drafter, dparams, gamma):
     return accepted / proposed
 
 
+@pytest.mark.fast_compile
 def test_real_packed_greedy_with_the_shipped_head_matches_target_only(real, real_refs):
     """The head shipped for SmolLM2 (`build.SHIPPED_HEADS`, found by the target's name, run in
     the packed layout from the target's own features), gamma 3 (its own predicted features feed
