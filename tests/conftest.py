@@ -91,22 +91,19 @@ REAL_MODEL_FIXTURES = frozenset({"gguf_path", "real", "real_refs", "sj", "hf"})
 # FILE_SECONDS_PER_TEST per test. Only the order
 # depends on them: a stale weight costs balance, never a result.
 FILE_SECONDS = {
-    "test_heads_train.py": 143, "test_server.py": 119, "test_constraints.py": 105, "test_families.py": 88,
-    "test_kernels.py": 86, "test_distill.py": 81, "test_block_step_bitwise.py": 80, "test_gguf_parity.py": 79,
-    "test_long_prompt.py": 79, "test_pallas_attention.py": 76, "test_sampling_penalties.py": 76,
-    "test_tree_verify.py": 76, "test_heads_sampling.py": 71, "test_engine_tree.py": 71, "test_heads_engine.py": 70,
-    "test_heads_greedy.py": 70, "test_sampled_exactness.py": 67, "test_parallel_drafter.py": 66,
-    "test_cli_commands.py": 62, "test_engine_real.py": 54, "test_eagle3_formats.py": 54, "test_multiprocess.py": 53,
-    "test_aot.py": 48, "test_engine_distribution.py": 48, "test_datagen.py": 44, "test_load_study.py": 44,
-    "test_sharded_train.py": 44, "test_sharded_engine.py": 43, "test_distill_resume.py": 42,
-    "test_distill_study.py": 39, "test_buckets.py": 38, "test_cpu_levers.py": 38, "test_bench_speed.py": 36,
-    "test_heads_hybrid.py": 35, "test_serving.py": 34, "test_suffix.py": 34, "test_cli.py": 33,
-    "test_llama_cache.py": 29, "test_learning_curve.py": 29, "test_sampling_rows.py": 29, "test_attention_ops.py":
-    29, "test_serving_live.py": 28, "test_bad_input_round4_cli.py": 28, "test_heads_features.py": 27,
-    "test_engine_edges.py": 24, "test_theory_temperature.py": 23, "test_greedy_bf16.py": 22,
-    "test_engine_greedy.py": 22, "test_tree_attention.py": 20, "test_bad_input.py": 20, "test_bad_input_distill.py":
-    20, "test_bad_input_round4_data.py": 19, "test_checkpoint_faults.py": 17, "test_packed_rows.py": 16,
-    "test_bench_gpu.py": 15,
+    "test_server.py": 122, "test_tree_verify.py": 90, "test_gguf_parity.py": 86, "test_heads_train.py": 75,
+    "test_sampled_exactness.py": 73, "test_engine_real.py": 63, "test_engine_tree.py": 63, "test_kernels.py": 62,
+    "test_sampling_penalties.py": 59, "test_cli_commands.py": 58, "test_constraints.py": 52,
+    "test_families.py": 51, "test_engine_distribution.py": 51, "test_multiprocess.py": 48,
+    "test_parallel_drafter.py": 48, "test_block_step_bitwise.py": 44, "test_pallas_attention.py": 43,
+    "test_aot.py": 43, "test_sharded_train.py": 41, "test_heads_sampling.py": 39, "test_distill.py": 39,
+    "test_load_study.py": 39, "test_datagen.py": 38, "test_sharded_engine.py": 37, "test_long_prompt.py": 37,
+    "test_distill_study.py": 36, "test_bench_speed.py": 36, "test_cpu_levers.py": 35, "test_heads_engine.py": 33,
+    "test_heads_greedy.py": 32, "test_cli.py": 31, "test_bad_input_round4_cli.py": 30, "test_heads_hybrid.py": 28,
+    "test_eagle3_formats.py": 27, "test_suffix.py": 25, "test_buckets.py": 25, "test_sampling_rows.py": 24,
+    "test_serving_live.py": 24, "test_heads_features.py": 23, "test_theory_temperature.py": 21,
+    "test_greedy_bf16.py": 20, "test_engine_edges.py": 20, "test_distill_resume.py": 18, "test_serving.py": 18,
+    "test_bench_gpu.py": 16, "test_engine_greedy.py": 15,
 }
 FILE_SECONDS_PER_TEST = 0.5
 

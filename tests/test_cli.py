@@ -73,6 +73,33 @@ def test_importing_specjax_starts_no_backend():
     assert out.stdout.strip() == "False"
 
 
+def test_experiments_start_with_the_main_commands_xla_options_and_no_tpu_errors():
+    """An experiment's entry point (`experiments.lib.toolkit.main_with_config`) sets what every
+    specjax entry point sets before the backend starts (`build.tune_xla_cpu`): the main command's
+    XLA CPU options, and, where libtpu is installed (the test extra brings it) on a machine
+    without a TPU, a backend list without the TPU, so libtpu logs nothing. Started as a user
+    starts it: no JAX_PLATFORMS, no XLA_FLAGS."""
+    import subprocess
+    import sys
+
+    from specjax.build import XLA_CPU_FLAGS
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, sys\n"
+            "from experiments.lib import toolkit\n"
+            "def main(c):\n"
+            "    import jax\n"
+            "    print(jax.default_backend()); print(os.environ.get('XLA_FLAGS', ''))\n"
+            "sys.argv = ['x', '--config=experiments/load_study/config.py:tiny']\n"
+            "toolkit.main_with_config(main, 'experiments/load_study/config.py', 'settings')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "SPECJAX_XLA_DEFAULTS")}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    backend, flags = out.stdout.split("\n")[:2]
+    assert backend == "cpu" and all(f in flags.split() for f in XLA_CPU_FLAGS), out.stdout
+    assert "TPU" not in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("override,message", [
     ({"drafter": "bogus"}, "drafter='bogus'"), ({"drafter": "model"}, "draft_model"),
     ({"adaptive_gamma": False, "gamma": -1}, "gamma"), ({"temperature": -1.0}, "temperature"),

@@ -459,12 +459,17 @@ def save_figure(fig, path) -> pathlib.Path:
 def main_with_config(main, default_config, help: str) -> None:
     """Run ``main(config)`` as an absl program with ``--config=<file>[:variant]`` (and
     ``--config.key=value`` overrides). The flag is defined here, when the program starts, and
-    not at import, so experiments (and the CLI) can be imported side by side, e.g. by tests."""
+    not at import, so experiments (and the CLI) can be imported side by side, e.g. by tests.
+    Before ``main``, the main command's XLA CPU options and backend choice (`build.tune_xla_cpu`:
+    no libtpu start-up errors where libtpu is installed but no TPU exists), as every specjax
+    entry point does."""
     flag = config_flags.DEFINE_config_file("config", str(default_config), help)
 
     def run(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        from specjax import build
+        build.tune_xla_cpu()
         try:
             main(flag.value)
         except OutputError as e:         # one line, not a traceback
