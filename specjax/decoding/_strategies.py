@@ -142,10 +142,31 @@ class BudgetRound(ChainRound):
     limit_B: Any = None
 
     def propose(self, pipe, params, sampling, state: LoopState, key_B) -> Proposal:
-        prop = super().propose(pipe, params, sampling, state, key_B)
-        B = self.limit_B.shape[0]
-        rows = models.PackedRows.leading(self.limit_B + 1, self.gamma + 1, self.budget.slots(B))
-        return dataclasses.replace(prop, proposed_B=self.limit_B, rows=rows, limit_B=self.limit_B)
+        """The drafter drafts only as far as the longest row's gamma (at least one token), one
+        `lax.switch` branch per length: a round whose rows get 1 or 2 positions costs the draft
+        steps of a gamma-2 round, not of a gamma-``self.gamma`` one. Positions past that length
+        hold token 0 drafted from a q one-hot at 0 (a draft that really sampled it, as prompt
+        lookup's): the longest rows' verdict is cut just after their gamma (`cap_verdict`), where
+        the token committed (the draft accepted, or the residual) must be distributed as p, which
+        holds only for a token drawn from the q the verifier is given."""
+        B, G, V = self.limit_B.shape[0], self.gamma, pipe.target.vocab_size
+        context = draft_context(state)
+
+        def draft(g):
+            def run(_):
+                toks_Bg, q_BgV, draft_state = pipe.drafter.propose(params.draft, state.draft_state, context,
+                                                                   key_B, g, sampling)
+                toks_BG = jnp.zeros((B, G), toks_Bg.dtype).at[:, :g].set(toks_Bg)
+                q_BGV = jnp.zeros((B, G, V), q_BgV.dtype).at[:, :, 0].set(1.0).at[:, :g].set(q_BgV)
+                return toks_BG, q_BGV, draft_state, jnp.int32(pipe.drafter.forward_passes(g))
+            return run
+
+        longest = jnp.clip(jnp.max(self.limit_B), 1, G)
+        draft_BG, q_BGV, draft_state, passes = jax.lax.switch(longest - 1, [draft(g) for g in range(1, G + 1)], None)
+        rows = models.PackedRows.leading(self.limit_B + 1, G + 1, self.budget.slots(B))
+        return Proposal(draft=draft_BG, tokens_BX=draft_BG, layout=None, q_BXV=q_BGV, q_read=True,
+                        draft_state=draft_state, proposed_B=self.limit_B, draft_passes=passes, rows=rows,
+                        limit_B=self.limit_B)
 
     def verdict(self, res, prop: Proposal, q_BGV, p_BG1V) -> Verdict:
         return cap_verdict(super().verdict(res, prop, q_BGV, p_BG1V), self.limit_B)
