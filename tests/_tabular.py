@@ -273,3 +273,17 @@ def continuation_pvalue(law: np.ndarray, gen_BN: np.ndarray, vocab: int, min_exp
     n = gen_BN.shape[1]
     index = gen_BN @ (vocab ** np.arange(n - 1, -1, -1))
     return support_chisquare(np.bincount(index, minlength=len(law)), law / law.sum(), min_expected)
+
+
+def memoised_by_settings(law_of):
+    """``law_of(settings)`` (a dict of sampling settings -> an exact law) computed once per
+    settings: the tests that judge one group of rows against its law from several angles (chain,
+    tree, a negative control) share it."""
+    memo = {}
+
+    def law(settings: dict) -> np.ndarray:
+        key = repr(sorted(settings.items()))
+        if key not in memo:
+            memo[key] = law_of(settings)
+        return memo[key]
+    return law

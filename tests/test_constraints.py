@@ -40,7 +40,7 @@ import pytest
 
 from specjax import constraints, decoding, drafters, sampling, trees
 
-from _tabular import continuation_pvalue
+from _tabular import continuation_pvalue, memoised_by_settings
 from _toy import StrippedConfigDrafter, TabularModel, random_table
 
 # ----------------------------------------------------------------------------- compilation
@@ -243,14 +243,7 @@ def exact_law(tables):
     """`_exact_law` on the target table, memoised per settings: a group's law serves its chain
     and its tree test, the unconstrained group's the power test, and the third group's the
     enumeration of one round."""
-    memo = {}
-
-    def law(s: dict) -> np.ndarray:
-        key = repr(sorted(s.items()))
-        if key not in memo:
-            memo[key] = _exact_law(tables[0], s)
-        return memo[key]
-    return law
+    return memoised_by_settings(lambda s: _exact_law(tables[0], s))
 
 
 def _engine(gamma, drafter=None, max_new=N_NEW):

@@ -36,7 +36,7 @@ import pytest
 
 from specjax import decoding, drafters, sampling, trees
 
-from _tabular import continuation_pvalue
+from _tabular import continuation_pvalue, memoised_by_settings
 from _toy import StrippedConfigDrafter, TabularModel, random_table
 
 V = 3
@@ -242,14 +242,7 @@ def _exact_law(target, s: dict) -> np.ndarray:
 def exact_law(tables):
     """`_exact_law` on the target table, memoised per group: a group's law serves its chain and
     its tree test (and the repetition group's the negative control's)."""
-    memo = {}
-
-    def law(s: dict) -> np.ndarray:
-        key = repr(sorted(s.items()))
-        if key not in memo:
-            memo[key] = _exact_law(tables[0], s)
-        return memo[key]
-    return law
+    return memoised_by_settings(lambda s: _exact_law(tables[0], s))
 
 
 @pytest.fixture(scope="module")
