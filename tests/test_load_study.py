@@ -91,3 +91,17 @@ def test_resume_keeps_finished_groups_and_drops_a_torn_last_line(tmp_path):
     assert load_run._resumable(c) == []
     c.live_transports = ("engine",)
     assert load_run._resumable(c) == [old]
+
+
+def test_calibrate_refuses_bad_arguments_in_one_line_before_loading():
+    """`experiments.load_study.calibrate`: a missing or non-positive batch size and a mode without
+    adaptive candidates (or unknown) are one line each, raised before any model loads."""
+    import pytest
+    from experiments.load_study import calibrate
+    for argv, says in ((["x"], "BATCH_SIZE a positive integer"), (["x", "0"], "BATCH_SIZE a positive integer"),
+                       (["x", "16", "target-only"], "mode 'target-only': expected one of the adaptive modes"),
+                       (["x", "16", "bogus"], "mode 'bogus'")):
+        with pytest.raises(SystemExit, match=says) as e:
+            calibrate.main(argv)
+        assert "\n" not in str(e.value)
+    assert calibrate.parse(["x", "16"]) == (16, "load-aware hybrid, row budgets")

@@ -196,7 +196,6 @@ def run(c) -> pathlib.Path:
 
 
 def main(c):
-    build.tune_xla_cpu()              # the main command's XLA CPU options, before any backend starts
     path = run(c)
     print(report.write(path))
 

@@ -221,7 +221,6 @@ def report(c):
 
 def main(c):
     stages = settings.stages(c)
-    build.tune_xla_cpu()
     for stage in stages:
         {"compare": stage_compare, "recipe": stage_recipe, "evaluate": stage_evaluate, "report": report}[stage](c)
 

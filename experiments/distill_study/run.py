@@ -133,7 +133,6 @@ def model_provenance(tc) -> dict:
 
 
 def main(c):
-    build.tune_xla_cpu()
     if c.compilation_cache_dir:
         build.enable_compilation_cache(c.compilation_cache_dir)
     out = pathlib.Path(c.out)

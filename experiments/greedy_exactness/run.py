@@ -30,7 +30,6 @@ from experiments.greedy_exactness import config as settings
 
 
 def main(c):
-    build.tune_xla_cpu()                          # sets XLA_FLAGS, before the backend starts
     out = pathlib.Path(c.out)
     specs = settings.drafter_specs(c)
     g = toolkit.load_config(c.generate_config)

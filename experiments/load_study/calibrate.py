@@ -9,7 +9,24 @@ import json
 import sys
 
 
+USAGE = "usage: python -m experiments.load_study.calibrate BATCH_SIZE [MODE]"
+
+
+def parse(argv) -> tuple[int, str]:
+    """(batch size, mode) from the command line; SystemExit with one line naming what is wrong,
+    before anything loads."""
+    from experiments.load_study import config as config_lib
+    if len(argv) not in (2, 3) or not argv[1].isdigit() or int(argv[1]) < 1:
+        raise SystemExit(f"{USAGE} (BATCH_SIZE a positive integer; got {argv[1:]})")
+    mode = argv[2] if len(argv) == 3 else "load-aware hybrid, row budgets"
+    adaptive = [m for m, spec in config_lib.MODES.items() if spec[2]]
+    if mode not in adaptive:
+        raise SystemExit(f"mode {mode!r}: expected one of the adaptive modes {adaptive}")
+    return int(argv[1]), mode
+
+
 def main(argv):
+    size, mode = parse(argv)
     from specjax import build
     build.tune_xla_cpu()
     import jax
@@ -18,13 +35,9 @@ def main(argv):
     from experiments.load_study import run as study
     from specjax import sampling
     prov = toolkit.provenance("experiments.load_study.calibrate")
-    size = int(argv[1])
-    mode = argv[2] if len(argv) > 2 else "load-aware hybrid, row budgets"
     c = toolkit.load_config("experiments/load_study/config.py", "")
     gc, target, params, eos_ids, prompts, _, _ = study._setup(c, max(c.num_requests))
     engine, eparams = study._engine(c, gc, target, params, eos_ids, mode)
-    if not engine.config.adaptive:
-        raise SystemExit(f"mode {mode!r} has no adaptive candidates to time")
     pad = 64
     capacity = -(-max(engine.config.slots_needed(len(p)) for p in prompts) // pad) * pad
     times = study.round_times_per_size(engine, eparams, sampling.SamplingConfig.make(temperature=float(c.temperature)),

@@ -255,7 +255,6 @@ def report(path) -> str:
 
 
 def main(c):
-    build.tune_xla_cpu()
     run(c)
     readme = pathlib.Path(c.out).with_name("README.md")
     readme.write_text(report(c.out))

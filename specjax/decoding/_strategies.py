@@ -156,9 +156,11 @@ class BudgetRound(ChainRound):
             def run(_):
                 toks_Bg, q_BgV, draft_state = pipe.drafter.propose(params.draft, state.draft_state, context,
                                                                    key_B, g, sampling)
-                toks_BG = jnp.zeros((B, G), toks_Bg.dtype).at[:, :g].set(toks_Bg)
-                q_BGV = jnp.zeros((B, G, V), q_BgV.dtype).at[:, :, 0].set(1.0).at[:, :g].set(q_BgV)
-                return toks_BG, q_BGV, draft_state, jnp.int32(pipe.drafter.forward_passes(g))
+                if g < G:                                   # the filler: token 0, q one-hot at 0
+                    toks_Bg = jnp.concatenate([toks_Bg, jnp.zeros((B, G - g), toks_Bg.dtype)], axis=1)
+                    q_BgV = jnp.concatenate([q_BgV, jax.nn.one_hot(jnp.zeros((B, G - g), jnp.int32), V,
+                                                                   dtype=q_BgV.dtype)], axis=1)
+                return toks_Bg, q_BgV, draft_state, jnp.int32(pipe.drafter.forward_passes(g))
             return run
 
         longest = jnp.clip(jnp.max(self.limit_B), 1, G)
